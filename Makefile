@@ -1,0 +1,34 @@
+# The README's commands. Each target sets up what it needs (venv, CPU torch, package) first.
+PY ?= python3
+VENV ?= .venv
+# CPU machines take the local CPU wheel; GPU machines override, e.g. `make install TORCH_SPEC=torch`.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: install demo test lint gpu-test clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/lightning-ffpa fit --config configs/tiny.yaml
+
+test: install
+	$(BIN)/python -m pytest -q
+
+gpu-test: install
+	$(BIN)/python -m pytest -q -m gpu
+
+lint: install
+	$(BIN)/ruff check lightning_ffpa tests benchmarks examples
+
+clean:
+	rm -rf runs lightning_logs .pytest_cache

@@ -1,0 +1,13 @@
+"""Shared test fixtures: the gpu marker gate and tiny Gemma4 configs."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

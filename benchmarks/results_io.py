@@ -1,0 +1,60 @@
+"""One writer for benchmarks/results/*.json, so every recorded run carries the same keys."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _version(mod: str) -> str | None:
+    try:
+        return __import__(mod).__version__
+    except Exception:  # noqa: BLE001 - a missing package is recorded as None
+        return None
+
+
+def _commit() -> str:
+    try:
+        root = Path(__file__).resolve().parents[1]
+        sha = subprocess.check_output(["git", "-C", str(root), "rev-parse", "HEAD"], text=True).strip()
+        dirty = subprocess.check_output(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], text=True)
+        return sha + ("-dirty" if dirty.strip() else "")
+    except Exception:  # noqa: BLE001 - the device copy may have no .git
+        import os
+
+        return os.environ.get("LIGHTNING_FFPA_COMMIT", "unknown")
+
+
+def device_name() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+
+
+def write_result(benchmark: str, rows: list[dict[str, Any]], summary: dict[str, Any],
+                 out: str | Path | None = None, **extra: Any) -> Path:
+    """Write one result JSON (benchmark, command, commit, date, device, versions, rows, summary)."""
+    record = {
+        "benchmark": benchmark,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": _commit(),
+        "date": _dt.date.today().isoformat(),
+        "device": device_name(),
+        "versions": {m: _version(m) for m in ("torch", "transformers", "ffpa_attn", "lightning", "triton")},
+        "rows": rows,
+        "summary": summary,
+        **extra,
+    }
+    path = Path(out) if out else RESULTS_DIR / f"{benchmark}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(json.dumps(summary, indent=2, default=str))
+    return path

@@ -25,6 +25,8 @@ class SeededDataModule(pl.LightningDataModule):
             raise ValueError(f"`data.batch_size={batch_size}` must be >= 1")
         if num_workers < 0:
             raise ValueError(f"`data.num_workers={num_workers}` must be >= 0")
+        if seed < 0:
+            raise ValueError(f"`data.seed={seed}` must be >= 0")
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed

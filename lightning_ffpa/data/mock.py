@@ -5,6 +5,7 @@ Owns: `MockDataset` (row i is a pure function of (seed, i)) and `MockDataModule`
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -24,8 +25,10 @@ class MockDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < self.num_samples:
             raise IndexError(index)
-        g = torch.Generator().manual_seed((self.seed << 32) + index)  # per-index: order and workers don't matter
-        ids = torch.randint(0, self.vocab_size, (self.seq_length,), generator=g, dtype=torch.long)
+        # per-index stream, so shuffle order and worker count never change a row; numpy's SeedSequence
+        # mixes (seed, index) fully, while torch's CPU generator keeps only 32 bits of its seed
+        rng = np.random.default_rng([self.seed, index])
+        ids = torch.from_numpy(rng.integers(0, self.vocab_size, self.seq_length, dtype=np.int64))
         return {"input_ids": ids, "labels": ids.clone()}
 
 

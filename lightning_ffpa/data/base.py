@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
@@ -35,13 +36,18 @@ class SeededDataModule(pl.LightningDataModule):
     def _replicas(self) -> dict[str, int]:
         trainer = self.trainer  # None when used outside a Trainer (tests, scripts)
         kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
-        return {"num_replicas": kwargs["num_replicas"], "rank": kwargs["rank"]} if kwargs else {
-            "num_replicas": 1, "rank": 0}
+        return (
+            {"num_replicas": kwargs["num_replicas"], "rank": kwargs["rank"]}
+            if kwargs
+            else {"num_replicas": 1, "rank": 0}
+        )
 
     def _loader(self, dataset: Dataset, collate: Callable, train: bool) -> DataLoader:
         sampler = None
         if train:
-            sampler = DistributedSampler(dataset, shuffle=True, seed=self.seed, drop_last=False, **self._replicas())
+            sampler = DistributedSampler(
+                dataset, shuffle=True, seed=self.seed, drop_last=False, **self._replicas()
+            )
             self._train_sampler = sampler
         return DataLoader(
             dataset,
@@ -51,6 +57,7 @@ class SeededDataModule(pl.LightningDataModule):
             collate_fn=collate,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_ffpa.data.tokenizer import format_plain_chat
@@ -35,7 +35,7 @@ class TokenizeStats:
     num_records: int = 0
     num_split: int = 0  # documents longer than max_seq_length, cut into windows
     num_dropped_unlabelled: int = 0  # windows with no token to learn from
-    num_chat_unmasked: int = field(default=0)  # chats whose template is not prefix-stable: all tokens labelled
+    num_chat_unmasked: int = 0  # chats whose template is not prefix-stable: all tokens labelled
 
 
 def read_records(path: str, option: str) -> list[Record]:
@@ -48,8 +48,11 @@ def read_records(path: str, option: str) -> list[Record]:
     if ext == ".txt":
         records: list[Record] = [p.strip() for p in re.split(r"\n\s*\n", raw) if p.strip()]
     elif ext == ".jsonl":
-        records = [_parse_jsonl_line(line, path, n, option) for n, line in enumerate(raw.splitlines(), 1)
-                   if line.strip()]
+        records = [
+            _parse_jsonl_line(line, path, n, option)
+            for n, line in enumerate(raw.splitlines(), 1)
+            if line.strip()
+        ]
     else:
         raise ValueError(f"`{option}={path!r}` must end in .txt or .jsonl, not {ext!r}")
     if not records:
@@ -67,8 +70,10 @@ def _parse_jsonl_line(line: str, path: str, lineno: int, option: str) -> Record:
         return obj["text"]
     if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
         msgs = obj["messages"]
-        ok = all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                 for m in msgs)
+        ok = all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in msgs
+        )
         if ok and msgs:
             return [{"role": m["role"], "content": m["content"]} for m in msgs]
         raise ValueError(f"{where}: `messages` must be a non-empty list of {{role: str, content: str}}")
@@ -82,7 +87,9 @@ def tokenize_records(
     stats = TokenizeStats(num_records=len(records))
     docs: list[Document] = []
     for rec in records:
-        doc = _tokenize_chat(rec, tokenizer, stats) if isinstance(rec, list) else _tokenize_text(rec, tokenizer)
+        doc = (
+            _tokenize_chat(rec, tokenizer, stats) if isinstance(rec, list) else _tokenize_text(rec, tokenizer)
+        )
         windows = _split(doc, max_seq_length)
         stats.num_split += len(windows) > 1
         for w in windows:
@@ -126,7 +133,7 @@ def _tokenize_chat(messages: list[dict[str, str]], tokenizer: Any, stats: Tokeni
             stats.num_chat_unmasked += 1
             full = _wrap(tokenizer, _render(tokenizer, messages))
             return Document(full, list(full))
-        new = cur[len(ids):]
+        new = cur[len(ids) :]
         ids = cur
         labels += new if msg["role"] == "assistant" else [IGNORE_INDEX] * len(new)
     wrapped = _wrap(tokenizer, ids)
@@ -139,4 +146,6 @@ def _tokenize_chat(messages: list[dict[str, str]], tokenizer: Any, stats: Tokeni
 
 def _split(doc: Document, max_len: int) -> list[Document]:
     n = len(doc.input_ids)
-    return [Document(doc.input_ids[s:s + max_len], doc.labels[s:s + max_len]) for s in range(0, n, max_len)]
+    return [
+        Document(doc.input_ids[s : s + max_len], doc.labels[s : s + max_len]) for s in range(0, n, max_len)
+    ]

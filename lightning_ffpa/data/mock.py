@@ -17,7 +17,12 @@ class MockDataset(Dataset):
     """`num_samples` rows of `seq_length` uniform tokens in [0, vocab_size); labels equal the inputs."""
 
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int) -> None:
-        self.num_samples, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab_size, seed
+        self.num_samples, self.seq_length, self.vocab_size, self.seed = (
+            num_samples,
+            seq_length,
+            vocab_size,
+            seed,
+        )
 
     def __len__(self) -> int:
         return self.num_samples
@@ -56,7 +61,11 @@ class MockDataModule(SeededDataModule):
             num_workers: DataLoader worker processes.
         """
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
-        for name, value in (("vocab_size", vocab_size), ("seq_length", seq_length), ("num_samples", num_samples)):
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("seq_length", seq_length),
+            ("num_samples", num_samples),
+        ):
             if value < 1:
                 raise ValueError(f"`data.{name}={value}` must be >= 1")
         if num_val_samples < 0:

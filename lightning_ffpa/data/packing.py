@@ -44,11 +44,16 @@ def _make_row(docs: Sequence[Document], length: int, pad_id: int) -> PackedRow:
     start = 0
     for k, doc in enumerate(docs):
         n = len(doc.input_ids)
-        input_ids[start:start + n] = torch.tensor(doc.input_ids)
-        labels[start:start + n] = torch.tensor(doc.labels)
+        input_ids[start : start + n] = torch.tensor(doc.input_ids)
+        labels[start : start + n] = torch.tensor(doc.labels)
         # the model shifts labels: label[t] is predicted from token t-1, which belongs to the previous document
         labels[start] = IGNORE_INDEX
-        position_ids[start:start + n] = torch.arange(n)
-        document_ids[start:start + n] = k
+        position_ids[start : start + n] = torch.arange(n)
+        document_ids[start : start + n] = k
         start += n
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "document_ids": document_ids}
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "position_ids": position_ids,
+        "document_ids": document_ids,
+    }

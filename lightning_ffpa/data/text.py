@@ -34,8 +34,15 @@ class TokenDataset(Dataset):
     @classmethod
     def from_documents(cls, docs: list[Document]) -> TokenDataset:
         """One row per document."""
-        return cls([{"input_ids": torch.tensor(d.input_ids, dtype=torch.long),
-                     "labels": torch.tensor(d.labels, dtype=torch.long)} for d in docs])
+        return cls(
+            [
+                {
+                    "input_ids": torch.tensor(d.input_ids, dtype=torch.long),
+                    "labels": torch.tensor(d.labels, dtype=torch.long),
+                }
+                for d in docs
+            ]
+        )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -101,19 +108,25 @@ class TextDataModule(SeededDataModule):
         else:
             train_docs, val_docs = self._split(train_docs)
         self._train, self._val = self._dataset(train_docs), self._dataset(val_docs)
-        rank_zero_info(f"TextDataModule: {len(self._train)} train / {len(self._val)} val rows "
-                       f"(pack={self.pack}, max_seq_length={self.max_seq_length}); {self.stats}")
+        rank_zero_info(
+            f"TextDataModule: {len(self._train)} train / {len(self._val)} val rows "
+            f"(pack={self.pack}, max_seq_length={self.max_seq_length}); {self.stats}"
+        )
 
     def _documents(self, path: str, option: str) -> list[Document]:
         records = read_records(path, option)
         docs, stats = tokenize_records(records, self.tokenizer, self.max_seq_length)
         self.stats[option] = asdict(stats)
         if stats.num_chat_unmasked:
-            rank_zero_warn(f"`{option}`: {stats.num_chat_unmasked} chats render differently turn by turn "
-                           "under this chat template; all their tokens are labelled (user turns included)")
+            rank_zero_warn(
+                f"`{option}`: {stats.num_chat_unmasked} chats render differently turn by turn "
+                "under this chat template; all their tokens are labelled (user turns included)"
+            )
         if not docs:
-            raise ValueError(f"`{option}={path!r}` has no document with a token to learn from "
-                             f"({stats.num_dropped_unlabelled} dropped: too short or no assistant turn)")
+            raise ValueError(
+                f"`{option}={path!r}` has no document with a token to learn from "
+                f"({stats.num_dropped_unlabelled} dropped: too short or no assistant turn)"
+            )
         return docs
 
     def _split(self, docs: list[Document]) -> tuple[list[Document], list[Document]]:
@@ -121,13 +134,17 @@ class TextDataModule(SeededDataModule):
             return docs, []
         num_val = max(1, round(len(docs) * self.val_fraction))
         if num_val >= len(docs):
-            raise ValueError(f"`data.val_fraction={self.val_fraction}` leaves no training document out of "
-                             f"{len(docs)} in `data.train_file={self.train_file!r}`")
+            raise ValueError(
+                f"`data.val_fraction={self.val_fraction}` leaves no training document out of "
+                f"{len(docs)} in `data.train_file={self.train_file!r}`"
+            )
         order = list(range(len(docs)))
         random.Random(self.seed).shuffle(order)  # same split on every rank and every run with this seed
         val_idx = set(order[:num_val])
-        return ([d for i, d in enumerate(docs) if i not in val_idx],
-                [d for i, d in enumerate(docs) if i in val_idx])
+        return (
+            [d for i, d in enumerate(docs) if i not in val_idx],
+            [d for i, d in enumerate(docs) if i in val_idx],
+        )
 
     def _dataset(self, docs: list[Document]) -> TokenDataset:
         if self.pack:

@@ -23,8 +23,12 @@ def test_pad_collate_right_pads_and_masks():
 
 
 def test_packing_ids_and_boundaries():
-    docs = [Document([10, 11, 12], [10, 11, 12]), Document([20, 21], [-100, 21]),
-            Document([30, 31, 32, 33], [30, 31, 32, 33]), Document([40], [40])]
+    docs = [
+        Document([10, 11, 12], [10, 11, 12]),
+        Document([20, 21], [-100, 21]),
+        Document([30, 31, 32, 33], [30, 31, 32, 33]),
+        Document([40], [40]),
+    ]
     rows = pack_documents(docs, max_seq_length=6, pad_id=PAD)
     # greedy in order: [doc0 doc1] (5) | doc2 does not fit -> new row [doc2 doc3] (5)
     assert len(rows) == 2

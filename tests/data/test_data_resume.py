@@ -28,8 +28,16 @@ class Recorder(pl.LightningModule):
 
 def _fit(dm, max_epochs, tmp_path, ckpt_path=None):
     model = Recorder()
-    trainer = pl.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     return model.seen, trainer
 
@@ -59,7 +67,9 @@ def test_resume_sees_the_same_order(tmp_path):
 @pytest.mark.timeout(120)
 def test_text_module_trains_with_workers_and_validation(tmp_path, write):
     path = write("a.txt", "\n\n".join(f"document number {i}" for i in range(20)))
-    dm = TextDataModule(train_file=path, val_fraction=0.2, max_seq_length=32, batch_size=4, num_workers=1, pack=True)
+    dm = TextDataModule(
+        train_file=path, val_fraction=0.2, max_seq_length=32, batch_size=4, num_workers=1, pack=True
+    )
     seen, trainer = _fit(dm, 1, tmp_path)
     assert len(seen) == len(dm._train) // 4 + bool(len(dm._train) % 4)
     assert trainer.num_val_batches == [1]

@@ -43,9 +43,15 @@ def test_jsonl_text_and_val_file(write):
 
 
 def test_jsonl_messages_mask_non_assistant_tokens(write):
-    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-            {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}]
-    dm = TextDataModule(train_file=write("c.jsonl", [{"messages": chat}]), val_fraction=0.0, max_seq_length=128)
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "ciao"},
+    ]
+    dm = TextDataModule(
+        train_file=write("c.jsonl", [{"messages": chat}]), val_fraction=0.0, max_seq_length=128
+    )
     dm.setup()
     row = dm._train[0]
     tok = dm.tokenizer
@@ -59,8 +65,12 @@ def test_jsonl_messages_mask_non_assistant_tokens(write):
 
 def test_messages_with_hf_chat_template(write, hf_tokenizer_dir):
     chat = [{"role": "user", "content": "how are you"}, {"role": "assistant", "content": "i am fine thanks"}]
-    dm = TextDataModule(train_file=write("c.jsonl", [{"messages": chat}, {"text": "hello world"}]),
-                        tokenizer=hf_tokenizer_dir, val_fraction=0.0, max_seq_length=64)
+    dm = TextDataModule(
+        train_file=write("c.jsonl", [{"messages": chat}, {"text": "hello world"}]),
+        tokenizer=hf_tokenizer_dir,
+        val_fraction=0.0,
+        max_seq_length=64,
+    )
     dm.setup()
     tok = dm.tokenizer
     rows = {tok.decode(r["input_ids"], skip_special_tokens=True): r for r in _all_rows(dm._train)}
@@ -80,7 +90,9 @@ def test_val_split_is_seeded_and_disjoint(write):
         dm = TextDataModule(train_file=path, val_fraction=0.25, seed=seed, max_seq_length=64)
         dm.setup()
         dec = dm.tokenizer.decode
-        return {dec(r["input_ids"]) for r in _all_rows(dm._train)}, {dec(r["input_ids"]) for r in _all_rows(dm._val)}
+        return {dec(r["input_ids"]) for r in _all_rows(dm._train)}, {
+            dec(r["input_ids"]) for r in _all_rows(dm._val)
+        }
 
     train, val = split(0)
     assert len(val) == 10 and len(train) == 30 and not train & val
@@ -107,7 +119,11 @@ def test_unpacked_loader_batches_and_max_len():
 @pytest.mark.parametrize(
     "kwargs, error, pattern",
     [
-        ({"train_file": "/nonexistent/train.txt"}, FileNotFoundError, r"`data\.train_file='/nonexistent/train\.txt'`"),
+        (
+            {"train_file": "/nonexistent/train.txt"},
+            FileNotFoundError,
+            r"`data\.train_file='/nonexistent/train\.txt'`",
+        ),
         ({"val_file": "/nonexistent/val.txt"}, FileNotFoundError, r"`data\.val_file="),
         ({"val_fraction": 1.0}, ValueError, r"`data\.val_fraction=1\.0`"),
         ({"max_seq_length": 1}, ValueError, r"`data\.max_seq_length=1`"),

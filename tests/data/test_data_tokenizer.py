@@ -24,7 +24,10 @@ def test_byte_chat_format():
     tok = ByteTokenizer()
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert tok.apply_chat_template(msgs, tokenize=False) == "user: hi\nassistant: hello\n"
-    assert tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True) == "user: hi\nassistant: "
+    assert (
+        tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
+        == "user: hi\nassistant: "
+    )
     assert tok.decode(tok.apply_chat_template(msgs)) == "user: hi\nassistant: hello\n"
 
 

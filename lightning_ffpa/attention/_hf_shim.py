@@ -9,7 +9,11 @@ from __future__ import annotations
 import transformers
 from packaging.version import Version
 from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, prepare_padding_mask
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+    prepare_padding_mask,
+)
 
 # Private helpers, identical in 5.17 and 5.24 (transformers/modeling_flash_attention_utils.py).
 from transformers.modeling_flash_attention_utils import _pad_input, _unpad_input, _upad_input

@@ -152,7 +152,8 @@ _REASON_TEXT = {
     "dtype": "dtype is not fp16/bf16 -> sdpa",
     "kernel_unavailable": "FFPA CuTeDSL cannot run here -> sdpa",
     "4d_mask": "a precomputed 4D mask was passed -> sdpa",
-    "flex_cpu_grad": "flex_attention has no CPU backward; the BlockMask runs densely through sdpa",
+    "flex_cpu": "flex_attention has no CPU backward; the BlockMask runs densely through sdpa",
+    "flex_meta": "flex_attention cannot run on meta tensors (FLOP counting); the BlockMask is costed as sdpa",
 }
 
 
@@ -167,7 +168,8 @@ def _note_fallback(reason: str, detail: str = "") -> None:
 
 def _is_packed(position_ids: Tensor | None) -> bool:
     """True when position_ids restart inside a row (packed documents); cached per tensor, skipped when tracing."""
-    if position_ids is None or position_ids.shape[-1] < 2 or torch.compiler.is_compiling():
+    if (position_ids is None or position_ids.shape[-1] < 2 or position_ids.device.type == "meta"
+            or torch.compiler.is_compiling()):
         return False
     key = (position_ids.data_ptr(), position_ids._version, tuple(position_ids.shape))
     if key not in _packed_cache:
@@ -202,9 +204,10 @@ def ffpa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
             _note_fallback("softcap")
             mask = masks.dense_from_block_mask(attention_mask, query.device)
             return _eager(module, query, key, value, mask, dropout, scaling, softcap), None
-        if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
-            # torch's flex has no CPU backward; the same mask runs through SDPA instead.
-            _note_fallback("flex_cpu_grad")
+        if query.device.type == "meta" or (query.device.type == "cpu" and torch.is_grad_enabled()
+                                            and query.requires_grad):
+            # torch's flex has no CPU backward and no meta kernel (FLOP counting): the same mask runs through SDPA.
+            _note_fallback("flex_" + query.device.type)
             mask = masks.dense_from_block_mask(attention_mask, query.device)
             return _sdpa(query, key, value, mask, dropout, scaling, False), None
         _counts["flex"] += 1

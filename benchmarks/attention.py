@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -109,13 +110,23 @@ def _free():
     torch.cuda.empty_cache()
 
 
+_T0 = time.monotonic()
+_BUDGET_S = [330.0]
+
+
 def _row(rows, name, seq, mode, fn, **extra):
     row = {"impl": name, "seq": seq, "mode": mode, **extra}
+    if time.monotonic() - _T0 > _BUDGET_S[0]:
+        row["skipped"] = "time budget"
+        rows.append(row)
+        return row
+    t = time.monotonic()
     try:
         row["ms"] = round(fn(), 4)
     except Exception as exc:  # noqa: BLE001 - one failing row is recorded, the run goes on
         row["error"] = f"{type(exc).__name__}: {exc}"[:500]
         traceback.print_exc()
+    row["wall_s"] = round(time.monotonic() - t, 1)
     rows.append(row)
     _free()
     return row
@@ -145,43 +156,51 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384], help="sequence lengths")
     parser.add_argument("--math-max-seq", type=int, default=8192,
                         help="skip SDPA enable_gqa (MATH kernel, O(S^2) memory) above this length")
+    parser.add_argument("--budget-s", type=float, default=330.0,
+                        help="skip the remaining rows once this many seconds have passed")
     args = parser.parse_args()
+    _BUDGET_S[0] = args.budget_s
     torch._dynamo.config.cache_size_limit = 64  # one flex compile per (options, shape)
     backend.register_ffpa()
     rows: list[dict] = []
     extra: dict = {"shape": {"B": 1, "Hq": HQ, "Hkv": HKV, "D": D, "causal": True, "dtype": "bfloat16"},
                    "active_kernel": kernels.active_kernel(), "ffpa_unavailable": kernels.ffpa_unavailable_reason()}
+    modes = ("fwd", "fwd+bwd")
 
-    # Pick the best flex option set at 8k fwd+bwd, then use it everywhere.
-    tune_seq = 8192 if 8192 in args.seqs else args.seqs[0]
-    best_opts, best_ms = flex.LARGE_HEAD_DIM_CANDIDATES[0], float("inf")
-    for i, opts in enumerate(flex.LARGE_HEAD_DIM_CANDIDATES):
-        r = _row(rows, f"flex_candidate_{i}", tune_seq, "fwd+bwd", lambda o=opts: _timed(_flex_fn(o, tune_seq),
-                                                                                        tune_seq, False),
-                 options=opts)
-        if r.get("ms", float("inf")) < best_ms:
-            best_opts, best_ms = opts, r["ms"]
-    extra["flex_best_options"] = best_opts
-
-    impls = {"ours": ours, "ffpa_raw_func": raw_func, "sdpa_mem_efficient_repeat_kv": sdpa_mem_efficient,
-             "sdpa_enable_gqa": sdpa_enable_gqa}
+    # Most important first: our path, the raw kernel, SDPA; then flex tuning; the MATH kernel last.
+    fast = {"ours": ours, "ffpa_raw_func": raw_func, "sdpa_mem_efficient_repeat_kv": sdpa_mem_efficient}
     for seq in args.seqs:
-        for mode in ("fwd", "fwd+bwd"):
-            for name, fn in impls.items():
-                if name == "sdpa_enable_gqa" and seq > args.math_max_seq:
-                    rows.append({"impl": name, "seq": seq, "mode": mode, "skipped": "MATH kernel memory"})
-                    continue
+        for mode in modes:
+            for name, fn in fast.items():
                 _row(rows, name, seq, mode, lambda f=fn, s=seq, m=mode: _timed(f, s, m == "fwd"))
-            _row(rows, "flex_best", seq, mode, lambda s=seq, m=mode: _timed(_flex_fn(best_opts, s), s, m == "fwd"))
-
     for name, fn in (("ours", ours), ("ffpa_raw_func", raw_func)):
         try:
             extra[f"profile_8k_{name}"] = _copy_kernels(fn, 8192)
         except Exception as exc:  # noqa: BLE001
             extra[f"profile_8k_{name}"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         _free()
+
+    # Pick the best flex option set at 8k fwd+bwd, then use it for every length.
+    tune_seq = 8192 if 8192 in args.seqs else args.seqs[0]
+    best_opts, best_ms = flex.LARGE_HEAD_DIM_CANDIDATES[0], float("inf")
+    for i, opts in enumerate(flex.LARGE_HEAD_DIM_CANDIDATES):
+        r = _row(rows, f"flex_candidate_{i}", tune_seq, "fwd+bwd",
+                 lambda o=opts: _timed(_flex_fn(o, tune_seq), tune_seq, False), options=opts)
+        if r.get("ms", float("inf")) < best_ms:
+            best_opts, best_ms = opts, r["ms"]
+    extra["flex_best_options"] = best_opts
+    for seq in args.seqs:
+        for mode in modes:
+            _row(rows, "flex_best", seq, mode, lambda s=seq, m=mode: _timed(_flex_fn(best_opts, s), s, m == "fwd"))
+    for seq in args.seqs:
+        for mode in modes:
+            if seq > args.math_max_seq:
+                rows.append({"impl": "sdpa_enable_gqa", "seq": seq, "mode": mode, "skipped": "MATH kernel memory"})
+                continue
+            _row(rows, "sdpa_enable_gqa", seq, mode, lambda s=seq, m=mode: _timed(sdpa_enable_gqa, s, m == "fwd"))
     extra["dispatch_counts"] = backend.dispatch_counts()
     extra["kernel_counts"] = kernels.kernel_counts()
+    extra["total_wall_s"] = round(time.monotonic() - _T0, 1)
 
     def ms(impl, mode, seq=8192):
         hit = [r.get("ms") for r in rows if r["impl"] == impl and r["mode"] == mode and r["seq"] == seq]
@@ -203,7 +222,7 @@ def main() -> None:
     print(f"{'impl':34s} {'seq':>6s} {'mode':8s} {'ms':>10s}")
     for r in rows:
         print(f"{r['impl']:34s} {r['seq']:6d} {r['mode']:8s} "
-              f"{r.get('ms', r.get('error', r.get('skipped', '')))!s:>10.10s}")
+              f"{r.get('ms', r.get('error', r.get('skipped', '')))!s:>10.40s}")
     write_result("attention", rows, summary, out=args.out, **extra)
 
 

@@ -13,6 +13,10 @@ Op contract (shared with the ring context-parallel code):
 - A row that sees no key has o = 0 and lse = -inf.
 Facts about ffpa-attn 0.2.4 were read from its wheel (ffpa_attn/cute/__init__.py): the ops take
 ``[B,N,H,D]`` tensors, handle GQA natively, return lse ``[B,H,N]`` (dense) / ``[H,T]`` (varlen).
+We call ``torch.ops.ffpa_attn._fwd_cute`` & co directly instead of ``ffpa_attn_func(backend="cutedsl")``:
+the public function copies its output to a contiguous ``[B,H,S,D]`` and saves ``.contiguous()`` copies
+of the transposed q/k/v for backward, while the ops take HF's ``[B,S,H,D]`` projection storage as is
+and return the ``[B,S,H,D]`` output HF wants, so the attention path needs no layout copies.
 """
 
 from __future__ import annotations

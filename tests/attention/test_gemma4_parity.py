@@ -97,3 +97,19 @@ def test_flops_on_meta_match_sdpa():
             flops[impl] = measure_flops(model, lambda m=model, x=ids: m(input_ids=x).logits, lambda y: y.sum())
     assert backend.dispatch_counts()["ffpa-dense"] == 2
     assert flops["ffpa"] == flops["sdpa"] > 0
+
+
+def test_left_padded_greedy_generation_matches_eager(model):
+    """Decode steps (q_len 1, bottom-right causal) and left padding through the varlen path."""
+    ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    with torch.no_grad(), force_kernel("reference"):
+        model.set_attn_implementation("eager")
+        want = model.generate(**kw)
+        model.set_attn_implementation("ffpa")
+        backend.reset_dispatch_counts()
+        got = model.generate(**kw)
+    assert torch.equal(got, want)
+    assert backend.dispatch_counts()["ffpa-varlen"] == 2 * 3 and backend.dispatch_counts()["flex"] == 2 * 3

@@ -204,3 +204,21 @@ def test_flop_counter_counts_the_cutedsl_ops():
         kernels.ffpa_attention(q, k, v, 1.0, True).sum().backward()
     assert kernels.kernel_counts()["cutedsl"] == 1
     assert counter.get_total_flops() == 3 * 4 * b * hq * s * s * d
+
+
+def test_flex_runs_at_head_dim_512_with_our_options():
+    """Default flex options need ~256 KB of shared memory at D=512; ours must compile and match."""
+    from lightning_ffpa.attention import flex, masks
+
+    torch.manual_seed(0)
+    b, s, hq, hkv, d = 1, 1024, 8, 2, 512
+    q = _rand(b, hq, s, d, scale=d**-0.25).requires_grad_()
+    k = _rand(b, hkv, s, d, scale=d**-0.25).requires_grad_()
+    v = _rand(b, hkv, s, d).requires_grad_()
+    block_mask = masks.build_block_mask(masks.generate_causal(), b, s, s, "cuda")
+    out = flex.flex_forward(q, k, v, block_mask, 1.0)
+    out.backward(torch.ones_like(out))
+    with force_kernel("reference"):
+        ref = kernels.ffpa_attention(*(t.detach().transpose(1, 2) for t in (q, k, v)), 1.0, True)
+    assert _rel(out.transpose(1, 2), ref) < 1e-2
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

@@ -172,3 +172,17 @@ def test_sac_must_save_skips_the_reference_forward_on_recompute(monkeypatch):
         sac = functools.partial(create_selective_checkpoint_contexts, policy)
         checkpoint(block, x, w, use_reentrant=False, context_fn=sac).backward()
     assert (plain, len(calls)) == (2, 1)
+
+
+def test_flex_options_fit_large_head_dims():
+    from lightning_ffpa.attention import flex
+
+    assert flex.kernel_options(256) is None  # torch's defaults fit
+    for dtype in (torch.bfloat16, torch.float32):
+        opts = flex.kernel_options(512, dtype)
+        assert opts["fwd_num_stages"] == 1 and opts["bwd_num_stages"] == 1
+        assert all(v <= 64 for k, v in opts.items() if "BLOCK" in k)
+        # torch's flex backward needs BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0
+        assert opts["bwd_BLOCK_N1"] % opts["bwd_BLOCK_M1"] == 0 and opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0
+    for opts in flex.LARGE_HEAD_DIM_CANDIDATES:
+        assert opts["bwd_BLOCK_N1"] % opts["bwd_BLOCK_M1"] == 0 and opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Iterator
 
 import torch
@@ -458,7 +457,3 @@ def register_flop_formulas() -> None:
     def _cute_varlen_bwd(q, k, v, o, do, lse, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
         return 2 * _varlen_flops(q, cu_q, cu_k, max_k)
 
-
-def default_scale(head_dim: int) -> float:
-    """1/sqrt(D), for tests and benchmarks only: Gemma4 passes its own `scaling` (1.0)."""
-    return 1.0 / math.sqrt(head_dim)

@@ -46,7 +46,8 @@ class FFPABackendConfig:
     context_parallel_size: int = 1
     """Must be 1: the direct backend refuses CP > 1 (that is the ring's job)."""
     refuse_packed: bool = True
-    """Raise on packed sequences (position_ids resets, cu_seq_lens kwargs) instead of mixing documents."""
+    """Raise on packed sequences (position_ids resets, cu_seq_lens kwargs); False lets them run through
+    flex with HF's document mask (correct, but no FFPA)."""
 
 
 _config = FFPABackendConfig()

@@ -1,6 +1,8 @@
 """The `lightning-ffpa` CLI: every shipped YAML parses, the tiny fit runs, and bad input fails early."""
 
 import csv
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -35,13 +37,32 @@ def _fit_tiny(tmp_path, *extra):
     ])
 
 
-def test_fit_tiny_end_to_end_loss_falls(tmp_path):
+GOLDEN = Path(__file__).parent / "assets" / "tiny_loss_curve.json"
+
+
+@pytest.fixture(scope="module")
+def tiny_losses(tmp_path_factory):
+    """Per-step training loss of 30 steps of configs/tiny.yaml, run once through the real CLI."""
+    tmp_path = tmp_path_factory.mktemp("tiny_fit")
     cli = _fit_tiny(tmp_path, "--trainer.max_steps=30", "--trainer.limit_val_batches=0",
                     "--trainer.log_every_n_steps=1")
     rows = list(csv.DictReader(open(Path(cli.trainer.logger.log_dir) / "metrics.csv")))
-    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
-    assert len(losses) == 30
-    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+    return [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+
+
+def test_fit_tiny_end_to_end_loss_falls(tiny_losses):
+    assert len(tiny_losses) == 30
+    assert sum(tiny_losses[-5:]) / 5 < sum(tiny_losses[:5]) / 5 - 0.5
+
+
+def test_tiny_loss_curve_matches_golden(tiny_losses):
+    """Loss-affecting changes must update tests/assets/tiny_loss_curve.json deliberately:
+    LIGHTNING_FFPA_UPDATE_GOLDEN=1 pytest tests/test_cli.py -k golden."""
+    if os.environ.get("LIGHTNING_FFPA_UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps({"config": "configs/tiny.yaml", "steps": 30, "loss": tiny_losses}, indent=1))
+    golden = json.loads(GOLDEN.read_text())["loss"]
+    # CPU kernels differ slightly across instruction sets; real changes move the curve by far more.
+    assert tiny_losses == pytest.approx(golden, abs=2e-3)
 
 
 @pytest.mark.parametrize(

@@ -74,7 +74,7 @@ def _documents(b, s, pad, gen):
     return docs
 
 
-def _check_case(rank, world, name, s, all_pad_rank=None):
+def _check_case(rank, world, name, s, all_pad_rank=None, flex=False):
     cfg = CASES[name]
     gen = torch.Generator().manual_seed(123)
     b, hq, hkv, d = cfg["b"], cfg["hq"], cfg["hkv"], cfg["d"]
@@ -107,7 +107,7 @@ def _check_case(rank, world, name, s, all_pad_rank=None):
         torch.testing.assert_close(unshard(mine.grad, rank, world), theirs.grad, **tol)
     if all_pad_rank == rank:
         assert torch.count_nonzero(out) == 0 and torch.count_nonzero(kl.grad) == 0
-    if cfg["window"] and d <= 64:  # the Flex mask_mod (GPU path) agrees with the CPU math, forward only
+    if flex:  # the Flex mask_mod (GPU path) agrees with the CPU math, forward only
         with torch.no_grad():
             flex = RingAttention(None, sliding_backend="flex").sliding(ql.detach(), kl.detach(), vl.detach(), layout, scale, cfg["window"])
         torch.testing.assert_close(flex, out.detach(), **tol)
@@ -115,26 +115,21 @@ def _check_case(rank, world, name, s, all_pad_rank=None):
 
 
 def _worker(rank, world, s):
+    # One spawn per world size: each process pays the one-time import/dispatch cost once.
     stats = {}
     for name in ("causal", "packed", "sliding", "sliding_long"):
-        stats[name] = _check_case(rank, world, name, s)
+        stats[name] = _check_case(rank, world, name, s, flex=(name == "sliding" and world == 2))
     # causal without documents runs dense blocks only; packed documents need varlen (and skip empty blocks)
     assert set(stats["causal"]) == {"block_dense"}, stats["causal"]
     assert stats["packed"]["block_varlen"] > 0, stats["packed"]
     assert stats["sliding"]["sliding_halo"] == 1 and stats["sliding_long"]["sliding_allgather"] == 1
+    if world == 2:
+        _check_case(rank, world, "packed", 16 * world, all_pad_rank=1)
+        _check_case(rank, world, "d512", 8 * world)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_matches_single_device(world):
+    """causal, packed, sliding (halo + all-gather); with world=2 also an all-padding shard and D=512."""
     spawn(_worker, world, 16 * world)
-
-
-def _worker_padding_and_d512(rank, world):
-    _check_case(rank, world, "packed", 32, all_pad_rank=1)
-    _check_case(rank, world, "d512", 16)
-
-
-@pytest.mark.timeout(120)
-def test_ring_all_padding_shard_and_d512():
-    spawn(_worker_padding_and_d512, 2)

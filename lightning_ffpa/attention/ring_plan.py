@@ -64,7 +64,7 @@ def plan_block(q_docs: Tensor, k_docs: Tensor, q0: int, q1: int, k0: int, k1: in
                device: torch.device) -> Block:
     """Segment one block by document: each query run sees the keys of its own document (contiguous)."""
     b = q_docs.shape[0]
-    lq, lk = q1 - q0, k1 - k0
+    lk = k1 - k0
     seg_q, seg_k, k_rows = [], [], []
     dense = True
     for row in range(b):

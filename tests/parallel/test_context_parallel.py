@@ -11,7 +11,6 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from lightning_ffpa.attention import kernels
-
 from lightning_ffpa.parallel.context_parallel import (
     IGNORE_INDEX,
     cp_loss_reduce,
@@ -152,7 +151,7 @@ def _parity_worker(rank, world):
             # fp32 tolerance: HF eager in fp32 itself differs from fp64 by ~2e-4 of the largest entry here.
             atol = 5e-4 * p_ref.grad.abs().max().item() + 1e-7
             torch.testing.assert_close(grad / world, p_ref.grad, atol=atol, rtol=1e-3,
-                                       msg=lambda m: f"{preset} {name}: {m}")
+                                       msg=lambda m, where=f"{preset} {name}": f"{where}: {m}")
             checked += 1
         assert checked > 10
 

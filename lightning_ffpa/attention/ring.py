@@ -132,6 +132,7 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(b, length, hq, v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full((b, hq, length), float("-inf"), dtype=torch.float32, device=q.device)
         buf = _pack(k, v)
+        touched = torch.zeros(length, dtype=torch.bool)  # host-side: rows some block already wrote
         for step in range(ring.size):
             works = []
             if step < ring.size - 1:  # prefetch the next K/V while this step computes
@@ -141,7 +142,11 @@ class _RingAttention(torch.autograd.Function):
                 if blk.kind == "empty":
                     continue
                 o_b, lse_b = ops.fwd(blk, q[:, blk.q0:blk.q1], k_i[:, blk.k0:blk.k1], v_i[:, blk.k0:blk.k1], scale)
-                merge_lse(out, lse, o_b, lse_b, blk.q0, blk.q1)
+                if touched[blk.q0:blk.q1].any():
+                    merge_lse(out, lse, o_b, lse_b, blk.q0, blk.q1)
+                else:  # first block for these rows: nothing to merge with
+                    out[:, blk.q0:blk.q1], lse[:, :, blk.q0:blk.q1] = o_b, lse_b
+                    touched[blk.q0:blk.q1] = True
             if works:
                 _wait(works)
                 buf = nxt
@@ -185,10 +190,18 @@ class _RingAttention(torch.autograd.Function):
 class RingAttention:
     """The installed ring: process group, block ops and counters (what ran, per block kind and path)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, ops: BlockOps | None = None,
+    def __init__(self, group: dist.ProcessGroup | None, block_ops: str = "ffpa",
                  sliding_backend: str | None = None):
+        """`block_ops`: "ffpa" (kernel contract: CuTeDSL on GPU, reference on CPU) or "flex" (baseline, CUDA)."""
         self.ring = RingGroup(group)
-        self.ops = ops or BlockOps()
+        if block_ops == "ffpa":
+            self.ops = BlockOps()
+        elif block_ops == "flex":
+            from lightning_ffpa.attention.ring_flex import FlexBlockOps
+
+            self.ops = FlexBlockOps()
+        else:
+            raise ValueError(f"`block_ops={block_ops!r}`: expected 'ffpa' or 'flex'")
         self.sliding_backend = sliding_backend  # None: "flex" on CUDA, "sdpa" (masked math) on CPU
         self.stats: Counter[str] = Counter()
 
@@ -245,8 +258,13 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             and hasattr(m, "scaling") and hasattr(m, "head_dim")]
 
 
-def install_ring(model: torch.nn.Module, cp_mesh_or_group: Any, sliding_backend: str | None = None) -> RingAttention:
-    """Route every attention layer of `model` through the ring over the CP group (a 1-D DeviceMesh or a group)."""
+def install_ring(model: torch.nn.Module, cp_mesh_or_group: Any, block_ops: str = "ffpa",
+                 sliding_backend: str | None = None) -> RingAttention:
+    """Route every attention layer of `model` through the ring over the CP group (a 1-D DeviceMesh or a group).
+
+    `block_ops` picks the full-layer block kernel ("ffpa", or "flex" as a baseline); `sliding_backend` the
+    sliding-layer path ("flex"/"sdpa"; default by device). Returns the handle whose `stats` count what ran.
+    """
     from transformers import AttentionInterface
 
     group = cp_mesh_or_group.get_group() if hasattr(cp_mesh_or_group, "get_group") else cp_mesh_or_group
@@ -256,7 +274,7 @@ def install_ring(model: torch.nn.Module, cp_mesh_or_group: Any, sliding_backend:
     for m in modules:
         if not m.is_causal:
             raise NotImplementedError(f"ring attention supports causal layers only (layer {m.layer_idx} is not)")
-    handle = RingAttention(group, sliding_backend=sliding_backend)
+    handle = RingAttention(group, block_ops=block_ops, sliding_backend=sliding_backend)
     AttentionInterface.register(ATTN_NAME, ring_attention_forward)
     for m in modules:
         m._ffpa_ring = handle  # plain attribute: the handle is not a submodule and holds no parameters

@@ -37,6 +37,11 @@ class Block:
     max_q: int = 0
     max_k: int = 0
     k_index: Tensor | None = None  # rows of the flattened (B*(k1-k0)) keys to gather; None = all, in order
+    # Global positions [L] and documents [B, L] of the block's queries and keys (mask-based ops, e.g. Flex).
+    q_pos: Tensor | None = None
+    k_pos: Tensor | None = None
+    q_doc: Tensor | None = None
+    k_doc: Tensor | None = None
 
 
 def step_blocks(rank: int, step: int, cp: int, chunk: int) -> list[tuple[int, int, int, int, bool]]:
@@ -100,12 +105,19 @@ def ring_plan(layout: RingLayout, device: torch.device) -> list[list[Block]]:
 
     def build() -> list[list[Block]]:
         cp, r, c = layout.cp_size, layout.cp_rank, layout.chunk_len
-        q_docs = layout.local_document_ids(r)
+        q_docs, q_pos = layout.local_document_ids(r), layout.positions(r)
         steps = []
         for i in range(cp):
-            k_docs = layout.local_document_ids((r - i) % cp)
-            steps.append([plan_block(q_docs[:, q0:q1], k_docs[:, k0:k1], q0, q1, k0, k1, causal, device)
-                          for q0, q1, k0, k1, causal in step_blocks(r, i, cp, c)])
+            src = (r - i) % cp
+            k_docs, k_pos = layout.local_document_ids(src), layout.positions(src)
+            blocks = []
+            for q0, q1, k0, k1, causal in step_blocks(r, i, cp, c):
+                blk = plan_block(q_docs[:, q0:q1], k_docs[:, k0:k1], q0, q1, k0, k1, causal, device)
+                if blk.kind != "empty":
+                    blk.q_pos, blk.k_pos = q_pos[q0:q1].to(device), k_pos[k0:k1].to(device)
+                    blk.q_doc, blk.k_doc = q_docs[:, q0:q1].to(device), k_docs[:, k0:k1].to(device)
+                blocks.append(blk)
+            steps.append(blocks)
         return steps
 
     return layout.cached(("ring_plan", str(device)), build)

@@ -15,7 +15,6 @@ Halo (h = window - 1 keys before a chunk are all a query can see outside it; chu
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_ffpa.attention.flex import flex_forward
 from lightning_ffpa.parallel.context_parallel import RingLayout
 
 if TYPE_CHECKING:
@@ -118,13 +118,6 @@ def _masked_math(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float)
     return o.transpose(1, 2).to(q.dtype)  # (B, Lq, Hq, D)
 
 
-@functools.cache
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def window_mask_mod(m: dict[str, Tensor], window: int):
     """Flex mask_mod over local indices: same document, own chunk segment, causal, within the window."""
     q_pos, q_seg, k_pos, k_seg, q_doc, k_doc = (m[n] for n in ("q_pos", "q_seg", "k_pos", "k_seg", "q_doc", "k_doc"))
@@ -153,16 +146,8 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, masks: dict[str, Tensor], w
 
     bm = layout.cached(("flex_block_mask", window, k.shape[1], str(q.device)), lambda: create_block_mask(
         mod, masks["q_doc"].shape[0], None, q.shape[1], k.shape[1], device=q.device))
-    flex = _compiled_flex() if q.is_cuda else _eager_flex()
-    o = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale,
-             enable_gqa=q.shape[2] != k.shape[2])
+    o = flex_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bm, scale)
     return o.transpose(1, 2)
-
-
-def _eager_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return flex_attention
 
 
 def sliding_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, ring: RingGroup, scale: float,

@@ -10,6 +10,8 @@ Does not own: the ring itself (``ring.py``) or the kernel options (``flex.py``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -27,13 +29,18 @@ def block_mask_mod(blk: Block):
     return document_causal
 
 
+@functools.cache
+def _flex_callable(compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if compiled else flex_attention  # one compile cache per process
+
+
 class FlexBlockOps:
     """Ring block ops on [B, L, H, D] tensors through (compiled, on CUDA) flex_attention."""
 
     def __init__(self):
-        from torch.nn.attention.flex_attention import flex_attention
-
-        self._flex = torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
+        self._flex = _flex_callable(torch.cuda.is_available())
         self._masks: dict[int, object] = {}
 
     def _run(self, blk: Block, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:

@@ -44,7 +44,7 @@ def reference(q, k, v, docs, scale, window=None):
     g = q.shape[2] // k.shape[2]
     qd, kd, vd = q.double(), k.double().repeat_interleave(g, 2), v.double().repeat_interleave(g, 2)
     s = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * scale
-    pos = torch.arange(q.shape[1])
+    pos = torch.arange(q.shape[1], device=q.device)
     dist_ = pos[:, None] - pos[None, :]
     allowed = (dist_ >= 0) & (dist_ < (window or q.shape[1] + 1))
     allowed = allowed[None] & (docs[:, :, None] == docs[:, None, :]) & (docs[:, :, None] >= 0)

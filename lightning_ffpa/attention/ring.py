@@ -253,6 +253,11 @@ def ring_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
     return out, None
 
 
+def no_hf_mask(*args: Any, **kwargs: Any) -> None:
+    """HF mask function for "ffpa_ring": no mask (the ring masks from ring_layout)."""
+    return None
+
+
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "layer_idx")
             and hasattr(m, "scaling") and hasattr(m, "head_dim")]
@@ -266,6 +271,7 @@ def install_ring(model: torch.nn.Module, cp_mesh_or_group: Any, block_ops: str =
     sliding-layer path ("flex"/"sdpa"; default by device). Returns the handle whose `stats` count what ran.
     """
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     group = cp_mesh_or_group.get_group() if hasattr(cp_mesh_or_group, "get_group") else cp_mesh_or_group
     modules = _attention_modules(model)
@@ -276,10 +282,11 @@ def install_ring(model: torch.nn.Module, cp_mesh_or_group: Any, block_ops: str =
             raise NotImplementedError(f"ring attention supports causal layers only (layer {m.layer_idx} is not)")
     handle = RingAttention(group, block_ops=block_ops, sliding_backend=sliding_backend)
     AttentionInterface.register(ATTN_NAME, ring_attention_forward)
+    # The mask function returns None for every layer on purpose: the ring builds document/causal/window masks
+    # from ring_layout itself, and HF builds no (sequence-local, hence wrong) masks.
+    AttentionMaskInterface.register(ATTN_NAME, no_hf_mask)
     for m in modules:
         m._ffpa_ring = handle  # plain attribute: the handle is not a submodule and holds no parameters
-    # No mask function is registered on purpose: HF then builds no masks (every layer gets None) and the ring
-    # builds document/causal/window masks itself from ring_layout.
     model.config._attn_implementation = ATTN_NAME
     for sub in ("text_config",):
         cfg = getattr(model.config, sub, None)

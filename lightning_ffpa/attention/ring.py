@@ -29,7 +29,7 @@ from torch import Tensor
 
 from lightning_ffpa.attention import kernels
 from lightning_ffpa.attention.ring_plan import Block, ring_plan
-from lightning_ffpa.parallel.context_parallel import RingLayout
+from lightning_ffpa.parallel.context_parallel import RingLayout, cp_group_info
 
 ATTN_NAME = "ffpa_ring"
 
@@ -273,7 +273,7 @@ def install_ring(model: torch.nn.Module, cp_mesh_or_group: Any, block_ops: str =
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    group = cp_mesh_or_group.get_group() if hasattr(cp_mesh_or_group, "get_group") else cp_mesh_or_group
+    group = cp_group_info(cp_mesh_or_group)[0]
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"install_ring found no attention modules in {type(model).__name__}")

@@ -7,6 +7,7 @@ Does not own: the ring attention itself (``attention/ring.py``) or the device me
 
 Interface for the LightningModule's ``training_step`` when CP > 1 (every CP rank holds the same full batch)::
 
+    cp_group, cp_rank, cp_size = cp_group_info(mesh["context_parallel"])
     shard = shard_batch(batch, cp_rank, cp_size)   # dict of local tensors + "ring_layout"
     out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
                 ring_layout=shard["ring_layout"])  # HF forwards the kwarg down to the attention function
@@ -162,6 +163,12 @@ def unshard(local: Tensor, cp_rank: int, cp_size: int, group: dist.ProcessGroup 
     for r, part in enumerate(parts):
         out.index_copy_(dim, shard_index(s, r, cp_size, device=local.device), part)
     return out
+
+
+def cp_group_info(cp_mesh_or_group: Any) -> tuple[dist.ProcessGroup, int, int]:
+    """(group, cp_rank, cp_size) from a 1-D CP DeviceMesh (e.g. ``mesh["context_parallel"]``) or a group."""
+    group = cp_mesh_or_group.get_group() if hasattr(cp_mesh_or_group, "get_group") else cp_mesh_or_group
+    return group, dist.get_rank(group), dist.get_world_size(group)
 
 
 def cp_loss_reduce(loss_sum: Tensor, num_tokens: Tensor | int, group: dist.ProcessGroup | None = None,

@@ -130,6 +130,7 @@ def _worker(rank, world, s):
         _check_case(rank, world, "d512", 8 * world)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_matches_single_device(world):

@@ -156,6 +156,7 @@ def _parity_worker(rank, world):
         assert checked > 10
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_tiny_gemma4_cp2_matches_cp1():
     """Loss and every gradient of tiny and tiny-moe Gemma4 at cp=2 (ring) equal cp=1 (HF eager), fp32."""

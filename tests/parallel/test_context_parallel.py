@@ -124,9 +124,10 @@ def _parity_worker(rank, world):
         ref.config._attn_implementation = "eager"
         batch = _batch(cfg.vocab_size, 2, 64)
 
-        full = shard_batch(batch, 0, 1)  # cp=1: global order, same labels/documents convention
+        full = shard_batch(batch, 0, 1)  # cp=1: global order and the same shifted labels
+        raw_docs = batch["document_ids"].masked_fill(batch["attention_mask"] == 0, -1)
         out = ref(input_ids=full["input_ids"], position_ids=full["position_ids"],
-                  attention_mask=_eager_masks(full["ring_layout"].document_ids, cfg.sliding_window))
+                  attention_mask=_eager_masks(raw_docs, cfg.sliding_window))
         ref_loss = _loss(out.logits, full["shift_labels"]) / full["num_tokens"]
         ref_loss.backward()
 

@@ -244,6 +244,8 @@ def ring_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
         raise ValueError("ring attention takes padding and documents from ring_layout; pass no attention_mask")
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("ring attention supports causal layers only")
+    if kwargs.get("dropout", 0.0):
+        raise NotImplementedError(f"ring attention has no attention dropout (got dropout={kwargs['dropout']})")
     scale = module.scaling if scaling is None else scaling
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D)
     if sliding_window:
@@ -287,9 +289,10 @@ def install_ring(model: torch.nn.Module, cp_mesh_or_group: Any, block_ops: str =
     AttentionMaskInterface.register(ATTN_NAME, no_hf_mask)
     for m in modules:
         m._ffpa_ring = handle  # plain attribute: the handle is not a submodule and holds no parameters
-    model.config._attn_implementation = ATTN_NAME
-    for sub in ("text_config",):
-        cfg = getattr(model.config, sub, None)
-        if cfg is not None:
-            cfg._attn_implementation = ATTN_NAME
+    # Attention layers read their own `config` (the text config); the model's config may be a wrapper around
+    # it (multimodal) or absent (a LightningModule was passed): set every distinct one.
+    configs = {id(c): c for c in [getattr(model, "config", None), *(getattr(m, "config", None) for m in modules)]
+               if c is not None}
+    for cfg in configs.values():
+        cfg._attn_implementation = ATTN_NAME
     return handle

@@ -1,0 +1,73 @@
+"""The paged flex attention function HF decoder layers call during rollouts, and its kernel options.
+
+Owns: the per-step context the engine passes in place of `attention_mask`, the attention function
+registered as `ATTENTION_NAME`, and the flex kernel options per head_dim. It does not build masks
+(`masks.py`) nor write the KV cache (`kv_cache.py`: HF calls `cache.update` before attention).
+
+Kernel options are validated, not assumed: `tests/rollout/test_kernel_options.py` checks every option
+set here against SDPA on scrambled page layouts with padded rows (CPU eager and GPU compiled).
+We never enable `ROWS_GUARANTEED_SAFE` (padded decode rows are fully masked and give NaN with it) nor
+`BLOCKS_ARE_CONTIGUOUS` (pages of a sequence are not physically consecutive); the GPU test re-checks
+both hazards and fails if either is ever added while unsafe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from lightning_ffpa.rollout.compat import register_attention
+
+ATTENTION_NAME = "lightning_ffpa_paged"
+
+# head_dim 512 (Gemma4 full layers): flex's default tiles need ~256 KB of shared memory against
+# H200's 227 KB, so prefill uses 64x32 tiles and one pipeline stage. Decode's default
+# (BLOCK_N=64, 1 stage) fits: 16x512 Q + 2 x 64x512 K/V tiles in bf16 = 144 KB.
+_PREFILL_OPTIONS: dict[int, dict[str, Any]] = {512: {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4}}
+_DECODE_OPTIONS: dict[int, dict[str, Any]] = {512: {"BLOCK_N": 64, "num_stages": 1, "num_warps": 4}}
+UNSAFE_OPTIONS = ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS")
+
+
+def kernel_options(head_dim: int, decode: bool) -> dict[str, Any] | None:
+    """Flex kernel options for one head_dim and phase (None: flex's defaults)."""
+    table = _DECODE_OPTIONS if decode else _PREFILL_OPTIONS
+    opts = next((dict(v) for d, v in sorted(table.items()) if head_dim >= d), None)
+    return opts
+
+
+@dataclass
+class StepContext:
+    """What every layer needs for one forward: masks by sliding window (None = full) and the flex op."""
+
+    masks: dict[int | None, BlockMask]
+    decode: bool
+    flex: Callable = flex_attention
+    options: Callable[[int, bool], dict[str, Any] | None] = kernel_options
+    calls: dict[str, int] = field(default_factory=dict)  # per-window call counts (tests count layers)
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: StepContext, scaling: float | None = None, dropout: float = 0.0,
+                    sliding_window: int | None = None, softcap: float | None = None, **kwargs: Any):
+    """HF attention interface over paged KV: q (B,Hq,S,D); k/v (1,Hkv,pool,D) in decode, packed in prefill."""
+    ctx = attention_mask
+    if not isinstance(ctx, StepContext):
+        raise TypeError(f"{ATTENTION_NAME} needs the rollout engine's StepContext, got {type(ctx).__name__}")
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    block_mask = ctx.masks[window]
+    key_name = "sliding" if window is not None else "full"
+    ctx.calls[key_name] = ctx.calls.get(key_name, 0) + 1
+    score_mod = None
+    if softcap is not None:
+        def score_mod(score, b, h, q_idx, kv_idx):  # noqa: ARG001 - flex's score_mod signature
+            return softcap * torch.tanh(score / softcap)
+    out = ctx.flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling,
+                   enable_gqa=query.shape[1] != key.shape[1],
+                   kernel_options=ctx.options(query.shape[-1], ctx.decode))
+    return out.transpose(1, 2), None  # (B, S, H, D)
+
+
+register_attention(ATTENTION_NAME, paged_attention)

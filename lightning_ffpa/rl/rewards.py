@@ -7,7 +7,8 @@ A reward function is `f(prompts, completions, completion_ids, **kw) -> list[floa
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 RewardFn = Callable[..., list]
 

@@ -13,8 +13,9 @@ both hazards and fails if either is ever added while unsafe.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention

@@ -19,7 +19,12 @@ from torch.nn.attention.flex_attention import flex_attention
 from lightning_ffpa.rollout import compat
 from lightning_ffpa.rollout.attention import StepContext
 from lightning_ffpa.rollout.kv_cache import PagedKVCache
-from lightning_ffpa.rollout.masks import PREFILL_BLOCK, decode_block_mask, logical_block_mask, prefill_block_mask
+from lightning_ffpa.rollout.masks import (
+    PREFILL_BLOCK,
+    decode_block_mask,
+    logical_block_mask,
+    prefill_block_mask,
+)
 from lightning_ffpa.rollout.page_table import PageTable
 from lightning_ffpa.rollout.sampler import SamplingParams, sample
 from lightning_ffpa.rollout.scheduler import Scheduler, Sequence

@@ -39,6 +39,30 @@ def kernel_options(head_dim: int, decode: bool) -> dict[str, Any] | None:
     return opts
 
 
+def dense_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None,
+                    block_mask: BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
+                    kernel_options: dict | None = None) -> torch.Tensor:
+    """Same contract as `flex_attention` via a dense mask from `block_mask.mask_mod` and SDPA.
+
+    A CPU reference path (selected by `EngineConfig.attention="dense"`): it skips flex's vmapped eager
+    path, which dominates tiny CPU runs. Fully masked rows return zeros, like flex.
+    """
+    if score_mod is not None:
+        raise NotImplementedError("dense_reference has no score_mod; use attention='flex'")
+    B, _, Q, _ = query.shape
+    KV = key.shape[-2]
+    dev = query.device
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
+    q = torch.arange(Q, device=dev).view(1, 1, Q, 1)
+    kv = torch.arange(KV, device=dev).view(1, 1, 1, KV)
+    mask = block_mask.mask_mod(b, h, q, kv).expand(B, 1, Q, KV)  # mask mods broadcast like flex's vmap
+    key, value = key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                           enable_gqa=enable_gqa)
+    return torch.where(mask.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=dev))
+
+
 @dataclass
 class StepContext:
     """What every layer needs for one forward: masks by sliding window (None = full) and the flex op."""

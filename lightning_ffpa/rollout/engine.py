@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 from lightning_ffpa.rollout import compat
-from lightning_ffpa.rollout.attention import StepContext
+from lightning_ffpa.rollout.attention import StepContext, dense_reference
 from lightning_ffpa.rollout.kv_cache import PagedKVCache
 from lightning_ffpa.rollout.masks import (
     PREFILL_BLOCK,
@@ -49,12 +49,16 @@ class EngineConfig:
     """Capture decode per batch bucket (CUDA only)."""
     compile_flex: bool = True
     """torch.compile flex_attention (CUDA only; CPU uses the eager path)."""
+    attention: str = "flex"
+    """"flex", or "dense" (SDPA over the same mask mods: a CPU reference path for fast tiny runs)."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len % self.page_size:
             raise ValueError(f"`max_seq_len={self.max_seq_len}` must be a multiple of `page_size={self.page_size}`")
         if self.num_pages < 2:
             raise ValueError(f"`num_pages={self.num_pages}` must be >= 2")
+        if self.attention not in ("flex", "dense"):
+            raise ValueError(f"`attention={self.attention!r}` must be 'flex' or 'dense'")
 
 
 def _buckets(max_batch: int) -> list[int]:
@@ -82,10 +86,12 @@ class RolloutEngine:
         self.cache = PagedKVCache(self.walker.specs, cfg.num_pages, cfg.page_size, self.dtype, self.device)
         self.logical = {w: logical_block_mask(cfg.max_seq_len, cfg.page_size, w, self.device)
                         for w in self.walker.windows}
-        self.flex = flex_attention
-        if self.on_cuda and cfg.compile_flex:
+        self.flex, self.attention_path = flex_attention, "flex_eager"
+        if cfg.attention == "dense":
+            self.flex, self.attention_path = dense_reference, "dense_reference"
+        elif self.on_cuda and cfg.compile_flex:
             compat.raise_recompile_limit()
-            self.flex = torch.compile(flex_attention, dynamic=False)
+            self.flex, self.attention_path = torch.compile(flex_attention, dynamic=False), "flex_compiled"
         self.buckets = _buckets(cfg.max_batch_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._graph_pool = None

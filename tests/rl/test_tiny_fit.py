@@ -22,7 +22,7 @@ def test_tiny_grpo_reward_rises():
     torch.manual_seed(0)
     rollout = RolloutCallback(["lightning_ffpa.rl.rewards:token_range_reward"], num_generations=8,
                               max_new_tokens=6, page_size=8, num_pages=64, max_batch_size=16, max_seq_len=32,
-                              eos_token_ids=[], verify_no_drift=True)
+                              eos_token_ids=[], verify_no_drift=True, attention="dense")
     rewards = _Rewards()
     trainer = L.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout, rewards])

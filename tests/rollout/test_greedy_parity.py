@@ -1,7 +1,9 @@
-"""Greedy generation through the paged engine equals HF `generate` token for token (fp32, CPU eager flex).
+"""Greedy generation through the paged engine equals HF `generate` token for token (fp32, CPU).
 
-Pages of 4 tokens and 40 new tokens cross many pages and the tiny Gemma4's 16-token window; a small
-page pool forces recompute-style preemption.
+Pages of 4 tokens and 24 new tokens cross many pages and the tiny Gemma4's 16-token window; a small
+page pool forces recompute-style preemption. The Gemma4 test runs flex's eager path; the walker tests
+(KV-shared layers, Llama, Qwen2) use the dense reference over the same mask mods to stay fast, and
+one test checks dense and flex agree token for token.
 """
 
 import pytest
@@ -11,7 +13,7 @@ from transformers import Gemma4ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2
 from lightning_ffpa.presets import build_text_config
 from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
 
-NEW = 32
+NEW = 24
 
 
 def _hf_greedy(model, prompt, new):
@@ -47,8 +49,8 @@ def gemma():
 
 def test_gemma4_greedy_matches_hf_with_preemption(gemma):
     prompts = _prompts(512, (7, 12, 3))
-    # each sequence needs 9-11 pages of 4 tokens; 23 usable pages cannot hold all three at once
-    cfg = EngineConfig(page_size=4, num_pages=24, max_batch_size=4, max_seq_len=64, max_prefill_tokens=64)
+    # each sequence needs 7-9 pages of 4 tokens; 17 usable pages cannot hold all three at once
+    cfg = EngineConfig(page_size=4, num_pages=18, max_batch_size=4, max_seq_len=64, max_prefill_tokens=64)
     eng = _check(gemma, prompts, cfg, expect_preemption=True)
     assert eng.stats["prefill_steps"] > 1
 
@@ -58,7 +60,7 @@ def test_gemma4_kv_shared_layers_and_per_layer_inputs_match_hf():
     cfg = build_text_config("tiny", num_kv_shared_layers=2, hidden_size_per_layer_input=8)
     model = Gemma4ForCausalLM(cfg).eval()
     eng = _check(model, _prompts(512, (5, 11), seed=1),
-                 EngineConfig(page_size=4, num_pages=64, max_batch_size=2, max_seq_len=64), new=20)
+                 EngineConfig(page_size=4, num_pages=64, max_batch_size=2, max_seq_len=64, attention="dense"), new=20)
     assert sum(s.shared for s in eng.walker.specs) == 2 and len(eng.cache.k) == 2
 
 
@@ -70,4 +72,15 @@ def test_llama_qwen_through_the_same_walker(family):
     model = (LlamaForCausalLM(LlamaConfig(**common)) if family == "llama"
              else Qwen2ForCausalLM(Qwen2Config(**common))).eval()
     _check(model, _prompts(256, (6, 9), seed=2),
-           EngineConfig(page_size=4, num_pages=48, max_batch_size=2, max_seq_len=64), new=16)
+           EngineConfig(page_size=4, num_pages=48, max_batch_size=2, max_seq_len=64, attention="dense"), new=20)
+
+
+def test_dense_reference_path_matches_flex(gemma):
+    prompts = _prompts(512, (5, 9), seed=3)
+    outs = {}
+    for attention in ("flex", "dense"):
+        eng = RolloutEngine(gemma, EngineConfig(page_size=4, num_pages=32, max_batch_size=2, max_seq_len=64,
+                                                attention=attention))
+        outs[attention] = [s.output for s in eng.generate(prompts, 12)]
+        assert eng.attention_path == {"flex": "flex_eager", "dense": "dense_reference"}[attention]
+    assert outs["flex"] == outs["dense"]

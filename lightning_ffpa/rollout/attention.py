@@ -24,19 +24,21 @@ from lightning_ffpa.rollout.compat import register_attention
 
 ATTENTION_NAME = "lightning_ffpa_paged"
 
-# head_dim 512 (Gemma4 full layers): flex's default tiles need ~256 KB of shared memory against
-# H200's 227 KB, so prefill uses 64x32 tiles and one pipeline stage. Decode's default
-# (BLOCK_N=64, 1 stage) fits: 16x512 Q + 2 x 64x512 K/V tiles in bf16 = 144 KB.
-_PREFILL_OPTIONS: dict[int, dict[str, Any]] = {512: {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4}}
-_DECODE_OPTIONS: dict[int, dict[str, Any]] = {512: {"BLOCK_N": 64, "num_stages": 1, "num_warps": 4}}
+# head_dim 512 (Gemma4 full layers). Flex's default forward tiles at D > 256 are 64x32 (bf16) / 32x16
+# (fp32) with 3 pipeline stages: ~256 KB of shared memory against H200's 227 KB, so we keep the tiles and
+# use one stage. Decode: one stage as well; bf16 keeps flex's BLOCK_N (64, clamped to the page size):
+# 16x512 Q + 2 x 64x512 K/V tiles = 144 KB; fp32 needs BLOCK_N=16 (so pages must be multiples of 16).
 UNSAFE_OPTIONS = ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS")
 
 
-def kernel_options(head_dim: int, decode: bool) -> dict[str, Any] | None:
-    """Flex kernel options for one head_dim and phase (None: flex's defaults)."""
-    table = _DECODE_OPTIONS if decode else _PREFILL_OPTIONS
-    opts = next((dict(v) for d, v in sorted(table.items()) if head_dim >= d), None)
-    return opts
+def kernel_options(head_dim: int, decode: bool, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any] | None:
+    """Flex kernel options for one head_dim, phase and dtype (None: flex's defaults)."""
+    if head_dim <= 256:
+        return None
+    wide = dtype == torch.float32
+    if decode:
+        return {"num_stages": 1, "BLOCK_N": 16} if wide else {"num_stages": 1}
+    return {"BLOCK_M": 32 if wide else 64, "BLOCK_N": 16 if wide else 32, "num_stages": 1, "num_warps": 4}
 
 
 def dense_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None,
@@ -70,7 +72,7 @@ class StepContext:
     masks: dict[int | None, BlockMask]
     decode: bool
     flex: Callable = flex_attention
-    options: Callable[[int, bool], dict[str, Any] | None] = kernel_options
+    options: Callable[..., dict[str, Any] | None] = kernel_options
     calls: dict[str, int] = field(default_factory=dict)  # per-window call counts (tests count layers)
 
 
@@ -91,7 +93,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             return softcap * torch.tanh(score / softcap)
     out = ctx.flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling,
                    enable_gqa=query.shape[1] != key.shape[1],
-                   kernel_options=ctx.options(query.shape[-1], ctx.decode))
+                   kernel_options=ctx.options(query.shape[-1], ctx.decode, query.dtype))
     return out.transpose(1, 2), None  # (B, S, H, D)
 
 

@@ -80,6 +80,8 @@ class RolloutEngine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.on_cuda = self.device.type == "cuda"
+        if self.on_cuda and cfg.page_size % 16:
+            raise ValueError(f"`page_size={cfg.page_size}` must be a multiple of 16 on CUDA (flex decode tiles)")
         self.eos_token_ids = set(eos_token_ids or ())
         self.page_table = PageTable(cfg.num_pages, cfg.page_size, cfg.max_batch_size + 1,
                                     cfg.max_seq_len // cfg.page_size, self.device)

@@ -77,10 +77,39 @@ def test_compiled_kernel_options_match_sdpa_on_gpu(head_dim, window):
     q, k, v, bm, ref, *_ = _paged_case("cuda", torch.bfloat16, head_dim, 128, [300, 1000, 77, 129], window,
                                        num_pages=24, hq=8, hkv=2 if head_dim == 256 else 1)
     flex = torch.compile(flex_attention, dynamic=False)
-    out = flex(q, k, v, block_mask=bm, scale=1.0, enable_gqa=True, kernel_options=kernel_options(head_dim, True))
+    out = flex(q, k, v, block_mask=bm, scale=1.0, enable_gqa=True, kernel_options=kernel_options(head_dim, True, torch.bfloat16))
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[:-1].float(), ref[:-1].float(), atol=2e-2, rtol=2e-2)
     assert not set(kernel_options(head_dim, True) or {}) & set(UNSAFE_OPTIONS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_prefill_options_head_dim_512_match_sdpa_with_padding(dtype):
+    """Packed prefill at D=512 with the prefill options: two documents and padded (fully masked) rows."""
+    from lightning_ffpa.rollout.masks import prefill_block_mask
+
+    g = torch.Generator().manual_seed(0)
+    lens, S = [300, 150], 512
+    doc = torch.full((S,), -1)
+    pos = torch.zeros(S, dtype=torch.long)
+    doc[:300], doc[300:450] = 0, 1
+    pos[:300], pos[300:450] = torch.arange(300), torch.arange(150)
+    doc, pos = doc.cuda(), pos.cuda()
+    q = torch.randn(1, 8, S, 512, generator=g).to("cuda", dtype)
+    k = torch.randn(1, 1, S, 512, generator=g).to("cuda", dtype)
+    v = torch.randn(1, 1, S, 512, generator=g).to("cuda", dtype)
+    flex = torch.compile(flex_attention, dynamic=False)
+    out = flex(q, k, v, block_mask=prefill_block_mask(doc, pos, None), scale=1.0, enable_gqa=True,
+               kernel_options=kernel_options(512, False, dtype))
+    assert torch.isfinite(out).all() and out[:, :, 450:].abs().max() == 0
+    start = 0
+    for n in lens:
+        sl = slice(start, start + n)
+        ref = F.scaled_dot_product_attention(q[:, :, sl].float(), k[:, :, sl].float().expand(1, 8, n, 512),
+                                             v[:, :, sl].float().expand(1, 8, n, 512), is_causal=True, scale=1.0)
+        torch.testing.assert_close(out[:, :, sl].float(), ref, atol=2e-2, rtol=2e-2)
+        start += n
 
 
 @pytest.mark.gpu
@@ -95,4 +124,5 @@ def test_unsafe_options_are_unsafe_here_and_not_enabled(option):
     print(f"{option}: {'breaks' if broken else 'matched'} on scrambled pages with a padded row")
     for d in (256, 512):
         for decode in (True, False):
-            assert option not in (kernel_options(d, decode) or {})
+            for dtype in (torch.bfloat16, torch.float32):
+                assert option not in (kernel_options(d, decode, dtype) or {})

@@ -24,28 +24,50 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results_io import write_result  # noqa: E402
 from lightning_ffpa.presets import build_text_config  # noqa: E402
 
+DEVICE = "cuda"
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_gb() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan")
+
+
+def _reset_peak() -> None:
+    if DEVICE == "cuda":
+        _reset_peak()
+
+
+def _free() -> None:
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
 
 def copy_bandwidth(gb: float = 4.0) -> float:
     """Device copy bandwidth in bytes/s (read + write), best of 10."""
     n = int(gb * 2**30) // 2
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    a = torch.empty(n, dtype=torch.bfloat16, device=DEVICE)
     b = torch.empty_like(a)
     best = float("inf")
     for _ in range(10):
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         b.copy_(a)
-        torch.cuda.synchronize()
+        _sync()
         best = min(best, time.perf_counter() - t)
     del a, b
     return 2 * n * 2 / best
 
 
-def build_model(layers: int):
+def build_model(layers: int, preset: str = "gemma4-31b"):
     from transformers import Gemma4ForCausalLM
 
-    cfg = build_text_config("gemma4-31b", num_hidden_layers=layers)
-    with torch.device("cuda"):
+    cfg = build_text_config(preset, num_hidden_layers=layers)
+    with torch.device(DEVICE):
         model = Gemma4ForCausalLM(cfg).to(torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -66,19 +88,18 @@ def weight_bytes(model) -> int:
 
 
 def timed(fn):
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    _sync()
     return out, time.perf_counter() - t
 
 
-def run_ours(model, cfg, prompts, new, bw, wbytes):
+def run_ours(model, cfg, prompts, new, bw, wbytes, page=128):
     from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
     from lightning_ffpa.rollout.sampler import SamplingParams
 
     bs, plen = len(prompts), len(prompts[0])
-    page = 128
     max_len = -(-(plen + new) // page) * page
     ecfg = EngineConfig(page_size=page, num_pages=bs * (max_len // page) + 2, max_batch_size=bs,
                         max_seq_len=max_len, max_prefill_tokens=16384)
@@ -86,7 +107,7 @@ def run_ours(model, cfg, prompts, new, bw, wbytes):
     greedy = SamplingParams(temperature=0.0)
     _, t_warm = timed(lambda: eng.generate(prompts, 4, greedy))  # compiles flex, captures the bucket
     _, t_prefill = timed(lambda: eng.generate(prompts, 1, greedy))
-    torch.cuda.reset_peak_memory_stats()
+    _reset_peak()
     seqs, t_total = timed(lambda: eng.generate(prompts, new, greedy))
     t_decode = max(t_total - t_prefill, 1e-9)
     ctx = plen + new / 2  # mean attended length over decode
@@ -98,36 +119,51 @@ def run_ours(model, cfg, prompts, new, bw, wbytes):
     return {"tokens_per_s": bs * new / t_total, "decode_tokens_per_s": decode_tps,
             "roofline_fraction": decode_tps / ideal_tps, "step_bytes": step_bytes,
             "total_s": t_total, "prefill_s": t_prefill, "warmup_s": t_warm,
-            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "graph_replays": eng.stats["graph_replays"],
+            "peak_mem_gb": _peak_gb(), "graph_replays": eng.stats["graph_replays"],
             "eager_decodes": eng.stats["eager_decodes"],
             "tokens_generated": sum(len(s.output) for s in seqs)}, eng
 
 
 def run_hf_static(model, prompts, new):
-    ids = torch.tensor(prompts, device="cuda")
+    ids = torch.tensor(prompts, device=DEVICE)
     kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0, disable_compile=True)
     timed(lambda: model.generate(ids, max_new_tokens=4, **kw))
-    torch.cuda.reset_peak_memory_stats()
+    _reset_peak()
     out, t = timed(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw))
     return {"tokens_per_s": ids.shape[0] * new / t, "total_s": t,
-            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30}, out[:, ids.shape[1]:]
+            "peak_mem_gb": _peak_gb()}, out[:, ids.shape[1]:]
 
 
 def run_hf_cb(model, prompts, new):
     from transformers import GenerationConfig
 
     saved = model.config._attn_implementation
-    model.set_attn_implementation("sdpa_paged")
+    errors = []
+    for impl in ("sdpa_paged", "paged|sdpa"):  # transformers 5.17 name, then the newer spelling
+        try:
+            model.set_attn_implementation(impl)
+            break
+        except ValueError as err:
+            errors.append(str(err)[:120])
+    else:
+        raise ValueError(f"no paged SDPA implementation: {errors}")
     try:
         gc_ = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
         model.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(
             max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0))
-        torch.cuda.reset_peak_memory_stats()
+        _reset_peak()
         out, t = timed(lambda: model.generate_batch(inputs=prompts, generation_config=gc_))
-        return {"tokens_per_s": len(prompts) * new / t, "total_s": t,
-                "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30}
+        return {"tokens_per_s": len(prompts) * new / t, "total_s": t, "attn_implementation": impl,
+                "tokens_generated": _count_cb_tokens(out), "peak_mem_gb": _peak_gb()}
     finally:
         model.set_attn_implementation(saved)
+
+
+def _count_cb_tokens(out) -> int | None:
+    try:
+        return sum(len(r.generated_tokens) for r in out.values())
+    except Exception:  # noqa: BLE001 - the result type moved across transformers versions
+        return None
 
 
 def lora_refresh_s(model, inference, reps: int = 3) -> float:
@@ -154,11 +190,17 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--preset", default="gemma4-31b", help="model shape (tiny: CPU smoke test of this script)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--page-size", type=int, default=128)
+    ap.add_argument("--bandwidth-gb", type=float, default=4.0)
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     rows, summary = [], {}
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(args.bandwidth_gb)
     rows.append({"name": "copy_bandwidth", "bytes_per_s": bw})
-    model, cfg = build_model(args.layers)
+    model, cfg = build_model(args.layers, args.preset)
     wbytes = weight_bytes(model)
     g = torch.Generator().manual_seed(0)
     ours_tps, hf_tps, rollout_s = {}, {}, {}
@@ -169,7 +211,7 @@ def main() -> None:
         row = {"name": "ours_paged_flex", "batch": bs, "layers": args.layers, "new_tokens": args.new_tokens}
         eng = None
         try:
-            res, eng = run_ours(model, cfg, prompts, args.new_tokens, bw, wbytes)
+            res, eng = run_ours(model, cfg, prompts, args.new_tokens, bw, wbytes, args.page_size)
             row.update(res)
             ours_tps[bs], rollout_s[bs] = res["tokens_per_s"], res["total_s"]
             if bs == 64 or bs == batches[-1]:
@@ -180,8 +222,7 @@ def main() -> None:
             traceback.print_exc()
         rows.append(row)
         del eng
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free()
         if bs in hf_batches:
             for name, fn in (("hf_generate_static", run_hf_static), ("hf_continuous_batching", run_hf_cb)):
                 row = {"name": name, "batch": bs, "layers": args.layers, "new_tokens": args.new_tokens}
@@ -195,8 +236,7 @@ def main() -> None:
                     row["error"] = f"{type(err).__name__}: {err}"
                     traceback.print_exc()
                 rows.append(row)
-                gc.collect()
-                torch.cuda.empty_cache()
+                _free()
     ours64 = next((r for r in rows if r.get("name") == "ours_paged_flex" and r.get("batch") == 64), {})
     refresh = summary.pop("_refresh", {})
     summary["roofline_fraction_bs64"] = ours64.get("roofline_fraction")

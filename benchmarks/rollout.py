@@ -67,8 +67,13 @@ def build_model(layers: int, preset: str = "gemma4-31b"):
     from transformers import Gemma4ForCausalLM
 
     cfg = build_text_config(preset, num_hidden_layers=layers)
-    with torch.device(DEVICE):
-        model = Gemma4ForCausalLM(cfg).to(torch.bfloat16)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEVICE):
+            model = Gemma4ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(saved)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim >= 2:

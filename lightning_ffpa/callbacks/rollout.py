@@ -77,8 +77,13 @@ class RolloutCallback(L.Callback):
         base = train.get_base_model() if hasattr(train, "get_base_model") else train
         param = next(base.parameters())
         device = pl_module.device
-        with torch.device(device):  # a fresh model: no peft modules, weights filled by the sync
-            inference = type(base)(base.config).to(param.dtype)
+        saved_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(param.dtype)  # build in the final dtype: no fp32 staging copy of a 31B model
+        try:
+            with torch.device(device):  # a fresh model: no peft modules, weights filled by the sync
+                inference = type(base)(base.config)
+        finally:
+            torch.set_default_dtype(saved_dtype)
         inference.eval().requires_grad_(False)
         self.sync = LoraSync(train, inference)
         self.sync.refresh(full=True)

@@ -4,7 +4,7 @@ Owns: the per-step context the engine passes in place of `attention_mask`, the a
 registered as `ATTENTION_NAME`, and the flex kernel options per head_dim. It does not build masks
 (`masks.py`) nor write the KV cache (`kv_cache.py`: HF calls `cache.update` before attention).
 
-Kernel options are validated, not assumed: `tests/rollout/test_kernel_options.py` checks every option
+Kernel options are validated, not assumed: `tests/rollout/test_rollout_kernel_options.py` checks every option
 set here against SDPA on scrambled page layouts with padded rows (CPU eager and GPU compiled).
 We never enable `ROWS_GUARANTEED_SAFE` (padded decode rows are fully masked and give NaN with it) nor
 `BLOCKS_ARE_CONTIGUOUS` (pages of a sequence are not physically consecutive); the GPU test re-checks

@@ -46,6 +46,8 @@ def _install_hidden_states_method(model: nn.Module) -> None:
         return
 
     def forward_hidden_states(**inputs) -> torch.Tensor:
+        # A KV cache in training would grow again in every AC recompute: off unless asked for.
+        inputs.setdefault("use_cache", False)
         return model.model(**inputs).last_hidden_state  # (B, S, H)
 
     setattr(model, _HIDDEN_METHOD, forward_hidden_states)
@@ -56,6 +58,7 @@ def causal_lm_hidden_states(model: nn.Module, **inputs) -> torch.Tensor:
     method = getattr(model, _HIDDEN_METHOD, None)
     if method is not None:
         return method(**inputs)
+    inputs.setdefault("use_cache", False)
     return model.model(**inputs).last_hidden_state
 
 
@@ -101,7 +104,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
         fully_shard(layer, reshard_after_forward=reshard_after_forward and i < len(layers) - 1, **kwargs)
     # The root unit holds embeddings, final norm and the (tied) lm_head.
     _install_hidden_states_method(model)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root stays gathered after forward: the fused loss reads lm_head.weight after the forward
+    # method returns, and backward needs it first thing anyway.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
     if hasattr(model, _HIDDEN_METHOD):
         register_fsdp_forward_method(model, _HIDDEN_METHOD)
     return model

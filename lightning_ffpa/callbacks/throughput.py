@@ -137,7 +137,7 @@ class TokenThroughput(ThroughputMonitor):
             tp.available_flops = peak
         self._auto_flops = not hasattr(pl_module, "flops_per_batch")
         try:  # FLOP formulas for the FFPA ops, for anyone using measure_flops on this model
-            from lightning_ffpa.attention import register_flop_formulas
+            from lightning_ffpa.attention.kernels import register_flop_formulas
         except ImportError:
             pass
         else:

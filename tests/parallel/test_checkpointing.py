@@ -98,6 +98,34 @@ def test_sdpa_forward_is_must_save(mode, per_layer):
     assert sum(counts.values()) == per_layer * 4
 
 
+def _kernel_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Full layers (head_dim 512) through the FFPA op contract (CPU reference op); sliding ones through SDPA."""
+    from lightning_ffpa.attention import kernels
+
+    if module.head_dim != 512:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D)
+    return kernels.ffpa_attention(q, k, v, scaling, True), None
+
+
+AttentionInterface.register("kernel_test", _kernel_attention)
+
+
+@pytest.mark.parametrize("mode,per_layer", [("selective", 1), ("full", 2)])
+def test_ffpa_forward_ops_are_saved_by_default(mode, per_layer):
+    kernels = pytest.importorskip("lightning_ffpa.attention.kernels")
+    ref_fwd = torch.ops.lightning_ffpa.ref_dense_fwd.default
+    assert ref_fwd in set(kernels.FFPA_FORWARD_OPS) and ref_fwd in checkpointing.default_save_ops()
+    model = _tiny("kernel_test")
+    parallelize(model, None, activation_checkpointing=mode)
+    with kernels.force_kernel("reference"):
+        counts = _step(model, {ref_fwd})
+    n_full = build_text_config("tiny").layer_types.count("full_attention")
+    assert counts[ref_fwd] == per_layer * n_full
+
+
 def test_ffpa_reference_op_runs_once_per_full_layer():
     attention = pytest.importorskip("lightning_ffpa.attention")
     if not hasattr(attention, "register_ffpa"):

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-__all__ = ["FFPAAttention", "find_hf_model", "context_parallel_size"]
+__all__ = ["FFPAAttention", "find_hf_model", "context_parallel_size", "set_attn_implementation"]
 
 
 def find_hf_model(pl_module: nn.Module) -> nn.Module | None:
@@ -56,7 +56,8 @@ def _backend():
     return attention
 
 
-def _set_attn_implementation(model: nn.Module, name: str) -> None:
+def set_attn_implementation(model: nn.Module, name: str) -> None:
+    """Set the HF attention implementation on `model` (and its sub-configs)."""
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
     else:
@@ -112,10 +113,10 @@ class FFPAAttention(Callback):
         if self._installed_on == id(model):
             return
         if self.cp_size > 1:
-            _set_attn_implementation(model, "sdpa")
+            set_attn_implementation(model, "sdpa")
             self._ring_installer()(model, trainer.strategy.device_mesh["context_parallel"])
         else:
-            _set_attn_implementation(model, self.attn_implementation)
+            set_attn_implementation(model, self.attn_implementation)
         self._installed_on = id(model)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -44,7 +44,7 @@ def _dtype(name: str | None, option: str) -> torch.dtype | None:
     return _DTYPES[name]
 
 
-def _find_parallelize_target(module: nn.Module) -> nn.Module:
+def _find_parallelize_target(module: nn.Module, required: bool = True) -> nn.Module | None:
     """The HF model inside a LightningModule: `module.model` if it has decoder layers, else the first
     transformers PreTrainedModel among the submodules."""
     inner = getattr(module, "model", None)
@@ -57,6 +57,8 @@ def _find_parallelize_target(module: nn.Module) -> nn.Module:
     for sub in module.modules():
         if PreTrainedModel and isinstance(sub, PreTrainedModel) and find_decoder_layers(sub) is not None:
             return sub
+    if not required:
+        return None
     raise TypeError(
         f"FSDP2Strategy found no decoder model in {type(module).__name__}: set `self.model` to an HF model, "
         "or call `lightning_ffpa.parallel.parallelize(...)` yourself in `configure_model()`"
@@ -204,10 +206,13 @@ class FSDP2Strategy(ModelParallelStrategy):
             raise TypeError("FSDP2Strategy supports FSDP2 (`fully_shard`) only; found FSDP1-wrapped modules")
         # Unlike ModelParallelStrategy, `configure_model` is optional: if the module did not shard
         # itself there, apply the recipe to its HF model here (after `configure_model` has run).
-        if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
-            self.parallelize_module(_find_parallelize_target(self.lightning_module))
-
-        _materialize(self.model, self.root_device)
+        already_sharded = any(isinstance(m, FSDPModule) for m in self.model.modules())
+        target = _find_parallelize_target(self.lightning_module, required=not already_sharded)
+        if not already_sharded:
+            self.parallelize_module(target)
+        if target is not None:
+            _materialize(target, self.root_device)
+        _materialize_distributed_module(self.model, self.root_device)  # anything else still on meta
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()

@@ -10,10 +10,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 from lightning_ffpa.parallel._shim import flatten_mesh
-from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, apply_activation_checkpointing, sac_context_fn
+from lightning_ffpa.parallel.checkpointing import (
+    ACMode,
+    SaveMM,
+    apply_activation_checkpointing,
+    sac_context_fn,
+)
 
 __all__ = ["parallelize", "find_decoder_layers", "causal_lm_hidden_states", "FSDP_MESH_NAME"]
 
@@ -58,6 +68,11 @@ def causal_lm_hidden_states(model: nn.Module, **inputs) -> torch.Tensor:
     method = getattr(model, _HIDDEN_METHOD, None)
     if method is not None:
         return method(**inputs)
+    if any(hasattr(p, "to_local") for p in model.parameters()):  # sharded, but not the root we wrapped
+        raise RuntimeError(
+            f"causal_lm_hidden_states got a sharded {type(model).__name__} without the root hook: pass the module "
+            "given to `parallelize` (the FSDP root), not an inner or unwrapped one"
+        )
     inputs.setdefault("use_cache", False)
     return model.model(**inputs).last_hidden_state
 

@@ -104,7 +104,7 @@ def test_bad_option():
 def test_throughput_counts_real_tokens_and_flops(fake_backend):
     module = _Wrapper()
     monitor = TokenThroughput(window_size=2)
-    trainer = _fit(module, [FFPAAttention(log_every_n_steps=0), monitor], steps=3)
+    _fit(module, [FFPAAttention(log_every_n_steps=0), monitor], steps=3)
     assert module.flops_per_batch > 0
     from lightning.pytorch.trainer.states import RunningStage
 

@@ -5,7 +5,11 @@ import torch
 import transformers
 
 from lightning_ffpa.callbacks.throughput import (
-    BF16_PEAK_FLOPS, _keys_per_query, count_real_tokens, train_flops_per_batch)
+    BF16_PEAK_FLOPS,
+    _keys_per_query,
+    count_real_tokens,
+    train_flops_per_batch,
+)
 from lightning_ffpa.presets import build_text_config
 
 

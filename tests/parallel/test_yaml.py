@@ -14,11 +14,10 @@ _CONFIG = _ROOT / "configs" / "tiny_fsdp2.yaml"
 
 
 def test_yaml_parses_into_the_strategy_and_callbacks():
+    import yaml
     from jsonargparse import ArgumentParser
     from lightning.pytorch.cli import LightningCLI  # noqa: F401  (registers the Trainer signature)
     from lightning.pytorch.strategies import Strategy
-
-    import yaml
 
     cfg = yaml.safe_load(_CONFIG.read_text())
     parser = ArgumentParser()

@@ -101,9 +101,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
         # AC wraps the raw layer so the checkpoint region is exactly one decoder layer.
         layer = apply_activation_checkpointing(layer, activation_checkpointing, context_fn)
         # Compile after AC wrapping and before FSDP, so the compiled graph sees the checkpoint region
-        # and FSDP's hooks stay outside the compiled code (torchtitan's order).
+        # and FSDP's hooks stay outside the compiled code (torchtitan's order). Static shapes: SAC
+        # recompute under automatic dynamic shapes can pick a different graph than the forward
+        # (pytorch/pytorch#166926); packed/fixed-length batches make static shapes the norm anyway.
         if compile:
-            layer = torch.compile(layer)
+            layer = torch.compile(layer, dynamic=False)
         layers[i] = layer
 
     if mesh is None:

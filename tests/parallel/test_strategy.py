@@ -54,3 +54,20 @@ def test_two_process_fit_matches_single_process(tmp_path):
     assert one["losses"][-1] < one["losses"][0]  # training moved
     for a, b in zip(one["losses"], two["losses"]):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+
+
+def test_cp_peers_read_the_same_samples():
+    class _Dim:
+        def __init__(self, size, rank):
+            self._size, self._rank = size, rank
+
+        def size(self):
+            return self._size
+
+        def get_local_rank(self):
+            return self._rank
+
+    s = FSDP2Strategy(context_parallel_size=2)
+    # rank 3 of a (dp=2, cp=2) mesh: dp rank 1, cp rank 1 -> reads shard 1 of 2, like its CP peer rank 2
+    s._device_mesh = {"data_parallel": _Dim(2, 1), "context_parallel": _Dim(2, 1)}
+    assert s.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from lightning_ffpa.parallel._shim import flatten_mesh
+from lightning_ffpa.parallel._shim import allow_checkpoint_side_effects_under_compile, flatten_mesh
 from lightning_ffpa.parallel.checkpointing import (
     ACMode,
     SaveMM,
@@ -96,6 +96,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
         raise ValueError(f"parallelize found no decoder layers (`.model.layers` / `.layers`) in {type(model).__name__}")
     owner, attr = found
     layers: nn.ModuleList = getattr(owner, attr)
+    if compile and activation_checkpointing != "none":
+        allow_checkpoint_side_effects_under_compile()
 
     for i, layer in enumerate(layers):
         # AC wraps the raw layer so the checkpoint region is exactly one decoder layer.

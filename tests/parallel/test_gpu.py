@@ -25,3 +25,39 @@ def test_benchmark_rows_run_tiny(tmp_path):
     assert not errors, errors
     ours = next(r for r in rows if r["row"] == "ours")
     assert any(k.startswith("ffpa") and v for k, v in ours["dispatch"].items()), ours["dispatch"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("attn", ["sdpa", "ffpa"])
+def test_compiled_sac_layers_match_eager_without_graph_breaks(attn):
+    import torch
+    import torch._dynamo.utils
+    import transformers
+
+    from lightning_ffpa.parallel import parallelize
+    from lightning_ffpa.presets import build_text_config
+
+    if attn == "ffpa":
+        from lightning_ffpa.attention import register_ffpa
+
+        register_ffpa()
+    torch.manual_seed(0)
+    cfg = build_text_config("tiny")
+    cfg._attn_implementation = attn
+    model = transformers.Gemma4ForCausalLM(cfg).cuda()
+    ref = transformers.Gemma4ForCausalLM(cfg).cuda()
+    ref.load_state_dict(model.state_dict())
+    parallelize(model, None, activation_checkpointing="selective", compile=True)
+    torch._dynamo.utils.counters.clear()
+    ids = torch.randint(0, 512, (2, 256), device="cuda")
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    ref_loss = ref(input_ids=ids, labels=ids, use_cache=False).loss
+    ref_loss.backward()
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-4)
+    got = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        key = next(k for k in got if k.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "") == name)
+        torch.testing.assert_close(got[key].grad, p.grad, atol=2e-3, rtol=2e-2, msg=name)

@@ -11,6 +11,7 @@ Rows (seq 4k and 8k each):
   4 ffpa_swap     "ffpa" attention swapped in only, else as row 1 (the kernel effect alone)
   5 ours          ffpa + selective AC + per-layer compile + chunked fused linear CE
   5b ours_nocompile  row 5 without compile (so a compile failure still leaves a measurement)
+  (opt-in) ours_sac_all_mm  row 5 with SAC saving every matmul
 
 Run: python benchmarks/train_throughput.py --out $OUT/train_throughput.json
      torchrun --nproc_per_node 2 benchmarks/train_throughput.py --dp 2 --out ...
@@ -46,7 +47,10 @@ ROWS = {
     "ffpa_swap": dict(attn="ffpa", ac="full", compile=False, loss="plain"),
     "ours": dict(attn="ffpa", ac="selective", compile=True, loss="chunked"),
     "ours_nocompile": dict(attn="ffpa", ac="selective", compile=False, loss="chunked"),
+    # Opt-in (--rows): SAC saving every matmul, the memory-for-speed end of the SAC knob.
+    "ours_sac_all_mm": dict(attn="ffpa", ac="selective", compile=True, loss="chunked", save_mm="all"),
 }
+DEFAULT_ROWS = ["sdpa", "seed_gqa", "flex", "ffpa_swap", "ours", "ours_nocompile"]
 
 
 # ----------------------------------------------------------------------------- baseline attentions
@@ -144,6 +148,7 @@ def build_model(spec: dict, mesh, layers: int, device, preset: str):
     strategy = FSDP2Strategy(activation_checkpointing=spec["ac"], compile=spec["compile"],  # product defaults
                              param_dtype="bf16" if device.type == "cuda" else "fp32")
     parallelize(model, mesh, activation_checkpointing=spec["ac"], compile=spec["compile"],
+                sac_save_mm=spec.get("save_mm", "every_other"),
                 mp_policy=strategy.mp_policy(), reshard_after_forward=True)
     _materialize(model, device)  # the strategy's meta -> device init (HF _init_weights, real random values)
     bad = [n for n, p in model.named_parameters() if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]
@@ -227,7 +232,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="result JSON path")
     p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
-    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
     p.add_argument("--layers", type=int, default=6, help="5 sliding + 1 full by default")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)

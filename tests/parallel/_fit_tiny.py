@@ -41,7 +41,8 @@ class TinyLM(L.LightningModule):
 
 
 def main(out: str, ac: str) -> None:
-    data = TensorDataset(torch.randint(0, 512, (12, 32), generator=torch.Generator().manual_seed(3)))
+    # One global batch of 4, seen every step: the loss must fall, and dp=2 splits it 2 + 2.
+    data = TensorDataset(torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(3)))
     strategy = FSDP2Strategy(activation_checkpointing=ac, param_dtype="fp32", reduce_dtype="fp32")
     trainer = L.Trainer(accelerator="cpu", devices=int(__import__("os").environ["WORLD_SIZE"]), strategy=strategy,
                         max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,

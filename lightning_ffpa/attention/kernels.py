@@ -13,6 +13,10 @@ Op contract (shared with the ring context-parallel code):
 - A row that sees no key has o = 0 and lse = -inf.
 Facts about ffpa-attn 0.2.4 were read from its wheel (ffpa_attn/cute/__init__.py): the ops take
 ``[B,N,H,D]`` tensors, handle GQA natively, return lse ``[B,H,N]`` (dense) / ``[H,T]`` (varlen).
+We call ``torch.ops.ffpa_attn._fwd_cute`` & co directly instead of ``ffpa_attn_func(backend="cutedsl")``:
+the public function copies its output to a contiguous ``[B,H,S,D]`` and saves ``.contiguous()`` copies
+of the transposed q/k/v for backward, while the ops take HF's ``[B,S,H,D]`` projection storage as is
+and return the ``[B,S,H,D]`` output HF wants, so the attention path needs no layout copies.
 """
 
 from __future__ import annotations
@@ -34,8 +38,11 @@ __all__ = [
     "ffpa_unavailable_reason",
     "ffpa_varlen_attention",
     "force_kernel",
+    "forced_kernel",
     "forward_ops",
+    "kernel_counts",
     "register_flop_formulas",
+    "reset_kernel_counts",
     "varlen_bwd",
     "varlen_fwd",
 ]
@@ -49,6 +56,7 @@ CUTE_ARCH_MAJORS = (9, 10)
 _NO_WINDOW = -(2**31)
 
 _forced: str | None = None
+_kernel_counts: dict[str, int] = dict.fromkeys(KERNELS, 0)
 
 
 # --------------------------------------------------------------------------- availability
@@ -116,6 +124,22 @@ def force_kernel(name: str | None) -> Iterator[None]:
         _forced = previous
 
 
+def forced_kernel() -> str | None:
+    """The kernel forced by `force_kernel`, or None."""
+    return _forced
+
+
+def kernel_counts() -> dict[str, int]:
+    """Forward calls per kernel ('cutedsl', 'reference') since the last reset: which kernel really ran."""
+    return dict(_kernel_counts)
+
+
+def reset_kernel_counts() -> None:
+    """Zero the per-kernel forward counters."""
+    for name in KERNELS:
+        _kernel_counts[name] = 0
+
+
 def _use_cute(q: Tensor) -> bool:
     if _forced == "reference":
         return False
@@ -126,6 +150,11 @@ def _use_cute(q: Tensor) -> bool:
             f"on {q.device}: {ffpa_unavailable_reason() or 'unsupported device/dtype/head_dim'}"
         )
     return ok
+
+
+def _count(use_cute: bool) -> bool:
+    _kernel_counts["cutedsl" if use_cute else "reference"] += 1
+    return use_cute
 
 
 # --------------------------------------------------------------------------- reference math (fp32)
@@ -247,7 +276,7 @@ def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 def dense_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     """Dense attention forward: (o [B,Sq,Hq,D], lse [B,Hq,Sq] fp32); bottom-right causal."""
-    if not _use_cute(q):
+    if not _count(_use_cute(q)):
         return torch.ops.lightning_ffpa.ref_dense_fwd(q, k, v, float(scale), bool(causal))
     sq, sk = q.shape[1], k.shape[1]
     skip = sq - sk if causal and sq > sk else 0  # leading rows that see no key (kernel requires Sk >= Sq)
@@ -280,7 +309,7 @@ def dense_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
 def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                max_seqlen_k: int, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     """Packed THD attention forward: (o [Tq,Hq,D], lse [Hq,Tq] fp32); zero-length segments give o=0, lse=-inf."""
-    if not _use_cute(q):
+    if not _count(_use_cute(q)):
         return torch.ops.lightning_ffpa.ref_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                                        int(max_seqlen_k), float(scale), bool(causal))
     return torch.ops.ffpa_attn._varlen_fwd_cute(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),

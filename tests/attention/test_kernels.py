@@ -145,3 +145,44 @@ def test_force_kernel_rejects_unknown_and_cutedsl_on_cpu():
         kernels.dense_fwd(q, k, v, 1.0, True)
     with kernels.force_kernel("reference"):
         assert kernels.active_kernel() == "reference"
+
+
+def test_sac_must_save_skips_the_reference_forward_on_recompute(monkeypatch):
+    """SAC names the forward op as one OpOverload: MUST_SAVE runs it once, plain checkpointing twice."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    calls = []
+    math = kernels._ref_fwd_math
+    monkeypatch.setattr(kernels, "_ref_fwd_math", lambda *a: calls.append(1) or math(*a))
+
+    def policy(ctx, op, *args, **kwargs):
+        must = op in kernels.FFPA_FORWARD_OPS
+        return CheckpointPolicy.MUST_SAVE if must else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def block(x, w):
+        q = (x @ w).view(1, 8, 2, 16)
+        return kernels.ffpa_attention(q, q[:, :, :1], q[:, :, :1], 1.0, True).sum()
+
+    x, w = torch.randn(8, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
+    with kernels.force_kernel("reference"):
+        checkpoint(block, x, w, use_reentrant=False).backward()
+        plain, calls[:] = len(calls), []
+        sac = functools.partial(create_selective_checkpoint_contexts, policy)
+        checkpoint(block, x, w, use_reentrant=False, context_fn=sac).backward()
+    assert (plain, len(calls)) == (2, 1)
+
+
+def test_flex_options_fit_large_head_dims():
+    from lightning_ffpa.attention import flex
+
+    assert flex.kernel_options(256) is None  # torch's defaults fit
+    for dtype in (torch.bfloat16, torch.float32):
+        opts = flex.kernel_options(512, dtype)
+        assert opts["fwd_num_stages"] == 1 and opts["bwd_num_stages"] == 1
+        assert all(v <= 64 for k, v in opts.items() if "BLOCK" in k)
+        # torch's flex backward needs BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0
+        assert opts["bwd_BLOCK_N1"] % opts["bwd_BLOCK_M1"] == 0 and opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0
+    for opts in flex.LARGE_HEAD_DIM_CANDIDATES:
+        assert opts["bwd_BLOCK_N1"] % opts["bwd_BLOCK_M1"] == 0 and opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0

@@ -69,13 +69,11 @@ def _register_baselines() -> None:
     AttentionInterface.register("sdpa_gqa", sdpa_gqa)
     ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa_gqa", sdpa_mask)
 
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    compiled_flex = torch.compile(flex_attention, dynamic=False)
+    from lightning_ffpa.attention.flex import flex_forward  # the product's compiled flex + D=512 options
+
     masks: dict = {}
-    # D=512 needs smaller tiles and one pipeline stage (default tiles need 256 KB smem > 227 KB).
-    opts = {512: dict(BLOCK_M=64, BLOCK_N=32, num_stages=1, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32),
-            256: dict(BLOCK_M=64, BLOCK_N=64, num_stages=1, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32)}
 
     def block_mask(seq, window, device):
         key = (seq, window)
@@ -90,10 +88,9 @@ def _register_baselines() -> None:
         return masks[key]
 
     def flex(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        """Flex for both layer types with hand-tuned tiles (HF's own flex path fails at D=512)."""
+        """Flex for both layer types with D=512-safe tiles (HF's own flex path fails at D=512)."""
         bm = block_mask(query.shape[2], getattr(module, "sliding_window", None), query.device)
-        out = compiled_flex(query, key, value, block_mask=bm, scale=scaling, enable_gqa=True,
-                            kernel_options=opts.get(module.head_dim, opts[256]))
+        out = flex_forward(query, key, value, bm, scaling)  # (B, H, S, D)
         return out.transpose(1, 2).contiguous(), None
 
     def no_mask(*args, **kwargs):

@@ -114,9 +114,10 @@ def test_throughput_counts_real_tokens_and_flops(fake_backend):
 
 @pytest.mark.skipif(not _HAS_BACKEND, reason="attention backend (register_ffpa) not merged yet")
 def test_real_backend_reference_kernel_runs():
-    attention.reset_dispatch_counts()
     module = _Wrapper()
     callback = FFPAAttention(log_every_n_steps=1)
-    _fit(module, [callback], steps=1)
+    with attention.force_kernel("reference"):  # fp32 on CPU would otherwise fall back (visibly) to sdpa
+        _fit(module, [callback], steps=1)
     counts = attention.dispatch_counts()
-    assert sum(v for k, v in counts.items() if k.startswith("ffpa")) > 0, counts
+    assert counts["ffpa-dense"] == 2, counts  # one step, 2 full layers at head_dim 512
+    assert "ffpa-dense=2" in callback.summary()

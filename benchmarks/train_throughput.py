@@ -232,7 +232,8 @@ def main() -> None:
     p.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
     p.add_argument("--layers", type=int, default=6, help="5 sliding + 1 full by default")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining rows past this many seconds")
     p.add_argument("--dp", type=int, default=1, help="data-parallel GPUs (launch with torchrun when > 1)")
     p.add_argument("--preset", default="gemma4-31b", help="presets.py shape; 'tiny' with --cpu for a smoke run")
     p.add_argument("--cpu", action="store_true", help="smoke-run on CPU (gloo, no timing claims)")
@@ -259,7 +260,16 @@ def main() -> None:
     peak = 1.0 if args.cpu else measure_bf16_peak(device)
     rows: list[dict] = []
     t_start = time.perf_counter()
+    # Per-layer compile with static shapes: 2 layer kinds x 2 seqs x (maybe) per-layer guards can pass
+    # dynamo's default recompile limit of 8, which would silently drop layers to eager mid-benchmark.
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
     for name in args.rows:
+        if time.perf_counter() - t_start > args.budget_s:
+            rows += [dict(row=name, seq=s, **ROWS[name], error=f"skipped: past --budget-s {args.budget_s:.0f}")
+                     for s in args.seqs]
+            continue
         rows += run_row(name, ROWS[name], args.seqs, args, mesh, device, peak, rank)
         if rank == 0:
             print(f"[{time.perf_counter() - t_start:6.0f}s] {name} done", flush=True)

@@ -266,7 +266,9 @@ def main() -> None:
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 64)
     for name in args.rows:
-        if time.perf_counter() - t_start > args.budget_s:
+        skip = [time.perf_counter() - t_start > args.budget_s]
+        torch.distributed.broadcast_object_list(skip, src=0)  # rank-uniform, or dp ranks would hang
+        if skip[0]:
             rows += [dict(row=name, seq=s, **ROWS[name], error=f"skipped: past --budget-s {args.budget_s:.0f}")
                      for s in args.seqs]
             continue

@@ -116,7 +116,8 @@ class TokenThroughput(ThroughputMonitor):
             peak_flops: Per-device peak FLOP/s for MFU; default: bf16 peak from the device name.
             count: "real" counts tokens with labels (or attention_mask); "padded" counts B x S.
             ignore_index: Label value that marks a token without loss.
-            log_attention_dispatch: Also log the attention backend's dispatch counters.
+            log_attention_dispatch: Also log the attention backend's dispatch counters (skipped when an
+                FFPAAttention callback already logs them).
         """
         if count not in ("real", "padded"):
             raise ValueError(f"`count={count!r}` is not one of 'real', 'padded'")
@@ -136,6 +137,10 @@ class TokenThroughput(ThroughputMonitor):
         for tp in self._throughputs.values():
             tp.available_flops = peak
         self._auto_flops = not hasattr(pl_module, "flops_per_batch")
+        from lightning_ffpa.callbacks.attention import FFPAAttention
+
+        if any(isinstance(cb, FFPAAttention) and cb.log_every_n_steps for cb in trainer.callbacks):
+            self.log_attention_dispatch = False  # one writer per metric key
         try:  # FLOP formulas for the FFPA ops, for anyone using measure_flops on this model
             from lightning_ffpa.attention.kernels import register_flop_formulas
         except ImportError:

@@ -94,7 +94,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         reduce_dtype: str | None = "fp32",
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
-        compile: bool = False,
+        compile: bool | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -111,7 +111,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             reduce_dtype: Dtype of the gradient reduce-scatter ("fp32" recommended with bf16 params).
             reshard_after_forward: Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2).
             cpu_offload: Keep sharded parameters, gradients and optimizer state on CPU.
-            compile: torch.compile each decoder layer (after AC wrapping, before FSDP).
+            compile: torch.compile each decoder layer (after AC wrapping, before FSDP); null = on for CUDA, off on CPU.
             save_distributed_checkpoint: Save per-rank DCP shards (True) or one full file on rank 0.
             process_group_backend: torch.distributed backend; default nccl on CUDA, gloo on CPU.
             timeout: Process-group timeout.
@@ -180,6 +180,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         dp_mesh = self.device_mesh["data_parallel"]
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
+    @property
+    def compile_layers(self) -> bool:
+        """Whether decoder layers get compiled: `compile`, or on CUDA when it is null."""
+        return self.root_device.type == "cuda" if self.compile is None else self.compile
+
     def mp_policy(self):
         """The FSDP2 MixedPrecisionPolicy from `param_dtype` / `reduce_dtype`."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -190,7 +195,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         """Apply this strategy's recipe to `module` (an HF decoder model); returns it."""
         return parallelize(
             module, self.device_mesh, activation_checkpointing=self.activation_checkpointing,
-            sac_extra_save_ops=self.sac_extra_save_ops, sac_save_mm=self.sac_save_mm, compile=self.compile,
+            sac_extra_save_ops=self.sac_extra_save_ops, sac_save_mm=self.sac_save_mm, compile=self.compile_layers,
             mp_policy=self.mp_policy(), reshard_after_forward=self.reshard_after_forward,
             cpu_offload=self.cpu_offload,
         )

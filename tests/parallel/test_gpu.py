@@ -61,3 +61,33 @@ def test_compiled_sac_layers_match_eager_without_graph_breaks(attn):
     for name, p in ref.named_parameters():
         key = next(k for k in got if k.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "") == name)
         torch.testing.assert_close(got[key].grad, p.grad, atol=2e-3, rtol=2e-2, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(420)
+def test_trainer_fsdp2_ffpa_throughput_on_gpu(tmp_path):
+    """The product path on one GPU: Gemma4LM on meta, FSDP2Strategy (bf16, SAC, compile), both callbacks."""
+    import csv
+
+    import lightning as L
+
+    from lightning_ffpa.callbacks import FFPAAttention, TokenThroughput
+    from lightning_ffpa.data import MockDataModule
+    from lightning_ffpa.module import Gemma4LM
+    from lightning_ffpa.parallel import FSDP2Strategy
+
+    attention_cb = FFPAAttention(log_every_n_steps=1)
+    trainer = L.Trainer(
+        accelerator="gpu", devices=1, max_steps=6, log_every_n_steps=1, enable_checkpointing=False,
+        strategy=FSDP2Strategy(param_dtype="bf16", reduce_dtype="fp32", compile=None),
+        callbacks=[attention_cb, TokenThroughput(window_size=2)],
+        logger=L.pytorch.loggers.CSVLogger(tmp_path), default_root_dir=tmp_path, enable_progress_bar=False,
+    )
+    module = Gemma4LM(preset="tiny", dtype="float32", attn_implementation="sdpa", loss_impl="plain", warmup_steps=1)
+    trainer.fit(module, MockDataModule(vocab_size=512, seq_length=512, num_samples=64, batch_size=2))
+    assert trainer.strategy.compile_layers
+    assert "ffpa-dense=" in attention_cb.summary(), attention_cb.summary()
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    cols = set(rows[0])
+    assert any(c.endswith("device/mfu") for c in cols), cols
+    assert "device/peak_memory_gb" in cols

@@ -13,6 +13,7 @@ this file never calls ffpa_attn directly.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
@@ -45,14 +46,15 @@ class FFPABackendConfig:
     context_parallel_size: int = 1
     """Must be 1: the direct backend refuses CP > 1 (that is the ring's job)."""
     refuse_packed: bool = True
-    """Raise on packed sequences (position_ids resets, cu_seq_lens kwargs) instead of mixing documents."""
+    """Raise on packed sequences (position_ids resets, cu_seq_lens kwargs); False lets them run through
+    flex with HF's document mask (correct, but no FFPA)."""
 
 
 _config = FFPABackendConfig()
 _counts: Counter = Counter()
 _reasons: Counter = Counter()
 _warned: set[str] = set()
-_packed_cache: dict[tuple, bool] = {}
+_packed_cache: dict[str, tuple] = {}
 
 
 def dispatch_counts() -> dict[str, int]:
@@ -167,15 +169,17 @@ def _note_fallback(reason: str, detail: str = "") -> None:
 
 
 def _is_packed(position_ids: Tensor | None) -> bool:
-    """True when position_ids restart inside a row (packed documents); cached per tensor, skipped when tracing."""
+    """True when position_ids restart inside a row (packed documents); one check per tensor, skipped when tracing."""
     if (position_ids is None or position_ids.shape[-1] < 2 or position_ids.device.type == "meta"
             or torch.compiler.is_compiling()):
         return False
-    key = (position_ids.data_ptr(), position_ids._version, tuple(position_ids.shape))
-    if key not in _packed_cache:
-        _packed_cache.clear()
-        _packed_cache[key] = bool((position_ids.diff(dim=-1) != 1).any())
-    return _packed_cache[key]
+    # Every layer of one forward gets the same tensor: check it once (a host sync), keyed by a weak
+    # reference so a new batch that reuses the same memory is checked again.
+    cached = _packed_cache.get("last")
+    if cached is None or cached[0]() is not position_ids or cached[1] != position_ids._version:
+        cached = (weakref.ref(position_ids), position_ids._version, bool((position_ids.diff(dim=-1) != 1).any()))
+        _packed_cache["last"] = cached
+    return cached[2]
 
 
 def _refuse(query: Tensor, attention_mask, kwargs: dict) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Iterator
 
 import torch
@@ -418,47 +417,30 @@ def _varlen_flops(q: Tensor, cu_q: Tensor, cu_k: Tensor, max_k: int) -> int:
 @functools.cache
 def register_flop_formulas() -> None:
     """Register torch.utils.flop_counter formulas for the FFPA and reference ops (idempotent)."""
-    from torch.utils.flop_counter import register_flop_formula
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    def dense_fwd_flops(q, k, *args, out_val=None, **kw):
+        return _dense_flops(q, k)
+
+    def dense_bwd_flops(do, q, k, *args, out_val=None, **kw):  # dq, dk, dv, dp: twice the forward
+        return 2 * _dense_flops(q, k)
+
+    def varlen_fwd_flops(q, k, v, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
+        return _varlen_flops(q, cu_q, cu_k, max_k)
+
+    def ref_varlen_bwd_flops(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
+        return 2 * _varlen_flops(q, cu_q, cu_k, max_k)
+
+    def cute_varlen_bwd_flops(q, k, v, o, do, lse, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
+        return 2 * _varlen_flops(q, cu_q, cu_k, max_k)
 
     ref = torch.ops.lightning_ffpa
-
-    @register_flop_formula(ref.ref_dense_fwd, get_raw=True)
-    def _ref_dense_fwd(q, k, *args, out_val=None, **kw):
-        return _dense_flops(q, k)
-
-    @register_flop_formula(ref.ref_dense_bwd, get_raw=True)
-    def _ref_dense_bwd(do, q, k, *args, out_val=None, **kw):
-        return 2 * _dense_flops(q, k)
-
-    @register_flop_formula(ref.ref_varlen_fwd, get_raw=True)
-    def _ref_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
-        return _varlen_flops(q, cu_q, cu_k, max_k)
-
-    @register_flop_formula(ref.ref_varlen_bwd, get_raw=True)
-    def _ref_varlen_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
-        return 2 * _varlen_flops(q, cu_q, cu_k, max_k)
-
-    if not ffpa_available():
-        return
-    ops = torch.ops.ffpa_attn
-
-    @register_flop_formula(ops._fwd_cute, get_raw=True)
-    def _cute_fwd(q, k, *args, out_val=None, **kw):
-        return _dense_flops(q, k)
-
-    @register_flop_formula(ops._bwd_cute, get_raw=True)
-    def _cute_bwd(do, q, k, *args, out_val=None, **kw):
-        return 2 * _dense_flops(q, k)
-
-    @register_flop_formula(ops._varlen_fwd_cute, get_raw=True)
-    def _cute_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
-        return _varlen_flops(q, cu_q, cu_k, max_k)
-
-    @register_flop_formula(ops._varlen_bwd_cute, get_raw=True)
-    def _cute_varlen_bwd(q, k, v, o, do, lse, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
-        return 2 * _varlen_flops(q, cu_q, cu_k, max_k)
-
-
-def default_scale(head_dim: int) -> float:
-    """1/sqrt(D), for tests and benchmarks only: Gemma4 passes its own `scaling` (1.0)."""
-    return 1.0 / math.sqrt(head_dim)
+    table = [(ref.ref_dense_fwd, dense_fwd_flops), (ref.ref_dense_bwd, dense_bwd_flops),
+             (ref.ref_varlen_fwd, varlen_fwd_flops), (ref.ref_varlen_bwd, ref_varlen_bwd_flops)]
+    if ffpa_available():
+        ops = torch.ops.ffpa_attn  # note the varlen bwd argument order: (q, k, v, out, dout, lse, ...)
+        table += [(ops._fwd_cute, dense_fwd_flops), (ops._bwd_cute, dense_bwd_flops),
+                  (ops._varlen_fwd_cute, varlen_fwd_flops), (ops._varlen_bwd_cute, cute_varlen_bwd_flops)]
+    for packet, formula in table:
+        if packet not in flop_registry:  # someone (a newer ffpa_attn?) may have registered one already
+            register_flop_formula(packet, get_raw=True)(formula)

@@ -177,3 +177,18 @@ def test_padded_batch_through_varlen_equals_per_sequence_dense(side):
             torch.testing.assert_close(q.grad[i][:, idx], qi.grad[0], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(k.grad[i][:, idx], ki.grad[0], atol=1e-5, rtol=1e-5)
     assert backend.dispatch_counts()["ffpa-dense"] == 3
+
+
+def test_packed_check_is_per_tensor_not_per_address():
+    """A new position_ids tensor must be checked again even if it reuses the old one's memory."""
+    q, k, v = qkv(s=6)
+    with force_kernel("reference"):
+        _route(q, k, v, None, position_ids=torch.arange(6)[None])
+        storage = torch.arange(6)[None]
+        _route(q, k, v, None, position_ids=storage)
+        storage.copy_(torch.tensor([[0, 1, 2, 0, 1, 2]]))  # same memory, new content, new version
+        with pytest.raises(RuntimeError, match="packed"):
+            _route(q, k, v, None, position_ids=storage)
+        fresh = torch.tensor([[0, 1, 2, 0, 1, 2]])
+        with pytest.raises(RuntimeError, match="packed"):
+            _route(q, k, v, None, position_ids=fresh)

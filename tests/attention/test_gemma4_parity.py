@@ -113,3 +113,11 @@ def test_left_padded_greedy_generation_matches_eager(model):
         got = model.generate(**kw)
     assert torch.equal(got, want)
     assert backend.dispatch_counts()["ffpa-varlen"] == 2 * 3 and backend.dispatch_counts()["flex"] == 2 * 3
+
+
+def test_packed_batch_is_refused_with_the_cp_route(model):
+    ids = torch.randint(0, 512, (1, 24))
+    position_ids = torch.cat([torch.arange(10), torch.arange(14)])[None]  # two packed documents
+    model.set_attn_implementation("ffpa")
+    with force_kernel("reference"), pytest.raises(RuntimeError, match="packed sequences.*context_parallel_size > 1"):
+        model(input_ids=ids, position_ids=position_ids)

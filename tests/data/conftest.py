@@ -1,0 +1,41 @@
+"""Fixtures for the data tests: a tiny local Hugging Face tokenizer and small data files."""
+
+import json
+
+import pytest
+
+WORDS = "hello world how are you i am fine thanks the cat sat on mat user assistant system : < > end".split()
+
+
+@pytest.fixture
+def hf_tokenizer_dir(tmp_path):
+    """A WordLevel `PreTrainedTokenizerFast` with a chat template, written by `save_pretrained`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<unk>", "<bos>", "<eos>", *dict.fromkeys(WORDS)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
+    )
+    fast.chat_template = (
+        "{{ bos_token }}{% for m in messages %}< {{ m['role'] }} > {{ m['content'] }} < end > {% endfor %}"
+    )
+    path = tmp_path / "tok"
+    fast.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def write(tmp_path):
+    """write(name, content) -> path; content is a str, or a list of dicts written as JSON lines."""
+
+    def _write(name, content):
+        path = tmp_path / name
+        if isinstance(content, list):
+            content = "".join(json.dumps(r) + "\n" for r in content)
+        path.write_text(content, encoding="utf-8")
+        return str(path)
+
+    return _write

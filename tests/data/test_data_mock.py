@@ -1,0 +1,68 @@
+"""Mock data: shapes, per-index determinism, seeded epoch order, sharding across ranks."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_ffpa.data import MockDataModule, MockDataset
+
+
+def test_mock_rows_are_deterministic_per_index():
+    a = MockDataset(num_samples=16, seq_length=32, vocab_size=512, seed=3)
+    b = MockDataset(num_samples=16, seq_length=32, vocab_size=512, seed=3)
+    c = MockDataset(num_samples=16, seq_length=32, vocab_size=512, seed=4)
+    assert torch.equal(a[5]["input_ids"], b[5]["input_ids"])  # same seed and index
+    assert torch.equal(a[5]["input_ids"], a[5]["input_ids"])  # re-reading does not advance any state
+    assert not torch.equal(a[5]["input_ids"], a[6]["input_ids"])
+    assert not torch.equal(a[5]["input_ids"], c[5]["input_ids"])
+    ids = torch.stack([a[i]["input_ids"] for i in range(16)])
+    assert ids.min() >= 0 and ids.max() < 512 and ids.unique().numel() > 256
+    with pytest.raises(IndexError):
+        a[16]
+
+
+def test_mock_batches_shapes_and_epoch_order():
+    dm = MockDataModule(vocab_size=100, seq_length=12, num_samples=20, batch_size=4, seed=1)
+    loader = dm.train_dataloader()
+    batch = next(iter(loader))
+    assert set(batch) == {"input_ids", "labels", "attention_mask"}
+    assert all(v.shape == (4, 12) and v.dtype == torch.long for v in batch.values())
+    assert torch.equal(batch["labels"], batch["input_ids"]) and bool(batch["attention_mask"].all())
+    assert dm.max_seq_length == 12
+
+    def epoch_ids(dm, epoch):
+        loader = dm.train_dataloader()
+        loader.sampler.set_epoch(epoch)  # what Lightning's fit loop does at each epoch start
+        return torch.cat([b["input_ids"] for b in loader])
+
+    fresh = MockDataModule(vocab_size=100, seq_length=12, num_samples=20, batch_size=4, seed=1)
+    assert torch.equal(epoch_ids(dm, 1), epoch_ids(fresh, 1))  # (seed, epoch) fixes the order
+    assert not torch.equal(epoch_ids(dm, 0), epoch_ids(dm, 1))  # epochs reshuffle
+    assert dm.val_dataloader() == []
+
+
+def test_mock_sharded_ranks_split_the_data():
+    seen = []
+    for rank in range(2):
+        dm = MockDataModule(vocab_size=100, seq_length=4, num_samples=10, batch_size=5, seed=0)
+        dm.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": rank})
+        seen.append({tuple(r) for b in dm.train_dataloader() for r in b["input_ids"].tolist()})
+    assert len(seen[0]) == len(seen[1]) == 5 and not seen[0] & seen[1]
+
+
+def test_mock_state_dict_refuses_other_seed():
+    dm = MockDataModule(seed=1)
+    dm.train_dataloader().sampler.set_epoch(2)
+    state = dm.state_dict()
+    assert state == {"seed": 1, "epoch": 2}
+    MockDataModule(seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"data\.seed=1.*data\.seed=2"):
+        MockDataModule(seed=2).load_state_dict(state)
+
+
+def test_mock_bad_args_name_option():
+    with pytest.raises(ValueError, match=r"`data\.seq_length=0`"):
+        MockDataModule(seq_length=0)
+    with pytest.raises(ValueError, match=r"`data\.batch_size=0`"):
+        MockDataModule(batch_size=0)

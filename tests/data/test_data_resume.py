@@ -1,0 +1,75 @@
+"""Data order under a real Trainer: epochs reshuffle, a resumed run sees the original order, seed is checked."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_ffpa.data import MockDataModule, TextDataModule
+
+
+class Recorder(pl.LightningModule):
+    """Records the first token of every row it trains on; the loss only exists to make steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((self.current_epoch, batch["input_ids"][:, 0].tolist()))
+        return (self.w * batch["input_ids"].float().mean()).sum()
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _fit(dm, max_epochs, tmp_path, ckpt_path=None):
+    model = Recorder()
+    trainer = pl.Trainer(
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return model.seen, trainer
+
+
+def _mock(seed=0):
+    return MockDataModule(vocab_size=1000, seq_length=8, num_samples=24, batch_size=4, seed=seed)
+
+
+@pytest.mark.timeout(120)
+def test_resume_sees_the_same_order(tmp_path):
+    full, _ = _fit(_mock(), 2, tmp_path / "a")
+    epoch0 = [s for e, s in full if e == 0]
+    epoch1 = [s for e, s in full if e == 1]
+    assert len(epoch0) == len(epoch1) == 6 and epoch0 != epoch1  # epochs reshuffle
+
+    _, trainer = _fit(_mock(), 1, tmp_path / "b")
+    ckpt = str(tmp_path / "epoch0.ckpt")
+    trainer.save_checkpoint(ckpt)
+    assert torch.load(ckpt, weights_only=False)["MockDataModule"] == {"seed": 0, "epoch": 0}
+    resumed, _ = _fit(_mock(), 2, tmp_path / "c", ckpt_path=ckpt)
+    assert [s for e, s in resumed] == epoch1
+
+    with pytest.raises(ValueError, match=r"data\.seed=0.*data\.seed=5"):
+        _fit(_mock(seed=5), 2, tmp_path / "d", ckpt_path=ckpt)
+
+
+@pytest.mark.timeout(120)
+def test_text_module_trains_with_workers_and_validation(tmp_path, write):
+    path = write("a.txt", "\n\n".join(f"document number {i}" for i in range(20)))
+    dm = TextDataModule(
+        train_file=path, val_fraction=0.2, max_seq_length=32, batch_size=4, num_workers=1, pack=True
+    )
+    seen, trainer = _fit(dm, 1, tmp_path)
+    assert len(seen) == len(dm._train) // 4 + bool(len(dm._train) % 4)
+    assert trainer.num_val_batches == [1]

@@ -1,0 +1,160 @@
+"""TextDataModule: .txt and .jsonl (text and chat) loading, splits, labels, and bad-input errors."""
+
+import pytest
+import torch
+
+from lightning_ffpa.data import IGNORE_INDEX, SHAKESPEARE_PATH, ByteTokenizer, TextDataModule
+
+TXT = "First speech,\nsecond line.\n\nSecond speech.\n\n\n  \nThird speech here.\n"
+
+
+def _all_rows(ds):
+    return [ds[i] for i in range(len(ds))]
+
+
+def test_txt_documents_split_at_blank_lines(write):
+    dm = TextDataModule(train_file=write("a.txt", TXT), val_fraction=0.0, max_seq_length=64)
+    dm.setup()
+    tok = dm.tokenizer
+    texts = sorted(tok.decode(r["input_ids"]) for r in _all_rows(dm._train))
+    assert texts == sorted(["First speech,\nsecond line.", "Second speech.", "Third speech here."])
+    row = dm._train[0]
+    assert row["input_ids"][0] == tok.bos_token_id and row["input_ids"][-1] == tok.eos_token_id
+    assert torch.equal(row["labels"], row["input_ids"])
+    assert dm.val_dataloader() == []
+
+
+def test_long_documents_split_into_windows(write):
+    dm = TextDataModule(train_file=write("a.txt", "x" * 100), val_fraction=0.0, max_seq_length=32)
+    dm.setup()
+    lengths = sorted(len(r["input_ids"]) for r in _all_rows(dm._train))
+    assert lengths == [6, 32, 32, 32]  # 102 tokens (bos + 100 + eos) in windows of 32
+    assert dm.stats["data.train_file"]["num_split"] == 1
+
+
+def test_jsonl_text_and_val_file(write):
+    train = write("t.jsonl", [{"text": "the cat sat"}, {"text": "on the mat"}])
+    val = write("v.jsonl", [{"text": "hello"}])
+    dm = TextDataModule(train_file=train, val_file=val, max_seq_length=64, batch_size=2)
+    dm.setup()
+    assert len(dm._train) == 2 and len(dm._val) == 1
+    batch = next(iter(dm.val_dataloader()))
+    assert ByteTokenizer().decode(batch["input_ids"][0]) == "hello"
+
+
+def test_jsonl_messages_mask_non_assistant_tokens(write):
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "ciao"},
+    ]
+    dm = TextDataModule(
+        train_file=write("c.jsonl", [{"messages": chat}]), val_fraction=0.0, max_seq_length=128
+    )
+    dm.setup()
+    row = dm._train[0]
+    tok = dm.tokenizer
+    assert tok.decode(row["input_ids"]) == "user: hi\nassistant: hello\nuser: bye\nassistant: ciao\n"
+    learned = row["labels"][row["labels"] != IGNORE_INDEX]
+    # exactly the assistant lines (with their role prefix and newline) plus the final eos are learned
+    assert tok.decode(learned) == "assistant: hello\nassistant: ciao\n"
+    assert learned[-1] == tok.eos_token_id
+    assert row["labels"][0] == IGNORE_INDEX
+
+
+def test_messages_with_hf_chat_template(write, hf_tokenizer_dir):
+    chat = [{"role": "user", "content": "how are you"}, {"role": "assistant", "content": "i am fine thanks"}]
+    dm = TextDataModule(
+        train_file=write("c.jsonl", [{"messages": chat}, {"text": "hello world"}]),
+        tokenizer=hf_tokenizer_dir,
+        val_fraction=0.0,
+        max_seq_length=64,
+    )
+    dm.setup()
+    tok = dm.tokenizer
+    rows = {tok.decode(r["input_ids"], skip_special_tokens=True): r for r in _all_rows(dm._train)}
+    assert set(rows) == {"hello world", "< user > how are you < end > < assistant > i am fine thanks < end >"}
+    chat_row = rows["< user > how are you < end > < assistant > i am fine thanks < end >"]
+    assert chat_row["input_ids"][0] == tok.bos_token_id and chat_row["input_ids"][-1] == tok.eos_token_id
+    learned = chat_row["labels"][chat_row["labels"] != IGNORE_INDEX]
+    assert tok.decode(learned, skip_special_tokens=True) == "< assistant > i am fine thanks < end >"
+    assert dm.vocab_size == len(tok) and dm.pad_id == tok.pad_token_id
+    assert dm.stats["data.train_file"]["num_chat_unmasked"] == 0
+
+
+def test_val_split_is_seeded_and_disjoint(write):
+    path = write("a.txt", "\n\n".join(f"document number {i}" for i in range(40)))
+
+    def split(seed):
+        dm = TextDataModule(train_file=path, val_fraction=0.25, seed=seed, max_seq_length=64)
+        dm.setup()
+        dec = dm.tokenizer.decode
+        return {dec(r["input_ids"]) for r in _all_rows(dm._train)}, {
+            dec(r["input_ids"]) for r in _all_rows(dm._val)
+        }
+
+    train, val = split(0)
+    assert len(val) == 10 and len(train) == 30 and not train & val
+    assert split(0) == (train, val) and split(1)[1] != val
+
+
+def test_packed_loader_batches(write):
+    dm = TextDataModule(train_file=SHAKESPEARE_PATH, max_seq_length=128, batch_size=4, pack=True)
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"input_ids", "labels", "position_ids", "document_ids"}
+    assert all(v.shape == (4, 128) and v.dtype == torch.long for v in batch.values())
+    assert int(batch["input_ids"].max()) < 512  # fits the tiny model
+
+
+def test_unpacked_loader_batches_and_max_len():
+    dm = TextDataModule(max_seq_length=96, batch_size=3)  # the shipped Shakespeare sample
+    assert dm.max_seq_length == 96
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"input_ids", "labels", "attention_mask"}
+    assert batch["input_ids"].shape[0] == 3 and batch["input_ids"].shape[1] <= 96
+    assert torch.all(batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (
+            {"train_file": "/nonexistent/train.txt"},
+            FileNotFoundError,
+            r"`data\.train_file='/nonexistent/train\.txt'`",
+        ),
+        ({"val_file": "/nonexistent/val.txt"}, FileNotFoundError, r"`data\.val_file="),
+        ({"val_fraction": 1.0}, ValueError, r"`data\.val_fraction=1\.0`"),
+        ({"max_seq_length": 1}, ValueError, r"`data\.max_seq_length=1`"),
+        ({"seed": -1}, ValueError, r"`data\.seed=-1`"),
+    ],
+)
+def test_bad_options_fail_at_construction(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        TextDataModule(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "name, content, pattern",
+    [
+        ("empty.txt", "", r"`data\.train_file=.*empty\.txt'` holds no documents"),
+        ("blank.txt", "\n\n   \n", r"`data\.train_file=.*blank\.txt'` holds no documents"),
+        ("empty.jsonl", "\n", r"`data\.train_file=.*empty\.jsonl'` holds no documents"),
+        ("bad.jsonl", '{"text": "ok"}\n{"txt": 1}\n', r"`data\.train_file=.*bad\.jsonl'` line 2 needs"),
+        ("broken.jsonl", "{not json\n", r"line 1 is not valid JSON"),
+        ("msgs.jsonl", '{"messages": [{"role": "user"}]}\n', r"line 1: `messages` must be"),
+        ("data.csv", "a,b\n", r"must end in \.txt or \.jsonl"),
+        ("users.jsonl", '{"messages": [{"role": "user", "content": "hi"}]}\n', r"no document with a token"),
+    ],
+)
+def test_empty_or_malformed_data_names_file(write, name, content, pattern):
+    dm = TextDataModule(train_file=write(name, content), val_fraction=0.0)
+    with pytest.raises(ValueError, match=pattern):
+        dm.setup()
+
+
+def test_split_leaving_no_train_document(write):
+    dm = TextDataModule(train_file=write("one.txt", "only one"), val_fraction=0.5)
+    with pytest.raises(ValueError, match=r"`data\.val_fraction=0\.5` leaves no training document"):
+        dm.setup()

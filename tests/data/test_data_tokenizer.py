@@ -1,0 +1,52 @@
+"""Byte tokenizer round trips and local tokenizer loading."""
+
+import pytest
+
+from lightning_ffpa.data import ByteTokenizer, TextDataModule, load_tokenizer
+
+
+def test_byte_roundtrip_and_specials():
+    tok = ByteTokenizer()
+    text = "Flower of warriors,\nhow is it? — naïve ☃"
+    ids = tok.encode(text)
+    assert all(0 <= i < 256 for i in ids) and len(ids) == len(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    wrapped = tok.encode(text, add_special_tokens=True)
+    assert wrapped[0] == tok.bos_token_id and wrapped[-1] == tok.eos_token_id
+    assert tok.decode(wrapped) == text
+    assert tok.decode([*wrapped, tok.pad_token_id], skip_special_tokens=False) == f"<bos>{text}<eos><pad>"
+    # every id fits the tiny model's vocabulary of 512
+    assert len(tok) == 259 and max(tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) < 512
+    assert len({tok.pad_token_id, tok.bos_token_id, tok.eos_token_id}) == 3
+
+
+def test_byte_chat_format():
+    tok = ByteTokenizer()
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert tok.apply_chat_template(msgs, tokenize=False) == "user: hi\nassistant: hello\n"
+    assert (
+        tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
+        == "user: hi\nassistant: "
+    )
+    assert tok.decode(tok.apply_chat_template(msgs)) == "user: hi\nassistant: hello\n"
+
+
+def test_load_local_tokenizer(hf_tokenizer_dir):
+    tok = load_tokenizer(hf_tokenizer_dir)
+    ids = tok.encode("hello world", add_special_tokens=False)
+    assert tok.decode(ids) == "hello world"
+    assert tok.pad_token_id == 0 and tok.bos_token_id == 2 and tok.eos_token_id == 3
+    assert isinstance(load_tokenizer("byte"), ByteTokenizer)
+
+
+def test_bad_tokenizer_path_names_option(tmp_path, write):
+    missing = str(tmp_path / "no_such_tokenizer")
+    with pytest.raises(FileNotFoundError, match=r"`data\.tokenizer="):
+        load_tokenizer(missing)
+    train = write("train.txt", "hello world\n")
+    with pytest.raises(FileNotFoundError, match=r"`data\.tokenizer=.*no_such_tokenizer"):
+        TextDataModule(train_file=train, tokenizer=missing)
+    # a directory that is not a tokenizer: still one error naming the option
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(ValueError, match=r"`data\.tokenizer=.*empty_dir.*could not be loaded"):
+        load_tokenizer(str(tmp_path / "empty_dir"))

@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import yaml
 
 from lightning_ffpa.checkpoint import ResumableDataLoader, ResumableSampler
 from lightning_ffpa.data import MockDataModule
+from lightning_ffpa.validation import PreflightCLIMixin
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -163,7 +165,8 @@ class ResumableMockDataModule(MockDataModule):
         sampler = ResumableSampler(dataset, shuffle=True, seed=self.seed, drop_last=False, **self._replicas())
         self._train_sampler = sampler
         return ResumableDataLoader(dataset, sampler=sampler, batch_size=self.batch_size, collate_fn=collate,
-                                   num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+                                   num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+                                   pin_memory=torch.cuda.is_available())
 
 
 def data_module_is_resumable() -> bool:
@@ -175,3 +178,24 @@ def data_module_is_resumable() -> bool:
 # The datamodule the tiny config uses: the shipped one when it resumes mid-epoch, else the shim above.
 DATA_CLASS = ("lightning_ffpa.data.MockDataModule" if data_module_is_resumable()
               else "_helpers.ResumableMockDataModule")
+
+
+
+def run_cli(args: list[str]):
+    """`lightning_ffpa.cli.main(args)` in-process, with `PreflightCLIMixin` added if cli.py lacks it."""
+    from unittest import mock
+
+    from lightning_ffpa import cli
+
+    if cli_has_preflight():
+        return cli.main(args)
+    patched = type("FFPACLI", (PreflightCLIMixin, cli.FFPACLI), {})
+    with mock.patch.object(cli, "FFPACLI", patched):
+        return cli.main(args)
+
+
+def cli_has_preflight() -> bool:
+    """True once `FFPACLI` runs the pre-flight checks itself (the proposed one-line change to cli.py)."""
+    from lightning_ffpa import cli
+
+    return issubclass(cli.FFPACLI, PreflightCLIMixin)

@@ -27,6 +27,7 @@ from lightning_ffpa.validation import PreflightCLIMixin
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 PYTHON = sys.executable
+MAX_STEPS, EVERY = 10, 3  # the tiny fit: 10 steps, 4 batches per epoch, a checkpoint every 3 steps
 
 
 def tiny_config(ckpt_dir: Path, *, max_steps: int = 10, every_n_train_steps: int = 3, data: dict | None = None,
@@ -59,9 +60,10 @@ def write_config(path: Path, config: dict[str, Any]) -> Path:
     return path
 
 
-def recorder(log: Path, hang_at: int | None = None) -> dict:
+def recorder(log: Path, hang_at: int | None = None, signal_at: int | None = None) -> dict:
     """Config entry for `StepRecorder`."""
-    return {"class_path": "_helpers.StepRecorder", "init_args": {"log": str(log), "hang_at": hang_at}}
+    return {"class_path": "_helpers.StepRecorder",
+            "init_args": {"log": str(log), "hang_at": hang_at, "signal_at": signal_at}}
 
 
 def subprocess_env() -> dict[str, str]:
@@ -131,13 +133,15 @@ def tree_hash(root: Path) -> dict[str, str]:
 class StepRecorder(pl.Callback):
     """Append `step <global_step> <loss.hex> <batch fingerprint>` per optimizer step; optionally hang mid-step."""
 
-    def __init__(self, log: str, hang_at: int | None = None) -> None:
+    def __init__(self, log: str, hang_at: int | None = None, signal_at: int | None = None) -> None:
         """
         Args:
             log: file to append to.
             hang_at: when the optimizer is about to take step `hang_at`, write `hang` and sleep (to be killed).
+            signal_at: when the optimizer is about to take step `signal_at`, send this process SIGUSR1 (what
+                SLURM's `--signal=USR1@T` does before preempting).
         """
-        self.log_file, self.hang_at = Path(log), hang_at
+        self.log_file, self.hang_at, self.signal_at = Path(log), hang_at, signal_at
 
     def _write(self, line: str) -> None:
         with open(self.log_file, "a") as f:
@@ -149,6 +153,9 @@ class StepRecorder(pl.Callback):
         if self.hang_at is not None and trainer.global_step + 1 == self.hang_at:
             self._write(f"hang {trainer.global_step + 1}")
             time.sleep(600)  # gradients computed, weights not yet updated: SIGKILL arrives here
+        if self.signal_at is not None and trainer.global_step + 1 == self.signal_at:
+            self._write(f"signal {trainer.global_step + 1}")
+            os.kill(os.getpid(), signal.SIGUSR1)  # mid-step, like a real preemption notice
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs

@@ -11,6 +11,8 @@ import pytest
 import torch
 from _helpers import (
     DATA_CLASS,
+    EVERY,
+    MAX_STEPS,
     data_module_is_resumable,
     kill9,
     read_steps,
@@ -22,24 +24,20 @@ from _helpers import (
     write_config,
 )
 
-MAX_STEPS, KILL_AT, EVERY = 10, 5, 3
+KILL_AT = 5
 
 
 @pytest.mark.timeout(240)
-def test_kill9_mid_epoch_resume_reproduces_loss_curve_bitwise(tmp_path, record_property):
-    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    ref_dir.mkdir(), run_dir.mkdir()
-    ref_log, run_log, resume_log = tmp_path / "ref.log", tmp_path / "run.log", tmp_path / "resume.log"
-    ref_cfg = write_config(ref_dir / "fit.yaml", tiny_config(ref_dir / "ckpt", max_steps=MAX_STEPS,
-                                                              every_n_train_steps=EVERY, callbacks=[recorder(ref_log)]))
+def test_kill9_mid_epoch_resume_reproduces_loss_curve_bitwise(tmp_path, reference_steps, record_property):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run_log, resume_log = tmp_path / "run.log", tmp_path / "resume.log"
     run_cfg = write_config(run_dir / "fit.yaml", tiny_config(run_dir / "ckpt", max_steps=MAX_STEPS,
                                                               every_n_train_steps=EVERY,
                                                               callbacks=[recorder(run_log, hang_at=KILL_AT)]))
-    # the uninterrupted reference and the run to be killed share the 2 cores
-    ref, run = start_fit(ref_cfg), start_fit(run_cfg)
+    run = start_fit(run_cfg)
     wait_for_line(run_log, "hang", run)
     assert kill9(run) == -9
-    wait_ok(ref)
 
     ckpt = run_dir / "ckpt"
     assert (ckpt / "last.ckpt").exists(), sorted(p.name for p in ckpt.iterdir())
@@ -52,7 +50,7 @@ def test_kill9_mid_epoch_resume_reproduces_loss_curve_bitwise(tmp_path, record_p
                                                                     callbacks=[recorder(resume_log)]))
     wait_ok(start_fit(resume_cfg, "--ckpt_path", "last"))
 
-    ref_steps, killed, resumed = read_steps(ref_log), read_steps(run_log), read_steps(resume_log)
+    ref_steps, killed, resumed = reference_steps, read_steps(run_log), read_steps(resume_log)
     assert sorted(ref_steps) == list(range(1, MAX_STEPS + 1))
     assert sorted(killed) == list(range(1, KILL_AT))  # steps 1..4 finished before the kill
     assert sorted(resumed) == list(range(EVERY + 1, MAX_STEPS + 1))  # resumed after the step-3 checkpoint

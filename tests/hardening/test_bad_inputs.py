@@ -22,7 +22,7 @@ NEEDS_PARALLEL = pytest.mark.xfail(strict=False, reason="needs parallel: FSDP2St
 NEEDS_ATTN = pytest.mark.xfail(strict=False, reason="needs attn: ffpa backend availability gate")
 NEEDS_RING = pytest.mark.xfail(strict=False, reason="needs ring/parallel: cp>1 gate for the direct ffpa backend")
 NEEDS_ROLLOUT = pytest.mark.xfail(strict=False, reason="needs rollout: reward-function import path check")
-FSDP2 = "lightning_ffpa.parallel.strategy.FSDP2Strategy"
+FSDP2 = "lightning_ffpa.parallel.FSDP2Strategy"
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +145,8 @@ CASES = [
                  R("max_seq_length"), marks=NEEDS_PARALLEL),
     pytest.param("reward function import path that does not resolve",
                  {"callbacks": [{"class_path": "lightning_ffpa.callbacks.rollout.RolloutCallback",
-                                 "init_args": {"reward_fn": "no_such_module.reward"}}]}, [], None,
-                 R("no_such_module.reward"), marks=NEEDS_ROLLOUT),
+                                 "init_args": {"reward_funcs": ["no_such_module:reward"]}}]}, [], None,
+                 R("reward_funcs"), marks=NEEDS_ROLLOUT),
 ]
 
 

@@ -1,7 +1,9 @@
 """Pre-flight checks that run before any model is built or any checkpoint is written.
 
 Owns: checkpoint integrity (plain `.ckpt` files and DCP folders: truncation, corruption, missing state),
-checkpoint/config compatibility (architecture hyper-parameters), and LoRA targets that match nothing.
+checkpoint/config compatibility (architecture hyper-parameters), LoRA targets that match nothing, and the
+cross-component layout checks no single component can make alone (mesh sizes x world size, sequence length
+x CP, the direct ffpa backend x CP / packing), all before `fit` launches processes or builds the model.
 Each failure is one `ValueError`/`FileNotFoundError` naming the option (`ckpt_path`, `model.lora...`).
 Does not own checks a component can make on its own arguments (the module, data modules and strategy
 validate those in their constructors) and does not load weights into a model.
@@ -166,8 +168,58 @@ def check_data_fits_model(model: Any, datamodule: Any) -> None:
                          "token ids would index past the embedding")
 
 
+def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> None:
+    """Mesh sizes vs world size, sequence length vs CP, and the direct ffpa backend vs CP and packing.
+
+    Runs before `fit` launches any process (the world size is known from `devices` x `num_nodes`); the
+    strategy repeats the size checks in `setup_environment` for scripts that do not run this.
+    """
+    strategy = trainer.strategy
+    cp = getattr(strategy, "context_parallel_size", 1)
+    world = trainer.world_size
+    if not isinstance(cp, int):
+        return
+    if world % cp:
+        raise ValueError(f"`context_parallel_size={cp}` does not divide world size {world} "
+                         f"(trainer.devices x trainer.num_nodes)")
+    dp = getattr(strategy, "_data_parallel_size", "auto")  # the constructor argument, before the mesh exists
+    if isinstance(dp, int) and dp * cp != world:
+        raise ValueError(f"`data_parallel_size={dp}` x `context_parallel_size={cp}` = {dp * cp} != world size "
+                         f"{world} (trainer.devices x trainer.num_nodes)")
+    seq = getattr(datamodule, "max_seq_length", None)
+    if cp > 1 and seq is not None and seq % (2 * cp):
+        raise ValueError(f"`data.max_seq_length={seq}` must be divisible by 2 x context_parallel_size = {2 * cp} "
+                         "(each sequence is cut into 2·cp load-balanced chunks)")
+    direct_ffpa = (getattr(model, "hparams", None) or {}).get("attn_implementation") == "ffpa"
+    if direct_ffpa and cp > 1 and not _has_attention_callback(trainer):
+        raise ValueError(f"`model.attn_implementation='ffpa'` is the direct backend, which cannot run with "
+                         f"`context_parallel_size={cp}`; use attn_implementation=sdpa and add the "
+                         "`lightning_ffpa.callbacks.FFPAAttention` callback (it installs the FFPA ring)")
+    if getattr(datamodule, "pack", False) and cp == 1 and (direct_ffpa or _attention_callback_uses_ffpa(trainer)):
+        raise ValueError("`data.pack=True` with the direct 'ffpa' attention backend (context_parallel_size=1) would "
+                         "let packed documents attend to each other, so the backend refuses it; use pack=false, "
+                         "or context_parallel_size > 1 with the FFPA ring, which carries document ids")
+
+
+def _attention_callbacks(trainer: Any) -> list[Any]:
+    try:
+        from lightning_ffpa.callbacks.attention import FFPAAttention
+    except ImportError:  # built without the attention callback
+        return []
+    return [cb for cb in trainer.callbacks if isinstance(cb, FFPAAttention)]
+
+
+def _has_attention_callback(trainer: Any) -> bool:
+    return bool(_attention_callbacks(trainer))
+
+
+def _attention_callback_uses_ffpa(trainer: Any) -> bool:
+    return any(getattr(cb, "attn_implementation", None) == "ffpa" for cb in _attention_callbacks(trainer))
+
+
 def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str | None = None) -> str | None:
     """Run every pre-flight check for `fit`; returns the checkpoint path `fit` will resume from (or None)."""
+    check_parallel_layout(trainer, model, datamodule)
     check_data_fits_model(model, datamodule)
     check_lora_targets(model)
     resolved = _compat.resolve_ckpt_path(trainer, ckpt_path)

@@ -19,8 +19,6 @@ from _helpers import run_cli, tiny_config, tree_hash, write_config
 from lightning_ffpa.module import Gemma4LM
 
 NEEDS_PARALLEL = pytest.mark.xfail(strict=False, reason="needs parallel: FSDP2Strategy validation")
-NEEDS_ATTN = pytest.mark.xfail(strict=False, reason="needs attn: ffpa backend availability gate")
-NEEDS_RING = pytest.mark.xfail(strict=False, reason="needs ring/parallel: cp>1 gate for the direct ffpa backend")
 NEEDS_ROLLOUT = pytest.mark.xfail(strict=False, reason="needs rollout: reward-function import path check")
 FSDP2 = "lightning_ffpa.parallel.FSDP2Strategy"
 
@@ -81,7 +79,7 @@ def _lora(targets) -> dict:
 
 
 def _strategy(**init_args) -> dict:
-    return {"trainer": {"strategy": {"class_path": FSDP2, "init_args": init_args}}}
+    return {"strategy": {"class_path": FSDP2, "init_args": init_args}}
 
 
 # The error must contain this text: P(...) in the parser's message (jsonargparse exits), R(...) in an
@@ -128,21 +126,19 @@ CASES = [
     ("LoRA targets that match nothing", _lora(["nope_proj"]), [], None, R("model.lora.target_modules")),
     ("one LoRA target of two matches nothing", _lora(["q_proj", "vv_proj"]), [], None, R("vv_proj")),
     ("LoRA regex that matches nothing", _lora(r".*\.attn_zz"), [], None, R("model.lora.target_modules")),
-    pytest.param("dp x cp does not multiply to the world size", _strategy(data_parallel_size=2), [], None,
-                 R("data_parallel_size"), marks=NEEDS_PARALLEL),
-    pytest.param("cp does not divide the world size", _strategy(context_parallel_size=3), [], None,
-                 R("context_parallel_size"), marks=NEEDS_PARALLEL),
-    pytest.param("ffpa without ffpa-attn (CPU)", {"model": {"attn_implementation": "ffpa"}}, [], None,
-                 R("model.attn_implementation"), marks=NEEDS_ATTN),
-    pytest.param("packed sequences with the direct ffpa backend",
-                 {"model": {"attn_implementation": "ffpa"}, "data_class": "lightning_ffpa.data.TextDataModule",
-                  "data": {"pack": True}}, [], None, R("data.pack"), marks=NEEDS_ATTN),
-    pytest.param("cp>1 with the direct ffpa backend",
-                 {"model": {"attn_implementation": "ffpa"}, **_strategy(context_parallel_size=2)}, [], None,
-                 R("context_parallel_size"), marks=NEEDS_RING),
+    pytest.param("dp x cp does not multiply to the world size", {**_strategy(data_parallel_size=2),
+                 "trainer": {"devices": 1}}, [], None, R("data_parallel_size=2"), marks=NEEDS_PARALLEL),
+    pytest.param("cp does not divide the world size", {**_strategy(context_parallel_size=3),
+                 "trainer": {"devices": 2}}, [], None, R("context_parallel_size=3"), marks=NEEDS_PARALLEL),
+    pytest.param("cp>1 with the direct ffpa backend", {"model": {"attn_implementation": "ffpa"},
+                 **_strategy(context_parallel_size=2), "trainer": {"devices": 2}}, [], None,
+                 R("model.attn_implementation"), marks=NEEDS_PARALLEL),
     pytest.param("seq length not divisible by 2*cp", {**_strategy(context_parallel_size=2),
-                                                     "data": {"seq_length": 30}}, [], None,
-                 R("max_seq_length"), marks=NEEDS_PARALLEL),
+                 "trainer": {"devices": 2}, "data": {"seq_length": 30}}, [], None,
+                 R("data.max_seq_length=30"), marks=NEEDS_PARALLEL),
+    ("packed sequences with the direct ffpa backend",
+     {"model": {"attn_implementation": "ffpa"}, "data_class": "lightning_ffpa.data.TextDataModule",
+      "data": {"pack": True}}, [], None, R("data.pack")),
     pytest.param("reward function import path that does not resolve",
                  {"callbacks": [{"class_path": "lightning_ffpa.callbacks.rollout.RolloutCallback",
                                  "init_args": {"reward_funcs": ["no_such_module:reward"]}}]}, [], None,
@@ -157,6 +153,8 @@ def _config(existing: Path, tmp: Path, changes: dict) -> Path:
     cfg["model"]["init_args"].update(changes.get("model", {}))
     cfg["data"]["init_args"].update(changes.get("data", {}))
     cfg["trainer"].update(changes.get("trainer", {}))
+    if "strategy" in changes:
+        cfg["trainer"]["strategy"] = changes["strategy"]
     return write_config(tmp / "case.yaml", cfg)
 
 

@@ -75,8 +75,11 @@ def subprocess_env() -> dict[str, str]:
 
 
 def start_fit(config: Path, *extra: str, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
-    """Start `lightning-ffpa fit --config config` in a new process (stdout/stderr into `log`)."""
-    cmd = [PYTHON, "-c", "from lightning_ffpa.cli import main; main()", "fit", "--config", str(config), *extra]
+    """Start `lightning-ffpa fit --config config` in a new process (stdout/stderr into `log`).
+
+    `python -m lightning_ffpa.cli`, so Lightning's launcher can re-run the same command for more devices.
+    """
+    cmd = [PYTHON, "-m", "lightning_ffpa.cli", "fit", "--config", str(config), *extra]
     log = log or config.with_suffix(".out")
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env or subprocess_env(), stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
@@ -150,6 +153,8 @@ class StepRecorder(pl.Callback):
             os.fsync(f.fileno())
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not trainer.is_global_zero:
+            return
         if self.hang_at is not None and trainer.global_step + 1 == self.hang_at:
             self._write(f"hang {trainer.global_step + 1}")
             time.sleep(600)  # gradients computed, weights not yet updated: SIGKILL arrives here
@@ -158,6 +163,8 @@ class StepRecorder(pl.Callback):
             os.kill(os.getpid(), signal.SIGUSR1)  # mid-step, like a real preemption notice
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not trainer.is_global_zero:
+            return  # rank 0's loss and batch stand for the step (the comparison is run against run)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         fp = hashlib.sha1(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()[:12]
         self._write(f"step {trainer.global_step} {float(loss.detach()).hex()} {fp}")

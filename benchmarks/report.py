@@ -1,0 +1,221 @@
+"""Turn `benchmarks/results/*.json` into docs: `docs/benchmarks.md` and the README's headline block.
+
+Owns rendering only: every number on those pages is read from a result file here, none is typed by hand.
+It does not run benchmarks (the scripts next to it do) and does not draw plots (`benchmarks/plots.py`,
+called from here unless `--no-plots`).
+
+    python -m benchmarks.report            # rewrite docs/benchmarks.md, the README block, docs/img/*.png
+    python -m benchmarks.report --check    # exit 1 if either page is stale (CI; plots are not compared)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+BENCHMARKS_MD = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+BEGIN = "<!-- BEGIN GENERATED: headline numbers (python -m benchmarks.report) -->"
+END = "<!-- END GENERATED: headline numbers -->"
+
+# Summary keys worth a README line: (what was compared, how to print the value). Keys from DESIGN.md
+# "Result files"; a key absent from every file (benchmark not recorded yet) prints nothing.
+HEADLINES: dict[str, tuple[str, str]] = {
+    "ffpa_vs_sdpa_fwd_8k": ("Gemma4 full-attention layer (D=512, 32q/4kv heads, causal, bf16, 8k tokens), "
+                            "forward: our FFPA path vs SDPA", "{:.2f}x faster"),
+    "ffpa_vs_sdpa_fwdbwd_8k": ("same layer, forward+backward: our FFPA path vs SDPA", "{:.2f}x faster"),
+    "ffpa_vs_flex_fwdbwd_8k": ("same layer, forward+backward: our FFPA path vs Flex with its best options found",
+                               "{:.2f}x faster"),
+    "backend_overhead_8k": ("same layer, forward+backward: time of our HF backend path relative to calling "
+                            "`ffpa_attn_func` directly (negative: ours is faster; it skips layout copies)",
+                            "{:+.1%}"),
+    "ours_vs_sdpa_tps_8k": ("training step, Gemma4-31B-shaped slice, 8k tokens: ours vs HF SDPA",
+                            "{:.2f}x tokens/s"),
+    "ours_vs_flex_tps_8k": ("training step, 8k tokens: ours vs Flex at D=512", "{:.2f}x tokens/s"),
+    "ours_vs_seed_baseline_tps_8k": ("training step, 8k tokens: ours vs the seed's SDPA enable_gqa baseline",
+                                     "{:.2f}x tokens/s"),
+    "attention_swap_vs_sdpa_tps_8k": ("training step, 8k tokens: only the attention swapped to FFPA vs SDPA",
+                                      "{:.2f}x tokens/s"),
+    "ours_vs_sdpa_peak_mem_8k": ("training step, 8k tokens: peak memory, ours vs SDPA", "{:.2f}x"),
+    "ours_mfu_8k": ("training step, 8k tokens: model FLOPs utilisation (of the measured bf16 peak)", "{:.1%}"),
+    "ffpa_ring_vs_flex_ring_tps_16k": ("context parallel, 16k tokens: FFPA ring vs Flex ring", "{:.2f}x tokens/s"),
+    "cp2_vs_cp1_loss_max_abs_diff": ("context parallel: loss difference CP=2 vs CP=1", "{:.2e}"),
+    "roofline_fraction_bs64": ("GRPO rollouts, batch 64: decode throughput as a fraction of the HBM roofline",
+                               "{:.1%}"),
+    "vs_hf_generate_bs64": ("GRPO rollouts, batch 64: paged flex engine vs HF `generate` (static cache)",
+                            "{:.2f}x tokens/s"),
+    "lora_refresh_fraction": ("GRPO rollouts, batch 64: LoRA refresh time as a fraction of rollout time",
+                              "{:.1%}"),
+}
+STANDARD_KEYS = ("benchmark", "command", "commit", "date", "device", "versions", "rows", "summary")
+
+
+def load_results(results_dir: Path = RESULTS_DIR) -> list[tuple[Path, dict[str, Any]]]:
+    """Every result JSON under `results_dir` (not its subfolders), sorted by file name."""
+    out = []
+    for path in sorted(results_dir.glob("*.json")):
+        record = json.loads(path.read_text())
+        missing = [k for k in ("benchmark", "rows", "summary") if k not in record]
+        if missing:
+            raise ValueError(f"{path}: result file lacks {missing} (write it with benchmarks/results_io.py)")
+        out.append((path, record))
+    return out
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def cell(value: Any) -> str:
+    """One table cell: numbers to 4 significant digits, dicts as k=v (zeros dropped), pipes escaped."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        text = f"{value:.4g}"
+    elif isinstance(value, dict):
+        text = ", ".join(f"{k}={cell(v)}" for k, v in value.items() if v not in (0, None, "", [], {}))
+    elif isinstance(value, (list, tuple)):
+        text = ", ".join(cell(v) for v in value)
+    else:
+        text = str(value)
+    text = " ".join(text.split())
+    if len(text) > 160:
+        text = text[:157] + "..."
+    return text.replace("|", "\\|")
+
+
+def table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
+    """A markdown table over the union of the rows' keys (first-seen order)."""
+    if columns is None:
+        columns = []
+        for row in rows:
+            columns += [k for k in row if k not in columns]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def rel(path: Path, start: Path) -> str:
+    """`path` relative to the folder `start` (for links)."""
+    import os
+
+    return Path(os.path.relpath(path, start)).as_posix()
+
+
+def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) -> list[str]:
+    """One bullet per known summary key with a numeric value, each linking its result file."""
+    lines = []
+    for path, record in results:
+        for key, (what, fmt) in HEADLINES.items():
+            value = record["summary"].get(key)
+            if _number(value):
+                lines.append(f"- **{fmt.format(value)}**: {what}. {record.get('device', '?')}, "
+                             f"[`{rel(path, ROOT)}`]({rel(path, link_from)}) (`summary.{key}`)")
+    return lines
+
+
+def render_headline(results: list[tuple[Path, dict[str, Any]]]) -> str:
+    """The README block between the BEGIN/END markers."""
+    lines = headline_lines(results, ROOT)
+    if not lines:
+        lines = ["- No benchmark has been recorded yet (`benchmarks/results/` is empty)."]
+    body = "\n".join(lines)
+    return (f"{BEGIN}\n{body}\n\nAll tables and plots: [docs/benchmarks.md](docs/benchmarks.md). "
+            f"Regenerate with `python -m benchmarks.report`.\n{END}")
+
+
+def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: set[str]) -> str:
+    """docs/benchmarks.md: per result file, its provenance, summary, rows and plot."""
+    docs = BENCHMARKS_MD.parent
+    out = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by `python -m benchmarks.report` from benchmarks/results/*.json. Do not edit by hand. -->",
+        "",
+        "Every number on this page is read from a result file in `benchmarks/results/`. Each file records the",
+        "exact command, commit, device and library versions of its run. Ratios in a summary come from rows",
+        "measured in the same run. To record a run, run the benchmark script with `--out` and regenerate this page;",
+        "see [How to reproduce](#how-to-reproduce).",
+        "",
+        "## Headline numbers",
+        "",
+        *(headline_lines(results, docs) or ["No benchmark has been recorded yet."]),
+        "",
+    ]
+    for path, rec in results:
+        name = rec["benchmark"]
+        link = f"[`{rel(path, ROOT)}`]({rel(path, docs)})"
+        out += [f"## {name}", "", f"Source: {link}", ""]
+        out += [f"- device: {cell(rec.get('device'))}; date: {cell(rec.get('date'))}; "
+                f"commit: `{cell(rec.get('commit'))}`",
+                f"- versions: {cell(rec.get('versions', {}))}",
+                f"- command: `{cell(rec.get('command'))}`"]
+        extras = {k: v for k, v in rec.items() if k not in STANDARD_KEYS}
+        out += [f"- {k}: {cell(v)}" for k, v in extras.items()]
+        out += ["", f"### {name}: summary ({link})", "",
+                table([{"key": k, "value": v} for k, v in rec["summary"].items()]), ""]
+        if name in plotted:
+            out += [f"![{name}](img/{name}.png)", ""]
+        out += [f"### {name}: rows ({link})", "", table(rec["rows"]), ""]
+    out += [
+        "## How to reproduce",
+        "",
+        "Each script accepts `--out PATH`, records failing rows with their error instead of stopping, and prints",
+        "a compact table at the end. On one H200:",
+        "",
+        "```bash",
+        "python benchmarks/attention.py --out benchmarks/results/attention.json",
+        "python benchmarks/train_throughput.py --out benchmarks/results/train_throughput.json",
+        "python benchmarks/rollout.py --out benchmarks/results/rollout.json",
+        "torchrun --nproc_per_node 2 benchmarks/context_parallel.py --out benchmarks/results/context_parallel.json",
+        "python -m benchmarks.report    # this page, the README headline block, docs/img/*.png",
+        "```",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def replace_block(text: str, block: str) -> str:
+    """`text` with the BEGIN..END block swapped for `block` (which includes the markers)."""
+    start, stop = text.find(BEGIN), text.find(END)
+    if start < 0 or stop < start:
+        raise ValueError(f"README.md has no '{BEGIN}' ... '{END}' block to fill")
+    return text[:start] + block + text[stop + len(END):]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md or README.md is stale")
+    p.add_argument("--no-plots", action="store_true", help="do not redraw docs/img/*.png")
+    args = p.parse_args(argv)
+
+    from benchmarks import plots
+
+    results = load_results()
+    plotted = {rec["benchmark"] for _, rec in results if plots.can_plot(rec)}
+    pages = {BENCHMARKS_MD: render_benchmarks_md(results, plotted),
+             README: replace_block(README.read_text(), render_headline(results))}
+    if args.check:
+        stale = [str(p.relative_to(ROOT)) for p, text in pages.items() if not p.exists() or p.read_text() != text]
+        if stale:
+            print(f"stale: {stale}; run `python -m benchmarks.report`", file=sys.stderr)
+            return 1
+        return 0
+    for path, text in pages.items():
+        path.write_text(text)
+        print(f"wrote {path.relative_to(ROOT)}")
+    if not args.no_plots:
+        for path in plots.draw_all(results):
+            print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,9 +1,10 @@
 """A plain Lightning project that trains a Hugging Face Gemma4 and adds only lightning-ffpa's Callback.
 
-Everything here is the user's own code: the LightningModule, the data, the Trainer. The two lines that
-come from lightning-ffpa are marked `# lightning-ffpa`: the `FFPAAttention` Callback (routes Gemma4's
+Everything here is the user's own code: the LightningModule, the data, the Trainer. What changes training
+comes from lightning-ffpa and is marked `# lightning-ffpa`: the `FFPAAttention` Callback (routes Gemma4's
 head_dim-512 full-attention layers to FFPA and reports which kernels ran) and, optionally, the
-`FSDP2Strategy` (per-layer FSDP2 + selective activation checkpointing).
+`FSDP2Strategy` (per-layer FSDP2 + selective activation checkpointing). The other imports from the package
+only read the dispatch counters, pick the CPU reference kernel, and build a tiny random Gemma4 config.
 
     python examples/drop_in_callback.py                      # tiny random Gemma4, CPU, a few seconds
     python examples/drop_in_callback.py --pretrained /path/to/gemma-4 --accelerator gpu --devices 8 \\
@@ -23,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from transformers import AutoModelForCausalLM, Gemma4ForCausalLM
 
-from lightning_ffpa.attention import dispatch_counts, force_kernel, kernel_counts  # lightning-ffpa (reporting)
+from lightning_ffpa.attention import dispatch_counts, force_kernel, kernel_counts
 from lightning_ffpa.callbacks import FFPAAttention  # lightning-ffpa
 from lightning_ffpa.presets import build_text_config
 
@@ -110,8 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.fit(module, data)
     report = {"summary": attention.summary(), "dispatch": dispatch_counts(), "kernels": kernel_counts(),
               "loss": float(trainer.callback_metrics["train/loss"])}
-    if trainer.is_global_zero:
-        print(report["summary"])
+    if trainer.is_global_zero:  # FFPAAttention itself prints its summary line at the end of fit
         print(f"kernels: {report['kernels']}  final loss: {report['loss']:.4f}")
     return report
 

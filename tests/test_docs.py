@@ -1,0 +1,154 @@
+"""The docs stay true: generated pages are current, links resolve, measured claims cite a result file."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks import plots, report
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+GENERATED = {ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "configuration.md"}
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+RESULT_LINK = re.compile(r"benchmarks/results/[\w.-]+\.json")
+# A measured speed or memory statement: "4.1x", "120 ms", "9000 tokens/s", "62 GB", "40% MFU", "faster than".
+CLAIM = re.compile(
+    r"\b\d+(\.\d+)?x\b(?!\s*\d)|\b\d[\d,.]*\s*(ms|tok/s|tokens/s|GB|GiB|TFLOP/?s?)\b|\d\s*%\s*MFU"
+    r"|\b(faster|slower) than\b|\btimes (faster|slower)\b|\bspeed-?up of\b|\b(less|more) memory than\b",
+    re.I)
+
+
+def _gen_config():
+    spec = importlib.util.spec_from_file_location("gen_config_reference", ROOT / "docs" / "gen_config_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sections(text: str) -> list[str]:
+    """Markdown split at headings (code blocks kept whole)."""
+    out, current, fenced = [], [], False
+    for line in text.splitlines():
+        fenced ^= line.startswith("```")
+        if line.startswith("#") and not fenced and current:
+            out.append("\n".join(current))
+            current = []
+        current.append(line)
+    out.append("\n".join(current))
+    return out
+
+
+def test_benchmark_pages_are_generated_from_the_results():
+    assert report.main(["--check"]) == 0, "run `python -m benchmarks.report`"
+
+
+def test_config_reference_is_generated_from_the_code():
+    assert _gen_config().main(["--check"]) == 0, "run `python docs/gen_config_reference.py`"
+
+
+def test_every_config_option_has_a_description():
+    gen = _gen_config()
+    missing = [f"{path}.{o['name']}" for _, path in gen.CLASSES for o in gen.options(gen._import(path))
+               if not o["help"].strip()]
+    assert not missing, f"add these to the class docstring's Args section: {missing}"
+
+
+def test_every_shipped_config_is_in_the_readme_table():
+    readme = (ROOT / "README.md").read_text()
+    for cfg in (ROOT / "configs").glob("*.yaml"):
+        assert f"(configs/{cfg.name})" in readme, cfg.name
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_relative_links_resolve(page):
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+://|mailto:|#", target):
+            continue
+        path = (page.parent / target.split("#")[0]).resolve()
+        assert path.exists(), f"{page.name}: broken link {target}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_measured_claims_cite_a_result_file(page):
+    for section in _sections(page.read_text()):
+        prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", section, flags=re.S))  # options in code are not claims
+        claim = CLAIM.search(prose)
+        if claim is None:
+            continue
+        cited = RESULT_LINK.findall(section)
+        heading = section.splitlines()[0]
+        assert cited, f"{page.name} / {heading!r}: {claim.group(0)!r} needs a benchmarks/results/*.json link"
+        for rel in cited:
+            assert (ROOT / rel).exists(), f"{page.name}: cites missing {rel}"
+
+
+def test_headline_numbers_match_their_json():
+    """Each README headline value is the linked file's summary value, formatted as the report does."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index(report.BEGIN):readme.index(report.END)]
+    lines = [ln for ln in block.splitlines() if ln.startswith("- **")]
+    recorded = [r for r in report.load_results() if any(k in r[1]["summary"] for k in report.HEADLINES)]
+    assert bool(lines) == bool(recorded)
+    for line in lines:
+        value = re.match(r"- \*\*(.+?)\*\*", line).group(1)
+        path, key = re.search(r"\]\((benchmarks/results/[\w.-]+\.json)\) \(`summary\.(\w+)`\)", line).groups()
+        summary = json.loads((ROOT / path).read_text())["summary"]
+        assert report.HEADLINES[key][1].format(summary[key]) == value
+
+
+def test_plots_exist_for_every_plottable_result():
+    for path, rec in report.load_results():
+        if plots.can_plot(rec):
+            assert (plots.IMG_DIR / f"{rec['benchmark']}.png").exists(), f"run `python -m benchmarks.plots` ({path.name})"
+
+
+def test_report_renders_every_benchmark_kind(tmp_path):
+    """Rows/summary of the four benchmark kinds render and plot (shape check on synthetic records)."""
+    recs = [
+        {"benchmark": "train_throughput", "device": "d", "rows": [
+            {"row": "sdpa", "seq": 8192, "tokens_per_s_per_gpu": 100.0, "peak_mem_gb": 50.0, "dispatch": {"sdpa": 2}},
+            {"row": "ours", "seq": 8192, "tokens_per_s_per_gpu": 120.0, "peak_mem_gb": 40.0},
+            {"row": "flex", "seq": 8192, "error": "OutOfResources | shared memory"}],
+         "summary": {"ours_vs_sdpa_tps_8k": 1.2, "ours_mfu_8k": None}},
+        {"benchmark": "rollout", "rows": [{"name": "ours_paged_flex", "batch": 16, "tokens_per_s": 10.0},
+                                          {"name": "ours_paged_flex", "batch": 64, "tokens_per_s": 30.0}],
+         "summary": {"roofline_fraction_bs64": 0.3}},
+        {"benchmark": "context_parallel", "rows": [{"row": "model_ffpa_ring_cp2", "tokens_per_s": 5.0}],
+         "summary": {"cp2_vs_cp1_loss_max_abs_diff": 1e-6}},
+    ]
+    results = [(report.RESULTS_DIR / f"{r['benchmark']}.json", r) for r in recs]
+    page = report.render_benchmarks_md(results, {r["benchmark"] for r in recs})
+    assert "OutOfResources \\| shared memory" in page  # a failing row is shown with its error, pipes escaped
+    assert "**1.20x tokens/s**" in page and "ours_mfu_8k" in page  # None summary: in the table, not a headline
+    assert "**30.0%**" in page and "**1.00e-06**" in page
+    for rec in recs:
+        assert plots.draw(rec, tmp_path).stat().st_size > 0
+
+
+def test_python_blocks_in_docs_are_valid_python():
+    for page in PAGES:
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+            ast.parse(block)
+
+
+def test_commands_in_docs_name_existing_files():
+    """`--config X`, `python X.py` and examples/ paths mentioned in the docs exist."""
+    for page in PAGES:
+        text = page.read_text()
+        for word in re.findall(r"(?:--config\s+|python\s+)((?:configs|examples|benchmarks|docs|tests)/[\w/.-]+)", text):
+            assert (ROOT / word).exists(), f"{page.name}: {word}"
+        for word in re.findall(r"\bexamples/[\w/.-]+\.(?:py|sbatch)", text):
+            assert (ROOT / word).exists(), f"{page.name}: {word}"
+
+
+def test_makefile_has_the_readme_commands():
+    makefile = (ROOT / "Makefile").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for target in re.findall(r"^make ([\w-]+)", readme, re.M):
+        assert re.search(rf"^{target}:", makefile, re.M), f"README runs `make {target}`"

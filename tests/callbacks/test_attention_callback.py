@@ -49,12 +49,18 @@ def fake_backend(monkeypatch):
         return sdpa_attention_forward(module, *args, **kwargs)
 
     def register_ffpa():
-        AttentionInterface.register("ffpa", counted)
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+        AttentionInterface.register("ffpa", counted)
+        ALL_MASK_ATTENTION_FUNCTIONS.register("ffpa", sdpa_mask)  # the real backend may have registered its own
+
+    real_register = getattr(attention, "register_ffpa", None)
     monkeypatch.setattr(attention, "register_ffpa", register_ffpa, raising=False)
     monkeypatch.setattr(attention, "dispatch_counts", lambda: dict(counts), raising=False)
     monkeypatch.setattr(attention, "reset_dispatch_counts", counts.clear, raising=False)
-    return counts
+    yield counts
+    if real_register is not None:
+        real_register()  # leave transformers' registry with the real "ffpa" for later tests
 
 
 def _fit(module, callbacks, steps=4):

@@ -164,8 +164,9 @@ class FSDP2Strategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         # Not ModelParallelStrategy.setup_environment: that one builds a dp x tp mesh.
+        # Check sizes before the process group exists (the world size is known from the devices).
+        dp, cp = self._resolve_sizes(self.num_nodes * self.num_processes)
         self._setup_distributed()
-        dp, cp = self._resolve_sizes(self.world_size)
         self._data_parallel_size = dp
         from torch.distributed.device_mesh import init_device_mesh
 

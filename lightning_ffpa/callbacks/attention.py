@@ -1,0 +1,156 @@
+"""`FFPAAttention`: a drop-in Callback that picks the attention path by context-parallel size.
+
+Owns choosing and installing the backend on the HF model and reporting which kernels ran. The
+kernels, the "ffpa" HF backend, its mask function and the dispatch counters live in
+`lightning_ffpa.attention`; the CP ring lives in `lightning_ffpa.attention.ring`.
+
+- CP = 1: register "ffpa" and set it on the model (full layers at head_dim 512 go to FFPA, sliding
+  layers to Flex through the registered mask function).
+- CP > 1: keep "sdpa" for HF and install the ring hook over the mesh's "context_parallel" dim.
+Works with any strategy: without a device mesh, CP is 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+__all__ = ["FFPAAttention", "find_hf_model", "context_parallel_size", "set_attn_implementation"]
+
+
+def find_hf_model(pl_module: nn.Module) -> nn.Module | None:
+    """`pl_module.model` if it is an HF PreTrainedModel, else the outermost PreTrainedModel submodule."""
+    from transformers import PreTrainedModel
+
+    inner = getattr(pl_module, "model", None)
+    if isinstance(inner, PreTrainedModel):
+        return inner
+    for module in pl_module.modules():  # pre-order: outermost first
+        if isinstance(module, PreTrainedModel):
+            return module
+    return None
+
+
+def context_parallel_size(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+    """CP size from the strategy's mesh ("context_parallel" dim); 1 without a mesh or that dim."""
+    size = getattr(trainer.strategy, "context_parallel_size", None)
+    if isinstance(size, int):
+        return size
+    mesh = getattr(pl_module, "_device_mesh", None)  # `pl_module.device_mesh` without the property's checks
+    if mesh is not None and "context_parallel" in (mesh.mesh_dim_names or ()):
+        return mesh["context_parallel"].size()
+    return 1
+
+
+def _backend():
+    """The attention package, checked for the interface this Callback uses."""
+    from lightning_ffpa import attention
+
+    missing = [n for n in ("register_ffpa", "dispatch_counts", "reset_dispatch_counts") if not hasattr(attention, n)]
+    if missing:
+        raise ImportError(f"lightning_ffpa.attention lacks {missing}: the FFPA backend is not installed in this build")
+    return attention
+
+
+def set_attn_implementation(model: nn.Module, name: str) -> None:
+    """Set the HF attention implementation on `model` (and its sub-configs)."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
+class FFPAAttention(Callback):
+    """Install FFPA attention (CP=1) or the ring CP hook (CP>1) and log which kernels ran."""
+
+    def __init__(self, log_every_n_steps: int = 50, attn_implementation: str = "ffpa") -> None:
+        """Configure the callback.
+
+        Args:
+            log_every_n_steps: Log the dispatch counters every this many optimizer steps (0 = never).
+            attn_implementation: HF attention name installed at CP=1 ("ffpa"; "sdpa" to compare).
+        """
+        if log_every_n_steps < 0:
+            raise ValueError(f"`log_every_n_steps={log_every_n_steps}` must be >= 0")
+        self.log_every_n_steps = log_every_n_steps
+        self.attn_implementation = attn_implementation
+        self.cp_size = 1
+        self._installed_on: int | None = None  # id() of the model we configured
+        self.ring = None  # the ring handle at CP > 1 (its `stats` count the blocks that ran)
+
+    # -- install ---------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Read the CP size and register the backend; configure the model if it already exists."""
+        attention = _backend()
+        self.cp_size = context_parallel_size(trainer, pl_module)
+        if self.cp_size > 1:
+            self._ring_installer()  # fail now, before configure_model, if the ring is missing
+        elif self.attn_implementation == "ffpa":
+            attention.register_ffpa()
+        attention.reset_dispatch_counts()
+        self._install(trainer, pl_module, required=False)
+
+    def _ring_installer(self):
+        try:
+            from lightning_ffpa.attention.ring import install_ring
+        except ImportError as e:
+            raise RuntimeError(
+                f"`context_parallel_size={self.cp_size}` needs the ring attention hook "
+                "(`lightning_ffpa.attention.ring.install_ring`), which this build does not have; "
+                "use context_parallel_size=1"
+            ) from e
+        return install_ring
+
+    def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, required: bool) -> None:
+        model = find_hf_model(pl_module)
+        if model is None:
+            if required:
+                raise TypeError(f"FFPAAttention found no transformers PreTrainedModel in {type(pl_module).__name__}")
+            return  # built later in configure_model; installed at the *_start hooks
+        if self._installed_on == id(model):
+            return
+        if self.cp_size > 1:
+            set_attn_implementation(model, "sdpa")  # install_ring then routes every layer to its ring function
+            # Sharding the batch (and passing `ring_layout`) is the LightningModule's part, see
+            # lightning_ffpa.parallel.context_parallel.shard_batch.
+            self.ring = self._ring_installer()(model, trainer.strategy.device_mesh["context_parallel"])
+        else:
+            set_attn_implementation(model, self.attn_implementation)
+        self._installed_on = id(model)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer, pl_module, required=True)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer, pl_module, required=True)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer, pl_module, required=True)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer, pl_module, required=True)
+
+    # -- report ----------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        n = self.log_every_n_steps
+        if n and trainer.global_step % n == 0:
+            counts = _backend().dispatch_counts()
+            if counts:
+                pl_module.log_dict({f"attention/{k}": float(v) for k, v in counts.items()},
+                                   on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def summary(self) -> str:
+        """One line: which attention kernels ran and how often (this rank)."""
+        counts = dict(_backend().dispatch_counts())
+        counts.update({f"ring-{k}": v for k, v in (getattr(self.ring, "stats", None) or {}).items()})
+        ran = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "no attention calls counted"
+        mode = f"ring CP={self.cp_size}" if self.cp_size > 1 else f"attn_implementation={self.attn_implementation}"
+        return f"FFPAAttention ({mode}): {ran}"
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rank_zero_info(self.summary())

@@ -1,0 +1,175 @@
+"""`TokenThroughput`: Lightning's ThroughputMonitor with real-token counts, model FLOPs and H200 peaks.
+
+Owns the throughput/MFU metrics, the bf16 peak table Lightning lacks (it returns None for "NVIDIA H200"),
+and an analytic model-FLOP count for HF decoder models. Timing and windowing stay Lightning's.
+
+FLOPs are *model* FLOPs (what MFU conventionally counts): 6 x matmul params x tokens for the decoder
+linears and the lm_head, plus the attention score/value matmuls (causal or sliding-window key counts
+per query), times 3 for forward + backward. Activation-checkpoint recompute is not counted.
+Padding tokens cost compute, so FLOPs use the padded batch shape; tokens/s counts real tokens only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.throughput import get_available_flops
+from lightning.pytorch.callbacks import ThroughputMonitor
+from torch import nn
+
+__all__ = ["TokenThroughput", "BF16_PEAK_FLOPS", "peak_bf16_flops", "count_real_tokens", "train_flops_per_batch"]
+
+# Dense bf16 tensor-core peaks (no sparsity) from the vendor data sheets, by device-name substring.
+BF16_PEAK_FLOPS: dict[str, float] = {
+    "H200": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,  # SXM
+    "B200": 2250e12,
+    "GB200": 2500e12,
+}
+
+
+def peak_bf16_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of `device` from our table, else Lightning's; None if unknown (CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in BF16_PEAK_FLOPS.items():  # ordered: specific names before "H100"
+        if key in name:
+            return flops
+    return get_available_flops(device, torch.bfloat16)
+
+
+def count_real_tokens(batch: Any, ignore_index: int = -100) -> int:
+    """Tokens that carry a loss: labels != ignore_index, else attention_mask sum, else input_ids numel."""
+    if isinstance(batch, dict):
+        if batch.get("labels") is not None:
+            return int((batch["labels"] != ignore_index).sum())
+        if batch.get("attention_mask") is not None:
+            return int(batch["attention_mask"].sum())
+        if batch.get("input_ids") is not None:
+            return batch["input_ids"].numel()
+    if isinstance(batch, torch.Tensor):
+        return batch.numel()
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0].numel()
+    raise TypeError(f"count_real_tokens cannot read a batch of type {type(batch).__name__}")
+
+
+def _batch_shape(batch: Any) -> tuple[int, int]:
+    ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise TypeError("TokenThroughput needs input_ids of shape (B, S) to count FLOPs")
+    return ids.shape[0], ids.shape[1]
+
+
+def _keys_per_query(seq: int, window: int | None, causal: bool) -> float:
+    if not causal:
+        return float(seq if window is None else min(seq, window))
+    w = seq if window is None else min(window, seq)
+    # sum_i min(i + 1, w) over positions i < seq
+    return (w * (w + 1) / 2 + (seq - w) * w) / seq
+
+
+def train_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> float:
+    """Model FLOPs of one training step (fwd + bwd) of an HF decoder CausalLM on a (B, S) batch."""
+    from lightning_ffpa.parallel.fsdp import find_decoder_layers
+
+    found = find_decoder_layers(model)
+    if found is None:
+        raise TypeError(f"train_flops_per_batch found no decoder layers in {type(model).__name__}")
+    layers = getattr(*found)
+    tokens = batch_size * seq_len
+    config = getattr(model, "config", None)
+    fwd = 0.0
+    for layer in layers:
+        for name, p in layer.named_parameters():
+            if p.dim() == 2 and not name.endswith("router.proj.weight"):
+                fwd += 2 * p.numel() * tokens
+            elif p.dim() == 3:  # stacked MoE experts: only top_k of num_experts run per token
+                k, e = getattr(config, "top_k_experts", p.shape[0]), p.shape[0]
+                fwd += 2 * p.numel() * tokens * k / e
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and hasattr(attn, "head_dim") and hasattr(attn, "q_proj"):
+            n_heads = attn.q_proj.out_features // attn.head_dim
+            kq = _keys_per_query(seq_len, getattr(attn, "sliding_window", None), getattr(attn, "is_causal", True))
+            fwd += 2 * 2 * batch_size * n_heads * seq_len * kq * attn.head_dim  # QK^T and PV
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear):
+        fwd += 2 * head.weight.numel() * tokens
+    return 3.0 * fwd
+
+
+class TokenThroughput(ThroughputMonitor):
+    """ThroughputMonitor counting real tokens per rank, model FLOPs, peak memory and attention dispatch."""
+
+    def __init__(self, window_size: int = 20, peak_flops: float | None = None,
+                 count: Literal["real", "padded"] = "real", ignore_index: int = -100,
+                 log_attention_dispatch: bool = True) -> None:
+        """Configure the monitor.
+
+        Args:
+            window_size: Batches in the moving window for the rates.
+            peak_flops: Per-device peak FLOP/s for MFU; default: bf16 peak from the device name.
+            count: "real" counts tokens with labels (or attention_mask); "padded" counts B x S.
+            ignore_index: Label value that marks a token without loss.
+            log_attention_dispatch: Also log the attention backend's dispatch counters (skipped when an
+                FFPAAttention callback already logs them).
+        """
+        if count not in ("real", "padded"):
+            raise ValueError(f"`count={count!r}` is not one of 'real', 'padded'")
+        length_fn = (lambda b: count_real_tokens(b, ignore_index)) if count == "real" else (
+            lambda b: _batch_shape(b)[0] * _batch_shape(b)[1])
+        super().__init__(batch_size_fn=lambda b: _batch_shape(b)[0], length_fn=length_fn, window_size=window_size)
+        self.peak_flops = peak_flops
+        self.log_attention_dispatch = log_attention_dispatch
+        self._auto_flops = False
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        # Lightning picks the peak from the Trainer precision, which is "32-true" under FSDP2 mixed
+        # precision and unknown for H200; use the bf16 table (or the user's number) instead.
+        peak = self.peak_flops or peak_bf16_flops(trainer.strategy.root_device)
+        self.available_flops = peak
+        for tp in self._throughputs.values():
+            tp.available_flops = peak
+        self._auto_flops = not hasattr(pl_module, "flops_per_batch")
+        from lightning_ffpa.callbacks.attention import FFPAAttention
+
+        if any(isinstance(cb, FFPAAttention) and cb.log_every_n_steps for cb in trainer.callbacks):
+            self.log_attention_dispatch = False  # one writer per metric key
+        try:  # FLOP formulas for the FFPA ops, for anyone using measure_flops on this model
+            from lightning_ffpa.attention.kernels import register_flop_formulas
+        except ImportError:
+            pass
+        else:
+            register_flop_formulas()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._auto_flops:
+            from lightning_ffpa.callbacks.attention import find_hf_model
+
+            model = find_hf_model(pl_module) or pl_module
+            pl_module.flops_per_batch = train_flops_per_batch(model, *_batch_shape(batch))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if not trainer._logger_connector.should_update_logs:
+            return
+        metrics: dict[str, float] = {}
+        if trainer.strategy.root_device.type == "cuda":
+            metrics["device/peak_memory_gb"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device) / 2**30
+        if self.log_attention_dispatch:
+            try:
+                from lightning_ffpa.attention import dispatch_counts
+            except ImportError:
+                dispatch_counts = None
+            if dispatch_counts is not None:
+                metrics.update({f"attention/{k}": float(v) for k, v in dispatch_counts().items()})
+        if metrics:
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)

@@ -1,0 +1,131 @@
+"""`parallelize`: the public recipe that turns an HF decoder model into an FSDP2 (+AC, +compile) model.
+
+Owns the order of the wrapping steps and how decoder layers are found. It does not build the mesh
+(the strategy does) and does not pick attention kernels (the attention Callback does). Any
+LightningModule can call it from `configure_model` with `self.device_mesh`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+
+from lightning_ffpa.parallel._shim import allow_checkpoint_side_effects_under_compile, flatten_mesh
+from lightning_ffpa.parallel.checkpointing import (
+    ACMode,
+    SaveMM,
+    apply_activation_checkpointing,
+    sac_context_fn,
+)
+
+__all__ = ["parallelize", "find_decoder_layers", "causal_lm_hidden_states", "FSDP_MESH_NAME"]
+
+FSDP_MESH_NAME = "dp_cp"
+_HIDDEN_METHOD = "forward_hidden_states"
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, str] | None:
+    """The (parent ModuleList owner, attribute) holding the decoder layers: HF `*.model.layers` or `*.layers`."""
+    for candidate in (getattr(model, "model", None), model):
+        layers = getattr(candidate, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            return candidate, "layers"
+    # Fallback for wrappers (e.g. a multimodal model): the first ModuleList named "layers" whose
+    # entries are decoder layers (HF marks them GradientCheckpointingLayer).
+    for _, module in model.named_modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, nn.ModuleList) and any(type(m).__name__.endswith("DecoderLayer") for m in layers):
+            return module, "layers"
+    return None
+
+
+def _install_hidden_states_method(model: nn.Module) -> None:
+    """Give an HF CausalLM a root-level method that returns final hidden states (for the fused loss).
+
+    The fused loss needs `lm_head.weight` unsharded while it runs, which FSDP2 guarantees only inside
+    a root forward; registering this method as an FSDP forward method gives it the root's hooks.
+    """
+    if not (hasattr(model, "model") and hasattr(model, "lm_head")):
+        return
+
+    def forward_hidden_states(**inputs) -> torch.Tensor:
+        # A KV cache in training would grow again in every AC recompute: off unless asked for.
+        inputs.setdefault("use_cache", False)
+        return model.model(**inputs).last_hidden_state  # (B, S, H)
+
+    setattr(model, _HIDDEN_METHOD, forward_hidden_states)
+
+
+def causal_lm_hidden_states(model: nn.Module, **inputs) -> torch.Tensor:
+    """Final hidden states (B, S, H) of an HF CausalLM, sharded by `parallelize` or not."""
+    method = getattr(model, _HIDDEN_METHOD, None)
+    if method is not None:
+        return method(**inputs)
+    if any(hasattr(p, "to_local") for p in model.parameters()):  # sharded, but not the root we wrapped
+        raise RuntimeError(
+            f"causal_lm_hidden_states got a sharded {type(model).__name__} without the root hook: pass the module "
+            "given to `parallelize` (the FSDP root), not an inner or unwrapped one"
+        )
+    inputs.setdefault("use_cache", False)
+    return model.model(**inputs).last_hidden_state
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpointing: ACMode = "none",
+                sac_extra_save_ops: list[str] | tuple[str, ...] = (), sac_save_mm: SaveMM = "every_other",
+                compile: bool = False, mp_policy: MixedPrecisionPolicy | None = None,
+                reshard_after_forward: bool = True, cpu_offload: bool = False) -> nn.Module:
+    """Apply AC, then per-layer compile, then FSDP2 per decoder layer and at the root; returns `model`.
+
+    `mesh` may be 2D ("data_parallel", "context_parallel"); FSDP shards over the flattened dp x cp.
+    `mesh=None` applies AC and compile only (single process without a process group).
+    """
+    # Validate and resolve op names first: a typo must fail before any wrapping.
+    context_fn = sac_context_fn(sac_extra_save_ops, sac_save_mm) if activation_checkpointing == "selective" else None
+    if activation_checkpointing not in ("none", "full", "selective"):
+        raise ValueError(f"`activation_checkpointing={activation_checkpointing!r}` is not one of "
+                         "'none', 'full', 'selective'")
+    found = find_decoder_layers(model)
+    if found is None:
+        raise ValueError(f"parallelize found no decoder layers (`.model.layers` / `.layers`) in {type(model).__name__}")
+    owner, attr = found
+    layers: nn.ModuleList = getattr(owner, attr)
+    if compile and activation_checkpointing != "none":
+        allow_checkpoint_side_effects_under_compile()
+
+    for i, layer in enumerate(layers):
+        # AC wraps the raw layer so the checkpoint region is exactly one decoder layer.
+        layer = apply_activation_checkpointing(layer, activation_checkpointing, context_fn)
+        # Compile after AC wrapping and before FSDP, so the compiled graph sees the checkpoint region
+        # and FSDP's hooks stay outside the compiled code (torchtitan's order). Static shapes: SAC
+        # recompute under automatic dynamic shapes can pick a different graph than the forward
+        # (pytorch/pytorch#166926); packed/fixed-length batches make static shapes the norm anyway.
+        if compile:
+            layer = torch.compile(layer, dynamic=False)
+        layers[i] = layer
+
+    if mesh is None:
+        return model
+
+    fsdp_mesh = flatten_mesh(mesh, FSDP_MESH_NAME) if mesh.ndim > 1 else mesh
+    kwargs = dict(mesh=fsdp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    # Per-layer units: one all-gather per layer in forward and backward, and memory bounded by one layer.
+    for i, layer in enumerate(layers):
+        # The last layer's params are needed again right away in backward: keep them gathered.
+        fully_shard(layer, reshard_after_forward=reshard_after_forward and i < len(layers) - 1, **kwargs)
+    # The root unit holds embeddings, final norm and the (tied) lm_head.
+    _install_hidden_states_method(model)
+    # The root stays gathered after forward: the fused loss reads lm_head.weight after the forward
+    # method returns, and backward needs it first thing anyway.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    if hasattr(model, _HIDDEN_METHOD):
+        register_fsdp_forward_method(model, _HIDDEN_METHOD)
+    return model

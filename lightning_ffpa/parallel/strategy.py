@@ -1,0 +1,234 @@
+"""`FSDP2Strategy`: Lightning's ModelParallelStrategy with a data_parallel x context_parallel mesh.
+
+Owns the mesh, size validation, the sampler split (CP peers read the same sample), and applying
+`fsdp.parallelize` when the LightningModule has not parallelized itself. It does not choose attention
+kernels or install the CP ring (the attention Callback reads `context_parallel_size` and does that).
+
+YAML: `strategy: {class_path: lightning_ffpa.parallel.FSDP2Strategy, init_args: {...}}`. Keep the
+Trainer's `precision` at "32-true": mixed precision comes from `param_dtype` / `reduce_dtype`.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from typing_extensions import override
+
+from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, sac_context_fn
+from lightning_ffpa.parallel.fsdp import find_decoder_layers, parallelize
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["FSDP2Strategy", "MESH_DIM_NAMES"]
+
+MESH_DIM_NAMES = ("data_parallel", "context_parallel")
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def _dtype(name: str | None, option: str) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in _DTYPES:
+        raise ValueError(f"`{option}={name!r}` is not one of {sorted(_DTYPES)} or null")
+    return _DTYPES[name]
+
+
+def _find_parallelize_target(module: nn.Module, required: bool = True) -> nn.Module | None:
+    """The HF model inside a LightningModule: `module.model` if it has decoder layers, else the first
+    transformers PreTrainedModel among the submodules."""
+    inner = getattr(module, "model", None)
+    if isinstance(inner, nn.Module) and find_decoder_layers(inner) is not None:
+        return inner
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        PreTrainedModel = ()  # noqa: N806
+    for sub in module.modules():
+        if PreTrainedModel and isinstance(sub, PreTrainedModel) and find_decoder_layers(sub) is not None:
+            return sub
+    if not required:
+        return None
+    raise TypeError(
+        f"FSDP2Strategy found no decoder model in {type(module).__name__}: set `self.model` to an HF model, "
+        "or call `lightning_ffpa.parallel.parallelize(...)` yourself in `configure_model()`"
+    )
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate and initialise meta-device weights after sharding (each rank only its shard)."""
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    init_weights = getattr(model, "_init_weights", None)
+    if init_weights is None:
+        _materialize_distributed_module(model, device)  # Lightning's reset_parameters() path
+        return
+    # HF models: `_init_weights` also rebuilds non-persistent buffers (rotary inv_freq, embed scale).
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for sub in model.modules():
+            init_weights(sub)
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """FSDP2 over a ("data_parallel", "context_parallel") mesh, with activation checkpointing and compile."""
+
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        context_parallel_size: int = 1,
+        activation_checkpointing: ACMode = "selective",
+        sac_extra_save_ops: list[str] | None = None,
+        sac_save_mm: SaveMM = "every_other",
+        param_dtype: str | None = "bf16",
+        reduce_dtype: str | None = "fp32",
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        compile: bool | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        """Configure the mesh and the parallelize recipe.
+
+        Args:
+            data_parallel_size: Data-parallel replicas; "auto" = world size / context_parallel_size.
+            context_parallel_size: Ranks that split one sequence (ring attention); 1 disables CP.
+            activation_checkpointing: "none", "full" (recompute each decoder layer) or "selective" (SAC).
+            sac_extra_save_ops: Extra op names the SAC policy must save, e.g. ["aten.mm.default"].
+            sac_save_mm: Matmuls SAC saves: "every_other" (default), "all" or "none".
+            param_dtype: Dtype FSDP gathers parameters in for compute ("bf16", "fp32", or null = as stored).
+            reduce_dtype: Dtype of the gradient reduce-scatter ("fp32" recommended with bf16 params).
+            reshard_after_forward: Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2).
+            cpu_offload: Keep sharded parameters, gradients and optimizer state on CPU.
+            compile: torch.compile each decoder layer (after AC wrapping, before FSDP); null = on for CUDA, off on CPU.
+            save_distributed_checkpoint: Save per-rank DCP shards (True) or one full file on rank 0.
+            process_group_backend: torch.distributed backend; default nccl on CUDA, gloo on CPU.
+            timeout: Process-group timeout.
+        """
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        # Validate everything that needs no world size now, before processes start.
+        if not (data_parallel_size == "auto" or (isinstance(data_parallel_size, int) and data_parallel_size >= 1)):
+            raise ValueError(f"`data_parallel_size={data_parallel_size!r}` must be 'auto' or a positive int")
+        if not (isinstance(context_parallel_size, int) and context_parallel_size >= 1):
+            raise ValueError(f"`context_parallel_size={context_parallel_size!r}` must be a positive int")
+        if activation_checkpointing not in ("none", "full", "selective"):
+            raise ValueError(f"`activation_checkpointing={activation_checkpointing!r}` is not one of "
+                             "'none', 'full', 'selective'")
+        self._context_parallel_size = context_parallel_size
+        self.activation_checkpointing = activation_checkpointing
+        self.sac_extra_save_ops = list(sac_extra_save_ops or [])
+        self.sac_save_mm = sac_save_mm
+        if activation_checkpointing == "selective":
+            sac_context_fn(self.sac_extra_save_ops, sac_save_mm)  # resolves op names: typos fail here
+        elif self.sac_extra_save_ops:
+            raise ValueError("`sac_extra_save_ops` needs `activation_checkpointing='selective'`")
+        self.param_dtype = _dtype(param_dtype, "param_dtype")
+        self.reduce_dtype = _dtype(reduce_dtype, "reduce_dtype")
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self.compile = compile
+
+    @property
+    def context_parallel_size(self) -> int:
+        """Ranks per context-parallel group (1 = no CP)."""
+        return self._context_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel replicas (resolved once the world size is known)."""
+        return self.device_mesh["data_parallel"].size()
+
+    def _resolve_sizes(self, world_size: int) -> tuple[int, int]:
+        cp = self._context_parallel_size
+        if world_size % cp != 0:
+            raise ValueError(f"`context_parallel_size={cp}` does not divide world size {world_size}")
+        dp = world_size // cp if self._data_parallel_size == "auto" else self._data_parallel_size
+        if dp * cp != world_size:
+            raise ValueError(f"`data_parallel_size={dp}` x `context_parallel_size={cp}` = {dp * cp} "
+                             f"!= world size {world_size}")
+        return dp, cp
+
+    @override
+    def setup_environment(self) -> None:
+        # Not ModelParallelStrategy.setup_environment: that one builds a dp x tp mesh.
+        # Check sizes before the process group exists (the world size is known from the devices).
+        dp, cp = self._resolve_sizes(self.num_nodes * self.num_processes)
+        self._setup_distributed()
+        self._data_parallel_size = dp
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._device_mesh = init_device_mesh(self.root_device.type, (dp, cp), mesh_dim_names=MESH_DIM_NAMES)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh  # `self.device_mesh` in configure_model
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # CP peers must read the same sample: split data over the dp dim only.
+        dp_mesh = self.device_mesh["data_parallel"]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    @property
+    def compile_layers(self) -> bool:
+        """Whether decoder layers get compiled: `compile`, or on CUDA when it is null."""
+        return self.root_device.type == "cuda" if self.compile is None else self.compile
+
+    def mp_policy(self):
+        """The FSDP2 MixedPrecisionPolicy from `param_dtype` / `reduce_dtype`."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+
+    def parallelize_module(self, module: nn.Module) -> nn.Module:
+        """Apply this strategy's recipe to `module` (an HF decoder model); returns it."""
+        return parallelize(
+            module, self.device_mesh, activation_checkpointing=self.activation_checkpointing,
+            sac_extra_save_ops=self.sac_extra_save_ops, sac_save_mm=self.sac_save_mm, compile=self.compile_layers,
+            mp_policy=self.mp_policy(), reshard_after_forward=self.reshard_after_forward,
+            cpu_offload=self.cpu_offload,
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
+            raise TypeError("FSDP2Strategy supports FSDP2 (`fully_shard`) only; found FSDP1-wrapped modules")
+        # Unlike ModelParallelStrategy, `configure_model` is optional: if the module did not shard
+        # itself there, apply the recipe to its HF model here (after `configure_model` has run).
+        already_sharded = any(isinstance(m, FSDPModule) for m in self.model.modules())
+        target = _find_parallelize_target(self.lightning_module, required=not already_sharded)
+        if not already_sharded:
+            self.parallelize_module(target)
+        if target is not None:
+            _materialize(target, self.root_device)
+        _materialize_distributed_module(self.model, self.root_device)  # anything else still on meta
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """Alias of `device_mesh`."""
+        return self.device_mesh

@@ -1,0 +1,150 @@
+"""FFPAAttention: installs the backend on the HF model at CP=1, refuses CP>1 without the ring, reports."""
+
+from collections import Counter
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+import transformers
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import lightning_ffpa.attention as attention
+from lightning_ffpa.callbacks import FFPAAttention, TokenThroughput
+from lightning_ffpa.callbacks.attention import context_parallel_size, find_hf_model
+from lightning_ffpa.presets import build_text_config
+
+_HAS_BACKEND = hasattr(attention, "register_ffpa")
+
+
+class _Wrapper(L.LightningModule):
+    """A user's module: the HF model sits one level down, built in configure_model."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = None
+
+    def configure_model(self):
+        if self.net is None:
+            torch.manual_seed(0)
+            self.net = torch.nn.ModuleDict({"lm": transformers.Gemma4ForCausalLM(build_text_config("tiny"))})
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.net["lm"](input_ids=ids, labels=ids, use_cache=False).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    """Stand-in for the attention package's interface: 'ffpa' = SDPA with a counter."""
+    counts = Counter()
+
+    def counted(module, *args, **kwargs):
+        counts["ffpa-dense" if module.head_dim == 512 else "sdpa"] += 1
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    def register_ffpa():
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        AttentionInterface.register("ffpa", counted)
+        ALL_MASK_ATTENTION_FUNCTIONS.register("ffpa", sdpa_mask)  # the real backend may have registered its own
+
+    real_register = getattr(attention, "register_ffpa", None)
+    monkeypatch.setattr(attention, "register_ffpa", register_ffpa, raising=False)
+    monkeypatch.setattr(attention, "dispatch_counts", lambda: dict(counts), raising=False)
+    monkeypatch.setattr(attention, "reset_dispatch_counts", counts.clear, raising=False)
+    yield counts
+    if real_register is not None:
+        real_register()  # leave transformers' registry with the real "ffpa" for later tests
+
+
+def _fit(module, callbacks, steps=4):
+    data = TensorDataset(torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(0)))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                        callbacks=callbacks)
+    trainer.fit(module, DataLoader(data, batch_size=2))
+    return trainer
+
+
+def test_installs_ffpa_on_nested_model_and_logs_counts(fake_backend, capsys):
+    module = _Wrapper()
+    callback = FFPAAttention(log_every_n_steps=1)
+    trainer = _fit(module, [callback])
+    lm = module.net["lm"]
+    assert find_hf_model(module) is lm
+    assert lm.config._attn_implementation == "ffpa"
+    # 4 steps x 2 full layers at head_dim 512, and 2 sliding layers
+    assert fake_backend["ffpa-dense"] == 8 and fake_backend["sdpa"] == 8
+    assert trainer.callback_metrics["attention/ffpa-dense"] > 0
+    assert "ffpa-dense=8" in callback.summary()
+
+
+def test_cp_size_from_strategy_or_mesh():
+    trainer = SimpleNamespace(strategy=SimpleNamespace(context_parallel_size=4))
+    assert context_parallel_size(trainer, SimpleNamespace()) == 4
+    assert context_parallel_size(SimpleNamespace(strategy=object()), SimpleNamespace(_device_mesh=None)) == 1
+
+
+def test_cp_above_one_without_ring_is_a_clear_error(fake_backend):
+    try:
+        import lightning_ffpa.attention.ring  # noqa: F401
+        pytest.skip("ring CP is installed")
+    except ImportError:
+        pass
+    trainer = SimpleNamespace(strategy=SimpleNamespace(context_parallel_size=2))
+    with pytest.raises(RuntimeError, match="context_parallel_size=2"):
+        FFPAAttention().setup(trainer, _Wrapper(), "fit")
+
+
+def test_bad_option():
+    with pytest.raises(ValueError, match="log_every_n_steps=-1"):
+        FFPAAttention(log_every_n_steps=-1)
+
+
+def test_throughput_counts_real_tokens_and_flops(fake_backend):
+    module = _Wrapper()
+    monitor = TokenThroughput(window_size=2)
+    _fit(module, [FFPAAttention(log_every_n_steps=0), monitor], steps=3)
+    assert module.flops_per_batch > 0
+    from lightning.pytorch.trainer.states import RunningStage
+
+    tp = monitor._throughputs[RunningStage.TRAINING]
+    assert tp._lengths[-1] == 3 * 2 * 16  # real tokens: every token has a label here
+
+
+@pytest.mark.skipif(not _HAS_BACKEND, reason="attention backend (register_ffpa) not merged yet")
+def test_real_backend_reference_kernel_runs():
+    module = _Wrapper()
+    callback = FFPAAttention(log_every_n_steps=1)
+    with attention.force_kernel("reference"):  # fp32 on CPU would otherwise fall back (visibly) to sdpa
+        _fit(module, [callback], steps=1)
+    counts = attention.dispatch_counts()
+    assert counts["ffpa-dense"] == 2, counts  # one step, 2 full layers at head_dim 512
+    assert "ffpa-dense=2" in callback.summary()
+
+
+def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    fake_ring = types.ModuleType("lightning_ffpa.attention.ring")
+    fake_ring.install_ring = lambda model, cp_mesh: calls.append((model, cp_mesh)) or SimpleNamespace(
+        stats={"block_dense": 3})
+    monkeypatch.setitem(sys.modules, "lightning_ffpa.attention.ring", fake_ring)
+    module = _Wrapper()
+    module.configure_model()
+    cp_mesh = object()
+    trainer = SimpleNamespace(strategy=SimpleNamespace(context_parallel_size=2,
+                                                       device_mesh={"context_parallel": cp_mesh}))
+    callback = FFPAAttention()
+    callback.setup(trainer, module, "fit")
+    assert calls == [(module.net["lm"], cp_mesh)]
+    assert module.net["lm"].config._attn_implementation == "sdpa"  # the ring's own installer takes over from here
+    assert "ring CP=2" in callback.summary() and "ring-block_dense=3" in callback.summary()

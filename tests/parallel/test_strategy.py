@@ -1,0 +1,96 @@
+"""FSDP2Strategy: option validation, and a 2-process gloo fit that matches the 1-process loss."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_ffpa.parallel import FSDP2Strategy
+
+_SCRIPT = Path(__file__).with_name("_fit_tiny.py")
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_sizes_are_validated_with_the_option_name():
+    with pytest.raises(ValueError, match="`context_parallel_size=3` does not divide world size 8"):
+        FSDP2Strategy(context_parallel_size=3)._resolve_sizes(8)
+    with pytest.raises(ValueError, match=r"`data_parallel_size=2` x `context_parallel_size=2` = 4 != world size 8"):
+        FSDP2Strategy(data_parallel_size=2, context_parallel_size=2)._resolve_sizes(8)
+    assert FSDP2Strategy(context_parallel_size=2)._resolve_sizes(8) == (4, 2)
+    with pytest.raises(ValueError, match="context_parallel_size=0"):
+        FSDP2Strategy(context_parallel_size=0)
+    with pytest.raises(ValueError, match="activation_checkpointing='partial'"):
+        FSDP2Strategy(activation_checkpointing="partial")
+    with pytest.raises(ValueError, match="param_dtype='bf17'"):
+        FSDP2Strategy(param_dtype="bf17")
+    with pytest.raises(ValueError, match="sac_extra_save_ops.*nope"):
+        FSDP2Strategy(sac_extra_save_ops=["aten.nope.default"])
+    s = FSDP2Strategy(sac_extra_save_ops=["aten.mm.default"], context_parallel_size=2)
+    assert s.context_parallel_size == 2
+
+
+def _fit(tmp_path, nproc, ac):
+    out = tmp_path / f"fit_{nproc}_{ac}.json"
+    env = dict(os.environ, PYTHONPATH=str(_ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(29500 + 10 * nproc + len(ac)), str(_SCRIPT), str(out), ac]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_two_process_fit_matches_single_process(tmp_path):
+    one = _fit(tmp_path, 1, "selective")
+    two = _fit(tmp_path, 2, "selective")
+    assert two["mesh_dims"] == ["data_parallel", "context_parallel"]
+    assert two["mesh_shape"] == [2, 1] and two["cp"] == 1
+    assert two["sampler"] == {"num_replicas": 2, "rank": 0}
+    assert len(one["losses"]) == 3
+    assert one["losses"][-1] < one["losses"][0]  # training moved
+    for a, b in zip(one["losses"], two["losses"]):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+
+
+def test_cp_peers_read_the_same_samples():
+    class _Dim:
+        def __init__(self, size, rank):
+            self._size, self._rank = size, rank
+
+        def size(self):
+            return self._size
+
+        def get_local_rank(self):
+            return self._rank
+
+    s = FSDP2Strategy(context_parallel_size=2)
+    # rank 3 of a (dp=2, cp=2) mesh: dp rank 1, cp rank 1 -> reads shard 1 of 2, like its CP peer rank 2
+    s._device_mesh = {"data_parallel": _Dim(2, 1), "context_parallel": _Dim(2, 1)}
+    assert s.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+
+
+def test_trainer_rejects_bad_sizes_before_the_process_group_starts():
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+
+    class Plain(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.lin(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(context_parallel_size=2), max_steps=1,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="`context_parallel_size=2` does not divide world size 1"):
+        trainer.fit(Plain(), torch.utils.data.DataLoader(torch.randn(4, 2)))
+    assert not dist.is_initialized()

@@ -219,6 +219,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         if target is not None:
             _materialize(target, self.root_device)
         _materialize_distributed_module(self.model, self.root_device)  # anything else still on meta
+        # Pretrained weights go in after materialisation, shard by shard (the module knows its checkpoint).
+        load = getattr(self.lightning_module, "load_sharded_weights", None)
+        if callable(load):
+            load()
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()

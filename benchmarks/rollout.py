@@ -38,7 +38,7 @@ def _peak_gb() -> float:
 
 def _reset_peak() -> None:
     if DEVICE == "cuda":
-        _reset_peak()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _free() -> None:
@@ -156,7 +156,7 @@ def run_hf_cb(model, prompts, new):
         gc_ = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
         model.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(
             max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0))
-        _reset_peak()
+        torch.cuda.reset_peak_memory_stats()
         out, t = timed(lambda: model.generate_batch(inputs=prompts, generation_config=gc_))
         return {"tokens_per_s": len(prompts) * new / t, "total_s": t, "attn_implementation": impl,
                 "tokens_generated": _count_cb_tokens(out), "peak_mem_gb": _peak_gb()}

@@ -17,7 +17,10 @@ from transformers import AutoConfig, Gemma4Config, Gemma4ForCausalLM, Gemma4ForC
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
+from lightning_ffpa.loss import linear_cross_entropy
 from lightning_ffpa.metrics import TokenPerplexity
+from lightning_ffpa.parallel.context_parallel import cp_group_info, cp_loss_reduce, shard_batch
+from lightning_ffpa.parallel.fsdp import causal_lm_hidden_states
 from lightning_ffpa.presets import build_text_config
 
 # HF names plus ours; anything else registered in transformers' AttentionInterface is accepted too.
@@ -169,6 +172,25 @@ class Gemma4LM(L.LightningModule):
             self.model = self.build_model()
         self.model.config.use_cache = False
 
+    def load_sharded_weights(self) -> None:
+        """Fill the sharded, materialised model from `pretrained` (called by FSDP2Strategy after sharding).
+
+        Rank 0 reads the checkpoint through `from_pretrained` (so HF's key mapping applies) and broadcasts;
+        each rank keeps only its shards.
+        """
+        if self.hparams.pretrained is None or not getattr(self, "_needs_weight_init", False):
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full: dict[str, torch.Tensor] = {}
+        if self.global_rank == 0:
+            cls = _MODEL_CLASSES[self.hparams.model_class]
+            ref = cls.from_pretrained(self.hparams.pretrained, config=self.config, dtype=resolve_dtype(self.hparams.dtype))
+            full = ref.state_dict()
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        set_model_state_dict(self.hf_model, full, options=options)
+        self._needs_weight_init = False
+
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         seq = getattr(dm, "max_seq_length", None)
@@ -184,33 +206,51 @@ class Gemma4LM(L.LightningModule):
     def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         return self.model(input_ids=input_ids, **kwargs)
 
-    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean next-token loss over labels != -100, and the number of such tokens."""
-        labels = batch["labels"]
-        inputs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
-        softcap = getattr(text_config(self.config), "final_logit_softcapping", None)
-        hf = self.hf_model
-        shift_labels = labels[:, 1:]
-        n_tokens = (shift_labels != -100).sum()
-        if self.hparams.loss_impl == "plain":
-            logits = self.model(input_ids=batch["input_ids"], use_cache=False, **inputs).logits  # softcapped by HF
-            nll = nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), shift_labels.flatten(), ignore_index=-100, reduction="sum"
-            )
-            return nll / n_tokens.clamp(min=1), n_tokens
-        from lightning_ffpa.loss import linear_cross_entropy
+    def context_parallel(self) -> tuple[Any, int, int] | None:
+        """(group, rank, size) of the context-parallel mesh dim when CP > 1, else None."""
+        mesh = self.device_mesh if self._trainer is not None else None
+        if mesh is None or "context_parallel" not in (mesh.mesh_dim_names or ()):
+            return None
+        cp_mesh = mesh["context_parallel"]
+        return cp_group_info(cp_mesh) if cp_mesh.size() > 1 else None
 
-        hidden = hf.model(input_ids=batch["input_ids"], use_cache=False, **inputs).last_hidden_state
-        loss = linear_cross_entropy(
-            hidden[:, :-1].flatten(0, 1), hf.get_output_embeddings().weight, shift_labels.flatten(),
-            softcap=softcap, chunk_size=self.hparams.loss_chunk_size, impl=self.hparams.loss_impl,
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean next-token loss over labels != -100 (global over the CP group), and the local token count."""
+        cp = self.context_parallel()
+        if cp is not None:
+            # Every CP rank holds the same full batch; each keeps its head-tail shard (the ring needs the layout).
+            group, rank, size = cp
+            shard = shard_batch(batch, rank, size)
+            inputs = {k: shard[k] for k in ("input_ids", "position_ids", "ring_layout")}
+            labels = shard["shift_labels"]
+        else:
+            inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+            labels = batch["labels"]
+            # Shift by appending an ignored target, so both paths score position i against token i+1.
+            labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+        n_tokens = (labels != -100).sum()
+        nll_sum = self._nll_sum(inputs, labels, n_tokens)
+        if cp is not None:
+            return cp_loss_reduce(nll_sum, n_tokens, group), n_tokens
+        return nll_sum / n_tokens.clamp(min=1), n_tokens
+
+    def _nll_sum(self, inputs: dict[str, Any], labels: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
+        if self.hparams.loss_impl == "plain":
+            logits = self.model(use_cache=False, **inputs).logits  # HF applies the final softcap
+            return nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+            )
+        # Pass the module given to `parallelize` (the FSDP root), so its hooks gather lm_head too.
+        hidden = causal_lm_hidden_states(self.model, use_cache=False, **inputs)
+        mean = linear_cross_entropy(
+            hidden.flatten(0, 1), self.hf_model.get_output_embeddings().weight, labels.flatten(),
+            softcap=getattr(text_config(self.config), "final_logit_softcapping", None),
+            chunk_size=self.hparams.loss_chunk_size, impl=self.hparams.loss_impl,
         )
-        return loss, n_tokens
+        return mean * n_tokens
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, n_tokens = self.compute_loss(batch)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite training loss {loss.item()} at step {self.global_step}")
         self.train_ppl.update(loss.detach(), n_tokens)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         self.log("train/ppl", self.train_ppl, on_step=True, on_epoch=False)

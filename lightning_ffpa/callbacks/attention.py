@@ -80,6 +80,7 @@ class FFPAAttention(Callback):
         self.attn_implementation = attn_implementation
         self.cp_size = 1
         self._installed_on: int | None = None  # id() of the model we configured
+        self.ring = None  # the ring handle at CP > 1 (its `stats` count the blocks that ran)
 
     # -- install ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -113,8 +114,10 @@ class FFPAAttention(Callback):
         if self._installed_on == id(model):
             return
         if self.cp_size > 1:
-            set_attn_implementation(model, "sdpa")
-            self._ring_installer()(model, trainer.strategy.device_mesh["context_parallel"])
+            set_attn_implementation(model, "sdpa")  # install_ring then routes every layer to its ring function
+            # Sharding the batch (and passing `ring_layout`) is the LightningModule's part, see
+            # lightning_ffpa.parallel.context_parallel.shard_batch.
+            self.ring = self._ring_installer()(model, trainer.strategy.device_mesh["context_parallel"])
         else:
             set_attn_implementation(model, self.attn_implementation)
         self._installed_on = id(model)
@@ -143,7 +146,8 @@ class FFPAAttention(Callback):
 
     def summary(self) -> str:
         """One line: which attention kernels ran and how often (this rank)."""
-        counts = _backend().dispatch_counts()
+        counts = dict(_backend().dispatch_counts())
+        counts.update({f"ring-{k}": v for k, v in (getattr(self.ring, "stats", None) or {}).items()})
         ran = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "no attention calls counted"
         mode = f"ring CP={self.cp_size}" if self.cp_size > 1 else f"attn_implementation={self.attn_implementation}"
         return f"FFPAAttention ({mode}): {ran}"

@@ -164,8 +164,9 @@ class FSDP2Strategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         # Not ModelParallelStrategy.setup_environment: that one builds a dp x tp mesh.
+        # Check sizes before the process group exists (the world size is known from the devices).
+        dp, cp = self._resolve_sizes(self.num_nodes * self.num_processes)
         self._setup_distributed()
-        dp, cp = self._resolve_sizes(self.world_size)
         self._data_parallel_size = dp
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -218,6 +219,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         if target is not None:
             _materialize(target, self.root_device)
         _materialize_distributed_module(self.model, self.root_device)  # anything else still on meta
+        # Pretrained weights go in after materialisation, shard by shard (the module knows its checkpoint).
+        load = getattr(self.lightning_module, "load_sharded_weights", None)
+        if callable(load):
+            load()
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()

@@ -49,12 +49,18 @@ def fake_backend(monkeypatch):
         return sdpa_attention_forward(module, *args, **kwargs)
 
     def register_ffpa():
-        AttentionInterface.register("ffpa", counted)
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+        AttentionInterface.register("ffpa", counted)
+        ALL_MASK_ATTENTION_FUNCTIONS.register("ffpa", sdpa_mask)  # the real backend may have registered its own
+
+    real_register = getattr(attention, "register_ffpa", None)
     monkeypatch.setattr(attention, "register_ffpa", register_ffpa, raising=False)
     monkeypatch.setattr(attention, "dispatch_counts", lambda: dict(counts), raising=False)
     monkeypatch.setattr(attention, "reset_dispatch_counts", counts.clear, raising=False)
-    return counts
+    yield counts
+    if real_register is not None:
+        real_register()  # leave transformers' registry with the real "ffpa" for later tests
 
 
 def _fit(module, callbacks, steps=4):
@@ -121,3 +127,24 @@ def test_real_backend_reference_kernel_runs():
     counts = attention.dispatch_counts()
     assert counts["ffpa-dense"] == 2, counts  # one step, 2 full layers at head_dim 512
     assert "ffpa-dense=2" in callback.summary()
+
+
+def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    fake_ring = types.ModuleType("lightning_ffpa.attention.ring")
+    fake_ring.install_ring = lambda model, cp_mesh: calls.append((model, cp_mesh)) or SimpleNamespace(
+        stats={"block_dense": 3})
+    monkeypatch.setitem(sys.modules, "lightning_ffpa.attention.ring", fake_ring)
+    module = _Wrapper()
+    module.configure_model()
+    cp_mesh = object()
+    trainer = SimpleNamespace(strategy=SimpleNamespace(context_parallel_size=2,
+                                                       device_mesh={"context_parallel": cp_mesh}))
+    callback = FFPAAttention()
+    callback.setup(trainer, module, "fit")
+    assert calls == [(module.net["lm"], cp_mesh)]
+    assert module.net["lm"].config._attn_implementation == "sdpa"  # the ring's own installer takes over from here
+    assert "ring CP=2" in callback.summary() and "ring-block_dense=3" in callback.summary()

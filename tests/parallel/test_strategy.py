@@ -71,3 +71,26 @@ def test_cp_peers_read_the_same_samples():
     # rank 3 of a (dp=2, cp=2) mesh: dp rank 1, cp rank 1 -> reads shard 1 of 2, like its CP peer rank 2
     s._device_mesh = {"data_parallel": _Dim(2, 1), "context_parallel": _Dim(2, 1)}
     assert s.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+
+
+def test_trainer_rejects_bad_sizes_before_the_process_group_starts():
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+
+    class Plain(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.lin(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(context_parallel_size=2), max_steps=1,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="`context_parallel_size=2` does not divide world size 1"):
+        trainer.fit(Plain(), torch.utils.data.DataLoader(torch.randn(4, 2)))
+    assert not dist.is_initialized()

@@ -1,0 +1,300 @@
+"""The "ffpa" Hugging Face attention backend: registration, mask function, per-call routing, visible fallbacks.
+
+Routing for one attention call (in this order):
+1. refusals: context parallel > 1 and packed sequences raise one error pointing to the ring route;
+2. a Flex ``BlockMask`` (sliding and other non-plain-causal layers) goes to flex (eager if softcap);
+3. an eligible full-attention call goes to FFPA: dense with no mask, varlen with a 2D padding mask;
+4. anything else falls back: eager when a softcap is set, otherwise SDPA with repeated KV
+   (never ``enable_gqa`` at head_dim > 256, which drops to the MATH kernel).
+Every fallback is counted and warned about once per reason. Kernels live in ``kernels.py``;
+this file never calls ffpa_attn directly.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from lightning_ffpa.attention import _hf_shim, kernels, masks
+from lightning_ffpa.attention.flex import flex_forward
+
+NAME = "ffpa"
+PATHS = ("ffpa-dense", "ffpa-varlen", "flex", "sdpa", "eager")
+CP_ROUTE = ("use context_parallel_size > 1 with the FFPA ring (the attention Callback installs it), "
+            "which carries document ids through the ring")
+
+
+class FFPAFallbackWarning(UserWarning):
+    """An attention call left the FFPA path; raised once per reason."""
+
+
+@dataclass
+class FFPABackendConfig:
+    """What the "ffpa" backend accepts; anything else falls back visibly."""
+
+    head_dims: tuple[int, ...] = (512,)
+    """Head dims routed to FFPA (Gemma4 full-attention layers use 512)."""
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+    """Activation dtypes routed to the CuTeDSL kernel (the CPU reference takes any float dtype)."""
+    context_parallel_size: int = 1
+    """Must be 1: the direct backend refuses CP > 1 (that is the ring's job)."""
+    refuse_packed: bool = True
+    """Raise on packed sequences (position_ids resets, cu_seq_lens kwargs); False lets them run through
+    flex with HF's document mask (correct, but no FFPA)."""
+
+
+_config = FFPABackendConfig()
+_counts: Counter = Counter()
+_reasons: Counter = Counter()
+_warned: set[str] = set()
+_packed_cache: dict[str, tuple] = {}
+
+
+def dispatch_counts() -> dict[str, int]:
+    """Calls per path since the last reset: ffpa-dense, ffpa-varlen, flex, sdpa, eager."""
+    return {p: _counts[p] for p in PATHS}
+
+
+def fallback_counts() -> dict[str, int]:
+    """Fallback calls per reason since the last reset (e.g. {'dtype': 4})."""
+    return dict(_reasons)
+
+
+def reset_dispatch_counts() -> None:
+    """Zero the path/reason/kernel counters and re-arm the once-per-reason warnings."""
+    _counts.clear()
+    _reasons.clear()
+    _warned.clear()
+    kernels.reset_kernel_counts()
+
+
+def config() -> FFPABackendConfig:
+    """The active backend configuration."""
+    return _config
+
+
+def register_ffpa(head_dims: tuple[int, ...] = (512,), context_parallel_size: int = 1,
+                  refuse_packed: bool = True) -> None:
+    """Register "ffpa" in transformers' attention and mask interfaces (idempotent; updates the config)."""
+    if context_parallel_size != 1:
+        raise ValueError(f"`context_parallel_size={context_parallel_size}`: the direct 'ffpa' backend runs "
+                         f"only without context parallelism; {CP_ROUTE}")
+    _hf_shim.check_version()
+    _config.head_dims = tuple(int(d) for d in head_dims)
+    _config.context_parallel_size = context_parallel_size
+    _config.refuse_packed = refuse_packed
+    _hf_shim.register_attention(NAME, ffpa_attention_forward)
+    _hf_shim.register_mask(NAME, ffpa_mask)
+    kernels.register_flop_formulas()
+
+
+# --------------------------------------------------------------------------- mask function
+
+
+def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+              mask_function=None, attention_mask: Tensor | None = None, local_size: int | None = None,
+              allow_is_causal_skip: bool = True, device: torch.device | str = "cpu", **kwargs):
+    """HF mask function: BlockMask for sliding/non-plain-causal layers, 2D bool padding mask or None otherwise."""
+    padding = _hf_shim.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    plain_causal = local_size is None and allow_is_causal_skip and mask_function is not None
+    aligned = isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset + q_length == kv_offset + kv_length
+    if plain_causal and aligned:
+        if padding is None:
+            return None
+        padding = padding[:, kv_offset:kv_offset + kv_length]
+        # One host sync per forward (HF's sdpa mask does the same check).
+        return None if bool(padding.all()) else padding
+    if mask_function is None:
+        mask_function = masks.generate_causal()
+    mod = masks.combine(mask_function, masks.generate_padding(padding) if padding is not None else None)
+    block_mask = masks.build_block_mask(masks.with_offsets(mod, q_offset, kv_offset), batch_size, q_length,
+                                        kv_length, device)
+    # Remember that a padding mask exists: HF only treats position_ids resets as packing without one.
+    block_mask._ffpa_padded = padding is not None
+    return block_mask
+
+
+# --------------------------------------------------------------------------- routing
+
+
+def _fallback_reason(module, query: Tensor, dropout: float, scaling, softcap, sliding_window) -> str | None:
+    """Why this full-attention call cannot take FFPA, or None if it can."""
+    if softcap:
+        return "softcap"
+    if sliding_window is not None:
+        return "sliding_window"
+    if query.shape[-1] not in _config.head_dims:
+        return "head_dim"
+    if dropout and dropout > 0.0:
+        return "dropout"
+    if scaling is None:
+        return "no_scale"
+    if kernels.forced_kernel() == "reference":
+        return None  # tests run the exact dispatch code on the CPU reference, any float dtype
+    if query.dtype not in _config.dtypes:
+        return "dtype"
+    if not kernels.cute_supports(query):
+        return "kernel_unavailable"
+    return None
+
+
+_REASON_TEXT = {
+    "softcap": "attention logit softcap is set (FFPA has no softcap) -> eager",
+    "sliding_window": "a sliding-window layer arrived without a BlockMask -> sdpa",
+    "head_dim": "head_dim is not in the FFPA set -> sdpa",
+    "dropout": "attention dropout in training (FFPA has no dropout) -> sdpa",
+    "no_scale": "no scaling passed (FFPA never guesses 1/sqrt(D)) -> sdpa",
+    "dtype": "dtype is not fp16/bf16 -> sdpa",
+    "kernel_unavailable": "FFPA CuTeDSL cannot run here -> sdpa",
+    "4d_mask": "a precomputed 4D mask was passed -> sdpa",
+    "flex_cpu": "flex_attention has no CPU backward; the BlockMask runs densely through sdpa",
+    "flex_meta": "flex_attention cannot run on meta tensors (FLOP counting); the BlockMask is costed as sdpa",
+}
+
+
+def _note_fallback(reason: str, detail: str = "") -> None:
+    _reasons[reason] += 1
+    if reason not in _warned:
+        _warned.add(reason)
+        text = _REASON_TEXT.get(reason, reason)
+        warnings.warn(f"'ffpa' attention fallback ({reason}): {text}{'; ' + detail if detail else ''}",
+                      FFPAFallbackWarning, stacklevel=3)
+
+
+def _is_packed(position_ids: Tensor | None) -> bool:
+    """True when position_ids restart inside a row (packed documents); one check per tensor, skipped when tracing."""
+    if (position_ids is None or position_ids.shape[-1] < 2 or position_ids.device.type == "meta"
+            or torch.compiler.is_compiling()):
+        return False
+    # Every layer of one forward gets the same tensor: check it once (a host sync), keyed by a weak
+    # reference so a new batch that reuses the same memory is checked again.
+    cached = _packed_cache.get("last")
+    if cached is None or cached[0]() is not position_ids or cached[1] != position_ids._version:
+        cached = (weakref.ref(position_ids), position_ids._version, bool((position_ids.diff(dim=-1) != 1).any()))
+        _packed_cache["last"] = cached
+    return cached[2]
+
+
+def _refuse(query: Tensor, attention_mask, kwargs: dict) -> None:
+    if _config.context_parallel_size != 1 or type(query).__name__ == "DTensor":
+        raise RuntimeError(f"the direct 'ffpa' attention backend cannot run under context parallelism; {CP_ROUTE}")
+    if not _config.refuse_packed:
+        return
+    packed_kw = [k for k in _hf_shim.PACKED_KWARGS if kwargs.get(k) is not None]
+    padded = (attention_mask is not None and not isinstance(attention_mask, BlockMask)) or getattr(
+        attention_mask, "_ffpa_padded", False)
+    if packed_kw or (not padded and _is_packed(kwargs.get("position_ids"))):
+        what = f"kwargs {packed_kw}" if packed_kw else "position_ids that restart inside a row"
+        raise RuntimeError(f"the direct 'ffpa' attention backend refuses packed sequences ({what}): it would let "
+                           f"documents attend to each other; {CP_ROUTE}")
+
+
+def ffpa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                           attention_mask: Tensor | BlockMask | None, dropout: float = 0.0,
+                           scaling: float | None = None, sliding_window: int | None = None,
+                           softcap: float | None = None, **kwargs) -> tuple[Tensor, None]:
+    """HF attention function: q/k/v ``[B,H,S,D]`` in, ``([B,S,H,D], None)`` out."""
+    _refuse(query, attention_mask, kwargs)
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    if isinstance(attention_mask, BlockMask):
+        if softcap:
+            _note_fallback("softcap")
+            mask = masks.dense_from_block_mask(attention_mask, query.device)
+            return _eager(module, query, key, value, mask, dropout, scaling, softcap), None
+        if query.device.type == "meta" or (query.device.type == "cpu" and torch.is_grad_enabled()
+                                            and query.requires_grad):
+            # torch's flex has no CPU backward and no meta kernel (FLOP counting): the same mask runs through SDPA.
+            _note_fallback("flex_" + query.device.type)
+            mask = masks.dense_from_block_mask(attention_mask, query.device)
+            return _sdpa(query, key, value, mask, dropout, scaling, False), None
+        _counts["flex"] += 1
+        out = flex_forward(query, key, value, attention_mask, scaling)
+        return out.transpose(1, 2), None
+
+    if attention_mask is not None and attention_mask.dim() != 2:
+        reason = "4d_mask"
+    else:
+        reason = _fallback_reason(module, query, dropout, scaling, softcap, sliding_window)
+    if reason is None:
+        # HF's [B,H,S,D] are transposed views of [B,S,H,D] projections: transposing back is free.
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        if attention_mask is None:
+            _counts["ffpa-dense"] += 1
+            return kernels.ffpa_attention(q, k, v, scaling, causal), None
+        _counts["ffpa-varlen"] += 1
+        return _varlen(q, k, v, attention_mask, scaling, causal), None
+
+    _note_fallback(reason, kernels.ffpa_unavailable_reason() if reason == "kernel_unavailable" else "")
+    if attention_mask is not None and attention_mask.dim() == 2:
+        attention_mask = masks.dense_causal_padding(attention_mask, query.shape[2], key.shape[2], causal,
+                                                    query.device)
+        causal = False  # folded into the mask
+    if softcap:
+        return _eager(module, query, key, value, attention_mask, dropout, scaling, softcap, causal), None
+    return _sdpa(query, key, value, attention_mask, dropout, scaling, causal), None
+
+
+def _varlen(q: Tensor, k: Tensor, v: Tensor, padding: Tensor, scale: float, causal: bool) -> Tensor:
+    """unpad -> FFPA varlen -> pad, on ``[B,S,H,D]`` tensors."""
+    batch, q_len = q.shape[0], q.shape[1]
+    q_u, k_u, v_u, idx_q, (cu_q, cu_k), (max_q, max_k) = _hf_shim.unpad(q, k, v, padding, q_len)
+    out = kernels.ffpa_varlen_attention(q_u, k_u, v_u, cu_q, cu_k, max_q, max_k, scale, causal)
+    return _hf_shim.pad(out, idx_q, batch, q_len)
+
+
+# --------------------------------------------------------------------------- fallbacks
+
+
+def _repeat_kv(t: Tensor, groups: int) -> Tensor:
+    if groups == 1:
+        return t
+    b, h, s, d = t.shape
+    return t[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+
+
+def _bottom_right(mask: Tensor | None, causal: bool, q_len: int, kv_len: int, device) -> Tensor | None:
+    if causal and mask is None and q_len != kv_len:
+        return masks.dense_causal_padding(None, q_len, kv_len, True, device)
+    return mask
+
+
+def _sdpa(query, key, value, mask, dropout, scaling, causal) -> Tensor:
+    """SDPA with KV repeated to the query heads (enable_gqa at head_dim > 256 selects the MATH kernel)."""
+    _counts["sdpa"] += 1
+    groups = query.shape[1] // key.shape[1]
+    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    mask = _bottom_right(mask, causal, q_len, kv_len, query.device)
+    if mask is not None and mask.dtype == torch.bool:
+        # Rows with no visible key (left padding) would give NaN on some kernels; their output is unused.
+        mask = mask | ~mask.any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                         is_causal=causal and mask is None, scale=scaling)
+    return out.transpose(1, 2)
+
+
+def _eager(module, query, key, value, mask, dropout, scaling, softcap, causal: bool = False) -> Tensor:
+    """Plain matmul-softmax attention with a logit softcap (what HF's eager does)."""
+    _counts["eager"] += 1
+    groups = query.shape[1] // key.shape[1]
+    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    weights = torch.matmul(query, key.transpose(2, 3)) * scale
+    if softcap:
+        weights = torch.tanh(weights / softcap) * softcap
+    if mask is None and causal:
+        mask = masks.dense_causal_padding(None, query.shape[2], key.shape[2], True, query.device)
+    if mask is not None and mask.dtype == torch.bool:
+        weights = weights.masked_fill(~mask, torch.finfo(weights.dtype).min)
+    elif mask is not None:  # an additive float mask
+        weights = weights + mask
+    probs = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2)

@@ -1,0 +1,446 @@
+"""FFPA kernel handles: availability, the dense/varlen op contract, a CPU reference, autograd wrappers.
+
+This file owns the *kernel* layer only: which implementation runs for one attention call
+(the FFPA CuTeDSL custom ops on a supported GPU, otherwise a reference in fp32 math that is
+registered as torch custom ops so SAC policies and flop counters can name it). It knows nothing
+about Hugging Face, masks or routing; that is ``backend.py``.
+
+Op contract (shared with the ring context-parallel code):
+- dense: q ``[B,Sq,Hq,D]``, k/v ``[B,Sk,Hkv,D]`` (any strides), ``Hq % Hkv == 0``;
+  causal is bottom-right aligned (query i sees keys j <= i + Sk - Sq);
+  returns o ``[B,Sq,Hq,D]`` (q dtype) and lse ``[B,Hq,Sq]`` float32, natural log.
+- varlen: THD q ``[Tq,Hq,D]``, k/v ``[Tk,Hkv,D]``, int32 ``cu_seqlens``; lse ``[Hq,Tq]``.
+- A row that sees no key has o = 0 and lse = -inf.
+Facts about ffpa-attn 0.2.4 were read from its wheel (ffpa_attn/cute/__init__.py): the ops take
+``[B,N,H,D]`` tensors, handle GQA natively, return lse ``[B,H,N]`` (dense) / ``[H,T]`` (varlen).
+We call ``torch.ops.ffpa_attn._fwd_cute`` & co directly instead of ``ffpa_attn_func(backend="cutedsl")``:
+the public function copies its output to a contiguous ``[B,H,S,D]`` and saves ``.contiguous()`` copies
+of the transposed q/k/v for backward, while the ops take HF's ``[B,S,H,D]`` projection storage as is
+and return the ``[B,S,H,D]`` output HF wants, so the attention path needs no layout copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "active_kernel",
+    "dense_bwd",
+    "dense_fwd",
+    "ffpa_attention",
+    "ffpa_available",
+    "ffpa_unavailable_reason",
+    "ffpa_varlen_attention",
+    "force_kernel",
+    "forced_kernel",
+    "forward_ops",
+    "kernel_counts",
+    "register_flop_formulas",
+    "reset_kernel_counts",
+    "varlen_bwd",
+    "varlen_fwd",
+]
+
+KERNELS = ("cutedsl", "reference")
+# CuTeDSL dense/varlen head-dim range on sm90 (ffpa_attn.cute._utils: MIN_SUPPORTED_HEAD_DIM=320,
+# SM90_SUPPORTED_HEAD_DIM=512); sm100 has a dedicated D=512 path and the same range otherwise.
+CUTE_HEAD_DIM_RANGE = (320, 512)
+CUTE_ARCH_MAJORS = (9, 10)
+# ffpa_attn.cute._utils._VARLEN_CUSTOM_OP_NONE_INT: how the varlen ops encode "no window".
+_NO_WINDOW = -(2**31)
+
+_forced: str | None = None
+_kernel_counts: dict[str, int] = dict.fromkeys(KERNELS, 0)
+
+
+# --------------------------------------------------------------------------- availability
+
+
+@functools.cache
+def _ffpa_import() -> tuple[object | None, str]:
+    """Import ffpa_attn once (it needs triton and a CUDA stack); return (module, reason if not)."""
+    if not torch.cuda.is_available():
+        return None, "no CUDA device"
+    try:
+        import ffpa_attn  # noqa: F401 - registers torch.ops.ffpa_attn.*
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        return None, f"`import ffpa_attn` failed: {type(exc).__name__}: {exc}"
+    if not hasattr(torch.ops.ffpa_attn, "_fwd_cute"):
+        return None, "ffpa_attn imported but its CuTeDSL ops are not registered (cutlass DSL missing?)"
+    return ffpa_attn, ""
+
+
+def ffpa_available() -> bool:
+    """Whether the FFPA CuTeDSL ops are importable in this process."""
+    return _ffpa_import()[0] is not None
+
+
+def ffpa_unavailable_reason() -> str:
+    """Why the FFPA ops are not available ('' when they are)."""
+    return _ffpa_import()[1]
+
+
+def _device_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in CUTE_ARCH_MAJORS
+
+
+def cute_supports(q: Tensor) -> bool:
+    """Whether the CuTeDSL kernels can take this query tensor (device, arch, dtype, head_dim)."""
+    lo, hi = CUTE_HEAD_DIM_RANGE
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and lo <= q.shape[-1] <= hi
+        and q.shape[-1] % 32 == 0
+        and ffpa_available()
+        and _device_supported(q.device)
+    )
+
+
+def active_kernel() -> str:
+    """The kernel dense_fwd/varlen_fwd would use for a supported CUDA tensor now: 'cutedsl' or 'reference'."""
+    if _forced is not None:
+        return _forced
+    if ffpa_available() and _device_supported(torch.device("cuda", torch.cuda.current_device())):
+        return "cutedsl"
+    return "reference"
+
+
+@contextlib.contextmanager
+def force_kernel(name: str | None) -> Iterator[None]:
+    """Force 'reference' (CPU tests run the exact dispatch code) or 'cutedsl' (fail loudly if unusable)."""
+    global _forced
+    if name is not None and name not in KERNELS:
+        raise ValueError(f"`force_kernel({name!r})`: expected one of {KERNELS} or None")
+    previous, _forced = _forced, name
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def forced_kernel() -> str | None:
+    """The kernel forced by `force_kernel`, or None."""
+    return _forced
+
+
+def kernel_counts() -> dict[str, int]:
+    """Forward calls per kernel ('cutedsl', 'reference') since the last reset: which kernel really ran."""
+    return dict(_kernel_counts)
+
+
+def reset_kernel_counts() -> None:
+    """Zero the per-kernel forward counters."""
+    for name in KERNELS:
+        _kernel_counts[name] = 0
+
+
+def _use_cute(q: Tensor) -> bool:
+    if _forced == "reference":
+        return False
+    ok = cute_supports(q)
+    if _forced == "cutedsl" and not ok:
+        raise RuntimeError(
+            f"force_kernel('cutedsl') but CuTeDSL cannot run dtype={q.dtype} head_dim={q.shape[-1]} "
+            f"on {q.device}: {ffpa_unavailable_reason() or 'unsupported device/dtype/head_dim'}"
+        )
+    return ok
+
+
+def _count(use_cute: bool) -> bool:
+    _kernel_counts["cutedsl" if use_cute else "reference"] += 1
+    return use_cute
+
+
+# --------------------------------------------------------------------------- reference math (fp32)
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
+    """fp32 scores [B,Hq,Sq,Sk] with GQA broadcast and bottom-right causal masking."""
+    groups = q.shape[2] // k.shape[2]
+    qf = q.float().transpose(1, 2)  # (B, Hq, Sq, D)
+    kf = k.float().transpose(1, 2).repeat_interleave(groups, dim=1)  # (B, Hq, Sk, D)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        rows = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+        s = s.masked_fill(torch.arange(sk, device=q.device)[None, :] > rows, float("-inf"))
+    return s
+
+
+def _probs(s: Tensor, lse: Tensor) -> Tensor:
+    # A row with no visible key has lse = -inf; exp(-inf - 0) = 0 keeps it at zero instead of NaN.
+    return torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+
+
+def _ref_fwd_math(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    groups = q.shape[2] // k.shape[2]
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)  # (B, Hq, Sq)
+    vf = v.float().transpose(1, 2).repeat_interleave(groups, dim=1)
+    o = torch.matmul(_probs(s, lse), vf).transpose(1, 2)  # (B, Sq, Hq, D)
+    return o.to(q.dtype).contiguous(), lse.contiguous()
+
+
+def _ref_bwd_math(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
+                  causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients from the given (possibly globally merged) o and lse, as the kernels compute them."""
+    b, sk, hkv, d = k.shape
+    groups = q.shape[2] // hkv
+    p = _probs(_scores(q, k, scale, causal), lse.float())  # (B, Hq, Sq, Sk)
+    dof = do.float().transpose(1, 2)  # (B, Hq, Sq, D)
+    vf = v.float().transpose(1, 2).repeat_interleave(groups, dim=1)
+    delta = (dof * o.float().transpose(1, 2)).sum(-1, keepdim=True)
+    ds = p * (torch.matmul(dof, vf.transpose(-1, -2)) - delta)
+    kf = k.float().transpose(1, 2).repeat_interleave(groups, dim=1)
+    dq = torch.matmul(ds, kf) * scale
+    dk = (torch.matmul(ds.transpose(-1, -2), q.float().transpose(1, 2)) * scale).view(b, hkv, groups, sk, d).sum(2)
+    dv = torch.matmul(p.transpose(-1, -2), dof).view(b, hkv, groups, sk, -1).sum(2)
+    return (dq.transpose(1, 2).to(q.dtype).contiguous(), dk.transpose(1, 2).to(k.dtype).contiguous(),
+            dv.transpose(1, 2).to(v.dtype).contiguous())
+
+
+def _segments(cu_q: Tensor, cu_k: Tensor) -> list[tuple[int, int, int, int]]:
+    q, k = cu_q.tolist(), cu_k.tolist()
+    return [(q[i], q[i + 1], k[i], k[i + 1]) for i in range(len(q) - 1)]
+
+
+@torch.library.custom_op("lightning_ffpa::ref_dense_fwd", mutates_args=())
+def ref_dense_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """Reference dense forward (fp32 math): (o [B,Sq,Hq,D], lse [B,Hq,Sq])."""
+    return _ref_fwd_math(q, k, v, scale, causal)
+
+
+@ref_dense_fwd.register_fake
+def _(q, k, v, scale, causal):
+    b, sq, hq, _ = q.shape
+    return q.new_empty(b, sq, hq, v.shape[-1]), q.new_empty(b, hq, sq, dtype=torch.float32)
+
+
+@torch.library.custom_op("lightning_ffpa::ref_dense_bwd", mutates_args=())
+def ref_dense_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
+                  causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Reference dense backward (fp32 math): (dq, dk, dv), dk/dv with Hkv heads."""
+    return _ref_bwd_math(do, q, k, v, o, lse, scale, causal)
+
+
+@ref_dense_bwd.register_fake
+def _(do, q, k, v, o, lse, scale, causal):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.custom_op("lightning_ffpa::ref_varlen_fwd", mutates_args=())
+def ref_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                   max_seqlen_k: int, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """Reference varlen forward (fp32 math, one segment at a time): (o [Tq,Hq,D], lse [Hq,Tq])."""
+    o = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    for q0, q1, k0, k1 in _segments(cu_seqlens_q, cu_seqlens_k):
+        if q1 > q0 and k1 > k0:
+            o_i, lse_i = _ref_fwd_math(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal)
+            o[q0:q1], lse[:, q0:q1] = o_i[0], lse_i[0]
+    return o, lse
+
+
+@ref_varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("lightning_ffpa::ref_varlen_bwd", mutates_args=())
+def ref_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+                   cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                   causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Reference varlen backward (fp32 math): (dq, dk, dv) in THD layout."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for q0, q1, k0, k1 in _segments(cu_seqlens_q, cu_seqlens_k):
+        if q1 > q0 and k1 > k0:
+            g = _ref_bwd_math(do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], o[None, q0:q1],
+                              lse[None, :, q0:q1], scale, causal)
+            dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+@ref_varlen_bwd.register_fake
+def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# --------------------------------------------------------------------------- the op contract
+
+
+def dense_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """Dense attention forward: (o [B,Sq,Hq,D], lse [B,Hq,Sq] fp32); bottom-right causal."""
+    if not _count(_use_cute(q)):
+        return torch.ops.lightning_ffpa.ref_dense_fwd(q, k, v, float(scale), bool(causal))
+    sq, sk = q.shape[1], k.shape[1]
+    skip = sq - sk if causal and sq > sk else 0  # leading rows that see no key (kernel requires Sk >= Sq)
+    if skip == 0 and sk > 0:
+        return torch.ops.ffpa_attn._fwd_cute(q, k, v, float(scale), int(causal), 1)
+    b, _, hq, _ = q.shape
+    o = q.new_zeros(b, sq, hq, v.shape[-1])
+    lse = torch.full((b, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    if sk > 0:
+        o[:, skip:], lse[:, :, skip:] = torch.ops.ffpa_attn._fwd_cute(q[:, skip:], k, v, float(scale), int(causal), 1)
+    return o, lse
+
+
+def dense_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
+              causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Dense attention backward from (o, lse) of the forward (or a merged global o/lse): (dq, dk, dv)."""
+    if not _use_cute(q):
+        return torch.ops.lightning_ffpa.ref_dense_bwd(do, q, k, v, o, lse, float(scale), bool(causal))
+    sq, sk = q.shape[1], k.shape[1]
+    skip = sq - sk if causal and sq > sk else 0
+    if skip == 0 and sk > 0:
+        return torch.ops.ffpa_attn._bwd_cute(do, q, k, v, o, lse, float(scale), int(causal), 0)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if sk > 0:
+        dq[:, skip:], dk, dv = torch.ops.ffpa_attn._bwd_cute(
+            do[:, skip:], q[:, skip:], k, v, o[:, skip:], lse[:, :, skip:], float(scale), int(causal), 0)
+    return dq, dk, dv
+
+
+def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+               max_seqlen_k: int, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """Packed THD attention forward: (o [Tq,Hq,D], lse [Hq,Tq] fp32); zero-length segments give o=0, lse=-inf."""
+    if not _count(_use_cute(q)):
+        return torch.ops.lightning_ffpa.ref_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                                       int(max_seqlen_k), float(scale), bool(causal))
+    return torch.ops.ffpa_attn._varlen_fwd_cute(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                                int(max_seqlen_k), float(scale), bool(causal), _NO_WINDOW,
+                                                _NO_WINDOW, 0.0, q.shape[1] > k.shape[1])
+
+
+def varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+               causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Packed THD attention backward: (dq, dk, dv)."""
+    if not _use_cute(q):
+        return torch.ops.lightning_ffpa.ref_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                                                       int(max_seqlen_q), int(max_seqlen_k), float(scale),
+                                                       bool(causal))
+    # Note the ffpa op's argument order: (q, k, v, out, dout, lse, ...).
+    return torch.ops.ffpa_attn._varlen_bwd_cute(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                                int(max_seqlen_k), float(scale), bool(causal), _NO_WINDOW,
+                                                _NO_WINDOW, 0.0, None)
+
+
+# --------------------------------------------------------------------------- autograd wrappers
+
+
+class _DenseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal):
+        o, lse = dense_fwd(q, k, v, scale, causal)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.scale, ctx.causal = scale, causal
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = dense_bwd(do, q, k, v, o, lse, ctx.scale, ctx.causal)
+        return dq, dk, dv, None, None
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        o, lse = varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+        ctx.args = (max_q, max_k, scale, causal)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = varlen_bwd(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def ffpa_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, return_lse: bool = False):
+    """Differentiable dense attention on ``[B,S,H,D]`` tensors; returns o (and lse if asked)."""
+    o, lse = _DenseAttention.apply(q, k, v, float(scale), bool(causal))
+    return (o, lse) if return_lse else o
+
+
+def ffpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                          max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
+                          return_lse: bool = False):
+    """Differentiable packed THD attention; returns o (and lse if asked)."""
+    o, lse = _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                    float(scale), bool(causal))
+    return (o, lse) if return_lse else o
+
+
+# --------------------------------------------------------------------------- SAC ops and flop formulas
+
+
+def forward_ops() -> tuple:
+    """The forward OpOverloads that exist in this process (FFPA ones when importable, then the reference ones)."""
+    ops = []
+    if ffpa_available():
+        ops += [torch.ops.ffpa_attn._fwd_cute.default, torch.ops.ffpa_attn._varlen_fwd_cute.default]
+    ops += [torch.ops.lightning_ffpa.ref_dense_fwd.default, torch.ops.lightning_ffpa.ref_varlen_fwd.default]
+    return tuple(ops)
+
+
+def __getattr__(name: str):
+    # FFPA_FORWARD_OPS is computed on first access so importing this module never imports ffpa_attn.
+    if name == "FFPA_FORWARD_OPS":
+        return forward_ops()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _dense_flops(q: Tensor, k: Tensor) -> int:
+    # Same convention as torch's SDPA formula (no causal discount), so MFU compares across backends.
+    b, sq, hq, d = q.shape
+    return 4 * b * hq * sq * k.shape[1] * d
+
+
+def _varlen_flops(q: Tensor, cu_q: Tensor, cu_k: Tensor, max_k: int) -> int:
+    hq, d = q.shape[1], q.shape[2]
+    try:
+        pairs = sum((q1 - q0) * (k1 - k0) for q0, q1, k0, k1 in _segments(cu_q, cu_k))
+    except Exception:  # noqa: BLE001 - meta/fake tensors (measure_flops) have no values: use the upper bound
+        pairs = q.shape[0] * max_k
+    return 4 * hq * d * pairs
+
+
+@functools.cache
+def register_flop_formulas() -> None:
+    """Register torch.utils.flop_counter formulas for the FFPA and reference ops (idempotent)."""
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    def dense_fwd_flops(q, k, *args, out_val=None, **kw):
+        return _dense_flops(q, k)
+
+    def dense_bwd_flops(do, q, k, *args, out_val=None, **kw):  # dq, dk, dv, dp: twice the forward
+        return 2 * _dense_flops(q, k)
+
+    def varlen_fwd_flops(q, k, v, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
+        return _varlen_flops(q, cu_q, cu_k, max_k)
+
+    def ref_varlen_bwd_flops(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
+        return 2 * _varlen_flops(q, cu_q, cu_k, max_k)
+
+    def cute_varlen_bwd_flops(q, k, v, o, do, lse, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
+        return 2 * _varlen_flops(q, cu_q, cu_k, max_k)
+
+    ref = torch.ops.lightning_ffpa
+    table = [(ref.ref_dense_fwd, dense_fwd_flops), (ref.ref_dense_bwd, dense_bwd_flops),
+             (ref.ref_varlen_fwd, varlen_fwd_flops), (ref.ref_varlen_bwd, ref_varlen_bwd_flops)]
+    if ffpa_available():
+        ops = torch.ops.ffpa_attn  # note the varlen bwd argument order: (q, k, v, out, dout, lse, ...)
+        table += [(ops._fwd_cute, dense_fwd_flops), (ops._bwd_cute, dense_bwd_flops),
+                  (ops._varlen_fwd_cute, varlen_fwd_flops), (ops._varlen_bwd_cute, cute_varlen_bwd_flops)]
+    for packet, formula in table:
+        if packet not in flop_registry:  # someone (a newer ffpa_attn?) may have registered one already
+            register_flop_formula(packet, get_raw=True)(formula)

@@ -1,0 +1,175 @@
+"""Sliding-window attention under head-tail context parallelism: a neighbour halo, then one local masked call.
+
+Owns: fetching the K/V a window needs from neighbouring chunks (and returning their gradients), the per-batch
+mask (same document, causal, ``0 <= q - k < window``; HF Gemma4's sliding rule), and the local attention call:
+``flex_attention`` on CUDA, masked fp32 math on CPU (torch's Flex has no CPU backward).
+Does not own: the full-attention ring (``ring.py``) or sharding (``parallel/context_parallel.py``).
+
+Halo (h = window - 1 keys before a chunk are all a query can see outside it; chunk length C):
+- h <= C: rank r's head chunk r needs the tail of chunk r-1 (rank r-1's head chunk); its tail chunk 2cp-1-r
+  needs the tail of chunk 2cp-2-r (rank r+1's tail chunk, or its own head chunk on the last rank). One P2P
+  message each way between ring neighbours, forward and backward.
+- h > C (window longer than a chunk): every rank all-gathers K/V (autograd all_gather, reduce-scatter of the
+  gradient), costing cp x K/V memory; counted as ``sliding_allgather`` in the ring stats.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_ffpa.attention.flex import flex_forward
+from lightning_ffpa.parallel.context_parallel import RingLayout
+
+if TYPE_CHECKING:
+    from lightning_ffpa.attention.ring import RingGroup
+
+
+class _Halo(torch.autograd.Function):
+    """Exchange the last h keys/values of each local chunk with ring neighbours (see module docstring)."""
+
+    @staticmethod
+    def forward(ctx, head_tail: Tensor, tail_tail: Tensor, ring: RingGroup):
+        r, cp = ring.rank, ring.size
+        head_tail, tail_tail = head_tail.contiguous(), tail_tail.contiguous()
+        halo_head = torch.zeros_like(head_tail)  # rank 0 has nothing before chunk 0 (masked by position)
+        halo_tail = head_tail.clone() if r == cp - 1 else torch.empty_like(tail_tail)
+        ops = []
+        if r < cp - 1:
+            ops += [dist.P2POp(dist.isend, head_tail, ring.global_rank(r + 1), ring.group),
+                    dist.P2POp(dist.irecv, halo_tail, ring.global_rank(r + 1), ring.group)]
+        if r > 0:
+            ops += [dist.P2POp(dist.isend, tail_tail, ring.global_rank(r - 1), ring.group),
+                    dist.P2POp(dist.irecv, halo_head, ring.global_rank(r - 1), ring.group)]
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+        ctx.ring = ring
+        return halo_head, halo_tail
+
+    @staticmethod
+    def backward(ctx, g_head: Tensor, g_tail: Tensor):
+        ring = ctx.ring
+        r, cp = ring.rank, ring.size
+        g_head, g_tail = g_head.contiguous(), g_tail.contiguous()
+        d_head_tail = g_tail.clone() if r == cp - 1 else torch.empty_like(g_tail)
+        d_tail_tail = torch.zeros_like(g_head)
+        ops = []
+        if r < cp - 1:  # my halo_tail came from r+1's tail chunk; r+1 used my head chunk's tail
+            ops += [dist.P2POp(dist.isend, g_tail, ring.global_rank(r + 1), ring.group),
+                    dist.P2POp(dist.irecv, d_head_tail, ring.global_rank(r + 1), ring.group)]
+        if r > 0:
+            ops += [dist.P2POp(dist.isend, g_head, ring.global_rank(r - 1), ring.group),
+                    dist.P2POp(dist.irecv, d_tail_tail, ring.global_rank(r - 1), ring.group)]
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+        return d_head_tail, d_tail_tail, None
+
+
+def _key_positions(layout: RingLayout, h: int) -> Tensor:
+    """Global positions of [halo_head | chunk a | halo_tail | chunk b] (negative = nothing there)."""
+    c = layout.chunk_len
+    a, b = layout.chunk_ids()
+    ar = torch.arange(c)
+    halo = torch.arange(-h, 0)
+    return torch.cat([a * c + halo, a * c + ar, b * c + halo, b * c + ar])
+
+
+def _docs_at(layout: RingLayout, pos: Tensor) -> Tensor:
+    docs = layout.document_ids[:, pos.clamp_min(0)]
+    return torch.where(pos[None, :] >= 0, docs, -1)
+
+
+def _mask_tensors(layout: RingLayout, h: int, allgather: bool, device: torch.device) -> dict[str, Tensor]:
+    """Per-batch mask inputs on `device`: positions and chunk segments [L], documents [B, L], for q and k."""
+
+    def build():
+        c = layout.chunk_len
+        q_pos = layout.positions()
+        if allgather:
+            k_pos = torch.cat([layout.positions(r) for r in range(layout.cp_size)])
+            k_seg = torch.full_like(k_pos, -1)  # every position appears once: any query may read it
+        else:
+            k_pos = _key_positions(layout, h)
+            # On the last rank the tail chunk's halo repeats keys of the head chunk; each query reads only its
+            # own chunk's [halo | chunk] segment so no key counts twice.
+            k_seg = torch.arange(k_pos.numel()) // (h + c)
+        t = dict(q_pos=q_pos, q_seg=torch.arange(2 * c) // c, k_pos=k_pos, k_seg=k_seg,
+                 q_doc=_docs_at(layout, q_pos), k_doc=_docs_at(layout, k_pos))
+        return {n: x.to(device) for n, x in t.items()}
+
+    return layout.cached(("sliding_mask", h, allgather, str(device)), build)
+
+
+def _masked_math(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> Tensor:
+    """fp32 masked attention; rows with no allowed key give 0. q [B,Lq,Hq,D], allowed [B,Lq,Lk]."""
+    groups = q.shape[2] // k.shape[2]
+    qf = q.float().transpose(1, 2)  # (B, Hq, Lq, D)
+    kf = k.float().transpose(1, 2).repeat_interleave(groups, dim=1)
+    vf = v.float().transpose(1, 2).repeat_interleave(groups, dim=1)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed[:, None], float("-inf"))
+    m = s.amax(-1, keepdim=True).detach()
+    p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+    o = torch.matmul(p, vf) / p.sum(-1, keepdim=True).clamp_min(1e-30)
+    return o.transpose(1, 2).to(q.dtype)  # (B, Lq, Hq, D)
+
+
+def window_mask_mod(m: dict[str, Tensor], window: int):
+    """Flex mask_mod over local indices: same document, own chunk segment, causal, within the window."""
+    q_pos, q_seg, k_pos, k_seg, q_doc, k_doc = (m[n] for n in ("q_pos", "q_seg", "k_pos", "k_seg", "q_doc", "k_doc"))
+
+    def sliding_document_causal(b, h, qi, ki):
+        gap = q_pos[qi] - k_pos[ki]
+        same_doc = (q_doc[b, qi] == k_doc[b, ki]) & (q_doc[b, qi] >= 0)
+        own_segment = (k_seg[ki] < 0) | (k_seg[ki] == q_seg[qi])
+        return same_doc & own_segment & (gap >= 0) & (gap < window)
+
+    sliding_document_causal.__name__ = f"sliding_document_causal_{window}"
+    return sliding_document_causal
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, masks: dict[str, Tensor], window: int, scale: float,
+                    backend: str, layout: RingLayout) -> Tensor:
+    """One masked attention call of the local queries over the gathered keys ([B, L, H, D] in and out)."""
+    mod = window_mask_mod(masks, window)
+    if backend == "sdpa":
+        b, lq, lk = masks["q_doc"].shape[0], q.shape[1], k.shape[1]
+        qi = torch.arange(lq, device=q.device)[:, None]
+        ki = torch.arange(lk, device=q.device)[None, :]
+        bi = torch.arange(b, device=q.device)[:, None, None]
+        return _masked_math(q, k, v, mod(bi, None, qi[None], ki[None]), scale)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = layout.cached(("flex_block_mask", window, k.shape[1], str(q.device)), lambda: create_block_mask(
+        mod, masks["q_doc"].shape[0], None, q.shape[1], k.shape[1], device=q.device))
+    o = flex_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bm, scale)
+    return o.transpose(1, 2)
+
+
+def sliding_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, ring: RingGroup, scale: float,
+                      window: int, backend: str | None, stats: Counter) -> Tensor:
+    """Sliding-window causal attention of this rank's [B, 2C, H, D] shard; returns [B, 2C, Hq, D]."""
+    backend = backend or ("flex" if q.is_cuda else "sdpa")
+    c, h = layout.chunk_len, window - 1
+    allgather = h > c  # rank-uniform: window and chunk length are the same on every rank
+    if allgather:
+        from torch.distributed.nn.functional import all_gather
+
+        kv = torch.stack([k, v])  # (2, B, 2C, H, D)
+        k_ext, v_ext = torch.cat(all_gather(kv.contiguous(), group=ring.group), dim=2).unbind(0)
+        stats["sliding_allgather"] += 1
+    elif h > 0:
+        tails = torch.stack([k, v])  # (2, B, 2C, H, D)
+        halo_head, halo_tail = _Halo.apply(tails[:, :, c - h:c], tails[:, :, 2 * c - h:], ring)
+        k_ext = torch.cat([halo_head[0], k[:, :c], halo_tail[0], k[:, c:]], dim=1)
+        v_ext = torch.cat([halo_head[1], v[:, :c], halo_tail[1], v[:, c:]], dim=1)
+        stats["sliding_halo"] += 1
+    else:  # window 1: a token sees only itself, no halo
+        k_ext, v_ext = k, v
+    stats[f"sliding_{backend}"] += 1
+    masks = _mask_tensors(layout, h, allgather, q.device)
+    return local_attention(q, k_ext, v_ext, masks, window, scale, backend, layout)

@@ -1,0 +1,100 @@
+"""The paged flex attention function HF decoder layers call during rollouts, and its kernel options.
+
+Owns: the per-step context the engine passes in place of `attention_mask`, the attention function
+registered as `ATTENTION_NAME`, and the flex kernel options per head_dim. It does not build masks
+(`masks.py`) nor write the KV cache (`kv_cache.py`: HF calls `cache.update` before attention).
+
+Kernel options are validated, not assumed: `tests/rollout/test_rollout_kernel_options.py` checks every option
+set here against SDPA on scrambled page layouts with padded rows (CPU eager and GPU compiled).
+We never enable `ROWS_GUARANTEED_SAFE` (padded decode rows are fully masked and give NaN with it) nor
+`BLOCKS_ARE_CONTIGUOUS` (pages of a sequence are not physically consecutive); the GPU test re-checks
+both hazards and fails if either is ever added while unsafe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from lightning_ffpa.rollout.compat import register_attention
+
+ATTENTION_NAME = "lightning_ffpa_paged"
+
+# head_dim 512 (Gemma4 full layers). Flex's default forward tiles at D > 256 are 64x32 (bf16) / 32x16
+# (fp32) with 3 pipeline stages: ~256 KB of shared memory against H200's 227 KB, so we keep the tiles and
+# use one stage. Decode: one stage as well; bf16 keeps flex's BLOCK_N (64, clamped to the page size):
+# 16x512 Q + 2 x 64x512 K/V tiles = 144 KB; fp32 needs BLOCK_N=16 (so pages must be multiples of 16).
+UNSAFE_OPTIONS = ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS")
+
+
+def kernel_options(head_dim: int, decode: bool, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any] | None:
+    """Flex kernel options for one head_dim, phase and dtype (None: flex's defaults)."""
+    if head_dim <= 256:
+        return None
+    wide = dtype == torch.float32
+    if decode:
+        return {"num_stages": 1, "BLOCK_N": 16} if wide else {"num_stages": 1}
+    return {"BLOCK_M": 32 if wide else 64, "BLOCK_N": 16 if wide else 32, "num_stages": 1, "num_warps": 4}
+
+
+def dense_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None,
+                    block_mask: BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
+                    kernel_options: dict | None = None) -> torch.Tensor:
+    """Same contract as `flex_attention` via a dense mask from `block_mask.mask_mod` and SDPA.
+
+    A CPU reference path (selected by `EngineConfig.attention="dense"`): it skips flex's vmapped eager
+    path, which dominates tiny CPU runs. Fully masked rows return zeros, like flex.
+    """
+    if score_mod is not None:
+        raise NotImplementedError("dense_reference has no score_mod; use attention='flex'")
+    B, _, Q, _ = query.shape
+    KV = key.shape[-2]
+    dev = query.device
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
+    q = torch.arange(Q, device=dev).view(1, 1, Q, 1)
+    kv = torch.arange(KV, device=dev).view(1, 1, 1, KV)
+    mask = block_mask.mask_mod(b, h, q, kv).expand(B, 1, Q, KV)  # mask mods broadcast like flex's vmap
+    key, value = key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                           enable_gqa=enable_gqa)
+    return torch.where(mask.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=dev))
+
+
+@dataclass
+class StepContext:
+    """What every layer needs for one forward: masks by sliding window (None = full) and the flex op."""
+
+    masks: dict[int | None, BlockMask]
+    decode: bool
+    flex: Callable = flex_attention
+    options: Callable[..., dict[str, Any] | None] = kernel_options
+    calls: dict[str, int] = field(default_factory=dict)  # per-window call counts (tests count layers)
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: StepContext, scaling: float | None = None, dropout: float = 0.0,
+                    sliding_window: int | None = None, softcap: float | None = None, **kwargs: Any):
+    """HF attention interface over paged KV: q (B,Hq,S,D); k/v (1,Hkv,pool,D) in decode, packed in prefill."""
+    ctx = attention_mask
+    if not isinstance(ctx, StepContext):
+        raise TypeError(f"{ATTENTION_NAME} needs the rollout engine's StepContext, got {type(ctx).__name__}")
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    block_mask = ctx.masks[window]
+    key_name = "sliding" if window is not None else "full"
+    ctx.calls[key_name] = ctx.calls.get(key_name, 0) + 1
+    score_mod = None
+    if softcap is not None:
+        def score_mod(score, b, h, q_idx, kv_idx):  # noqa: ARG001 - flex's score_mod signature
+            return softcap * torch.tanh(score / softcap)
+    out = ctx.flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling,
+                   enable_gqa=query.shape[1] != key.shape[1],
+                   kernel_options=ctx.options(query.shape[-1], ctx.decode, query.dtype))
+    return out.transpose(1, 2), None  # (B, S, H, D)
+
+
+register_attention(ATTENTION_NAME, paged_attention)

@@ -1,0 +1,80 @@
+"""Paged KV cache: one K and one V pool per caching layer, shaped (1, kv_heads, num_pages * page_size, head_dim).
+
+Owns the KV tensors and the `update` hook HF attention modules call. Where each token goes is decided
+by the engine (`begin`, from the page table); this file never allocates pages. KV-shared layers
+(Gemma4 `num_kv_shared_layers`) get no pool: they reuse the pool of the layer that stores for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer as the cache and masks see it."""
+
+    num_kv_heads: int
+    head_dim: int
+    window: int | None
+    shared: bool = False
+
+
+class PagedKVCache:
+    """KV pools for every non-shared layer, written through `update(k, v, layer_idx)`."""
+
+    def __init__(self, specs: list[LayerSpec], num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        for i, spec in enumerate(specs):
+            if spec.shared:
+                continue
+            shape = (1, spec.num_kv_heads, num_pages * page_size, spec.head_dim)
+            self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
+            self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
+        self.shared_layers: dict[int, Any] = {}  # older Gemma4 shares KV through the cache object
+        self._index: torch.Tensor | None = None
+        self._decode = False
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held by all pools."""
+        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+    def layer_bytes_per_token(self, layer_idx: int) -> int:
+        """K+V bytes one cached token costs in `layer_idx` (0 for shared layers)."""
+        if layer_idx not in self.k:
+            return 0
+        k = self.k[layer_idx]
+        return 2 * k.shape[1] * k.shape[3] * k.element_size()
+
+    def begin(self, index: torch.Tensor, decode: bool) -> None:
+        """Set where this forward's tokens are written (flat pool indices, batch-major) and the phase."""
+        self._index = index
+        self._decode = decode
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write (B, Hkv, S, D) keys/values into the pool; return what attention reads.
+
+        Decode reads the whole pool through the paged mask; prefill attends within the packed batch.
+        """
+        k_pool, v_pool = self.k[layer_idx], self.v[layer_idx]
+        B, H, S, D = key_states.shape
+        rows_k = key_states.permute(1, 0, 2, 3).reshape(H, B * S, D)  # (Hkv, B*S, D)
+        rows_v = value_states.permute(1, 0, 2, 3).reshape(H, B * S, D)
+        k_pool[0].index_copy_(1, self._index, rows_k.to(k_pool.dtype))
+        v_pool[0].index_copy_(1, self._index, rows_v.to(v_pool.dtype))
+        if self._decode:
+            return k_pool, v_pool
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # some HF paths ask; positions are explicit here
+        """Not meaningful for a paged cache; returns 0 (positions are passed explicitly)."""
+        return 0

@@ -1,0 +1,93 @@
+"""Layer walker: runs an HF causal-LM decoder (Gemma4, Llama, Qwen2/3, ...) layer by layer for rollouts.
+
+Owns the forward order (embed, per-layer inputs, RoPE, decoder layers, norm, head, final softcap) and
+the per-layer facts the cache needs (`LayerSpec`). Attention itself is HF's module calling our
+registered paged attention function; this file does not know about pages or masks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_ffpa.rollout import compat
+from lightning_ffpa.rollout.attention import ATTENTION_NAME, StepContext
+from lightning_ffpa.rollout.kv_cache import LayerSpec, PagedKVCache
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "embed_tokens"):
+        raise TypeError(f"{type(model).__name__} is not an HF *ForCausalLM with `.model.layers`; the rollout "
+                        "engine walks decoder layers and needs that shape")
+    return base
+
+
+class DecoderWalker:
+    """Forward of an HF decoder over explicit positions with a paged cache."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.base = _decoder(model)
+        self.config = model.config
+        n = len(self.base.layers)
+        self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * n)
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        self.per_layer_dim = getattr(self.base, "hidden_size_per_layer_input", 0) or 0
+        self.rotary_by_type = compat.rotary_takes_layer_type(self.base.rotary_emb)
+        params = compat.decoder_layer_params(self.base.layers[0])
+        self._cache_kw = compat.cache_kwarg(params)
+        self._shared_kw = "shared_kv_states" in params
+        self._per_layer_kw = "per_layer_input" in params
+        self.specs = [self._spec(layer) for layer in self.base.layers]
+
+    @staticmethod
+    def _spec(layer: nn.Module) -> LayerSpec:
+        attn = layer.self_attn
+        window = getattr(attn, "sliding_window", None)
+        if getattr(attn, "is_kv_shared_layer", False):
+            return LayerSpec(0, attn.head_dim, window, shared=True)
+        return LayerSpec(attn.k_proj.out_features // attn.head_dim, attn.head_dim, window)
+
+    @property
+    def windows(self) -> set[int | None]:
+        """Distinct sliding windows over all layers (None = full attention)."""
+        return {s.window for s in self.specs}
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: StepContext,
+                cache: PagedKVCache, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (N, V) in fp32 for `input_ids` (B, S), keeping rows `logits_index` of the flat (B*S)."""
+        cfg = self.config
+        saved = cfg._attn_implementation
+        cfg._attn_implementation = ATTENTION_NAME  # flipped only for this forward; see `finally`
+        try:
+            hidden = self.base.embed_tokens(input_ids)  # (B, S, hidden); Gemma scales inside
+            per_layer = None
+            if self.per_layer_dim:
+                per_layer = self.base.get_per_layer_inputs(input_ids, hidden)
+                per_layer = self.base.project_per_layer_inputs(hidden, per_layer)
+            if self.rotary_by_type:
+                rope = {t: self.base.rotary_emb(hidden, position_ids, t) for t in set(self.layer_types)}
+            else:
+                shared_rope = self.base.rotary_emb(hidden, position_ids)
+                rope = {t: shared_rope for t in set(self.layer_types)}
+            shared: dict = {}
+            for i, layer in enumerate(self.base.layers):
+                kw = {"position_embeddings": rope[self.layer_types[i]], "attention_mask": ctx,
+                      "position_ids": position_ids, self._cache_kw: cache}
+                if self._shared_kw:
+                    kw["shared_kv_states"] = shared
+                if self._per_layer_kw:
+                    kw["per_layer_input"] = per_layer[:, :, i, :] if per_layer is not None else None
+                out = layer(hidden, **kw)
+                hidden = out[0] if isinstance(out, tuple) else out
+            hidden = self.base.norm(hidden)
+            hidden = hidden.reshape(-1, hidden.shape[-1])  # (B*S, hidden)
+            if logits_index is not None:
+                hidden = hidden[logits_index]
+            logits = self.model.lm_head(hidden).float()  # (N, V)
+            if self.softcap is not None:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            return logits
+        finally:
+            cfg._attn_implementation = saved

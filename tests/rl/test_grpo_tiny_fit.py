@@ -1,0 +1,33 @@
+"""A tiny GRPO fit on CPU through the rollout Callback: the toy reward rises."""
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_ffpa.callbacks.rollout import RolloutCallback
+from lightning_ffpa.rl.module import GRPOModule
+from lightning_ffpa.rl.prompts import PromptDataModule
+
+
+class _Rewards(L.Callback):
+    def __init__(self):
+        self.history = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.history.append(batch["rewards"].mean().item())
+
+
+@pytest.mark.timeout(120)
+def test_tiny_grpo_reward_rises():
+    torch.manual_seed(0)
+    rollout = RolloutCallback(["lightning_ffpa.rl.rewards:token_range_reward"], num_generations=8,
+                              max_new_tokens=6, page_size=8, num_pages=64, max_batch_size=16, max_seq_len=32,
+                              eos_token_ids=[], verify_no_drift=True, attention="dense")
+    rewards = _Rewards()
+    trainer = L.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout, rewards])
+    module = GRPOModule(preset="tiny", lr=2e-2, temperature=1.0)
+    trainer.fit(module, datamodule=PromptDataModule(num_random_prompts=16, prompt_len=4, batch_size=2))
+    h = rewards.history
+    assert len(h) == 10 and rollout.drift_report is not None
+    assert sum(h[-3:]) / 3 > sum(h[:3]) / 3 + 0.1, h

@@ -10,6 +10,10 @@ Does not own training-time saving (`ModelCheckpoint`) or checking the checkpoint
 
 The result loads with `Gemma4ForCausalLM.from_pretrained(OUT)`; a LoRA run also writes `OUT/adapter`
 (`PeftModel.from_pretrained(base, OUT/adapter)`) unless `--merge-lora`.
+
+Inside a running FSDP2 job, `save_hf_sharded(model, OUT)` writes the same folder straight from the
+sharded model: each rank writes its own shards through torch's `HuggingFaceStorageWriter` (no all-gather),
+then rank 0 consolidates them file by file.
 """
 
 from __future__ import annotations
@@ -231,6 +235,47 @@ def _export_adapter(source: _Source, names: dict[str, str], lora: dict[str, Any]
               str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     spec = {"task_type": "CAUSAL_LM", **lora, "base_model_name_or_path": base}
     LoraConfig(**spec).save_pretrained(str(out))
+
+
+def save_hf_sharded(model: torch.nn.Module, out_dir: str | Path, *, max_shard_size: str = "5GB",
+                    keep_rank_shards: bool = False) -> Path:
+    """Write an (FSDP2-sharded) HF model as an HF folder from inside the job; call it on every rank.
+
+    No rank gathers the model: each writes its DTensor shards, then rank 0 merges them per output file.
+    LoRA (PEFT) models are refused: export their checkpoint with `export(...)` instead.
+    """
+    import shutil
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if hasattr(model, "peft_config"):
+        raise TypeError("save_hf_sharded does not take PEFT models; save a checkpoint and run the export on it")
+    out = Path(out_dir)
+    state = get_model_state_dict(model)  # DTensor shards stay sharded
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    max_bytes, index, size = _parse_size(max_shard_size), {}, 0
+    file_index = 1
+    for name, t in state.items():  # global shapes: the same mapping on every rank
+        nbytes = t.numel() * t.element_size()
+        if size and size + nbytes > max_bytes:
+            file_index, size = file_index + 1, 0
+        index[name], size = file_index, size + nbytes
+    writer = _compat.hf_storage_writer(str(out), fqn_to_index_mapping=index, save_distributed=True,
+                                       enable_consolidation=True)
+    dcp.save(state, storage_writer=writer)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        config = model.config
+        config.dtype = next(iter(state.values())).dtype
+        config.save_pretrained(out)
+        if not keep_rank_shards:
+            shutil.rmtree(out / "sharded", ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
 
 
 def main(argv: list[str] | None = None) -> ExportResult:

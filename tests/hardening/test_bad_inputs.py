@@ -19,7 +19,6 @@ from _helpers import run_cli, tiny_config, tree_hash, write_config
 from lightning_ffpa.module import Gemma4LM
 
 NEEDS_PARALLEL = pytest.mark.xfail(strict=False, reason="needs parallel: FSDP2Strategy validation")
-NEEDS_ROLLOUT = pytest.mark.xfail(strict=False, reason="needs rollout: reward-function import path check")
 FSDP2 = "lightning_ffpa.parallel.FSDP2Strategy"
 
 
@@ -139,10 +138,9 @@ CASES = [
     ("packed sequences with the direct ffpa backend",
      {"model": {"attn_implementation": "ffpa"}, "data_class": "lightning_ffpa.data.TextDataModule",
       "data": {"pack": True}}, [], None, R("data.pack")),
-    pytest.param("reward function import path that does not resolve",
-                 {"callbacks": [{"class_path": "lightning_ffpa.callbacks.rollout.RolloutCallback",
-                                 "init_args": {"reward_funcs": ["no_such_module:reward"]}}]}, [], None,
-                 R("reward_funcs"), marks=NEEDS_ROLLOUT),
+    ("reward function import path that does not resolve",
+     {"callbacks": [{"class_path": "lightning_ffpa.callbacks.rollout.RolloutCallback",
+                     "init_args": {"reward_funcs": ["no_such_module:reward"]}}]}, [], None, R("reward_funcs")),
 ]
 
 

@@ -65,13 +65,22 @@ def test_every_shipped_config_is_in_the_readme_table():
         assert f"(configs/{cfg.name})" in readme, cfg.name
 
 
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading ids: lowercase, punctuation dropped except `-` and `_`, spaces to hyphens."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_relative_links_resolve(page):
     for target in LINK.findall(page.read_text()):
-        if re.match(r"[a-z]+://|mailto:|#", target):
+        if re.match(r"[a-z]+://|mailto:", target):
             continue
-        path = (page.parent / target.split("#")[0]).resolve()
+        file, _, anchor = target.partition("#")
+        path = (page.parent / file).resolve() if file else page
         assert path.exists(), f"{page.name}: broken link {target}"
+        if anchor and path.suffix == ".md":
+            assert anchor in _anchors(path), f"{page.name}: no heading #{anchor} in {path.name}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

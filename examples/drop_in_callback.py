@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     with force_kernel("reference") if kernel == "reference" else contextlib.nullcontext():
         trainer.fit(module, data)
     report = {"summary": attention.summary(), "dispatch": dispatch_counts(), "kernels": kernel_counts(),
-              "loss": float(trainer.callback_metrics["train/loss"])}
+              "loss": float(trainer.callback_metrics["train/loss"]), "model_class": type(module.model).__name__}
     if trainer.is_global_zero:  # FFPAAttention itself prints its summary line at the end of fit
         print(f"kernels: {report['kernels']}  final loss: {report['loss']:.4f}")
     return report

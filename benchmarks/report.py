@@ -53,6 +53,15 @@ HEADLINES: dict[str, tuple[str, str]] = {
                               "{:.1%}"),
 }
 STANDARD_KEYS = ("benchmark", "command", "commit", "date", "device", "versions", "rows", "summary")
+NOTE_KEYS = ("depth_note", "model_slice")  # string summary entries that qualify a benchmark's headlines
+
+
+def script_doc(benchmark: str) -> str | None:
+    """The module docstring of benchmarks/<benchmark>.py: what the rows are, as the script says."""
+    import ast
+
+    path = ROOT / "benchmarks" / f"{benchmark}.py"
+    return ast.get_docstring(ast.parse(path.read_text())) if path.exists() else None
 
 
 def load_results(results_dir: Path = RESULTS_DIR) -> list[tuple[Path, dict[str, Any]]]:
@@ -116,7 +125,9 @@ def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) 
         for key, (what, fmt) in HEADLINES.items():
             value = record["summary"].get(key)
             if _number(value):
-                lines.append(f"- **{fmt.format(value)}**: {what}. {record.get('device', '?')}, "
+                notes = "".join(f" ({record['summary'][k]})" for k in NOTE_KEYS
+                                if isinstance(record["summary"].get(k), str))
+                lines.append(f"- **{fmt.format(value)}**: {what}{notes}. {record.get('device', '?')}, "
                              f"[`{rel(path, ROOT)}`]({rel(path, link_from)}) (`summary.{key}`)")
     return lines
 
@@ -153,6 +164,9 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         name = rec["benchmark"]
         link = f"[`{rel(path, ROOT)}`]({rel(path, docs)})"
         out += [f"## {name}", "", f"Source: {link}", ""]
+        doc = script_doc(name)
+        if doc:
+            out += [f"What `benchmarks/{name}.py` measures (its docstring):", "", "```text", doc, "```", ""]
         out += [f"- device: {cell(rec.get('device'))}; date: {cell(rec.get('date'))}; "
                 f"commit: `{cell(rec.get('commit'))}`",
                 f"- versions: {cell(rec.get('versions', {}))}",

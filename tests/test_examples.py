@@ -41,6 +41,18 @@ def test_drop_in_callback_routes_full_layers_to_ffpa(tmp_path, monkeypatch):
     assert report["loss"] == report["loss"] and report["loss"] < 10
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_drop_in_callback_runs_cutedsl_on_gpu(tmp_path, monkeypatch):
+    """On an H100/H200 with ffpa-attn: the same example, bf16, full layers on the CuTeDSL kernel."""
+    monkeypatch.chdir(tmp_path)
+    report = _load("drop_in_callback").main(["--accelerator", "gpu", "--precision", "bf16-true", "--kernel", "auto",
+                                              "--max-steps", "3", "--seq-len", "256"])
+    assert report["kernels"]["cutedsl"] == report["dispatch"]["ffpa-dense"] == 6, report
+    assert report["kernels"]["reference"] == 0 and report["dispatch"]["flex"] > 0, report
+    assert report["loss"] == report["loss"]
+
+
 @pytest.mark.timeout(120)
 def test_drop_in_callback_with_the_fsdp2_strategy(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

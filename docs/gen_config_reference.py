@@ -15,6 +15,7 @@ import argparse
 import importlib
 import inspect
 import sys
+import typing
 from pathlib import Path
 
 import yaml
@@ -58,6 +59,10 @@ def options(cls: type) -> list[dict[str, str]]:
     for source in (cls.__init__.__doc__, cls.__doc__):
         if source:
             docs.update({p.arg_name: p.description or "" for p in parse(source).params if p.arg_name not in docs})
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - unresolvable forward refs: keep the annotation text as written
+        hints = {}
     out = []
     for name, param in inspect.signature(cls.__init__).parameters.items():
         if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
@@ -65,6 +70,8 @@ def options(cls: type) -> list[dict[str, str]]:
         annotation = param.annotation
         typ = "" if annotation is inspect.Parameter.empty else (
             annotation if isinstance(annotation, str) else inspect.formatannotation(annotation))
+        if typ.isidentifier() and name in hints and typing.get_origin(hints[name]) is typing.Literal:
+            typ = inspect.formatannotation(hints[name])  # a Literal alias (e.g. ACMode): show its values
         default = "required" if param.default is inspect.Parameter.empty else repr(param.default)
         default = default.replace(str(ROOT) + "/", "")  # package paths, not this checkout's location
         out.append({"name": name, "type": typ, "default": default, "help": docs.get(name, "")})
@@ -82,8 +89,6 @@ def render_reference() -> str:
         "`lightning-ffpa fit --model.help Gemma4LM`, `--data.help TextDataModule`, or with a full class path,",
         "`--trainer.callbacks.help lightning_ffpa.callbacks.FFPAAttention`. Lightning's own `trainer:` options are",
         "in the [Trainer docs](https://lightning.ai/docs/pytorch/stable/common/trainer.html).",
-        "",
-        "Missing an argument's description? That argument has no entry in its class docstring's `Args:` section.",
         "",
     ]
     for key, path in CLASSES:

@@ -182,7 +182,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         "## How to reproduce",
         "",
         "Each script accepts `--out PATH`, records failing rows with their error instead of stopping, and prints",
-        "a compact table at the end. Each fits in 8 minutes on one H200; context_parallel needs two GPUs:",
+        "a compact table at the end. All run on one H200 except context_parallel, which needs two GPUs:",
         "",
         "```bash",
         "python benchmarks/attention.py --out benchmarks/results/attention.json",

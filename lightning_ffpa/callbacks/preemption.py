@@ -1,0 +1,65 @@
+"""SLURM preemption at a step boundary: defer Lightning's SIGUSR1 save-and-requeue to the end of a step.
+
+Why: Lightning's SLURM handler (`SLURMEnvironment(auto_requeue=True)`) writes the HPC checkpoint inside the
+signal handler, i.e. wherever the main thread happens to be: between backward and the optimizer step, or
+between the optimizer step and the loop's progress counters. A checkpoint written there can make the resumed
+run redo a step that was already applied, or drop one. This callback only records the signal and runs
+Lightning's own handler (same `hpc_ckpt_N.ckpt`, same `scontrol requeue`) after the step has completed,
+where the checkpoint equals a `ModelCheckpoint` one; then it stops the run cleanly.
+
+Owns: when the HPC checkpoint is written. Does not own requeueing or resuming (Lightning: on the requeued
+job `fit` finds `hpc_ckpt_*.ckpt` in `default_root_dir` by itself).
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities import rank_zero_info
+
+
+class DeferredRequeue(pl.Callback):
+    """Run Lightning's SLURM auto-requeue handler at the next step boundary instead of mid-step."""
+
+    def __init__(self, stop_after_requeue: bool = True) -> None:
+        """
+        Args:
+            stop_after_requeue: end `fit` cleanly after the HPC checkpoint is written (SLURM ends the job anyway).
+        """
+        self.stop_after_requeue = stop_after_requeue
+        self._signum: int | None = None
+        self._lightning_handler: Any = None
+        self._pending = False
+        self.num_deferred = 0  # signals handled at a step boundary
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        env = trainer._accelerator_connector.cluster_environment
+        if not (isinstance(env, SLURMEnvironment) and env.auto_requeue):
+            return
+        self._signum = env.requeue_signal
+        # Lightning registered its handler just before the train stage started; wrap it
+        self._lightning_handler = signal.getsignal(self._signum)
+        signal.signal(self._signum, self._record)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        rank_zero_info(f"DeferredRequeue: signal {signum} received; checkpoint at the end of this step")
+        self._pending = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        pending = trainer.strategy.reduce_boolean_decision(self._pending, all=False)  # any rank signalled
+        if not pending or self._lightning_handler is None:
+            return
+        self._pending = False
+        self.num_deferred += 1
+        self._lightning_handler(self._signum, None)  # Lightning's: hpc_ckpt_N.ckpt + `scontrol requeue`
+        if self.stop_after_requeue:
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._lightning_handler is not None:
+            signal.signal(self._signum, self._lightning_handler)
+            self._lightning_handler = None

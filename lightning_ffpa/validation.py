@@ -1,0 +1,249 @@
+"""Pre-flight checks that run before any model is built or any checkpoint is written.
+
+Owns: checkpoint integrity (plain `.ckpt` files and DCP folders: truncation, corruption, missing state),
+checkpoint/config compatibility (architecture hyper-parameters), LoRA targets that match nothing, and the
+cross-component layout checks no single component can make alone (mesh sizes x world size, sequence length
+x CP, the direct ffpa backend x CP / packing), all before `fit` launches processes or builds the model.
+Each failure is one `ValueError`/`FileNotFoundError` naming the option (`ckpt_path`, `model.lora...`).
+Does not own checks a component can make on its own arguments (the module, data modules and strategy
+validate those in their constructors) and does not load weights into a model.
+
+Entry points: `preflight(trainer, model, datamodule, ckpt_path)` for any script, and `PreflightCLIMixin`
+for LightningCLI subclasses (`class FFPACLI(PreflightCLIMixin, LightningCLI)`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ffpa.checkpoint import _compat
+
+# Hyper-parameters that define the architecture: a checkpoint trained with other values cannot be resumed.
+ARCHITECTURE_HPARAMS = ("pretrained", "preset", "config_overrides", "model_class", "lora")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from (missing, truncated, corrupt or incompatible)."""
+
+
+def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path", *, resume: bool = True,
+                     verify_checksums: bool = True) -> dict[str, Any]:
+    """Check a checkpoint file or DCP folder and return its non-tensor state (hyper_parameters, loops...).
+
+    `verify_checksums` reads a `.ckpt` file once to check every record's CRC (bit rot, partial copies);
+    DCP folders carry no checksums, so they are checked for truncation against their metadata instead.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"`{option}={str(path)!r}` does not exist")
+    state = _check_dcp_folder(path, option) if path.is_dir() else _check_file(path, option, verify_checksums)
+    if "state_dict" not in state and not path.is_dir():
+        raise CheckpointError(f"`{option}={str(path)!r}` has no `state_dict`; it is not a Lightning checkpoint")
+    if resume:
+        missing = [k for k in ("loops", "global_step") if k not in state]
+        if not path.is_dir() and "optimizer_states" not in state:
+            missing.append("optimizer_states")
+        if missing:
+            raise CheckpointError(
+                f"`{option}={str(path)!r}` cannot resume training: it has no {missing} (a weights-only or "
+                "exported checkpoint); load its weights with `model.pretrained` instead"
+            )
+    return state
+
+
+def _check_file(path: Path, option: str, verify_checksums: bool) -> dict[str, Any]:
+    try:
+        with zipfile.ZipFile(path) as zf:  # torch.save's format; truncation loses the central directory
+            bad = zf.testzip() if verify_checksums else None
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        raise CheckpointError(f"`{option}={str(path)!r}` is truncated or not a torch checkpoint ({err})") from err
+    if bad is not None:
+        raise CheckpointError(f"`{option}={str(path)!r}` is corrupt: record {bad!r} fails its CRC check")
+    try:
+        # what the resume itself does (weights_only, like Lightning for local files); mmap keeps tensors on disk
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure to unpickle is the same user-facing problem
+        raise CheckpointError(f"`{option}={str(path)!r}` cannot be loaded ({type(err).__name__}: {err})") from err
+    if not isinstance(state, dict):
+        raise CheckpointError(f"`{option}={str(path)!r}` holds a {type(state).__name__}, not a checkpoint dict")
+    return state
+
+
+def _check_dcp_folder(path: Path, option: str) -> dict[str, Any]:
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"`{option}={str(path)!r}` is a directory without `.metadata`; "
+                              "it is not a distributed (DCP) checkpoint")
+    try:
+        metadata = _compat.read_dcp_metadata(str(path))
+    except Exception as err:  # noqa: BLE001
+        raise CheckpointError(f"`{option}={str(path)!r}`: unreadable `.metadata` ({err})") from err
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise CheckpointError(f"`{option}={str(path)!r}` is missing its shard file {name!r}")
+        if shard.stat().st_size < size:
+            raise CheckpointError(f"`{option}={str(path)!r}`: shard {name!r} is truncated "
+                                  f"({shard.stat().st_size} of {size} bytes)")
+    meta_file = path / _compat.lightning_dcp_meta_filename()
+    if not meta_file.is_file():
+        return {}
+    try:
+        return torch.load(meta_file, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001
+        raise CheckpointError(f"`{option}={str(path)!r}`: {meta_file.name} cannot be loaded ({err})") from err
+
+
+def check_hparams_match(saved: dict[str, Any] | None, model: Any, option: str = "ckpt_path") -> None:
+    """Refuse to resume a checkpoint whose architecture hyper-parameters differ from this run's `model.*`."""
+    current = getattr(model, "hparams", None)
+    if not saved or current is None:
+        return
+    for key in ARCHITECTURE_HPARAMS:
+        if key in saved and key in current and _plain(saved[key]) != _plain(current[key]):
+            raise CheckpointError(
+                f"`{option}` was trained with `model.{key}={saved[key]!r}` but this run has "
+                f"`model.{key}={current[key]!r}`; the weights would not fit"
+            )
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def check_lora_targets(model: Any, option: str = "model.lora.target_modules") -> None:
+    """Every entry of the LoRA `target_modules` must name at least one Linear/Embedding of the model."""
+    spec = (getattr(model, "hparams", None) or {}).get("lora")
+    if not spec or not hasattr(model, "config"):
+        return
+    targets = spec.get("target_modules")
+    if targets is None or targets == "all-linear":
+        return
+    names = _adaptable_module_names(model)
+    if isinstance(targets, str):  # peft: one string is a regex over the full module name
+        if not any(re.fullmatch(targets, n) for n in names):
+            raise ValueError(f"`{option}={targets!r}` (a regex) matches no Linear/Embedding module; "
+                             f"e.g. {_suffixes(names)}")
+        return
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:
+        raise ValueError(f"`{option}`: {unmatched} match no Linear/Embedding module of the model; "
+                         f"available: {_suffixes(names)}")
+
+
+def _adaptable_module_names(model: Any) -> list[str]:
+    from lightning_ffpa.module import _MODEL_CLASSES
+
+    with torch.device("meta"):  # names only: no memory, no init
+        hf = _MODEL_CLASSES[model.hparams.model_class]._from_config(model.config)
+    return [n for n, m in hf.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+
+
+def _suffixes(names: list[str]) -> list[str]:
+    return sorted({n.rsplit(".", 1)[-1] for n in names})
+
+
+def check_data_fits_model(model: Any, datamodule: Any) -> None:
+    """Token ids the data can produce must exist in the model's vocabulary (else: an index error mid-step)."""
+    data_vocab = getattr(datamodule, "vocab_size", None)
+    config = getattr(model, "config", None)
+    if data_vocab is None or config is None:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if data_vocab > text.vocab_size:
+        raise ValueError(f"`data.vocab_size={data_vocab}` exceeds the model's vocab_size={text.vocab_size}; "
+                         "token ids would index past the embedding")
+
+
+def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> None:
+    """Mesh sizes vs world size, sequence length vs CP, and the direct ffpa backend vs CP and packing.
+
+    Runs before `fit` launches any process (the world size is known from `devices` x `num_nodes`); the
+    strategy repeats the size checks in `setup_environment` for scripts that do not run this.
+    """
+    strategy = trainer.strategy
+    cp = getattr(strategy, "context_parallel_size", 1)
+    world = trainer.world_size
+    if not isinstance(cp, int):
+        return
+    if world % cp:
+        raise ValueError(f"`context_parallel_size={cp}` does not divide world size {world} "
+                         f"(trainer.devices x trainer.num_nodes)")
+    dp = getattr(strategy, "_data_parallel_size", "auto")  # the constructor argument, before the mesh exists
+    if isinstance(dp, int) and dp * cp != world:
+        raise ValueError(f"`data_parallel_size={dp}` x `context_parallel_size={cp}` = {dp * cp} != world size "
+                         f"{world} (trainer.devices x trainer.num_nodes)")
+    seq = getattr(datamodule, "max_seq_length", None)
+    if cp > 1 and seq is not None and seq % (2 * cp):
+        raise ValueError(f"`data.max_seq_length={seq}` must be divisible by 2 x context_parallel_size = {2 * cp} "
+                         "(each sequence is cut into 2·cp load-balanced chunks)")
+    direct_ffpa = (getattr(model, "hparams", None) or {}).get("attn_implementation") == "ffpa"
+    if direct_ffpa and cp > 1 and not _has_attention_callback(trainer):
+        raise ValueError(f"`model.attn_implementation='ffpa'` is the direct backend, which cannot run with "
+                         f"`context_parallel_size={cp}`; use attn_implementation=sdpa and add the "
+                         "`lightning_ffpa.callbacks.FFPAAttention` callback (it installs the FFPA ring)")
+    if getattr(datamodule, "pack", False) and cp == 1 and (direct_ffpa or _attention_callback_uses_ffpa(trainer)):
+        raise ValueError("`data.pack=True` with the direct 'ffpa' attention backend (context_parallel_size=1) would "
+                         "let packed documents attend to each other, so the backend refuses it; use pack=false, "
+                         "or context_parallel_size > 1 with the FFPA ring, which carries document ids")
+
+
+def _attention_callbacks(trainer: Any) -> list[Any]:
+    try:
+        from lightning_ffpa.callbacks.attention import FFPAAttention
+    except ImportError:  # built without the attention callback
+        return []
+    return [cb for cb in trainer.callbacks if isinstance(cb, FFPAAttention)]
+
+
+def _has_attention_callback(trainer: Any) -> bool:
+    return bool(_attention_callbacks(trainer))
+
+
+def _attention_callback_uses_ffpa(trainer: Any) -> bool:
+    return any(getattr(cb, "attn_implementation", None) == "ffpa" for cb in _attention_callbacks(trainer))
+
+
+def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str | None = None) -> str | None:
+    """Run every pre-flight check for `fit`; returns the checkpoint path `fit` will resume from (or None)."""
+    check_parallel_layout(trainer, model, datamodule)
+    check_data_fits_model(model, datamodule)
+    check_lora_targets(model)
+    resolved = _compat.resolve_ckpt_path(trainer, ckpt_path)
+    if resolved is None:
+        return None
+    state = check_checkpoint(resolved, "ckpt_path")
+    check_hparams_match(state.get("hyper_parameters"), model, "ckpt_path")
+    return str(resolved)
+
+
+class PreflightCLIMixin:
+    """LightningCLI mixin: check an explicit `ckpt_path` right after parsing, and run `preflight` before fit.
+
+    Why at parse time: LightningCLI itself `torch.load`s an explicit checkpoint file while parsing (to reuse
+    its hyper-parameters), so a truncated file would otherwise fail there with torch's raw zip error.
+    """
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and ckpt_path not in ("last", "hpc", "best"):
+            check_checkpoint(ckpt_path, "ckpt_path", resume=subcommand == "fit")
+
+    def before_fit(self) -> None:
+        """Pre-flight checks (checkpoint, LoRA targets, vocab) before any model is built."""
+        preflight(self.trainer, self.model, self.datamodule, self.config_init[self.subcommand].get("ckpt_path"))

@@ -1,0 +1,106 @@
+"""NonFiniteGuard: `stop` ends the run before the NaN update and keeps the last good checkpoint; `skip`
+drops exactly the poisoned update and training continues with finite weights."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from _helpers import tree_hash
+
+from lightning_ffpa.callbacks.nonfinite import NonFiniteGuard
+from lightning_ffpa.data import MockDataModule
+from lightning_ffpa.module import Gemma4LM
+
+POISON_AT = 3  # the optimizer step whose loss is NaN
+
+
+class _PoisonedLM(Gemma4LM):
+    """Gemma4LM whose loss is NaN at one step, returned as is (the guard, not the module, reacts).
+
+    Gemma4LM.training_step raises FloatingPointError itself today, which leaves `skip` no way to work;
+    this mirrors the proposed module change (return the loss, let the guard decide).
+    """
+
+    def training_step(self, batch, batch_idx):
+        loss, _ = self.compute_loss(batch)
+        if self.global_step + 1 == POISON_AT:
+            loss = loss * float("nan")
+        return loss
+
+
+class _Weights(pl.Callback):
+    """Checksum of the weights after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.sums: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.sums[trainer.global_step] = float(sum(p.double().sum() for p in pl_module.parameters()))
+
+
+def _fit(tmp_path, action, max_steps=5):
+    torch.manual_seed(0)
+    lm = _PoisonedLM(preset="tiny", dtype="float32", warmup_steps=1)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, save_last=True)
+    weights, guard = _Weights(), NonFiniteGuard(action=action)
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[guard, weights, ckpt])
+    dm = MockDataModule(seq_length=16, num_samples=8, batch_size=2)
+    return trainer, lm, dm, guard, weights
+
+
+def test_stop_keeps_last_good_checkpoint(tmp_path, record_property):
+    trainer, lm, dm, _, _ = _fit(tmp_path, "stop")
+    with pytest.raises(FloatingPointError, match=rf"non-finite loss nan at step {POISON_AT}.*action='stop'"):
+        trainer.fit(lm, dm)
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)
+    finite = all(torch.isfinite(t).all() for t in last["state_dict"].values())
+    record_property("hardening", "fault")
+    record_property("case", f"NaN loss at step {POISON_AT}, action=stop")
+    record_property("data_lost", int(last["global_step"] != POISON_AT - 1) + int(not finite))
+    assert last["global_step"] == POISON_AT - 1 and finite
+    assert not any(f"step={POISON_AT}" in n for n in names), names
+
+
+def test_skip_drops_only_the_poisoned_update(tmp_path, record_property):
+    trainer, lm, dm, guard, weights = _fit(tmp_path, "skip")
+    with pytest.warns(UserWarning, match="update skipped"):
+        trainer.fit(lm, dm)
+    assert trainer.global_step == 5 and guard.num_skipped == 1
+    assert weights.sums[POISON_AT] == weights.sums[POISON_AT - 1]  # the NaN step changed nothing
+    assert weights.sums[POISON_AT + 1] != weights.sums[POISON_AT]  # and training went on
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)
+    finite = all(torch.isfinite(t).all() for t in last["state_dict"].values())
+    record_property("hardening", "fault")
+    record_property("case", f"NaN loss at step {POISON_AT}, action=skip")
+    record_property("data_lost", int(not finite))
+    assert finite and last["global_step"] == 5
+
+
+def test_refuses_to_write_a_checkpoint_of_non_finite_weights(tmp_path, record_property):
+    trainer, lm, dm, _, _ = _fit(tmp_path, "stop", max_steps=2)
+    trainer.fit(lm, dm)
+    before = tree_hash(tmp_path / "ckpt")
+    with torch.no_grad():
+        next(lm.parameters()).fill_(float("inf"))
+    with pytest.raises(FloatingPointError, match="refusing to write a checkpoint"):
+        trainer.save_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    changed = before != tree_hash(tmp_path / "ckpt")
+    record_property("hardening", "fault")
+    record_property("case", "save requested with inf weights")
+    record_property("data_lost", int(changed))
+    assert not changed
+
+
+@pytest.mark.xfail(strict=False, reason="needs module.py: Gemma4LM.training_step returns a non-finite loss "
+                                        "instead of raising, so NonFiniteGuard(action='skip') can act")
+def test_real_module_lets_the_guard_skip(tmp_path):
+    lm = Gemma4LM(preset="tiny", dtype="float32")
+    lm.configure_model()
+    with torch.no_grad():
+        lm.model.get_input_embeddings().weight.fill_(float("nan"))
+    batch = MockDataModule(seq_length=8, num_samples=2, batch_size=2).train_dataloader().__iter__().__next__()
+    loss = lm.training_step(batch, 0)
+    assert not torch.isfinite(loss)

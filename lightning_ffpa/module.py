@@ -1,0 +1,246 @@
+"""The Gemma4 LightningModule: build or load the HF model, the causal-LM loss, metrics, optimizer.
+
+It owns model construction (pretrained or preset), the loss and the optimizer. It does not own sharding
+(`lightning_ffpa.parallel`), attention kernels (`lightning_ffpa.attention`) or data (`lightning_ffpa.data`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from torch import nn
+from transformers import AutoConfig, Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
+from lightning_ffpa.metrics import TokenPerplexity
+from lightning_ffpa.presets import build_text_config
+
+# HF names plus ours; anything else registered in transformers' AttentionInterface is accepted too.
+KNOWN_ATTN = ("sdpa", "eager", "flex_attention", "ffpa")
+_MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemma4ForConditionalGeneration}
+
+
+def _registered_attn() -> set[str]:
+    from transformers import AttentionInterface
+
+    return set(KNOWN_ATTN) | set(AttentionInterface._global_mapping.keys())
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    """'auto' is bf16 where the device supports it (CUDA with bf16), else fp32."""
+    if dtype == "auto":
+        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+class Gemma4LM(L.LightningModule):
+    """Causal-LM training of Hugging Face Gemma4 (dense or MoE), from a checkpoint or a config preset."""
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        preset: str = "tiny",
+        config_overrides: dict[str, Any] | None = None,
+        model_class: Literal["causal_lm", "conditional_generation"] = "causal_lm",
+        attn_implementation: str = "sdpa",
+        dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
+        lora: dict[str, Any] | None = None,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+        loss_impl: Literal["plain", "chunked", "liger"] = "plain",
+        loss_chunk_size: int = 4096,
+        max_seq_length: int | None = None,
+    ) -> None:
+        """Build the module; the HF model itself is created in `configure_model`.
+
+        Args:
+            pretrained: local path or hub id passed to `from_pretrained`; None builds from `preset`.
+            preset: config preset when `pretrained` is None: tiny, tiny-moe, gemma4-31b, gemma4-26b-a4b.
+            config_overrides: text-config fields to override (e.g. `{num_hidden_layers: 6}`).
+            model_class: `causal_lm` (Gemma4ForCausalLM) or `conditional_generation` (Gemma4ForConditionalGeneration).
+            attn_implementation: sdpa, eager, flex_attention or ffpa (any name registered with transformers).
+            dtype: parameter dtype; `auto` is bf16 on GPUs that support it, else fp32.
+            lora: peft `LoraConfig` fields (e.g. `{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}`); None trains all weights.
+            learning_rate: peak AdamW learning rate.
+            weight_decay: AdamW weight decay (not applied to norms and biases).
+            betas: AdamW betas.
+            warmup_steps: linear warmup steps before the cosine decay.
+            min_lr_ratio: final learning rate as a fraction of the peak.
+            loss_impl: `plain` (full logits), `chunked` (never materialises fp32 logits) or `liger` (liger-kernel).
+            loss_chunk_size: tokens per chunk for the chunked loss.
+            max_seq_length: longest sequence the data will feed; checked against `max_position_embeddings`.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        if attn_implementation not in _registered_attn():
+            raise ValueError(
+                f"model.attn_implementation={attn_implementation!r} is unknown; "
+                f"choose one of {sorted(_registered_attn())}"
+            )
+        self.config = self._load_config()
+        self._check_seq_length(max_seq_length, "model.max_seq_length")
+        self.model: PreTrainedModel | None = None
+        self.train_ppl = TokenPerplexity()
+        self.val_ppl = TokenPerplexity()
+
+    # ---- model construction -------------------------------------------------------------------------
+    def _load_config(self) -> PretrainedConfig:
+        hp = self.hparams
+        overrides = dict(hp.config_overrides or {})
+        if hp.pretrained is None:
+            cfg = build_text_config(hp.preset, **overrides)
+            if hp.model_class == "conditional_generation":
+                cfg = Gemma4Config(text_config=cfg.to_dict(), vision_config=None, audio_config=None)
+            return cfg
+        local = Path(hp.pretrained).expanduser()
+        if not local.exists() and (hp.pretrained.startswith((".", "/", "~")) or os.environ.get("HF_HUB_OFFLINE")):
+            raise FileNotFoundError(f"model.pretrained={hp.pretrained!r}: no such directory")
+        try:
+            cfg = AutoConfig.from_pretrained(hp.pretrained, **overrides)
+        except OSError as err:
+            raise FileNotFoundError(f"model.pretrained={hp.pretrained!r} could not be loaded: {err}") from err
+        return cfg
+
+    def _check_seq_length(self, seq_len: int | None, option: str) -> None:
+        limit = getattr(text_config(self.config), "max_position_embeddings", None)
+        if seq_len is not None and limit is not None and seq_len > limit:
+            raise ValueError(f"{option}={seq_len} exceeds the model's max_position_embeddings={limit}")
+
+    @property
+    def shards_model(self) -> bool:
+        """True when the strategy shards parameters, so the model is built on the meta device."""
+        if self._trainer is None:
+            return False
+        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+        return isinstance(self.trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
+
+    def build_model(self, device: torch.device | str | None = None) -> PreTrainedModel:
+        """Create the HF model (weights loaded or randomly initialised) with the configured attention."""
+        hp = self.hparams
+        dtype = resolve_dtype(hp.dtype)
+        cls = _MODEL_CLASSES[hp.model_class]
+        attn = "sdpa" if hp.attn_implementation == "ffpa" else hp.attn_implementation
+        if hp.pretrained is not None and device != "meta":
+            model = cls.from_pretrained(hp.pretrained, config=self.config, dtype=dtype, attn_implementation=attn)
+        else:
+            with torch.device(device or "cpu"):
+                model = cls._from_config(self.config, dtype=dtype, attn_implementation=attn)
+        if hp.attn_implementation == "ffpa":
+            from lightning_ffpa.attention import register_ffpa
+
+            register_ffpa()
+            model.set_attn_implementation("ffpa")
+        if hp.lora:
+            model = self._apply_lora(model)
+        return model
+
+    def _apply_lora(self, model: PreTrainedModel) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        spec = dict(self.hparams.lora)
+        spec.setdefault("task_type", "CAUSAL_LM")
+        try:
+            return get_peft_model(model, LoraConfig(**spec))
+        except ValueError as err:
+            raise ValueError(f"model.lora.target_modules={spec.get('target_modules')!r}: {err}") from err
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        if self.shards_model:
+            # Sharded: build on meta; the strategy shards, materialises and initialises (parallel/).
+            self.model = self.build_model(device="meta")
+            self._needs_weight_init = True
+        else:
+            self.model = self.build_model()
+        self.model.config.use_cache = False
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        seq = getattr(dm, "max_seq_length", None)
+        self._check_seq_length(seq, "data.max_seq_length")
+
+    # ---- forward and loss -----------------------------------------------------------------------------
+    @property
+    def hf_model(self) -> PreTrainedModel:
+        """The underlying HF model (peft wrapper removed)."""
+        model = self.model
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        return self.model(input_ids=input_ids, **kwargs)
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean next-token loss over labels != -100, and the number of such tokens."""
+        labels = batch["labels"]
+        inputs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
+        softcap = getattr(text_config(self.config), "final_logit_softcapping", None)
+        hf = self.hf_model
+        shift_labels = labels[:, 1:]
+        n_tokens = (shift_labels != -100).sum()
+        if self.hparams.loss_impl == "plain":
+            logits = self.model(input_ids=batch["input_ids"], use_cache=False, **inputs).logits  # softcapped by HF
+            nll = nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), shift_labels.flatten(), ignore_index=-100, reduction="sum"
+            )
+            return nll / n_tokens.clamp(min=1), n_tokens
+        from lightning_ffpa.loss import linear_cross_entropy
+
+        hidden = hf.model(input_ids=batch["input_ids"], use_cache=False, **inputs).last_hidden_state
+        loss = linear_cross_entropy(
+            hidden[:, :-1].flatten(0, 1), hf.get_output_embeddings().weight, shift_labels.flatten(),
+            softcap=softcap, chunk_size=self.hparams.loss_chunk_size, impl=self.hparams.loss_impl,
+        )
+        return loss, n_tokens
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, n_tokens = self.compute_loss(batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite training loss {loss.item()} at step {self.global_step}")
+        self.train_ppl.update(loss.detach(), n_tokens)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        self.log("train/ppl", self.train_ppl, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss, n_tokens = self.compute_loss(batch)
+        self.val_ppl.update(loss, n_tokens)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        self.log("val/ppl", self.val_ppl, on_epoch=True)
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss, _ = self.compute_loss(batch)
+        self.log("test/loss", loss, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
+        return self.model(input_ids=batch["input_ids"], use_cache=False, **inputs).logits.argmax(-1)
+
+    # ---- optimizer ------------------------------------------------------------------------------------
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), fused=None)
+        total = max(int(self.trainer.estimated_stepping_batches), hp.warmup_steps + 1)
+        sched = get_cosine_with_min_lr_schedule_with_warmup(
+            opt, num_warmup_steps=hp.warmup_steps, num_training_steps=total, min_lr_rate=hp.min_lr_ratio
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -6,9 +6,9 @@ in the config (`class_path` for each), so any Lightning class can be plugged in 
 
 from __future__ import annotations
 
-import sys
-
 from lightning.pytorch.cli import LightningCLI
+
+from lightning_ffpa.validation import PreflightCLIMixin
 
 
 def _import_components() -> None:
@@ -17,8 +17,8 @@ def _import_components() -> None:
     import lightning_ffpa.module  # noqa: F401
 
 
-class FFPACLI(LightningCLI):
-    """LightningCLI with our defaults: subclass mode for model and data, config saved next to the logs."""
+class FFPACLI(PreflightCLIMixin, LightningCLI):
+    """LightningCLI with our defaults: subclass mode, config saved next to the logs, pre-flight checks."""
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: D102
         parser.set_defaults({"trainer.log_every_n_steps": 10})
@@ -40,4 +40,4 @@ def main(args: list[str] | None = None) -> FFPACLI:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

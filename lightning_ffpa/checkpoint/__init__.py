@@ -1,10 +1,5 @@
-"""Checkpoint plumbing: exact mid-epoch data position, checkpoint reading, version shims for DCP.
+"""Checkpoint plumbing: version shims for reading plain `.ckpt` files and DCP folders.
 
-Owns what a checkpoint holds beyond Lightning's own loops (the data position) and how our tools read
-checkpoints (plain `.ckpt` files and DCP folders). Does not own when checkpoints are written
-(Lightning's `ModelCheckpoint`) or the HF export (`lightning_ffpa.export`).
+Owns how our tools read checkpoints. Does not own when checkpoints are written (Lightning's
+`ModelCheckpoint`), the data position (`lightning_ffpa.data.sampler`) or the HF export (`lightning_ffpa.export`).
 """
-
-from lightning_ffpa.checkpoint.resumable_loader import ResumableDataLoader, ResumableSampler
-
-__all__ = ["ResumableDataLoader", "ResumableSampler"]

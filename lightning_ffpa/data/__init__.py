@@ -8,6 +8,7 @@ from lightning_ffpa.data.collate import PackedCollate, PadCollate
 from lightning_ffpa.data.documents import IGNORE_INDEX, Document, read_records, tokenize_records
 from lightning_ffpa.data.mock import MockDataModule, MockDataset
 from lightning_ffpa.data.packing import pack_documents
+from lightning_ffpa.data.sampler import ResumableSampler
 from lightning_ffpa.data.text import SHAKESPEARE_PATH, TextDataModule, TokenDataset
 from lightning_ffpa.data.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -20,6 +21,7 @@ __all__ = [
     "MockDataset",
     "PackedCollate",
     "PadCollate",
+    "ResumableSampler",
     "TextDataModule",
     "TokenDataset",
     "load_tokenizer",

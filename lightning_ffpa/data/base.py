@@ -1,9 +1,11 @@
 """Shared loader plumbing for the data modules: seeded, epoch-deterministic, distributed-aware sampling.
 
-Owns: building train/val DataLoaders and the datamodule `state_dict` (seed + epoch) used on resume.
-The train sampler is a `DistributedSampler` built from the trainer's own `distributed_sampler_kwargs`
-(data-parallel size and rank; 1 and 0 without a parallel strategy), so Lightning leaves it in place and
-calls `set_epoch` each epoch: the order is a pure function of (seed, epoch), which a resumed run repeats.
+Owns: building train/val DataLoaders and the datamodule `state_dict` used on resume.
+The train sampler (`ResumableSampler`, a `DistributedSampler`) is built from the trainer's own
+`distributed_sampler_kwargs` (data-parallel size and rank; 1 and 0 without a parallel strategy), so
+Lightning leaves it in place and calls `set_epoch` each epoch: the order is a pure function of
+(seed, epoch). The state records seed, epoch and the batches this epoch already trained on, so a run
+resumed mid-epoch continues with the next unseen batch instead of replaying the epoch from its start.
 Validation loaders are plain sequential ones that Lightning shards itself. Does not own the datasets.
 """
 
@@ -14,7 +16,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_ffpa.data.sampler import ResumableSampler
 
 
 class SeededDataModule(pl.LightningDataModule):
@@ -31,7 +35,8 @@ class SeededDataModule(pl.LightningDataModule):
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed
-        self._train_sampler: DistributedSampler | None = None
+        self._train_sampler: ResumableSampler | None = None
+        self._pending_skip: tuple[int, int] | None = None  # (epoch, samples per rank) from a checkpoint
 
     def _replicas(self) -> dict[str, int]:
         trainer = self.trainer  # None when used outside a Trainer (tests, scripts)
@@ -45,10 +50,9 @@ class SeededDataModule(pl.LightningDataModule):
     def _loader(self, dataset: Dataset, collate: Callable, train: bool) -> DataLoader:
         sampler = None
         if train:
-            sampler = DistributedSampler(
-                dataset, shuffle=True, seed=self.seed, drop_last=False, **self._replicas()
-            )
+            sampler = ResumableSampler(dataset, seed=self.seed, **self._replicas())
             self._train_sampler = sampler
+            self._apply_skip()
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
@@ -60,17 +64,41 @@ class SeededDataModule(pl.LightningDataModule):
             pin_memory=torch.cuda.is_available(),
         )
 
+    def _batches_done(self) -> int:
+        """Train batches of the current epoch already processed (Lightning's own per-epoch counter)."""
+        if self.trainer is None:
+            return 0
+        return int(self.trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+
+    def _apply_skip(self) -> None:
+        if self._pending_skip is not None and self._train_sampler is not None:
+            self._train_sampler.skip_once(*self._pending_skip)
+            self._pending_skip = None
+
     def state_dict(self) -> dict[str, Any]:
-        """Seed and current epoch: with them the train order of a resumed run is the original one."""
+        """Seed, epoch and samples done in it per rank: enough to continue on the next unseen batch."""
         epoch = self._train_sampler.epoch if self._train_sampler is not None else 0
-        return {"seed": self.seed, "epoch": epoch}
+        return {
+            "seed": self.seed,
+            "epoch": epoch,
+            "samples_done": self._batches_done() * self.batch_size,  # per rank, so batch size may change
+            "num_replicas": self._replicas()["num_replicas"],
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Refuse a different seed (the order would silently change); the fit loop restores the epoch."""
+        """Refuse a different seed (the order would change); skip the batches the checkpoint trained on."""
         if state_dict.get("seed") != self.seed:
             raise ValueError(
                 f"checkpoint was written with `data.seed={state_dict.get('seed')}` but this run has "
                 f"`data.seed={self.seed}`; resume with the same seed to keep the data order"
             )
-        if self._train_sampler is not None:
-            self._train_sampler.set_epoch(int(state_dict.get("epoch", 0)))
+        samples_done = int(state_dict.get("samples_done", 0))
+        replicas = state_dict.get("num_replicas", 1)
+        if samples_done and replicas != self._replicas()["num_replicas"]:
+            raise ValueError(
+                f"checkpoint stopped mid-epoch on {replicas} data-parallel ranks, this run has "
+                f"{self._replicas()['num_replicas']}: the rest of that epoch cannot be re-sharded; "
+                "resume on the same data-parallel size or from an epoch-end checkpoint"
+            )
+        self._pending_skip = (int(state_dict.get("epoch", 0)), samples_done)
+        self._apply_skip()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_ffpa.data import MockDataModule, MockDataset
+from lightning_ffpa.data.sampler import ResumableSampler
 
 
 def test_mock_rows_are_deterministic_per_index():
@@ -55,10 +56,25 @@ def test_mock_state_dict_refuses_other_seed():
     dm = MockDataModule(seed=1)
     dm.train_dataloader().sampler.set_epoch(2)
     state = dm.state_dict()
-    assert state == {"seed": 1, "epoch": 2}
+    assert state == {"seed": 1, "epoch": 2, "samples_done": 0, "num_replicas": 1}
     MockDataModule(seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match=r"data\.seed=1.*data\.seed=2"):
         MockDataModule(seed=2).load_state_dict(state)
+    # mid-epoch on 2 ranks cannot continue on 1; at an epoch boundary (0 samples done) it can
+    with pytest.raises(ValueError, match=r"mid-epoch on 2 data-parallel ranks, this run has 1"):
+        MockDataModule(seed=1).load_state_dict({**state, "samples_done": 8, "num_replicas": 2})
+    MockDataModule(seed=1).load_state_dict({**state, "num_replicas": 2})
+
+
+def test_resumable_sampler_skips_once_and_only_its_epoch():
+    sampler = ResumableSampler(list(range(10)), num_replicas=1, rank=0, seed=0)
+    sampler.set_epoch(3)
+    order = list(sampler)
+    sampler.skip_once(epoch=3, num_samples=4)
+    assert list(sampler) == order[4:]
+    assert list(sampler) == order  # one-shot
+    sampler.skip_once(epoch=2, num_samples=4)
+    assert list(sampler) == order  # a skip for another epoch is dropped
 
 
 def test_mock_bad_args_name_option():

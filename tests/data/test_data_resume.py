@@ -3,6 +3,7 @@
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ffpa.data import MockDataModule, TextDataModule
 
@@ -26,9 +27,10 @@ class Recorder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def _fit(dm, max_epochs, tmp_path, ckpt_path=None):
+def _fit(dm, max_epochs, tmp_path, ckpt_path=None, **kwargs):
     model = Recorder()
     trainer = pl.Trainer(
+        **kwargs,
         max_epochs=max_epochs,
         accelerator="cpu",
         devices=1,
@@ -56,12 +58,29 @@ def test_resume_sees_the_same_order(tmp_path):
     _, trainer = _fit(_mock(), 1, tmp_path / "b")
     ckpt = str(tmp_path / "epoch0.ckpt")
     trainer.save_checkpoint(ckpt)
-    assert torch.load(ckpt, weights_only=False)["MockDataModule"] == {"seed": 0, "epoch": 0}
+    state = torch.load(ckpt, weights_only=False)["MockDataModule"]
+    assert state == {"seed": 0, "epoch": 0, "samples_done": 24, "num_replicas": 1}
     resumed, _ = _fit(_mock(), 2, tmp_path / "c", ckpt_path=ckpt)
     assert [s for e, s in resumed] == epoch1
 
     with pytest.raises(ValueError, match=r"data\.seed=0.*data\.seed=5"):
         _fit(_mock(seed=5), 2, tmp_path / "d", ckpt_path=ckpt)
+
+
+@pytest.mark.timeout(120)
+def test_mid_epoch_resume_continues_with_the_next_batch(tmp_path):
+    full, _ = _fit(_mock(), 2, tmp_path / "a")
+    every2 = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1)
+    _fit(_mock(), 2, tmp_path / "b", max_steps=5, callbacks=[every2])
+    ckpt = str(tmp_path / "ckpts" / "epoch=0-step=4.ckpt")  # written mid-epoch 0, after 4 of its 6 batches
+    assert torch.load(ckpt, weights_only=False)["MockDataModule"]["samples_done"] == 16
+    resumed, _ = _fit(_mock(), 2, tmp_path / "c", ckpt_path=ckpt)
+    assert resumed == full[4:]  # the two unseen batches of epoch 0, then all of epoch 1, nothing replayed
+
+    # a different batch size resumes at the same sample: 16 seen of epoch 0's 24 leaves one batch of 8
+    bigger = MockDataModule(vocab_size=1000, seq_length=8, num_samples=24, batch_size=8, seed=0)
+    resumed, _ = _fit(bigger, 1, tmp_path / "d", ckpt_path=ckpt)
+    assert [s for _, s in resumed] == [full[4][1] + full[5][1]]
 
 
 @pytest.mark.timeout(120)

@@ -17,11 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import yaml
 
-from lightning_ffpa.checkpoint import ResumableDataLoader, ResumableSampler
-from lightning_ffpa.data import MockDataModule
 from lightning_ffpa.validation import PreflightCLIMixin
 
 HERE = Path(__file__).resolve().parent
@@ -170,29 +167,8 @@ class StepRecorder(pl.Callback):
         self._write(f"step {trainer.global_step} {float(loss.detach()).hex()} {fp}")
 
 
-class ResumableMockDataModule(MockDataModule):
-    """MockDataModule whose train loader is a `ResumableDataLoader` (what `SeededDataModule` should build)."""
-
-    def _loader(self, dataset, collate, train: bool):
-        if not train:
-            return super()._loader(dataset, collate, train)
-        sampler = ResumableSampler(dataset, shuffle=True, seed=self.seed, drop_last=False, **self._replicas())
-        self._train_sampler = sampler
-        return ResumableDataLoader(dataset, sampler=sampler, batch_size=self.batch_size, collate_fn=collate,
-                                   num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                                   pin_memory=torch.cuda.is_available())
-
-
-def data_module_is_resumable() -> bool:
-    """True once the shipped MockDataModule builds a resumable train loader (data branch wired to it)."""
-    dm = MockDataModule(seq_length=8, num_samples=4, batch_size=2)
-    return isinstance(dm.train_dataloader(), ResumableDataLoader)
-
-
-# The datamodule the tiny config uses: the shipped one when it resumes mid-epoch, else the shim above.
-DATA_CLASS = ("lightning_ffpa.data.MockDataModule" if data_module_is_resumable()
-              else "_helpers.ResumableMockDataModule")
-
+# The datamodule the tiny config uses: the shipped one (it resumes mid-epoch, see data/sampler.py).
+DATA_CLASS = "lightning_ffpa.data.MockDataModule"
 
 
 def run_cli(args: list[str]):

@@ -18,7 +18,6 @@ from _helpers import run_cli, tiny_config, tree_hash, write_config
 
 from lightning_ffpa.module import Gemma4LM
 
-NEEDS_PARALLEL = pytest.mark.xfail(strict=False, reason="needs parallel: FSDP2Strategy validation")
 FSDP2 = "lightning_ffpa.parallel.FSDP2Strategy"
 
 
@@ -126,15 +125,15 @@ CASES = [
     ("one LoRA target of two matches nothing", _lora(["q_proj", "vv_proj"]), [], None, R("vv_proj")),
     ("LoRA regex that matches nothing", _lora(r".*\.attn_zz"), [], None, R("model.lora.target_modules")),
     pytest.param("dp x cp does not multiply to the world size", {**_strategy(data_parallel_size=2),
-                 "trainer": {"devices": 1}}, [], None, R("data_parallel_size=2"), marks=NEEDS_PARALLEL),
+                 "trainer": {"devices": 1}}, [], None, R("data_parallel_size=2")),
     pytest.param("cp does not divide the world size", {**_strategy(context_parallel_size=3),
-                 "trainer": {"devices": 2}}, [], None, R("context_parallel_size=3"), marks=NEEDS_PARALLEL),
+                 "trainer": {"devices": 2}}, [], None, R("context_parallel_size=3")),
     pytest.param("cp>1 with the direct ffpa backend", {"model": {"attn_implementation": "ffpa"},
                  **_strategy(context_parallel_size=2), "trainer": {"devices": 2}}, [], None,
-                 R("model.attn_implementation"), marks=NEEDS_PARALLEL),
+                 R("model.attn_implementation")),
     pytest.param("seq length not divisible by 2*cp", {**_strategy(context_parallel_size=2),
                  "trainer": {"devices": 2}, "data": {"seq_length": 30}}, [], None,
-                 R("data.max_seq_length=30"), marks=NEEDS_PARALLEL),
+                 R("data.max_seq_length=30")),
     ("packed sequences with the direct ffpa backend",
      {"model": {"attn_implementation": "ffpa"}, "data_class": "lightning_ffpa.data.TextDataModule",
       "data": {"pack": True}}, [], None, R("data.pack")),

@@ -7,13 +7,11 @@ that also writes a DCP checkpoint at step 3 (mid-epoch), and one that resumes fr
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
 from _helpers import read_steps, recorder, start_fit, tiny_config, wait_ok, write_config
 
-HAVE_FSDP2 = importlib.util.find_spec("lightning_ffpa.parallel.strategy") is not None
 STRATEGY = {"class_path": "lightning_ffpa.parallel.FSDP2Strategy",
             "init_args": {"param_dtype": "fp32", "reduce_dtype": "fp32", "activation_checkpointing": "none"}}
 STEPS, EVERY = 6, 3
@@ -21,7 +19,6 @@ STEPS, EVERY = 6, 3
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(420),
-    pytest.mark.xfail(not HAVE_FSDP2, run=False, strict=False, reason="needs parallel: FSDP2Strategy"),
 ]
 
 

@@ -80,7 +80,8 @@ def _rollout(rec: dict, fig) -> None:
     ax.set_xticks(batches, labels=[str(b) for b in batches], minor=False)
     ax.set_xticks([], minor=True)
     ax.legend(fontsize=7)
-    fig.suptitle(rec.get("device", ""))
+    note = rec.get("summary", {}).get("depth_note")
+    fig.suptitle(f"{rec.get('device', '')}" + (f", {note}" if isinstance(note, str) else ""))
 
 
 def _context_parallel(rec: dict, fig) -> None:

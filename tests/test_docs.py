@@ -99,17 +99,23 @@ def test_measured_claims_cite_a_result_file(page):
 
 
 def test_headline_numbers_match_their_json():
-    """Each README headline value is the linked file's summary value, formatted as the report does."""
+    """Each README headline value is the linked file's summary (or row) value, formatted as the report does."""
     readme = (ROOT / "README.md").read_text()
     block = readme[readme.index(report.BEGIN):readme.index(report.END)]
     lines = [ln for ln in block.splitlines() if ln.startswith("- **")]
     recorded = [r for r in report.load_results() if any(k in r[1]["summary"] for k in report.HEADLINES)]
     assert bool(lines) == bool(recorded)
+    row_specs = {report.row_ref(m, metric): (m, metric, fmt) for _, m, metric, _, fmt in report.ROW_HEADLINES}
     for line in lines:
         value = re.match(r"- \*\*(.+?)\*\*", line).group(1)
-        path, key = re.search(r"\]\((benchmarks/results/[\w.-]+\.json)\) \(`summary\.(\w+)`\)", line).groups()
-        summary = json.loads((ROOT / path).read_text())["summary"]
-        assert report.HEADLINES[key][1].format(summary[key]) == value
+        path, ref = re.search(r"\]\((benchmarks/results/[\w.-]+\.json)\) \(`(.+?)`\)$", line).groups()
+        record = json.loads((ROOT / path).read_text())
+        if ref.startswith("summary."):
+            key = ref.removeprefix("summary.")
+            assert report.HEADLINES[key][1].format(record["summary"][key]) == value, line
+        else:
+            match, metric, fmt = row_specs[ref]
+            assert fmt.format(report.find_row(record["rows"], match)[metric]) == value, line
 
 
 def test_plots_exist_for_every_plottable_result():

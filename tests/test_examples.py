@@ -136,7 +136,8 @@ def test_sbatch_line_parses_for_16_ranks(monkeypatch):
     assert isinstance(env, SLURMEnvironment) and env.auto_requeue
     assert (env.world_size(), env.global_rank(), env.local_rank(), env.node_rank()) == (16, 11, 3, 1)
     assert (trainer.num_nodes, trainer.num_devices, trainer.world_size, trainer.global_rank) == (2, 8, 16, 11)
-    assert any(type(c).__name__ == "DeferredRequeue" for c in trainer.callbacks)
+    # requeue at a step boundary (the config's callback), exactly once
+    assert sum(type(c).__name__ == "DeferredRequeue" for c in trainer.callbacks) == 1
     env.validate_settings(trainer.num_devices, trainer.num_nodes)  # the launcher's check passes
 
 

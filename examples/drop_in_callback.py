@@ -8,7 +8,8 @@ only read the dispatch counters, pick the CPU reference kernel, and build a tiny
 
     python examples/drop_in_callback.py                      # tiny random Gemma4, CPU, a few seconds
     python examples/drop_in_callback.py --pretrained /path/to/gemma-4 --accelerator gpu --devices 8 \\
-        --strategy fsdp2 --precision bf16-true --seq-len 8192 --max-steps 1000
+        --strategy fsdp2 --seq-len 8192 --max-steps 1000     # fp32 master weights, bf16 compute (FSDP2)
+    python examples/drop_in_callback.py --accelerator gpu --precision bf16-true   # one GPU, no strategy
 
 On CPU the FFPA CuTeDSL kernels cannot run, so the example runs the same dispatch code on the CPU
 reference kernel (`--kernel reference`, the default there); the summary line says which kernel ran.
@@ -56,7 +57,8 @@ class CausalLM(L.LightningModule):
         if self.model is not None:
             return
         if self.hparams.pretrained:
-            self.model = AutoModelForCausalLM.from_pretrained(self.hparams.pretrained, dtype=torch.bfloat16)
+            # fp32 master weights: FSDP2 computes in bf16, and precision="bf16-true" casts the module itself.
+            self.model = AutoModelForCausalLM.from_pretrained(self.hparams.pretrained, dtype=torch.float32)
         else:
             self.model = Gemma4ForCausalLM(build_text_config(self.hparams.preset))
 

@@ -85,7 +85,7 @@ def attn_row(kind: str, args, rank: int, world: int, group) -> dict:
     ring = RingAttention(group, block_ops=kind)
 
     def step():
-        out = ring.full(q, k, v, layout, kernels.default_scale(512))
+        out = ring.full(q, k, v, layout, 512 ** -0.5)  # random q/k: the usual scale keeps logits sane
         out.backward(torch.ones_like(out))
 
     sec = timed(step, args.warmup, args.iters)

@@ -13,8 +13,14 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from torch import nn
-from transformers import AutoConfig, Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    Gemma4Config,
+    Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from lightning_ffpa.loss import linear_cross_entropy

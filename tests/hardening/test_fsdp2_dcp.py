@@ -7,7 +7,6 @@ that also writes a DCP checkpoint at step 3 (mid-epoch), and one that resumes fr
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from _helpers import read_steps, recorder, start_fit, tiny_config, wait_ok, write_config

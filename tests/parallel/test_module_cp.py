@@ -1,9 +1,5 @@
 """Gemma4LM end to end under FSDP2Strategy: pretrained weights reach the shards, and cp=2 trains like cp=1."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,18 +9,13 @@ from transformers import Gemma4ForCausalLM
 from lightning_ffpa.data import MockDataModule
 from lightning_ffpa.presets import build_text_config
 
-_ROOT = Path(__file__).resolve().parents[2]
+from ._launch import torchrun_json
+
 _SCRIPT = Path(__file__).with_name("_fit_gemma4lm.py")
 
 
 def _run(tmp_path, nproc, cp, pretrained, port):
-    out = tmp_path / f"cp{cp}.json"
-    env = dict(os.environ, PYTHONPATH=str(_ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(port), str(_SCRIPT), str(out), str(cp), str(pretrained)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return torchrun_json(_SCRIPT, tmp_path / f"cp{cp}.json", nproc, port, cp, pretrained)
 
 
 @pytest.mark.slow

@@ -1,17 +1,14 @@
 """FSDP2Strategy: option validation, and a 2-process gloo fit that matches the 1-process loss."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lightning_ffpa.parallel import FSDP2Strategy
 
+from ._launch import torchrun_json
+
 _SCRIPT = Path(__file__).with_name("_fit_tiny.py")
-_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sizes_are_validated_with_the_option_name():
@@ -34,12 +31,7 @@ def test_sizes_are_validated_with_the_option_name():
 
 def _fit(tmp_path, nproc, ac):
     out = tmp_path / f"fit_{nproc}_{ac}.json"
-    env = dict(os.environ, PYTHONPATH=str(_ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(29500 + 10 * nproc + len(ac)), str(_SCRIPT), str(out), ac]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return torchrun_json(_SCRIPT, out, nproc, 29500 + 10 * nproc + len(ac), ac, timeout=170)
 
 
 @pytest.mark.slow

@@ -90,7 +90,8 @@ def _context_parallel(rec: dict, fig) -> None:
     ax.bar(range(len(rows)), [r["tokens_per_s"] for r in rows])
     ax.set_xticks(range(len(rows)), labels=[r["row"] for r in rows], rotation=30, ha="right", fontsize=8)
     ax.set(ylabel="tokens/s", title="Context parallel (higher is better)")
-    fig.suptitle(rec.get("device", ""))
+    note = rec.get("summary", {}).get("model_slice")
+    fig.suptitle(f"{rec.get('device', '')}" + (f", {note}" if isinstance(note, str) else ""))
 
 
 # benchmark name -> (drawer, the row key that must be measured somewhere for a plot to exist)

@@ -35,9 +35,9 @@ _MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemm
 
 
 def _registered_attn() -> set[str]:
-    from transformers import AttentionInterface
+    from lightning_ffpa.attention._hf_shim import attention_names
 
-    return set(KNOWN_ATTN) | set(AttentionInterface._global_mapping.keys())
+    return set(KNOWN_ATTN) | attention_names()
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:

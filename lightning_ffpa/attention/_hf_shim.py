@@ -59,6 +59,11 @@ def registered_attention(name: str):
     return AttentionInterface._global_mapping.get(name)
 
 
+def attention_names() -> set[str]:
+    """Every attention implementation name registered with transformers."""
+    return set(AttentionInterface._global_mapping)
+
+
 def registered_mask(name: str):
     """The mask function registered under `name`, or None."""
     return AttentionMaskInterface._global_mapping.get(name)

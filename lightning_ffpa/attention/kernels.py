@@ -75,6 +75,8 @@ def _ffpa_import() -> tuple[object | None, str]:
     return ffpa_attn, ""
 
 
+# A per-process constant: dynamo must not trace the import (it graph-breaks compiled layers otherwise).
+@torch._dynamo.assume_constant_result
 def ffpa_available() -> bool:
     """Whether the FFPA CuTeDSL ops are importable in this process."""
     return _ffpa_import()[0] is not None
@@ -85,6 +87,7 @@ def ffpa_unavailable_reason() -> str:
     return _ffpa_import()[1]
 
 
+@torch._dynamo.assume_constant_result
 def _device_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in CUTE_ARCH_MAJORS
 

@@ -225,12 +225,12 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
     return "\n".join(out)
 
 
-def replace_block(text: str, block: str) -> str:
-    """`text` with the BEGIN..END block swapped for `block` (which includes the markers)."""
-    start, stop = text.find(BEGIN), text.find(END)
+def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
+    """`text` with the begin..end block swapped for `block` (which includes the markers)."""
+    start, stop = text.find(begin), text.find(end)
     if start < 0 or stop < start:
-        raise ValueError(f"README.md has no '{BEGIN}' ... '{END}' block to fill")
-    return text[:start] + block + text[stop + len(END):]
+        raise ValueError(f"README.md has no '{begin}' ... '{end}' block to fill")
+    return text[:start] + block + text[stop + len(end):]
 
 
 def main(argv: list[str] | None = None) -> int:

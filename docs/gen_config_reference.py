@@ -132,18 +132,14 @@ def render_config_table() -> str:
     return f"{BEGIN}\n" + "\n".join(rows) + f"\n{END}"
 
 
-def replace_block(text: str, block: str) -> str:
-    start, stop = text.find(BEGIN), text.find(END)
-    if start < 0 or stop < start:
-        raise ValueError(f"README.md has no '{BEGIN}' ... '{END}' block to fill")
-    return text[:start] + block + text[stop + len(END):]
-
-
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT))  # run as a script from docs/: make `benchmarks` importable
+    from benchmarks.report import replace_block
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md or README.md is stale")
     args = p.parse_args(argv)
-    pages = {OUT: render_reference(), README: replace_block(README.read_text(), render_config_table())}
+    pages = {OUT: render_reference(), README: replace_block(README.read_text(), render_config_table(), BEGIN, END)}
     if args.check:
         stale = [str(q.relative_to(ROOT)) for q, text in pages.items() if not q.exists() or q.read_text() != text]
         if stale:

@@ -29,6 +29,20 @@ if TYPE_CHECKING:
     from lightning_ffpa.attention.ring import RingGroup
 
 
+def _swap_with_neighbours(ring, to_next: Tensor, from_next: Tensor, to_prev: Tensor, from_prev: Tensor) -> None:
+    """Exchange with ring ranks r+1 and r-1 (where they exist) in one batched P2P round."""
+    r, cp = ring.rank, ring.size
+    ops = []
+    if r < cp - 1:
+        ops += [dist.P2POp(dist.isend, to_next, ring.global_rank(r + 1), ring.group),
+                dist.P2POp(dist.irecv, from_next, ring.global_rank(r + 1), ring.group)]
+    if r > 0:
+        ops += [dist.P2POp(dist.isend, to_prev, ring.global_rank(r - 1), ring.group),
+                dist.P2POp(dist.irecv, from_prev, ring.global_rank(r - 1), ring.group)]
+    for w in dist.batch_isend_irecv(ops) if ops else []:
+        w.wait()
+
+
 class _Halo(torch.autograd.Function):
     """Exchange the last h keys/values of each local chunk with ring neighbours (see module docstring)."""
 
@@ -38,15 +52,7 @@ class _Halo(torch.autograd.Function):
         head_tail, tail_tail = head_tail.contiguous(), tail_tail.contiguous()
         halo_head = torch.zeros_like(head_tail)  # rank 0 has nothing before chunk 0 (masked by position)
         halo_tail = head_tail.clone() if r == cp - 1 else torch.empty_like(tail_tail)
-        ops = []
-        if r < cp - 1:
-            ops += [dist.P2POp(dist.isend, head_tail, ring.global_rank(r + 1), ring.group),
-                    dist.P2POp(dist.irecv, halo_tail, ring.global_rank(r + 1), ring.group)]
-        if r > 0:
-            ops += [dist.P2POp(dist.isend, tail_tail, ring.global_rank(r - 1), ring.group),
-                    dist.P2POp(dist.irecv, halo_head, ring.global_rank(r - 1), ring.group)]
-        for w in dist.batch_isend_irecv(ops) if ops else []:
-            w.wait()
+        _swap_with_neighbours(ring, head_tail, halo_tail, tail_tail, halo_head)
         ctx.ring = ring
         return halo_head, halo_tail
 
@@ -57,15 +63,8 @@ class _Halo(torch.autograd.Function):
         g_head, g_tail = g_head.contiguous(), g_tail.contiguous()
         d_head_tail = g_tail.clone() if r == cp - 1 else torch.empty_like(g_tail)
         d_tail_tail = torch.zeros_like(g_head)
-        ops = []
-        if r < cp - 1:  # my halo_tail came from r+1's tail chunk; r+1 used my head chunk's tail
-            ops += [dist.P2POp(dist.isend, g_tail, ring.global_rank(r + 1), ring.group),
-                    dist.P2POp(dist.irecv, d_head_tail, ring.global_rank(r + 1), ring.group)]
-        if r > 0:
-            ops += [dist.P2POp(dist.isend, g_head, ring.global_rank(r - 1), ring.group),
-                    dist.P2POp(dist.irecv, d_tail_tail, ring.global_rank(r - 1), ring.group)]
-        for w in dist.batch_isend_irecv(ops) if ops else []:
-            w.wait()
+        # my halo_tail came from r+1's tail chunk; r+1 used my head chunk's tail
+        _swap_with_neighbours(ring, g_tail, d_head_tail, g_head, d_tail_tail)
         return d_head_tail, d_tail_tail, None
 
 

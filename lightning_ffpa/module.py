@@ -130,12 +130,15 @@ class Gemma4LM(L.LightningModule):
 
     @property
     def shards_model(self) -> bool:
-        """True when the strategy shards parameters, so the model is built on the meta device."""
+        """True under FSDP2Strategy, which shards, materialises and loads weights; the model is built on meta.
+
+        Other strategies get a fully built model (Lightning's FSDP wraps it as is).
+        """
         if self._trainer is None:
             return False
-        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+        from lightning_ffpa.parallel import FSDP2Strategy
 
-        return isinstance(self.trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
+        return isinstance(self.trainer.strategy, FSDP2Strategy)
 
     def build_model(self, device: torch.device | str | None = None) -> PreTrainedModel:
         """Create the HF model (weights loaded or randomly initialised) with the configured attention."""

@@ -87,23 +87,10 @@ class FFPAAttention(Callback):
         """Read the CP size and register the backend; configure the model if it already exists."""
         attention = _backend()
         self.cp_size = context_parallel_size(trainer, pl_module)
-        if self.cp_size > 1:
-            self._ring_installer()  # fail now, before configure_model, if the ring is missing
-        elif self.attn_implementation == "ffpa":
+        if self.cp_size == 1 and self.attn_implementation == "ffpa":
             attention.register_ffpa()
         attention.reset_dispatch_counts()
         self._install(trainer, pl_module, required=False)
-
-    def _ring_installer(self):
-        try:
-            from lightning_ffpa.attention.ring import install_ring
-        except ImportError as e:
-            raise RuntimeError(
-                f"`context_parallel_size={self.cp_size}` needs the ring attention hook "
-                "(`lightning_ffpa.attention.ring.install_ring`), which this build does not have; "
-                "use context_parallel_size=1"
-            ) from e
-        return install_ring
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, required: bool) -> None:
         model = find_hf_model(pl_module)
@@ -117,7 +104,9 @@ class FFPAAttention(Callback):
             set_attn_implementation(model, "sdpa")  # install_ring then routes every layer to its ring function
             # Sharding the batch (and passing `ring_layout`) is the LightningModule's part, see
             # lightning_ffpa.parallel.context_parallel.shard_batch.
-            self.ring = self._ring_installer()(model, trainer.strategy.device_mesh["context_parallel"])
+            from lightning_ffpa.attention.ring import install_ring
+
+            self.ring = install_ring(model, trainer.strategy.device_mesh["context_parallel"])
         else:
             set_attn_implementation(model, self.attn_implementation)
         self._installed_on = id(model)

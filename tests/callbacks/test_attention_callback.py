@@ -91,17 +91,6 @@ def test_cp_size_from_strategy_or_mesh():
     assert context_parallel_size(SimpleNamespace(strategy=object()), SimpleNamespace(_device_mesh=None)) == 1
 
 
-def test_cp_above_one_without_ring_is_a_clear_error(fake_backend):
-    try:
-        import lightning_ffpa.attention.ring  # noqa: F401
-        pytest.skip("ring CP is installed")
-    except ImportError:
-        pass
-    trainer = SimpleNamespace(strategy=SimpleNamespace(context_parallel_size=2))
-    with pytest.raises(RuntimeError, match="context_parallel_size=2"):
-        FFPAAttention().setup(trainer, _Wrapper(), "fit")
-
-
 def test_bad_option():
     with pytest.raises(ValueError, match="log_every_n_steps=-1"):
         FFPAAttention(log_every_n_steps=-1)

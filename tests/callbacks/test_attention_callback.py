@@ -16,8 +16,6 @@ from lightning_ffpa.callbacks import FFPAAttention, TokenThroughput
 from lightning_ffpa.callbacks.attention import context_parallel_size, find_hf_model
 from lightning_ffpa.presets import build_text_config
 
-_HAS_BACKEND = hasattr(attention, "register_ffpa")
-
 
 class _Wrapper(L.LightningModule):
     """A user's module: the HF model sits one level down, built in configure_model."""
@@ -107,7 +105,6 @@ def test_throughput_counts_real_tokens_and_flops(fake_backend):
     assert tp._lengths[-1] == 3 * 2 * 16  # real tokens: every token has a label here
 
 
-@pytest.mark.skipif(not _HAS_BACKEND, reason="attention backend (register_ffpa) not merged yet")
 def test_real_backend_reference_kernel_runs():
     module = _Wrapper()
     callback = FFPAAttention(log_every_n_steps=1)

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 
-import lightning_ffpa.attention as attention
-
 _ROOT = Path(__file__).resolve().parents[2]
 _CONFIG = _ROOT / "configs" / "tiny_fsdp2.yaml"
 
@@ -40,7 +38,6 @@ def _cli(args, cwd):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.skipif(not hasattr(attention, "register_ffpa"), reason="attention backend (register_ffpa) not merged yet")
 def test_yaml_fits_saves_a_sharded_checkpoint_and_resumes(tmp_path):
     """Meta-built Gemma4LM sharded by the strategy, FFPAAttention installed, DCP checkpoint, resume."""
     import yaml

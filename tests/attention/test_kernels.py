@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_ffpa.attention import kernels
+from lightning_ffpa.attention import kernels, reference
 
 
 def naive(q, k, v, scale, causal):
@@ -154,8 +154,8 @@ def test_sac_must_save_skips_the_reference_forward_on_recompute(monkeypatch):
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     calls = []
-    math = kernels._ref_fwd_math
-    monkeypatch.setattr(kernels, "_ref_fwd_math", lambda *a: calls.append(1) or math(*a))
+    math = reference._ref_fwd_math
+    monkeypatch.setattr(reference, "_ref_fwd_math", lambda *a: calls.append(1) or math(*a))
 
     def policy(ctx, op, *args, **kwargs):
         must = op in kernels.FFPA_FORWARD_OPS

@@ -233,6 +233,19 @@ def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> 
     return text[:start] + block + text[stop + len(end):]
 
 
+def write_pages(pages: dict[Path, str], command: str, check: bool) -> int:
+    """Write generated pages, or with `check` return 1 (and name `command`) if any on disk is stale."""
+    if check:
+        stale = [str(p.relative_to(ROOT)) for p, text in pages.items() if not p.exists() or p.read_text() != text]
+        if stale:
+            print(f"stale: {stale}; run `{command}`", file=sys.stderr)
+        return int(bool(stale))
+    for path, text in pages.items():
+        path.write_text(text)
+        print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md or README.md is stale")
@@ -246,14 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     pages = {BENCHMARKS_MD: render_benchmarks_md(results, plotted),
              README: replace_block(README.read_text(), render_headline(results))}
     if args.check:
-        stale = [str(p.relative_to(ROOT)) for p, text in pages.items() if not p.exists() or p.read_text() != text]
-        if stale:
-            print(f"stale: {stale}; run `python -m benchmarks.report`", file=sys.stderr)
-            return 1
-        return 0
-    for path, text in pages.items():
-        path.write_text(text)
-        print(f"wrote {path.relative_to(ROOT)}")
+        return write_pages(pages, "python -m benchmarks.report", check=True)
+    write_pages(pages, "python -m benchmarks.report", check=False)
     if not args.no_plots:
         for path in plots.draw_all(results):
             print(f"wrote {path.relative_to(ROOT)}")

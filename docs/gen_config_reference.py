@@ -134,22 +134,13 @@ def render_config_table() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))  # run as a script from docs/: make `benchmarks` importable
-    from benchmarks.report import replace_block
+    from benchmarks.report import replace_block, write_pages
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md or README.md is stale")
     args = p.parse_args(argv)
     pages = {OUT: render_reference(), README: replace_block(README.read_text(), render_config_table(), BEGIN, END)}
-    if args.check:
-        stale = [str(q.relative_to(ROOT)) for q, text in pages.items() if not q.exists() or q.read_text() != text]
-        if stale:
-            print(f"stale: {stale}; run `python docs/gen_config_reference.py`", file=sys.stderr)
-            return 1
-        return 0
-    for path, text in pages.items():
-        path.write_text(text)
-        print(f"wrote {path.relative_to(ROOT)}")
-    return 0
+    return write_pages(pages, "python docs/gen_config_reference.py", check=args.check)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,34 @@ by in-place copies, so captured graphs stay valid across refreshes.
 
 On CPU everything runs eagerly (flex's eager path). On CUDA, flex is compiled and every decode bucket
 (1, 2, 4, ..., max_batch_size) is captured once on first use.
+
+Every entry point (`generate`, `capture_all`, and the graph warm-up inside them) runs under
+`torch.inference_mode()`: the inference copy's parameters may require grad (a training model, or a
+LoRA target), and a compiled flex traced with grad enabled is traced for backward, which the decode
+masks (built without q-blocks) cannot support. Inference mode rather than `no_grad` because it also
+skips version counters; the cost is that tensors created inside it (graph inputs/outputs) may only be
+changed inside it, which holds since only the engine touches them. The KV pools, page tables and
+`last_token` are created in `__init__` as normal tensors, so in-place LoRA refreshes and
+`PageTable.flush` work from either mode.
+
+Decode overlaps host and device (`EngineConfig.pipeline`): a step's input token is read on the device
+from `last_token[slot]`, where the previous step (or the prefill) left it, and positions follow from
+how many steps were issued, so the host queues step i+1 before it reads step i's tokens. Readback is a
+non-blocking copy into pinned memory, waited on one step late; a sequence that hits EOS therefore
+runs one extra step whose token is discarded (max-token stops are exact: the host never issues past
+them). Admission and preemption need exact host state, so the scheduler asks for a sync first.
+
+Sliding-window pages are not freed early. One page table serves every layer, and Gemma4's full layers
+read every page, so freeing a sliding layer's out-of-window pages needs a second page pool and table
+for sliding layers (a second set of masks and index maps per step). It saves memory, not bytes read:
+the decode masks already list only in-window pages, so the roofline is unchanged, and at the
+benchmark's lengths (256 + 512 tokens against Gemma4-31B's 1024-token window) no page ever leaves the
+window. Worth it only for long rollouts where KV memory limits the batch.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +75,8 @@ class EngineConfig:
     """torch.compile flex_attention (CUDA only; CPU uses the eager path)."""
     attention: str = "flex"
     """"flex", or "dense" (SDPA over the same mask mods: a CPU reference path for fast tiny runs)."""
+    pipeline: bool = True
+    """Queue each decode step before reading back the previous one (stops are seen one step late)."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len % self.page_size:
@@ -98,8 +124,10 @@ class RolloutEngine:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._graph_pool = None
         self._sampling: SamplingParams | None = None
+        # Each row's newest token, by slot: decode reads its input here on the device (slot 0: padding).
+        self.last_token = torch.zeros(cfg.max_batch_size + 1, dtype=torch.long, device=self.device)
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "graph_replays": 0, "eager_decodes": 0,
-                      "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0}
+                      "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0, "syncs": 0}
 
     # ---- public -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -107,28 +135,52 @@ class RolloutEngine:
                  generator: torch.Generator | None = None) -> list[Sequence]:
         """Generate for every prompt; returns finished `Sequence`s in prompt order."""
         sampling = sampling or SamplingParams(temperature=0.0)
-        if sampling != self._sampling:
-            self._graphs.clear()  # the sampler is baked into each captured graph
-            self._sampling = sampling
+        self._use_sampling(sampling)
         if generator is not None and self.on_cuda and self.config.cuda_graphs:
             raise ValueError("a custom `generator` cannot drive captured CUDA graphs; seed torch.cuda instead")
         cfg = self.config
         sched = Scheduler(self.page_table, cfg.max_batch_size, cfg.max_prefill_tokens, self.eos_token_ids)
         for i, p in enumerate(prompts):
             sched.add(Sequence(i, list(p), max_new_tokens))
+        lag = 1 if cfg.pipeline else 0
+        inflight: deque[_Readback] = deque()
         while sched.has_work:
             kind, seqs = sched.schedule()
-            if kind == "prefill":
-                tokens, logprobs = self._prefill(seqs, sampling, generator)
+            if kind == "sync":
+                if not inflight:
+                    raise RuntimeError("scheduler asked for a sync with nothing in flight")
+                self.stats["syncs"] += 1
+                while inflight:
+                    inflight.popleft().apply(sched)
+            elif kind == "prefill":
+                while inflight:
+                    inflight.popleft().apply(sched)
+                self._prefill(seqs, sampling, generator).apply(sched)
             else:
-                tokens, logprobs = self._decode(seqs, sampling, generator)
-            # one device->host copy per step: the scheduler must see EOS before the next step
-            sched.postprocess(seqs, tokens.tolist(), logprobs.tolist())
+                inflight.append(self._decode(seqs, sampling, generator))
+                # Read back one step late: the next step is already queued when the host waits here.
+                while len(inflight) > lag:
+                    inflight.popleft().apply(sched)
+        if inflight:
+            raise RuntimeError("decode steps left in flight after every sequence finished")
         self.stats["preemptions"] += sched.num_preemptions
         return sorted(sched.finished, key=lambda s: s.seq_id)
 
+    @torch.inference_mode()
+    def capture_all(self, sampling: SamplingParams) -> None:
+        """Capture every bucket up front (benchmarks keep capture out of timed runs)."""
+        if self.on_cuda and self.config.cuda_graphs:
+            self._use_sampling(sampling)
+            for b in self.buckets:
+                self._graph(b, sampling)
+
+    def _use_sampling(self, sampling: SamplingParams) -> None:
+        if sampling != self._sampling:
+            self._graphs.clear()  # the sampler is baked into each captured graph
+            self._sampling = sampling
+
     # ---- prefill ------------------------------------------------------------------------------
-    def _prefill(self, seqs: list[Sequence], sampling: SamplingParams, generator):
+    def _prefill(self, seqs: list[Sequence], sampling: SamplingParams, generator) -> _Readback:
         lens = [s.num_tokens for s in seqs]
         total = sum(lens)
         padded = -(-total // PREFILL_BLOCK) * PREFILL_BLOCK
@@ -146,7 +198,8 @@ class RolloutEngine:
             slots[start:start + n] = s.slot
             start += n
         last = torch.tensor(lens).cumsum(0) - 1
-        ids, pos, doc, slots, last = (t.to(self.device, non_blocking=True) for t in (ids, pos, doc, slots, last))
+        seq_slots = torch.tensor([s.slot for s in seqs])
+        ids, pos, doc, slots, last, seq_slots = (self._to_device(t) for t in (ids, pos, doc, slots, last, seq_slots))
         self.page_table.flush()
         self.cache.begin(self.page_table.physical_index(slots, pos), decode=False)
         ctx = StepContext({w: prefill_block_mask(doc, pos, w) for w in self.walker.windows}, decode=False,
@@ -154,63 +207,96 @@ class RolloutEngine:
         logits = self.walker.forward(ids[None], pos[None], ctx, self.cache, logits_index=last)
         self.stats["prefill_steps"] += 1
         self.stats["prefill_tokens"] += total
-        return sample(logits, sampling, generator)
+        tokens, logprobs = sample(logits, sampling, generator)
+        self.last_token.index_copy_(0, seq_slots, tokens)  # the first decode step reads its input here
+        return _Readback.start(seqs, tokens, logprobs)
 
     # ---- decode -------------------------------------------------------------------------------
-    def _decode_step(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, sampling, generator):
-        """One token per row: write its K/V, attend over the row's pages, sample. Graph-capturable."""
+    def _decode_step(self, pos: torch.Tensor, slots: torch.Tensor, sampling, generator):
+        """One token per row: write its K/V, attend over the row's pages, sample. Graph-capturable.
+
+        The input token comes from `last_token[slot]` and the sampled one goes back there, so the
+        host never has to see a token before the next step can run.
+        """
         pt = self.page_table
+        ids = self.last_token[slots]  # (B,)
         self.cache.begin(pt.physical_index(slots, pos), decode=True)
         masks = {w: decode_block_mask(self.logical[w], pt.table, pt.owner, slots, pos, pt.page_size, w)
                  for w in self.walker.windows}
         ctx = StepContext(masks, decode=True, flex=self.flex)
         logits = self.walker.forward(ids[:, None], pos[:, None], ctx, self.cache)  # (B, V)
-        return sample(logits, sampling, generator)
+        tokens, logprobs = sample(logits, sampling, generator)
+        self.last_token.index_copy_(0, slots, tokens)  # padded rows all write slot 0, which nobody reads
+        return tokens, logprobs
 
-    def _decode(self, seqs: list[Sequence], sampling: SamplingParams, generator):
+    def _decode(self, seqs: list[Sequence], sampling: SamplingParams, generator) -> _Readback:
         n = len(seqs)
         bucket = next(b for b in self.buckets if b >= n)
-        host = torch.zeros(3, bucket, dtype=torch.long)  # ids, positions, slots; padded rows use slot 0
-        host[0, :n] = torch.tensor([s.tokens[-1] for s in seqs])
-        host[1, :n] = torch.tensor([s.num_tokens - 1 for s in seqs])
-        host[2, :n] = torch.tensor([s.slot for s in seqs])
+        host = torch.zeros(2, bucket, dtype=torch.long, pin_memory=self.on_cuda)  # positions, slots
+        host[0, :n] = torch.tensor([s.num_issued_tokens - 1 for s in seqs])  # padded rows: slot 0, position 0
+        host[1, :n] = torch.tensor([s.slot for s in seqs])
+        for s in seqs:
+            s.num_pending += 1
         self.page_table.flush()
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += n
         if self.on_cuda and self.config.cuda_graphs:
             graph, static = self._graph(bucket, sampling)
-            static["inputs"].copy_(host, non_blocking=True)
+            static["inputs"].copy_(host, non_blocking=True)  # stream-ordered after the previous replay
             graph.replay()
             self.stats["graph_replays"] += 1
-            return static["tokens"][:n], static["logprobs"][:n]
+            return _Readback.start(seqs, static["tokens"][:n], static["logprobs"][:n])
         self.stats["eager_decodes"] += 1
-        dev = host.to(self.device)
-        tokens, logprobs = self._decode_step(dev[0], dev[1], dev[2], sampling, generator)
-        return tokens[:n], logprobs[:n]
+        dev = self._to_device(host)
+        tokens, logprobs = self._decode_step(dev[0], dev[1], sampling, generator)
+        return _Readback.start(seqs, tokens[:n], logprobs[:n])
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.on_cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _graph(self, bucket: int, sampling: SamplingParams):
         if bucket in self._graphs:
             return self._graphs[bucket]
-        inputs = torch.zeros(3, bucket, dtype=torch.long, device=self.device)  # all rows padding (slot 0)
+        inputs = torch.zeros(2, bucket, dtype=torch.long, device=self.device)  # all rows padding (slot 0)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up (compiles flex) off the capture
             for _ in range(2):
-                self._decode_step(inputs[0], inputs[1], inputs[2], sampling, None)
+                self._decode_step(inputs[0], inputs[1], sampling, None)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            tokens, logprobs = self._decode_step(inputs[0], inputs[1], inputs[2], sampling, None)
+            tokens, logprobs = self._decode_step(inputs[0], inputs[1], sampling, None)
         self._graphs[bucket] = (graph, {"inputs": inputs, "tokens": tokens, "logprobs": logprobs})
         return self._graphs[bucket]
 
-    def capture_all(self, sampling: SamplingParams) -> None:
-        """Capture every bucket up front (benchmarks keep capture out of timed runs)."""
-        if self.on_cuda and self.config.cuda_graphs:
-            if sampling != self._sampling:
-                self._graphs.clear()
-                self._sampling = sampling
-            for b in self.buckets:
-                self._graph(b, sampling)
+
+class _Readback:
+    """One issued step's tokens on their way to the host: a non-blocking copy into pinned memory."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor,
+                 event: torch.cuda.Event | None) -> None:
+        self.seqs, self.tokens, self.logprobs, self.event = seqs, tokens, logprobs, event
+
+    @classmethod
+    def start(cls, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> _Readback:
+        """Queue the copy behind the step that produced `tokens` (graph outputs are overwritten next replay)."""
+        if tokens.device.type != "cuda":
+            return cls(seqs, tokens.clone(), logprobs.clone(), None)
+        host_t = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host_l = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+        host_t.copy_(tokens, non_blocking=True)
+        host_l.copy_(logprobs, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(seqs, host_t, host_l, event)
+
+    def apply(self, sched: Scheduler) -> None:
+        """Wait for this step only (later steps keep running) and hand its tokens to the scheduler."""
+        if self.event is not None:
+            self.event.synchronize()
+        sched.postprocess(self.seqs, self.tokens.tolist(), self.logprobs.tolist())

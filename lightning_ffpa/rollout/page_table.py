@@ -53,6 +53,10 @@ class PageTable:
         """Pages needed to hold `num_tokens` positions."""
         return -(-num_tokens // self.page_size)
 
+    def num_pages_of(self, slot: int) -> int:
+        """Pages owned by `slot`."""
+        return len(self._pages.get(slot, ()))
+
     def pages_of(self, slot: int) -> list[int]:
         """Physical pages owned by `slot`, in logical order."""
         return list(self._pages.get(slot, []))

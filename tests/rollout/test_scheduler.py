@@ -62,3 +62,37 @@ def test_prompt_that_cannot_fit_is_rejected():
     s, _ = _sched()
     with pytest.raises(ValueError, match="max_seq_len"):
         s.add(Sequence(0, [1] * 40, 4))
+
+
+def test_pending_steps_defer_admission_and_discard_after_eos():
+    s, pt = _sched(num_pages=40, batch=2, eos=(7,))
+    for i in range(3):
+        s.add(Sequence(i, [1, 2], 4))
+    _, seqs = s.schedule()
+    s.postprocess(seqs, [5, 5], [0.0, 0.0])
+    kind, rows = s.schedule()
+    assert kind == "decode" and len(rows) == 2
+    for q in rows:  # the engine issues the step without reading it back
+        q.num_pending += 1
+    kind, rows2 = s.schedule()
+    assert kind == "decode" and [q.num_issued_tokens for q in rows2] == [4, 4]  # positions follow issued steps
+    for q in rows2:
+        q.num_pending += 1
+    s.postprocess(rows, [7, 5], [0.0, 0.0])  # seq 0 stopped one step ago
+    assert s.schedule() == ("sync", [])  # seq 2 could be admitted, but seq 1's token is still in flight
+    s.postprocess(rows2, [9, 5], [0.0, 0.0])  # seq 0's extra token is discarded
+    assert s.finished[0].output == [5, 7] and s.finished[0].finish_reason == "stop"
+    kind, seqs = s.schedule()
+    assert kind == "prefill" and [q.seq_id for q in seqs] == [2]
+
+
+def test_no_step_is_issued_past_max_new_tokens():
+    s, _ = _sched(num_pages=40, batch=1, eos=())
+    s.add(Sequence(0, [1, 2], 2))
+    _, seqs = s.schedule()
+    s.postprocess(seqs, [5], [0.0])
+    _, rows = s.schedule()
+    rows[0].num_pending += 1  # the second (last) token is in flight
+    assert s.schedule() == ("sync", [])
+    s.postprocess(rows, [6], [0.0])
+    assert s.finished[0].output == [5, 6] and not s.has_work

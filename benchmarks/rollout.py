@@ -4,15 +4,24 @@ Model: Gemma4-31B shapes (hidden 5376, 32 heads, 16/4 kv heads, head_dim 256/512
 reduced depth (`--layers`, default 12 = 10 sliding + 2 full), random weights initialised with normal_(0.02).
 Prompts: random 256-token prompts; greedy; `--new-tokens` (default 512) without EOS.
 Roofline: per decode step, bytes read = all weights (lm_head included, embedding rows excluded) + the
-KV each row attends to, over the copy bandwidth measured in this run.
+K and V each row needs (its positions so far, capped at the window on sliding layers; Gemma4's
+k_eq_v layers still store V = v_norm(k) apart from K = rope(k_norm(k)), so both count), averaged
+exactly over the decode positions, over the copy bandwidth (read + write) measured in this run.
+That is the bytes a step must read, not what flex happens to read: whole pages are read, so
+`kv_bytes_read_paged` (page-granular) is also reported, and it does not enter the fraction.
 
-    python benchmarks/rollout.py --out $OUT/rollout.json
+`--profile` records a few decode steps of the largest batch with torch.profiler: the top CUDA
+kernels and GPU-busy vs wall time per step go into that row's `profile`.
+
+    python benchmarks/rollout.py --batches 8,64 --hf-batches 8,64 --out $OUT/rollout.json
+    python benchmarks/rollout.py --batches 8,64,256 --hf-batches 8,64 --profile --out $OUT/rollout.json
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import sys
 import time
 import traceback
@@ -100,14 +109,77 @@ def timed(fn):
     return out, time.perf_counter() - t
 
 
-def run_ours(model, cfg, prompts, new, bw, wbytes, page=128):
+def kv_bytes_per_step(eng, plen: int, new: int) -> tuple[float, float]:
+    """Mean K+V bytes one row needs / flex reads (whole pages) per decode step, over positions plen..plen+new-2."""
+    page = eng.config.page_size
+    need = paged = 0.0
+    positions = range(plen, plen + new - 1)  # decode step k writes position plen + k and attends 0..itself
+    for i, spec in enumerate(eng.walker.specs):
+        per_tok = eng.cache.layer_bytes_per_token(i)
+        for p in positions:
+            lo = 0 if spec.window is None else max(0, p - spec.window + 1)
+            need += per_tok * (p + 1 - lo)
+            paged += per_tok * (p // page - lo // page + 1) * page
+    n = max(len(positions), 1)
+    return need / n, paged / n
+
+
+def profile_decode(eng, prompts, sampling, steps: int = 6, skip: int = 4, top: int = 20) -> dict:
+    """Profile decode steps skip+1..skip+steps of one rollout: top CUDA kernels and GPU busy vs wall per step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    decode, count, marks = eng._decode, [0], {}
+
+    def counted(*args, **kwargs):  # starts/stops the profiler around whole decode steps only
+        count[0] += 1
+        if count[0] == skip + 1:
+            _sync()
+            prof.start()
+            marks["t0"] = time.perf_counter()
+        out = decode(*args, **kwargs)
+        if count[0] == skip + steps:
+            _sync()
+            marks["t1"] = time.perf_counter()
+            prof.stop()
+        return out
+
+    eng._decode = counted  # instance attribute shadows the method for this one rollout
+    try:
+        eng.generate(prompts, skip + steps + 2, sampling)
+    finally:
+        del eng._decode
+    kernels: dict[str, list[float]] = {}
+    spans = []
+    for evt in prof.events():
+        if evt.device_type != DeviceType.CUDA:
+            continue
+        start, end = evt.time_range.start, evt.time_range.end
+        spans.append((start, end))
+        k = kernels.setdefault(evt.name[:100], [0, 0.0])
+        k[0] += 1
+        k[1] += (end - start) / 1e3
+    busy_us, last = 0.0, float("-inf")
+    for start, end in sorted(spans):  # union of intervals: overlapping kernels count once
+        if end > last:
+            busy_us += end - max(start, last)
+            last = end
+    wall_ms = (marks["t1"] - marks["t0"]) * 1e3 if "t1" in marks else float("nan")
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"steps": steps, "wall_ms_per_step": wall_ms / steps, "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
+            "num_device_events": len(spans),
+            "top_kernels": [{"name": n, "calls": c, "total_ms": round(t, 4)} for n, (c, t) in rows]}
+
+
+def run_ours(model, cfg, prompts, new, bw, wbytes, page=128, profile=False, pipeline=True):
     from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
     from lightning_ffpa.rollout.sampler import SamplingParams
 
     bs, plen = len(prompts), len(prompts[0])
     max_len = -(-(plen + new) // page) * page
     ecfg = EngineConfig(page_size=page, num_pages=bs * (max_len // page) + 2, max_batch_size=bs,
-                        max_seq_len=max_len, max_prefill_tokens=16384)
+                        max_seq_len=max_len, max_prefill_tokens=16384, pipeline=pipeline)
     eng = RolloutEngine(model, ecfg)
     greedy = SamplingParams(temperature=0.0)
     _, t_warm = timed(lambda: eng.generate(prompts, 4, greedy))  # compiles flex, captures the bucket
@@ -115,18 +187,25 @@ def run_ours(model, cfg, prompts, new, bw, wbytes, page=128):
     _reset_peak()
     seqs, t_total = timed(lambda: eng.generate(prompts, new, greedy))
     t_decode = max(t_total - t_prefill, 1e-9)
-    ctx = plen + new / 2  # mean attended length over decode
-    kv_per_row = sum(eng.cache.layer_bytes_per_token(i) * min(ctx, s.window or ctx)
-                     for i, s in enumerate(eng.walker.specs))
-    step_bytes = wbytes + bs * kv_per_row
+    kv_need, kv_paged = kv_bytes_per_step(eng, plen, new)
+    step_bytes = wbytes + bs * kv_need
     ideal_tps = bs / (step_bytes / bw)
     decode_tps = bs * (new - 1) / t_decode
-    return {"tokens_per_s": bs * new / t_total, "decode_tokens_per_s": decode_tps,
-            "roofline_fraction": decode_tps / ideal_tps, "step_bytes": step_bytes,
-            "total_s": t_total, "prefill_s": t_prefill, "warmup_s": t_warm,
-            "peak_mem_gb": _peak_gb(), "graph_replays": eng.stats["graph_replays"],
-            "eager_decodes": eng.stats["eager_decodes"],
-            "tokens_generated": sum(len(s.output) for s in seqs)}, eng
+    res = {"tokens_per_s": bs * new / t_total, "decode_tokens_per_s": decode_tps,
+           "roofline_fraction": decode_tps / ideal_tps, "step_bytes": step_bytes, "weight_bytes": wbytes,
+           "kv_bytes_per_step": bs * kv_need, "kv_bytes_read_paged": bs * kv_paged,
+           "decode_step_ms": t_decode / (new - 1) * 1e3, "ideal_step_ms": step_bytes / bw * 1e3,
+           "total_s": t_total, "prefill_s": t_prefill, "warmup_s": t_warm,
+           "peak_mem_gb": _peak_gb(), "graph_replays": eng.stats["graph_replays"],
+           "eager_decodes": eng.stats["eager_decodes"], "syncs": eng.stats["syncs"],
+           "pipeline": ecfg.pipeline, "tokens_generated": sum(len(s.output) for s in seqs)}
+    if profile:
+        try:
+            res["profile"] = profile_decode(eng, prompts, greedy)
+        except Exception as err:  # noqa: BLE001 - a profiler failure never loses the timed row
+            res["profile"] = {"error": f"{type(err).__name__}: {err}"}
+            traceback.print_exc()
+    return res, eng
 
 
 def run_hf_static(model, prompts, new):
@@ -139,29 +218,65 @@ def run_hf_static(model, prompts, new):
             "peak_mem_gb": _peak_gb()}, out[:, ids.shape[1]:]
 
 
+GLOBAL_ACCESS = "allow_global_per_layer_attribute_access"
+
+
 def run_hf_cb(model, prompts, new):
     from transformers import GenerationConfig
 
     saved = model.config._attn_implementation
-    errors = []
-    for impl in ("sdpa_paged", "paged|sdpa"):  # transformers 5.17 name, then the newer spelling
-        try:
-            model.set_attn_implementation(impl)
-            break
-        except ValueError as err:
-            errors.append(str(err)[:120])
-    else:
-        raise ValueError(f"no paged SDPA implementation: {errors}")
+    # transformers' CB cache reads global kv-head counts, which Gemma4's heterogeneous config refuses
+    # (AmbiguousGlobalPerLayerAttributeError) unless this flag is set; set for this baseline only.
+    old_flag = getattr(model.config, GLOBAL_ACCESS, None)  # None: this transformers has no such guard
+    if old_flag is not None:
+        setattr(model.config, GLOBAL_ACCESS, True)
     try:
+        errors = []
+        for impl in ("sdpa_paged", "paged|sdpa"):  # transformers 5.17 name, then the newer spelling
+            try:
+                model.set_attn_implementation(impl)
+                break
+            except ValueError as err:
+                errors.append(str(err)[:120])
+        else:
+            raise ValueError(f"no paged SDPA implementation: {errors}")
         gc_ = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
         model.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(
             max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0))
-        torch.cuda.reset_peak_memory_stats()
-        out, t = timed(lambda: model.generate_batch(inputs=prompts, generation_config=gc_))
+        _reset_peak()
+        with _CBErrors() as cb_errors:
+            out, t = timed(lambda: model.generate_batch(inputs=prompts, generation_config=gc_))
+        made = _count_cb_tokens(out)
+        if made is not None and made != len(prompts) * new:  # CB logs failed requests instead of raising
+            raise RuntimeError(f"continuous batching generated {made} of {len(prompts) * new} tokens: "
+                               f"{cb_errors.first or 'no error logged'}")
         return {"tokens_per_s": len(prompts) * new / t, "total_s": t, "attn_implementation": impl,
-                "tokens_generated": _count_cb_tokens(out), "peak_mem_gb": _peak_gb()}
+                GLOBAL_ACCESS: old_flag is not None, "tokens_generated": made,
+                "peak_mem_gb": _peak_gb()}
     finally:
         model.set_attn_implementation(saved)
+        if old_flag is not None:
+            setattr(model.config, GLOBAL_ACCESS, old_flag)
+
+
+class _CBErrors(logging.Handler):
+    """Collects the first exception transformers' continuous batching logs (it does not raise)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.first: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.first is None and record.exc_info and record.exc_info[1] is not None:
+            err = record.exc_info[1]
+            self.first = f"{type(err).__name__}: {str(err)[:300]}"
+
+    def __enter__(self) -> _CBErrors:
+        logging.getLogger("ContinuousBatchingLogger").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("ContinuousBatchingLogger").removeHandler(self)
 
 
 def _count_cb_tokens(out) -> int | None:
@@ -190,7 +305,7 @@ def lora_refresh_s(model, inference, reps: int = 3) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--batches", default="8,64,128")
+    ap.add_argument("--batches", default="8,64", help="8,64,256 also fits one H200 (not default: time)")
     ap.add_argument("--hf-batches", default="8,64")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=512)
@@ -199,6 +314,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--bandwidth-gb", type=float, default=4.0)
+    ap.add_argument("--profile", action="store_true", help="profile a few decode steps at the largest batch")
+    ap.add_argument("--no-pipeline", action="store_true", help="read every decode step back before the next")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -216,7 +333,8 @@ def main() -> None:
         row = {"name": "ours_paged_flex", "batch": bs, "layers": args.layers, "new_tokens": args.new_tokens}
         eng = None
         try:
-            res, eng = run_ours(model, cfg, prompts, args.new_tokens, bw, wbytes, args.page_size)
+            res, eng = run_ours(model, cfg, prompts, args.new_tokens, bw, wbytes, args.page_size,
+                                profile=args.profile and bs == max(batches), pipeline=not args.no_pipeline)
             row.update(res)
             ours_tps[bs], rollout_s[bs] = res["tokens_per_s"], res["total_s"]
             if bs == 64 or bs == batches[-1]:
@@ -247,6 +365,9 @@ def main() -> None:
     summary["roofline_fraction_bs64"] = ours64.get("roofline_fraction")
     summary["vs_hf_generate_bs64"] = ours_tps[64] / hf_tps[64] if 64 in ours_tps and 64 in hf_tps else None
     summary["lora_refresh_fraction"] = refresh[64] / rollout_s[64] if 64 in refresh and 64 in rollout_s else None
+    prof = next((r["profile"] for r in rows if "profile" in r and "error" not in r["profile"]), None)
+    if prof:
+        summary["profile_gpu_busy_fraction"] = prof["gpu_busy_ms_per_step"] / prof["wall_ms_per_step"]
     summary["depth_note"] = f"{args.layers} of 60 layers, {args.prompt_len}-token prompts, {args.new_tokens} new tokens"
     write_result("rollout", rows, summary, out=args.out)
     print(f"{'name':24} {'bs':>4} {'tok/s':>10} {'roofline':>9} {'peak GB':>8}  error")
@@ -255,6 +376,12 @@ def main() -> None:
             print(f"{r['name']:24} {r['batch']:>4} {r.get('tokens_per_s', float('nan')):>10.1f} "
                   f"{r.get('roofline_fraction', float('nan')):>9.3f} {r.get('peak_mem_gb', float('nan')):>8.1f}  "
                   f"{r.get('error', '')[:80]}")
+        if "profile" in r and "top_kernels" in r["profile"]:
+            p = r["profile"]
+            print(f"  profile bs{r['batch']}: wall {p['wall_ms_per_step']:.2f} ms/step, "
+                  f"GPU busy {p['gpu_busy_ms_per_step']:.2f} ms/step")
+            for k in p["top_kernels"][:10]:
+                print(f"    {k['total_ms'] / p['steps']:8.3f} ms/step {k['calls'] // p['steps']:>5}x  {k['name'][:70]}")
 
 
 if __name__ == "__main__":

@@ -172,14 +172,15 @@ def profile_decode(eng, prompts, sampling, steps: int = 6, skip: int = 4, top: i
             "top_kernels": [{"name": n, "calls": c, "total_ms": round(t, 4)} for n, (c, t) in rows]}
 
 
-def run_ours(model, cfg, prompts, new, bw, wbytes, page=128, profile=False, pipeline=True):
+def run_ours(model, cfg, prompts, new, bw, wbytes, page=128, profile=False, pipeline=True, compile_decode=False):
     from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
     from lightning_ffpa.rollout.sampler import SamplingParams
 
     bs, plen = len(prompts), len(prompts[0])
     max_len = -(-(plen + new) // page) * page
     ecfg = EngineConfig(page_size=page, num_pages=bs * (max_len // page) + 2, max_batch_size=bs,
-                        max_seq_len=max_len, max_prefill_tokens=16384, pipeline=pipeline)
+                        max_seq_len=max_len, max_prefill_tokens=16384, pipeline=pipeline,
+                        compile_decode=compile_decode)
     eng = RolloutEngine(model, ecfg)
     greedy = SamplingParams(temperature=0.0)
     _, t_warm = timed(lambda: eng.generate(prompts, 4, greedy))  # compiles flex, captures the bucket
@@ -315,6 +316,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--bandwidth-gb", type=float, default=4.0)
     ap.add_argument("--profile", action="store_true", help="profile a few decode steps at the largest batch")
+    ap.add_argument("--compile-decode-batches", default="",
+                    help="also run these batches with EngineConfig.compile_decode (adds compile time)")
     ap.add_argument("--no-pipeline", action="store_true", help="read every decode step back before the next")
     args = ap.parse_args()
     global DEVICE
@@ -327,25 +330,31 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     ours_tps, hf_tps, rollout_s = {}, {}, {}
     batches = [int(b) for b in args.batches.split(",")]
-    hf_batches = [int(b) for b in args.hf_batches.split(",")]
+    hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
+    compile_batches = [int(b) for b in args.compile_decode_batches.split(",") if b]
     for bs in batches:
         prompts = torch.randint(2, cfg.vocab_size, (bs, args.prompt_len), generator=g).tolist()
-        row = {"name": "ours_paged_flex", "batch": bs, "layers": args.layers, "new_tokens": args.new_tokens}
-        eng = None
-        try:
-            res, eng = run_ours(model, cfg, prompts, args.new_tokens, bw, wbytes, args.page_size,
-                                profile=args.profile and bs == max(batches), pipeline=not args.no_pipeline)
-            row.update(res)
-            ours_tps[bs], rollout_s[bs] = res["tokens_per_s"], res["total_s"]
-            if bs == 64 or bs == batches[-1]:
-                row["lora_refresh_s"] = lora_refresh_s(model, eng.model)
-                summary.setdefault("_refresh", {})[bs] = row["lora_refresh_s"]
-        except Exception as err:  # noqa: BLE001 - one failing row is recorded, never kills the run
-            row["error"] = f"{type(err).__name__}: {err}"
-            traceback.print_exc()
-        rows.append(row)
-        del eng
-        _free()
+        compiled = [True] if bs in compile_batches else []
+        for compile_decode in (False, *compiled):
+            name = "ours_paged_flex_compiled_step" if compile_decode else "ours_paged_flex"
+            row = {"name": name, "batch": bs, "layers": args.layers, "new_tokens": args.new_tokens}
+            eng = None
+            try:
+                res, eng = run_ours(model, cfg, prompts, args.new_tokens, bw, wbytes, args.page_size,
+                                    profile=args.profile and bs == max(batches), pipeline=not args.no_pipeline,
+                                    compile_decode=compile_decode)
+                row.update(res)
+                if not compile_decode:
+                    ours_tps[bs], rollout_s[bs] = res["tokens_per_s"], res["total_s"]
+                if not compile_decode and (bs == 64 or bs == batches[-1]):
+                    row["lora_refresh_s"] = lora_refresh_s(model, eng.model)
+                    summary.setdefault("_refresh", {})[bs] = row["lora_refresh_s"]
+            except Exception as err:  # noqa: BLE001 - one failing row is recorded, never kills the run
+                row["error"] = f"{type(err).__name__}: {err}"
+                traceback.print_exc()
+            rows.append(row)
+            del eng
+            _free()
         if bs in hf_batches:
             for name, fn in (("hf_generate_static", run_hf_static), ("hf_continuous_batching", run_hf_cb)):
                 row = {"name": name, "batch": bs, "layers": args.layers, "new_tokens": args.new_tokens}
@@ -363,6 +372,12 @@ def main() -> None:
     ours64 = next((r for r in rows if r.get("name") == "ours_paged_flex" and r.get("batch") == 64), {})
     refresh = summary.pop("_refresh", {})
     summary["roofline_fraction_bs64"] = ours64.get("roofline_fraction")
+    compiled64 = next((r for r in rows if r.get("name") == "ours_paged_flex_compiled_step"
+                       and r.get("batch") == 64), {})
+    if "roofline_fraction" in compiled64:
+        summary["roofline_fraction_bs64_compiled_step"] = compiled64["roofline_fraction"]
+        if 64 in hf_tps:
+            summary["vs_hf_generate_bs64_compiled_step"] = compiled64["tokens_per_s"] / hf_tps[64]
     summary["vs_hf_generate_bs64"] = ours_tps[64] / hf_tps[64] if 64 in ours_tps and 64 in hf_tps else None
     summary["lora_refresh_fraction"] = refresh[64] / rollout_s[64] if 64 in refresh and 64 in rollout_s else None
     prof = next((r["profile"] for r in rows if "profile" in r and "error" not in r["profile"]), None)
@@ -370,10 +385,10 @@ def main() -> None:
         summary["profile_gpu_busy_fraction"] = prof["gpu_busy_ms_per_step"] / prof["wall_ms_per_step"]
     summary["depth_note"] = f"{args.layers} of 60 layers, {args.prompt_len}-token prompts, {args.new_tokens} new tokens"
     write_result("rollout", rows, summary, out=args.out)
-    print(f"{'name':24} {'bs':>4} {'tok/s':>10} {'roofline':>9} {'peak GB':>8}  error")
+    print(f"{'name':30} {'bs':>4} {'tok/s':>10} {'roofline':>9} {'peak GB':>8}  error")
     for r in rows:
         if "batch" in r:
-            print(f"{r['name']:24} {r['batch']:>4} {r.get('tokens_per_s', float('nan')):>10.1f} "
+            print(f"{r['name']:30} {r['batch']:>4} {r.get('tokens_per_s', float('nan')):>10.1f} "
                   f"{r.get('roofline_fraction', float('nan')):>9.3f} {r.get('peak_mem_gb', float('nan')):>8.1f}  "
                   f"{r.get('error', '')[:80]}")
         if "profile" in r and "top_kernels" in r["profile"]:

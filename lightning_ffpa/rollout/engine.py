@@ -75,6 +75,8 @@ class EngineConfig:
     """torch.compile flex_attention (CUDA only; CPU uses the eager path)."""
     attention: str = "flex"
     """"flex", or "dense" (SDPA over the same mask mods: a CPU reference path for fast tiny runs)."""
+    compile_decode: bool = False
+    """torch.compile the whole decode step (layers, masks, sampler) before capture; fuses the small ops (CUDA only)."""
     pipeline: bool = True
     """Queue each decode step before reading back the previous one (stops are seen one step late)."""
 
@@ -120,6 +122,12 @@ class RolloutEngine:
         elif self.on_cuda and cfg.compile_flex:
             compat.raise_recompile_limit()
             self.flex, self.attention_path = torch.compile(flex_attention, dynamic=False), "flex_compiled"
+        if cfg.compile_decode and not self.on_cuda:
+            raise ValueError("`compile_decode=True` needs CUDA (the CPU path runs eagerly)")
+        self._step, self.decode_path = self._decode_step, "eager"
+        if cfg.compile_decode:
+            compat.raise_recompile_limit()
+            self._step, self.decode_path = torch.compile(self._decode_step, dynamic=False), "compiled"
         self.buckets = _buckets(cfg.max_batch_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._graph_pool = None
@@ -248,7 +256,7 @@ class RolloutEngine:
             return _Readback.start(seqs, static["tokens"][:n], static["logprobs"][:n])
         self.stats["eager_decodes"] += 1
         dev = self._to_device(host)
-        tokens, logprobs = self._decode_step(dev[0], dev[1], sampling, generator)
+        tokens, logprobs = self._step(dev[0], dev[1], sampling, generator)
         return _Readback.start(seqs, tokens[:n], logprobs[:n])
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -264,13 +272,13 @@ class RolloutEngine:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up (compiles flex) off the capture
             for _ in range(2):
-                self._decode_step(inputs[0], inputs[1], sampling, None)
+                self._step(inputs[0], inputs[1], sampling, None)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            tokens, logprobs = self._decode_step(inputs[0], inputs[1], sampling, None)
+            tokens, logprobs = self._step(inputs[0], inputs[1], sampling, None)
         self._graphs[bucket] = (graph, {"inputs": inputs, "tokens": tokens, "logprobs": logprobs})
         return self._graphs[bucket]
 

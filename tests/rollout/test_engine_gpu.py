@@ -47,6 +47,17 @@ def test_graphs_match_eager_and_hf_greedy_fp32():
 
 
 @pytest.mark.timeout(600)
+def test_compiled_decode_step_matches_graphs_fp32():
+    model = _model(torch.float32)
+    prompts = _prompts()
+    plain = [s.output for s in RolloutEngine(model, _cfg()).generate(prompts, 32)]
+    eng = RolloutEngine(model, _cfg(compile_decode=True))
+    assert eng.decode_path == "compiled"
+    assert [s.output for s in eng.generate(prompts, 32)] == plain
+    assert eng.stats["graph_replays"] > 0
+
+
+@pytest.mark.timeout(600)
 def test_graph_sampling_bf16_finite_and_seeded():
     model = _model(torch.bfloat16)
     assert all(p.requires_grad for p in model.parameters())  # capture must not trace flex for backward

@@ -72,6 +72,21 @@ def copy_bandwidth(gb: float = 4.0) -> float:
     return 2 * n * 2 / best
 
 
+def read_bandwidth(gb: float = 4.0) -> float:
+    """Device read bandwidth in bytes/s (a sum over `gb` of bf16), best of 10: decode mostly reads."""
+    a = torch.ones(int(gb * 2**30) // 2, dtype=torch.bfloat16, device=DEVICE)
+    best = float("inf")
+    for _ in range(10):
+        _sync()
+        t = time.perf_counter()
+        a.sum(dtype=torch.float32)
+        _sync()
+        best = min(best, time.perf_counter() - t)
+    n = a.numel() * a.element_size()
+    del a
+    return n / best
+
+
 def build_model(layers: int, preset: str = "gemma4-31b"):
     from transformers import Gemma4ForCausalLM
 
@@ -172,7 +187,8 @@ def profile_decode(eng, prompts, sampling, steps: int = 6, skip: int = 4, top: i
             "top_kernels": [{"name": n, "calls": c, "total_ms": round(t, 4)} for n, (c, t) in rows]}
 
 
-def run_ours(model, cfg, prompts, new, bw, wbytes, page=128, profile=False, pipeline=True, compile_decode=False):
+def run_ours(model, cfg, prompts, new, bw, wbytes, page=128, profile=False, pipeline=True, compile_decode=False,
+             read_bw=None):
     from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
     from lightning_ffpa.rollout.sampler import SamplingParams
 
@@ -193,7 +209,9 @@ def run_ours(model, cfg, prompts, new, bw, wbytes, page=128, profile=False, pipe
     ideal_tps = bs / (step_bytes / bw)
     decode_tps = bs * (new - 1) / t_decode
     res = {"tokens_per_s": bs * new / t_total, "decode_tokens_per_s": decode_tps,
-           "roofline_fraction": decode_tps / ideal_tps, "step_bytes": step_bytes, "weight_bytes": wbytes,
+           "roofline_fraction": decode_tps / ideal_tps,
+           "roofline_fraction_read_bw": decode_tps / ideal_tps * bw / read_bw if read_bw else None,
+           "step_bytes": step_bytes, "weight_bytes": wbytes,
            "kv_bytes_per_step": bs * kv_need, "kv_bytes_read_paged": bs * kv_paged,
            "decode_step_ms": t_decode / (new - 1) * 1e3, "ideal_step_ms": step_bytes / bw * 1e3,
            "total_s": t_total, "prefill_s": t_prefill, "warmup_s": t_warm,
@@ -324,7 +342,8 @@ def main() -> None:
     DEVICE = args.device
     rows, summary = [], {}
     bw = copy_bandwidth(args.bandwidth_gb)
-    rows.append({"name": "copy_bandwidth", "bytes_per_s": bw})
+    read_bw = read_bandwidth(args.bandwidth_gb)
+    rows.append({"name": "copy_bandwidth", "bytes_per_s": bw, "read_bytes_per_s": read_bw})
     model, cfg = build_model(args.layers, args.preset)
     wbytes = weight_bytes(model)
     g = torch.Generator().manual_seed(0)
@@ -342,7 +361,7 @@ def main() -> None:
             try:
                 res, eng = run_ours(model, cfg, prompts, args.new_tokens, bw, wbytes, args.page_size,
                                     profile=args.profile and bs == max(batches), pipeline=not args.no_pipeline,
-                                    compile_decode=compile_decode)
+                                    compile_decode=compile_decode, read_bw=read_bw)
                 row.update(res)
                 if not compile_decode:
                     ours_tps[bs], rollout_s[bs] = res["tokens_per_s"], res["total_s"]

@@ -9,8 +9,8 @@ k_eq_v layers still store V = v_norm(k) apart from K = rope(k_norm(k)), so both 
 exactly over the decode positions, over the copy bandwidth (read + write) measured in this run.
 That is the bytes a step must read, not what flex happens to read: whole pages are read, so
 `kv_bytes_read_paged` (page-granular) is also reported, and it does not enter the fraction.
-Decode mostly reads, and read bandwidth is a little above copy bandwidth, so the fraction against a
-measured read bandwidth (`roofline_fraction_read_bw`) is reported too; the target uses copy bandwidth.
+Decode mostly reads, so the fraction against a measured read bandwidth (a bf16 sum,
+`roofline_fraction_read_bw`) is reported too; the target uses the copy bandwidth.
 
 `--profile` records a few decode steps of the largest batch with torch.profiler: the top CUDA
 kernels and GPU-busy vs wall time per step go into that row's `profile`.

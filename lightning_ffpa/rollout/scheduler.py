@@ -88,7 +88,7 @@ class Scheduler:
         """Pick the next step: ("prefill", admitted) when anything can be admitted, else ("decode", rows);
         ("sync", []) when that choice needs tokens still in flight (the engine drains, then asks again)."""
         pending = any(seq.num_pending for seq in self.running)
-        if self.waiting and (pending and self._can_admit()):
+        if pending and self.waiting and self._can_admit():
             return "sync", []
         admitted = [] if pending else self._admit()
         if admitted:

@@ -81,6 +81,24 @@ def test_pipelined_sampling_is_seeded_like_synchronous(gemma):
     assert outs[0] == outs[1] == outs[2]
 
 
+def test_each_step_is_issued_before_the_previous_one_is_read(gemma, monkeypatch):
+    from lightning_ffpa.rollout import engine as engine_mod
+
+    eng = RolloutEngine(gemma, _cfg())
+    issued_at_read = []
+    apply = engine_mod._Readback.apply
+
+    def spy(self, sched):
+        issued_at_read.append(eng.stats["decode_steps"])
+        return apply(self, sched)
+
+    monkeypatch.setattr(engine_mod._Readback, "apply", spy)
+    eng.generate(_prompts(3), 8)  # no EOS: one prefill, then 7 decode steps, the last read by the final sync
+    assert eng.stats["decode_steps"] == 7 and eng.stats["syncs"] == 1
+    # prefill read at 0 issued; decode step k (1-based) is read once step k+1 is queued; step 7 at the sync
+    assert issued_at_read == [0, 2, 3, 4, 5, 6, 7, 7]
+
+
 def test_entry_points_never_record_autograd(gemma, monkeypatch):
     assert all(p.requires_grad for p in gemma.parameters())  # a training model's params
     eng = RolloutEngine(gemma, _cfg())

@@ -6,7 +6,6 @@ wants its cache/shared-KV arguments, and the dynamo recompile limit. Nothing els
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -14,15 +13,14 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-
-@functools.cache
-def _from_kv_blocks_params() -> frozenset[str]:
-    return frozenset(inspect.signature(BlockMask.from_kv_blocks).parameters)
+# Read once at import: a compiled decode step traces `block_mask_from_kv_blocks`, and a plain module
+# constant keeps inspect/functools.cache out of the traced code.
+_HAS_COMPUTE_Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
 def block_mask_from_kv_blocks(*args: Any, compute_q_blocks: bool = True, **kwargs: Any) -> BlockMask:
     """`BlockMask.from_kv_blocks`, dropping `compute_q_blocks` on torch versions without it."""
-    if "compute_q_blocks" in _from_kv_blocks_params():
+    if _HAS_COMPUTE_Q_BLOCKS:
         kwargs["compute_q_blocks"] = compute_q_blocks
     return BlockMask.from_kv_blocks(*args, **kwargs)
 

@@ -150,7 +150,13 @@ class RolloutEngine:
         sched = Scheduler(self.page_table, cfg.max_batch_size, cfg.max_prefill_tokens, self.eos_token_ids)
         for i, p in enumerate(prompts):
             sched.add(Sequence(i, list(p), max_new_tokens))
-        lag = 1 if cfg.pipeline else 0
+        with self.walker.paged_attention():
+            self._run(sched, sampling, generator)
+        self.stats["preemptions"] += sched.num_preemptions
+        return sorted(sched.finished, key=lambda s: s.seq_id)
+
+    def _run(self, sched: Scheduler, sampling: SamplingParams, generator) -> None:
+        lag = 1 if self.config.pipeline else 0
         inflight: deque[_Readback] = deque()
         while sched.has_work:
             kind, seqs = sched.schedule()
@@ -171,16 +177,15 @@ class RolloutEngine:
                     inflight.popleft().apply(sched)
         if inflight:
             raise RuntimeError("decode steps left in flight after every sequence finished")
-        self.stats["preemptions"] += sched.num_preemptions
-        return sorted(sched.finished, key=lambda s: s.seq_id)
 
     @torch.inference_mode()
     def capture_all(self, sampling: SamplingParams) -> None:
         """Capture every bucket up front (benchmarks keep capture out of timed runs)."""
         if self.on_cuda and self.config.cuda_graphs:
             self._use_sampling(sampling)
-            for b in self.buckets:
-                self._graph(b, sampling)
+            with self.walker.paged_attention():
+                for b in self.buckets:
+                    self._graph(b, sampling)
 
     def _use_sampling(self, sampling: SamplingParams) -> None:
         if sampling != self._sampling:
@@ -212,7 +217,7 @@ class RolloutEngine:
         self.cache.begin(self.page_table.physical_index(slots, pos), decode=False)
         ctx = StepContext({w: prefill_block_mask(doc, pos, w) for w in self.walker.windows}, decode=False,
                           flex=self.flex)
-        logits = self.walker.forward(ids[None], pos[None], ctx, self.cache, logits_index=last)
+        logits = self.walker.logits(ids[None], pos[None], ctx, self.cache, logits_index=last)
         self.stats["prefill_steps"] += 1
         self.stats["prefill_tokens"] += total
         tokens, logprobs = sample(logits, sampling, generator)
@@ -232,7 +237,7 @@ class RolloutEngine:
         masks = {w: decode_block_mask(self.logical[w], pt.table, pt.owner, slots, pos, pt.page_size, w)
                  for w in self.walker.windows}
         ctx = StepContext(masks, decode=True, flex=self.flex)
-        logits = self.walker.forward(ids[:, None], pos[:, None], ctx, self.cache)  # (B, V)
+        logits = self.walker.logits(ids[:, None], pos[:, None], ctx, self.cache)  # (B, V)
         tokens, logprobs = sample(logits, sampling, generator)
         self.last_token.index_copy_(0, slots, tokens)  # padded rows all write slot 0, which nobody reads
         return tokens, logprobs

@@ -7,6 +7,8 @@ registered paged attention function; this file does not know about pages or mask
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -54,40 +56,54 @@ class DecoderWalker:
         """Distinct sliding windows over all layers (None = full attention)."""
         return {s.window for s in self.specs}
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: StepContext,
-                cache: PagedKVCache, logits_index: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (N, V) in fp32 for `input_ids` (B, S), keeping rows `logits_index` of the flat (B*S)."""
+    @contextmanager
+    def paged_attention(self):
+        """Route the model's attention modules to the paged flex function while inside."""
         cfg = self.config
         saved = cfg._attn_implementation
-        cfg._attn_implementation = ATTENTION_NAME  # flipped only for this forward; see `finally`
+        cfg._attn_implementation = ATTENTION_NAME
         try:
-            hidden = self.base.embed_tokens(input_ids)  # (B, S, hidden); Gemma scales inside
-            per_layer = None
-            if self.per_layer_dim:
-                per_layer = self.base.get_per_layer_inputs(input_ids, hidden)
-                per_layer = self.base.project_per_layer_inputs(hidden, per_layer)
-            if self.rotary_by_type:
-                rope = {t: self.base.rotary_emb(hidden, position_ids, t) for t in set(self.layer_types)}
-            else:
-                shared_rope = self.base.rotary_emb(hidden, position_ids)
-                rope = {t: shared_rope for t in set(self.layer_types)}
-            shared: dict = {}
-            for i, layer in enumerate(self.base.layers):
-                kw = {"position_embeddings": rope[self.layer_types[i]], "attention_mask": ctx,
-                      "position_ids": position_ids, self._cache_kw: cache}
-                if self._shared_kw:
-                    kw["shared_kv_states"] = shared
-                if self._per_layer_kw:
-                    kw["per_layer_input"] = per_layer[:, :, i, :] if per_layer is not None else None
-                out = layer(hidden, **kw)
-                hidden = out[0] if isinstance(out, tuple) else out
-            hidden = self.base.norm(hidden)
-            hidden = hidden.reshape(-1, hidden.shape[-1])  # (B*S, hidden)
-            if logits_index is not None:
-                hidden = hidden[logits_index]
-            logits = self.model.lm_head(hidden).float()  # (N, V)
-            if self.softcap is not None:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
-            return logits
+            yield
         finally:
             cfg._attn_implementation = saved
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: StepContext,
+                cache: PagedKVCache, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """`logits` with the paged attention routing flipped on for this call only."""
+        with self.paged_attention():
+            return self.logits(input_ids, position_ids, ctx, cache, logits_index)
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: StepContext,
+               cache: PagedKVCache, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (N, V) in fp32 for `input_ids` (B, S), keeping rows `logits_index` of the flat (B*S).
+
+        Call inside `paged_attention()`; it sets no Python state, so a compiled decode step traces it whole.
+        """
+        hidden = self.base.embed_tokens(input_ids)  # (B, S, hidden); Gemma scales inside
+        per_layer = None
+        if self.per_layer_dim:
+            per_layer = self.base.get_per_layer_inputs(input_ids, hidden)
+            per_layer = self.base.project_per_layer_inputs(hidden, per_layer)
+        if self.rotary_by_type:
+            rope = {t: self.base.rotary_emb(hidden, position_ids, t) for t in set(self.layer_types)}
+        else:
+            shared_rope = self.base.rotary_emb(hidden, position_ids)
+            rope = {t: shared_rope for t in set(self.layer_types)}
+        shared: dict = {}
+        for i, layer in enumerate(self.base.layers):
+            kw = {"position_embeddings": rope[self.layer_types[i]], "attention_mask": ctx,
+                  "position_ids": position_ids, self._cache_kw: cache}
+            if self._shared_kw:
+                kw["shared_kv_states"] = shared
+            if self._per_layer_kw:
+                kw["per_layer_input"] = per_layer[:, :, i, :] if per_layer is not None else None
+            out = layer(hidden, **kw)
+            hidden = out[0] if isinstance(out, tuple) else out
+        hidden = self.base.norm(hidden)
+        hidden = hidden.reshape(-1, hidden.shape[-1])  # (B*S, hidden)
+        if logits_index is not None:
+            hidden = hidden[logits_index]
+        logits = self.model.lm_head(hidden).float()  # (N, V)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

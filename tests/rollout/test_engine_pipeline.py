@@ -103,14 +103,14 @@ def test_entry_points_never_record_autograd(gemma, monkeypatch):
     assert all(p.requires_grad for p in gemma.parameters())  # a training model's params
     eng = RolloutEngine(gemma, _cfg())
     seen = []
-    forward = eng.walker.forward
+    forward = eng.walker.logits
 
     def spy(*args, **kwargs):
         logits = forward(*args, **kwargs)
         seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled(), logits.grad_fn))
         return logits
 
-    monkeypatch.setattr(eng.walker, "forward", spy)
+    monkeypatch.setattr(eng.walker, "logits", spy)
     eng.generate(_prompts(2), 6)
     assert seen and all(s == (False, True, None) for s in seen)
     # capture_all is CUDA-only; pretend so and check the graph builder is reached in inference mode

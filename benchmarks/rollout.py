@@ -12,6 +12,9 @@ That is the bytes a step must read, not what flex happens to read: whole pages a
 Decode mostly reads, so the fraction against a measured read bandwidth (a bf16 sum,
 `roofline_fraction_read_bw`) is reported too; the target uses the copy bandwidth.
 
+Rows `ours_paged_flex_compiled_step` (`--compile-decode-batches`, default 64) rerun a batch with
+`EngineConfig.compile_decode`: the whole decode step compiled before capture, fusing the small ops.
+
 `--profile` records a few decode steps of the largest batch with torch.profiler: the top CUDA
 kernels and GPU-busy vs wall time per step go into that row's `profile`.
 
@@ -336,7 +339,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--bandwidth-gb", type=float, default=4.0)
     ap.add_argument("--profile", action="store_true", help="profile a few decode steps at the largest batch")
-    ap.add_argument("--compile-decode-batches", default="",
+    ap.add_argument("--compile-decode-batches", default="64",
                     help="also run these batches with EngineConfig.compile_decode (adds compile time)")
     ap.add_argument("--no-pipeline", action="store_true", help="read every decode step back before the next")
     args = ap.parse_args()

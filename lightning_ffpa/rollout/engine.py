@@ -23,6 +23,11 @@ non-blocking copy into pinned memory, waited on one step late; a sequence that h
 runs one extra step whose token is discarded (max-token stops are exact: the host never issues past
 them). Admission and preemption need exact host state, so the scheduler asks for a sync first.
 
+`EngineConfig.compile_decode` compiles the whole decode step (layers, masks, sampler) before capture.
+A graph replay removes launch overhead but not the cost of each small kernel (HF layers run ~70 per
+layer in eager: norms in fp32, RoPE, residuals); compiling fuses them. The step traces as one graph
+(`test_engine_pipeline.py` checks that on CPU with dynamo's eager backend).
+
 Sliding-window pages are not freed early. One page table serves every layer, and Gemma4's full layers
 read every page, so freeing a sliding layer's out-of-window pages needs a second page pool and table
 for sliding layers (a second set of masks and index maps per step). It saves memory, not bytes read:

@@ -120,3 +120,20 @@ def test_entry_points_never_record_autograd(gemma, monkeypatch):
                                                                       torch.is_inference_mode_enabled())))
     eng.capture_all(SamplingParams(temperature=0.5))
     assert captured == [(b, False, True) for b in eng.buckets]
+
+
+def test_decode_step_traces_as_one_graph_with_the_same_outputs(monkeypatch):
+    """What `compile_decode` compiles on CUDA, traced by dynamo on CPU (eager backend: no codegen)."""
+    import torch._dynamo.testing
+
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(build_text_config("tiny")).eval()
+    prompts = _prompts(3, seed=4)
+    cfg = dict(page_size=16, num_pages=16, max_batch_size=4, max_seq_len=64, attention="flex")
+    plain = [s.output for s in RolloutEngine(model, _cfg(**cfg)).generate(prompts, 6)]
+    eng = RolloutEngine(model, _cfg(**cfg))
+    torch._dynamo.reset()
+    counts = torch._dynamo.testing.CompileCounter()  # counts graphs dynamo hands to the backend
+    monkeypatch.setattr(eng, "_step", torch.compile(eng._decode_step, backend=counts, dynamic=False))
+    assert [s.output for s in eng.generate(prompts, 6)] == plain
+    assert counts.frame_count == 1  # one bucket, one graph: no graph breaks, no recompiles across steps

@@ -149,7 +149,8 @@ def profile_decode(eng, prompts, sampling, steps: int = 6, skip: int = 4, top: i
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    prof = profile(activities=[ProfilerActivity.CUDA])  # device events only: less host overhead in the window
+    # device events only on CUDA: less host overhead inside the timed window (CPU smoke runs record CPU ops)
+    prof = profile(activities=[ProfilerActivity.CUDA if DEVICE == "cuda" else ProfilerActivity.CPU])
     decode, count, marks = eng._decode, [0], {}
 
     def counted(*args, **kwargs):  # starts/stops the profiler around whole decode steps only

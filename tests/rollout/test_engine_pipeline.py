@@ -69,6 +69,15 @@ def test_eos_one_step_late_equals_synchronous(gemma, extra):
         assert eng.stats["preemptions"] > 0
 
 
+def test_last_rows_stopping_on_eos_leave_nothing_in_flight(gemma):
+    prompts = _prompts(1, seed=2)
+    free, _ = _run(gemma, prompts, 12, None, pipeline=False)
+    eos = {free[0][0][4]}  # the only row stops while its next step is already queued
+    late, eng = _run(gemma, prompts, 12, eos, pipeline=True)
+    assert late[0][0] == _truncate(free[0], eos)[0] and late[0][2] == "stop"
+    assert eng.stats["decode_steps"] == free[0][0].index(free[0][0][4]) + 1  # one extra, discarded step
+
+
 def test_pipelined_sampling_is_seeded_like_synchronous(gemma):
     prompts = _prompts(3, seed=1)
     params = SamplingParams(temperature=0.9, top_k=20)

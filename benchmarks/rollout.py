@@ -130,16 +130,24 @@ def timed(fn):
 
 
 def kv_bytes_per_step(eng, plen: int, new: int) -> tuple[float, float]:
-    """Mean K+V bytes one row needs / flex reads (whole pages) per decode step, over positions plen..plen+new-2."""
+    """Mean K+V bytes one row needs / flex reads per decode step, over positions plen..plen+new-2.
+
+    Needed: positions 0..p, the last `window` of them on sliding layers. Read: every page the step's
+    block-mask row lists (whole pages, the union over the row's query block), i.e. what the kernel loads.
+    """
     page = eng.config.page_size
     need = paged = 0.0
     positions = range(plen, plen + new - 1)  # decode step k writes position plen + k and attends 0..itself
+    listed = {}
+    for w, mask in eng.logical.items():
+        full = mask.full_kv_num_blocks
+        listed[w] = (mask.kv_num_blocks[0, 0] + (full[0, 0] if full is not None else 0)).tolist()
     for i, spec in enumerate(eng.walker.specs):
         per_tok = eng.cache.layer_bytes_per_token(i)
         for p in positions:
             lo = 0 if spec.window is None else max(0, p - spec.window + 1)
             need += per_tok * (p + 1 - lo)
-            paged += per_tok * (p // page - lo // page + 1) * page
+            paged += per_tok * listed[spec.window][p // page] * page
     n = max(len(positions), 1)
     return need / n, paged / n
 

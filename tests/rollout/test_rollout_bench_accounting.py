@@ -1,12 +1,16 @@
 """The rollout benchmark's roofline bytes: KV needed per decode step against a dense count of the mask."""
 
+import sys
+from pathlib import Path
+
 import torch
 from transformers import Gemma4ForCausalLM
 
-from benchmarks.rollout import kv_bytes_per_step
-from lightning_ffpa.presets import build_text_config
-from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
-from lightning_ffpa.rollout.masks import generate_causal
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is a folder of scripts
+from benchmarks.rollout import kv_bytes_per_step  # noqa: E402
+from lightning_ffpa.presets import build_text_config  # noqa: E402
+from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
+from lightning_ffpa.rollout.masks import generate_causal  # noqa: E402
 
 
 def test_kv_bytes_needed_and_read_per_step():

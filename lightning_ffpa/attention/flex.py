@@ -54,5 +54,11 @@ def flex_forward(query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMas
         return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     if options is None:
         options = kernel_options(query.shape[-1], query.dtype)
+    if torch.compiler.is_compiling():
+        # Inside a compiled layer: dynamo inlines flex_attention into the layer's graph (kernel options
+        # included) and inductor emits the fused kernel. Calling the cached compiled callable here would
+        # make dynamo trace functools.cache and a torch.compile call, which breaks the layer's graph.
+        return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                              kernel_options=options)
     return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                             kernel_options=options)

@@ -18,6 +18,7 @@ How it is taken:
   recompiles the layer on every call (the 20x slowdown of the compiled row on the H200), and
   ``warnings.warn`` would graph-break; ``reorderable_logging_functions`` calls are silently dropped
   inside the checkpoint higher-order op, so they are no alternative.
+  (A CUDA-graph replay would skip the op's Python body; compiled layers here do not use CUDA graphs.)
 """
 
 from __future__ import annotations

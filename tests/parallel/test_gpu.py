@@ -77,8 +77,9 @@ def test_compiled_sac_layers_match_eager_without_graph_breaks(attn):
             if name == "compiled" and step == 0:
                 graphs = stats["stats"]["unique_graphs"]
         runs[name] = (loss.detach(), attention.dispatch_counts(), attention.kernel_counts())
-    assert not stats["graph_break"], dict(stats["graph_break"])
-    assert stats["stats"]["unique_graphs"] == graphs, "compiled layers recompiled after the first step"
+        if name == "compiled":  # before the eager run, whose compiled flex callable adds graphs of its own
+            assert not stats["graph_break"], dict(stats["graph_break"])
+            assert stats["stats"]["unique_graphs"] == graphs, "compiled layers recompiled after the first step"
     (loss, counts, kernels), (ref_loss, ref_counts, ref_kernels) = runs["compiled"], runs["eager"]
     torch.testing.assert_close(loss, ref_loss, atol=2e-2, rtol=2e-2)
     assert counts == ref_counts and kernels == ref_kernels, (counts, ref_counts, kernels, ref_kernels)

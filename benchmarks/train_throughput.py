@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch._dynamo.utils
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -178,8 +179,13 @@ def run_row(name: str, spec: dict, seqs, args, mesh, device, peak: float, rank: 
                 reset_counts()
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
+                dynamo_stats = torch._dynamo.utils.counters
+                dynamo_stats.clear()
                 times, losses = [], []
+                graphs_after_warmup = 0
                 for step in range(args.warmup + args.steps):
+                    if step == args.warmup:
+                        graphs_after_warmup = dynamo_stats["stats"]["unique_graphs"]
                     _sync(device)
                     t0 = time.perf_counter()
                     loss = loss_fn(spec, model, ids)
@@ -195,7 +201,12 @@ def run_row(name: str, spec: dict, seqs, args, mesh, device, peak: float, rank: 
                 row.update(step_ms=step_s * 1e3, tokens_per_s_per_gpu=seq / step_s,
                            peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
                            mfu=flops / step_s / peak, model_tflops_per_step=flops / 1e12,
-                           first_loss=losses[0], last_loss=losses[-1], dispatch=get_counts())
+                           first_loss=losses[0], last_loss=losses[-1], dispatch=get_counts(),
+                           # compile health: graph breaks, and graphs compiled during the timed steps
+                           # (non-zero means recompiles inside the timing)
+                           graph_breaks=sum(dynamo_stats["graph_break"].values()),
+                           compiled_graphs=dynamo_stats["stats"]["unique_graphs"],
+                           recompiles_timed=dynamo_stats["stats"]["unique_graphs"] - graphs_after_warmup)
                 if not all(map(lambda v: v == v and abs(v) < 1e4, losses)):
                     row["error"] = f"non-finite loss {losses}"
             except Exception as e:  # noqa: BLE001 - one failing row must not kill the run
@@ -287,13 +298,13 @@ def main() -> None:
         "ours_nocompile_vs_sdpa_tps_8k": _ratio(rows, "ours_nocompile", "sdpa", "tokens_per_s_per_gpu"),
     }
     if rank == 0:
-        print(f"\n{'row':16} {'seq':>5} {'tok/s/gpu':>10} {'step ms':>8} {'peak GB':>8} {'MFU':>6}  error")
+        print(f"\n{'row':16} {'seq':>5} {'tok/s/gpu':>10} {'step ms':>8} {'peak GB':>8} {'MFU':>6} {'gb/rc':>5}  error")
         for r in rows:
             if "error" in r:
-                print(f"{r['row']:16} {r['seq']:>5} {'-':>10} {'-':>8} {'-':>8} {'-':>6}  {r['error'][:90]}")
+                print(f"{r['row']:16} {r['seq']:>5} {'-':>10} {'-':>8} {'-':>8} {'-':>6} {'-':>5}  {r['error'][:90]}")
             else:
                 print(f"{r['row']:16} {r['seq']:>5} {r['tokens_per_s_per_gpu']:>10.0f} {r['step_ms']:>8.1f} "
-                      f"{r['peak_mem_gb']:>8.1f} {r['mfu']:>6.1%}")
+                      f"{r['peak_mem_gb']:>8.1f} {r['mfu']:>6.1%} {r['graph_breaks']:>2}/{r['recompiles_timed']:<2}")
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         spec_peak = next((v for k, v in BF16_PEAK_FLOPS.items() if k in name), None)
         write_result("train_throughput", rows, summary, out=args.out, measured_bf16_peak_tflops=peak / 1e12,

@@ -1,4 +1,5 @@
-"""GPU: compiled flex + CUDA graphs against eager decode and HF greedy; graphs survive in-place LoRA refresh."""
+"""GPU: compiled flex + CUDA graphs against eager decode and HF greedy; the compiled decode step; seeded
+sampling across replays; pipelined EOS stops; graphs survive in-place LoRA refresh."""
 
 import copy
 
@@ -66,6 +67,7 @@ def test_graph_sampling_bf16_finite_and_seeded():
     # Capture (and its eager warm-up draws) happens before seeding, so both seeded runs replay alike:
     # each replay reads the default generator's philox seed/offset, which manual_seed resets.
     eng.capture_all(params)
+    eng.generate(_prompts(8, seed=1), 2, params)  # compiles the prefill shapes before seeding too
     runs = []
     for _ in range(2):
         torch.cuda.manual_seed(123)

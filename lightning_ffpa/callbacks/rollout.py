@@ -31,7 +31,8 @@ class RolloutCallback(L.Callback):
                  num_pages: int = 1024, max_batch_size: int = 64, max_seq_len: int = 1024,
                  max_prefill_tokens: int = 8192, cuda_graphs: bool = True, verify_no_drift: bool = False,
                  eos_token_ids: list[int] | None = None, tokenizer: str | None = None,
-                 model_attr: str = "model", pad_token_id: int = 0, attention: str = "flex") -> None:
+                 model_attr: str = "model", pad_token_id: int = 0, attention: str = "flex",
+                 compile_decode: bool = False) -> None:
         """
         Args:
             reward_funcs: Import paths `pkg.module:func` of TRL-signature reward functions (summed).
@@ -53,6 +54,7 @@ class RolloutCallback(L.Callback):
             model_attr: Attribute of the LightningModule holding the HF model.
             pad_token_id: Right-padding id of the GRPO batch.
             attention: "flex" (compiled on CUDA, eager on CPU) or "dense" (SDPA over the same masks; fast tiny CPU runs).
+            compile_decode: torch.compile the whole decode step before graph capture (CUDA only; fuses small ops).
         """
         super().__init__()
         if num_generations < 2:
@@ -63,7 +65,8 @@ class RolloutCallback(L.Callback):
         self.sampling = SamplingParams(temperature, top_p, top_k)
         self.engine_config = EngineConfig(page_size=page_size, num_pages=num_pages, max_batch_size=max_batch_size,
                                           max_seq_len=max_seq_len, max_prefill_tokens=max_prefill_tokens,
-                                          cuda_graphs=cuda_graphs, attention=attention)
+                                          cuda_graphs=cuda_graphs, attention=attention,
+                                          compile_decode=compile_decode)
         self.verify_no_drift, self.eos_token_ids = verify_no_drift, eos_token_ids
         self.tokenizer_name, self.model_attr, self.pad_token_id = tokenizer, model_attr, pad_token_id
         self.engine: RolloutEngine | None = None

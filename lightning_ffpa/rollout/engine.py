@@ -24,7 +24,7 @@ runs one extra step whose token is discarded (max-token stops are exact: the hos
 them). Admission and preemption need exact host state, so the scheduler asks for a sync first.
 
 `EngineConfig.compile_decode` compiles the whole decode step (layers, masks, sampler) before capture.
-A graph replay removes launch overhead but not the cost of each small kernel (HF layers run ~70 per
+A graph replay removes launch overhead but not the cost of each small kernel (HF layers run dozens per
 layer in eager: norms in fp32, RoPE, residuals); compiling fuses them. The step traces as one graph
 (`test_engine_pipeline.py` checks that on CPU with dynamo's eager backend).
 

@@ -66,7 +66,7 @@ def account(preset: str = "gemma4-31b", seq: int = 8192, rules=SAVE_MM_RULES) ->
     for rule in rules:
         records: dict[int, list] = defaultdict(list)
 
-        def recording(meta, save_ops, mm_ops, save_mm, ctx, op, *args, **kwargs):
+        def recording(meta, save_ops, mm_ops, save_mm, ctx, op, *args, records=records, **kwargs):
             decision = real(meta, save_ops, mm_ops, save_mm, ctx, op, *args, **kwargs)
             if not ctx.is_recompute:
                 out = op(*args, **{k: v for k, v in kwargs.items() if k != "width"})

@@ -1,0 +1,89 @@
+"""Where one training step's memory and time go: per-phase memory, and a profiled step's top CUDA kernels.
+
+Owns the measuring only; the step itself (forward + loss, backward, optimizer) is the caller's, passed
+in as three callables so every benchmark row is probed the same way. Neither probe is timed: they
+run on an extra step after the timed ones, because the syncs and the profiler perturb timing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["phase_memory", "profile_step"]
+
+_GIB = 2**30
+
+
+def phase_memory(device: torch.device, forward_loss: Callable[[], torch.Tensor],
+                 backward: Callable[[torch.Tensor], None], optimizer_step: Callable[[], None]) -> dict | None:
+    """Peak and end-of-phase allocated GiB for forward+loss, backward and the optimizer step (CUDA only).
+
+    The peak counter is reset before each phase, so each peak is that phase's own high-water mark
+    (on top of whatever was allocated when it began: `allocated_before_gb`).
+    """
+    if device.type != "cuda":
+        return None
+    out: dict = {}
+    torch.cuda.synchronize(device)
+    out["allocated_before_gb"] = torch.cuda.memory_allocated(device) / _GIB
+
+    def phase(name: str, fn: Callable, *args) -> object:
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn(*args)
+        torch.cuda.synchronize(device)
+        out[name] = dict(peak_gb=torch.cuda.max_memory_allocated(device) / _GIB,
+                         allocated_after_gb=torch.cuda.memory_allocated(device) / _GIB)
+        return result
+
+    loss = phase("forward_loss", forward_loss)
+    phase("backward", backward, loss)
+    loss = None  # its graph holds the model's FSDP state; the optimizer phase must not see it
+    phase("optimizer", optimizer_step)
+    out["step_peak_gb"] = max(out[k]["peak_gb"] for k in ("forward_loss", "backward", "optimizer"))
+    out["peak_phase"] = max(("forward_loss", "backward", "optimizer"), key=lambda k: out[k]["peak_gb"])
+    return out
+
+
+def profile_step(device: torch.device, step: Callable[[], None], top: int = 25, name_chars: int = 90) -> dict:
+    """Profile one step: top `top` CUDA kernels by total time, and CUDA busy time against wall time.
+
+    `cuda_busy_ms` is the union of kernel intervals (overlapping streams counted once); busy / wall
+    below 1 means the GPU waited on the host (launch overhead, syncs, graph breaks).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    kernels: dict[str, list] = {}
+    intervals = []
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        total = kernels.setdefault(ev.name, [0, 0.0])
+        total[0] += 1
+        total[1] += ev.time_range.elapsed_us() / 1e3
+        intervals.append((ev.time_range.start, ev.time_range.end))
+    busy_us, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):  # union of intervals
+        if stop > end:
+            busy_us += stop - max(start, end)
+            end = stop
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    return dict(
+        wall_ms=wall_ms,
+        cuda_busy_ms=busy_us / 1e3,
+        cuda_busy_fraction=busy_us / 1e3 / wall_ms if wall_ms else None,
+        cuda_kernel_total_ms=sum(v[1] for v in kernels.values()),
+        num_kernels=sum(v[0] for v in kernels.values()),
+        top_kernels=[dict(name=n[:name_chars], calls=c, total_ms=round(ms, 3)) for n, (c, ms) in ranked[:top]],
+    )

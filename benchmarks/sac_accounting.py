@@ -70,10 +70,11 @@ def account(preset: str = "gemma4-31b", seq: int = 8192, rules=SAVE_MM_RULES) ->
             decision = real(meta, save_ops, mm_ops, save_mm, ctx, op, *args, **kwargs)
             if not ctx.is_recompute:
                 out = op(*args, **{k: v for k, v in kwargs.items() if k != "width"})
-                flops = 0
+                flops, name = 0, str(op).removeprefix("aten.").removesuffix(".default")
                 if op in mm_ops:
-                    flops = 2 * checkpointing.mm_reduction_dim(op, args) * _nbytes(out) // out.element_size()
-                records[id(meta)].append((str(op), decision == CheckpointPolicy.MUST_SAVE, _nbytes(out), flops))
+                    k = checkpointing.mm_reduction_dim(op, args)
+                    flops, name = 2 * k * _nbytes(out) // out.element_size(), f"{name}(K={k})"
+                records[id(meta)].append((name, decision == CheckpointPolicy.MUST_SAVE, _nbytes(out), flops))
             return decision
 
         checkpointing.sac_policy = recording
@@ -96,7 +97,7 @@ def account(preset: str = "gemma4-31b", seq: int = 8192, rules=SAVE_MM_RULES) ->
                 saved_mm_bytes=sum(r[2] for r in mm if r[1]),
                 mm_flops=sum(r[3] for r in mm),
                 recompute_mm_flops=sum(r[3] for r in mm if not r[1]),
-                saved_ops=[r[0].removeprefix("aten.").removesuffix(".default") for r in recs if r[1]],
+                saved_ops=[r[0] for r in recs if r[1]],
             ))
         result[rule] = layers
     return result

@@ -1,0 +1,48 @@
+"""CPU smoke of benchmarks/train_throughput.py: the rows the lead runs on H200 build, train and report."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parents[2]
+_SMOKE = ["--cpu", "--preset", "tiny", "--layers", "4", "--seqs", "256", "--warmup", "1", "--steps", "1"]
+
+
+def _run(tmp_path, rows, launcher=(), extra=()):
+    out = tmp_path / "tt.json"
+    cmd = [*launcher, str(_ROOT / "benchmarks" / "train_throughput.py"), *_SMOKE, "--rows", *rows,
+           "--out", str(out), *extra]
+    env = dict(os.environ, PYTHONPATH=str(_ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_benchmark_rows_run_on_cpu(tmp_path):
+    result = _run(tmp_path, ["sdpa", "ours_nocompile", "ours_every_other"], launcher=[sys.executable],
+                  extra=["--profile"])
+    rows = {r["row"]: r for r in result["rows"]}
+    assert not [r["error"] for r in rows.values() if "error" in r]
+    # A model surviving its row would be counted in the next row's memory (the H200 run's +16 GiB).
+    assert not [r["warning"] for r in rows.values() if "warning" in r]
+    assert rows["ours_nocompile"]["save_mm"] == result["summary"]["ours_sac_save_mm"] == "high_k"
+    assert rows["ours_nocompile"]["optim"] == "product" and rows["sdpa"]["optim"] == "adamw_default"
+    assert rows["ours_every_other"]["save_mm"] == "every_other"
+    assert all("memory_phases" in r and "allocated_before_row_gb" in r for r in rows.values())
+    assert rows["ours_nocompile"]["profile"]["wall_ms"] > 0 and "profile" not in rows["sdpa"]
+    for r in rows.values():
+        assert 0 < r["last_loss"] < 20, r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_benchmark_dp2_on_cpu(tmp_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547"]
+    result = _run(tmp_path, ["sdpa", "ours_nocompile"], launcher=launcher, extra=["--dp", "2"])
+    assert result["dp"] == 2
+    assert not [r["error"] for r in result["rows"] if "error" in r]

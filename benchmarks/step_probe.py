@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["phase_memory", "profile_step"]
+__all__ = ["phase_memory", "profile_step", "summarize_kernels"]
 
 _GIB = 2**30
 
@@ -64,23 +64,26 @@ def profile_step(device: torch.device, step: Callable[[], None], top: int = 25, 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall_ms = (time.perf_counter() - t0) * 1e3
+    events = [(ev.name, ev.time_range.start, ev.time_range.end) for ev in prof.events()
+              if ev.device_type == torch.autograd.DeviceType.CUDA]
+    return dict(wall_ms=wall_ms, **summarize_kernels(events, wall_ms, top, name_chars))
+
+
+def summarize_kernels(events: list[tuple[str, float, float]], wall_ms: float, top: int = 25,
+                      name_chars: int = 90) -> dict:
+    """(name, start_us, end_us) kernel events -> busy time (interval union), totals and the top kernels."""
     kernels: dict[str, list] = {}
-    intervals = []
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        total = kernels.setdefault(ev.name, [0, 0.0])
+    for name, start, stop in events:
+        total = kernels.setdefault(name, [0, 0.0])
         total[0] += 1
-        total[1] += ev.time_range.elapsed_us() / 1e3
-        intervals.append((ev.time_range.start, ev.time_range.end))
+        total[1] += (stop - start) / 1e3
     busy_us, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):  # union of intervals
+    for start, stop in sorted((start, stop) for _, start, stop in events):  # union of intervals
         if stop > end:
             busy_us += stop - max(start, end)
             end = stop
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
     return dict(
-        wall_ms=wall_ms,
         cuda_busy_ms=busy_us / 1e3,
         cuda_busy_fraction=busy_us / 1e3 / wall_ms if wall_ms else None,
         cuda_kernel_total_ms=sum(v[1] for v in kernels.values()),

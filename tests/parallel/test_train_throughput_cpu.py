@@ -46,3 +46,15 @@ def test_benchmark_dp2_on_cpu(tmp_path):
     result = _run(tmp_path, ["sdpa", "ours_nocompile"], launcher=launcher, extra=["--dp", "2"])
     assert result["dp"] == 2
     assert not [r["error"] for r in result["rows"] if "error" in r]
+
+
+def test_kernel_summary_counts_overlap_once():
+    sys.path.insert(0, str(_ROOT))
+    from benchmarks.step_probe import summarize_kernels
+
+    events = [("gemm", 0.0, 1000.0), ("gemm", 2000.0, 3000.0), ("elementwise", 500.0, 1500.0), ("x" * 200, 5000.0, 5100.0)]
+    s = summarize_kernels(events, wall_ms=10.0, top=2, name_chars=11)
+    assert s["cuda_busy_ms"] == 2.6  # [0,1.5] + [2,3] + [5,5.1]
+    assert s["cuda_kernel_total_ms"] == 3.1 and s["num_kernels"] == 4
+    assert s["cuda_busy_fraction"] == 0.26
+    assert s["top_kernels"] == [dict(name="gemm", calls=2, total_ms=2.0), dict(name="elementwise", calls=1, total_ms=1.0)]

@@ -351,13 +351,19 @@ def main() -> None:
         "ours_sac_save_mm": PRODUCT_SAVE_MM,
     }
     if rank == 0:
-        print(f"\n{'row':16} {'seq':>5} {'tok/s/gpu':>10} {'step ms':>8} {'peak GB':>8} {'MFU':>6}  error")
+        print(f"\n{'row':16} {'seq':>5} {'tok/s/gpu':>10} {'step ms':>8} {'peak GB':>8} {'MFU':>6} "
+              f"{'fwd/bwd/opt peak GB':>20} {'before':>6}  error")
         for r in rows:
             if "error" in r:
-                print(f"{r['row']:16} {r['seq']:>5} {'-':>10} {'-':>8} {'-':>8} {'-':>6}  {r['error'][:90]}")
-            else:
-                print(f"{r['row']:16} {r['seq']:>5} {r['tokens_per_s_per_gpu']:>10.0f} {r['step_ms']:>8.1f} "
-                      f"{r['peak_mem_gb']:>8.1f} {r['mfu']:>6.1%}")
+                print(f"{r['row']:16} {r['seq']:>5} {'-':>10} {'-':>8} {'-':>8} {'-':>6} {'-':>20} {'-':>6}  "
+                      f"{r['error'][:90]}")
+                continue
+            ph = r.get("memory_phases") or {}
+            phases = "/".join(f"{ph[k]['peak_gb']:.1f}" for k in ("forward_loss", "backward", "optimizer")) if ph else "-"
+            before = r.get("allocated_before_row_gb")
+            print(f"{r['row']:16} {r['seq']:>5} {r['tokens_per_s_per_gpu']:>10.0f} {r['step_ms']:>8.1f} "
+                  f"{r['peak_mem_gb']:>8.1f} {r['mfu']:>6.1%} {phases:>20} "
+                  f"{'-' if before is None else f'{before:.1f}':>6}  {r.get('warning', '')}")
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         spec_peak = next((v for k, v in BF16_PEAK_FLOPS.items() if k in name), None)
         write_result("train_throughput", rows, summary, out=args.out, measured_bf16_peak_tflops=peak / 1e12,

@@ -232,7 +232,8 @@ def run_row(name: str, spec: dict, seqs, args, mesh, device, peak: float, rank: 
                 flops = train_flops_per_batch(model, 1, seq)
                 row.update(step_ms=step_s * 1e3, tokens_per_s_per_gpu=seq / step_s,
                            peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
-                           mfu=flops / step_s / peak, model_tflops_per_step=flops / 1e12,
+                           mfu=flops / step_s / peak if device.type == "cuda" else None,  # no CPU peak
+                           model_tflops_per_step=flops / 1e12,
                            first_loss=losses[0], last_loss=losses[-1], dispatch=get_counts())
                 # Untimed extra steps: where the memory goes, and (opt-in) where the time goes.
                 row["memory_phases"] = phase_memory(device, partial(loss_fn, spec, model, ids),
@@ -362,7 +363,7 @@ def main() -> None:
             phases = "/".join(f"{ph[k]['peak_gb']:.1f}" for k in ("forward_loss", "backward", "optimizer")) if ph else "-"
             before = r.get("allocated_before_row_gb")
             print(f"{r['row']:16} {r['seq']:>5} {r['tokens_per_s_per_gpu']:>10.0f} {r['step_ms']:>8.1f} "
-                  f"{r['peak_mem_gb']:>8.1f} {r['mfu']:>6.1%} {phases:>20} "
+                  f"{r['peak_mem_gb']:>8.1f} {'-' if r['mfu'] is None else format(r['mfu'], '.1%'):>6} {phases:>20} "
                   f"{'-' if before is None else f'{before:.1f}':>6}  {r.get('warning', '')}")
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         spec_peak = next((v for k, v in BF16_PEAK_FLOPS.items() if k in name), None)

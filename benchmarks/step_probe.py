@@ -18,33 +18,62 @@ _GIB = 2**30
 
 
 def phase_memory(device: torch.device, forward_loss: Callable[[], torch.Tensor],
-                 backward: Callable[[torch.Tensor], None], optimizer_step: Callable[[], None]) -> dict | None:
-    """Peak and end-of-phase allocated GiB for forward+loss, backward and the optimizer step (CUDA only).
+                 backward: Callable[[torch.Tensor], None], optimizer_step: Callable[[], None]) -> dict:
+    """Memory of forward+loss, backward and the optimizer step, each phase measured on its own.
 
-    The peak counter is reset before each phase, so each peak is that phase's own high-water mark
-    (on top of whatever was allocated when it began: `allocated_before_gb`).
+    Per phase: `peak_above_start_gb` (its own high-water mark over what was allocated when it began)
+    and `allocated_change_gb`; on CUDA also the absolute `peak_gb` / `allocated_after_gb` (the peak
+    counter is reset before each phase). On CPU the allocator has no counters, so the profiler's
+    allocation and free events are replayed in time order instead.
     """
-    if device.type != "cuda":
-        return None
     out: dict = {}
-    torch.cuda.synchronize(device)
-    out["allocated_before_gb"] = torch.cuda.memory_allocated(device) / _GIB
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    out["allocated_before_gb"] = torch.cuda.memory_allocated(device) / _GIB if cuda else None
 
     def phase(name: str, fn: Callable, *args) -> object:
-        torch.cuda.reset_peak_memory_stats(device)
-        result = fn(*args)
-        torch.cuda.synchronize(device)
-        out[name] = dict(peak_gb=torch.cuda.max_memory_allocated(device) / _GIB,
-                         allocated_after_gb=torch.cuda.memory_allocated(device) / _GIB)
+        if cuda:
+            start = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            result = fn(*args)
+            torch.cuda.synchronize(device)
+            peak, end = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
+            out[name] = dict(peak_gb=peak / _GIB, allocated_after_gb=end / _GIB,
+                             peak_above_start_gb=(peak - start) / _GIB, allocated_change_gb=(end - start) / _GIB)
+        else:
+            result, peak, change = _cpu_tracked(fn, *args)
+            out[name] = dict(peak_above_start_gb=peak / _GIB, allocated_change_gb=change / _GIB)
         return result
 
     loss = phase("forward_loss", forward_loss)
     phase("backward", backward, loss)
     loss = None  # its graph holds the model's FSDP state; the optimizer phase must not see it
     phase("optimizer", optimizer_step)
-    out["step_peak_gb"] = max(out[k]["peak_gb"] for k in ("forward_loss", "backward", "optimizer"))
-    out["peak_phase"] = max(("forward_loss", "backward", "optimizer"), key=lambda k: out[k]["peak_gb"])
+    key = "peak_gb" if cuda else "peak_above_start_gb"
+    phases = ("forward_loss", "backward", "optimizer")
+    out["step_peak_gb"] = max(out[k][key] for k in phases) if cuda else None
+    out["peak_phase"] = max(phases, key=lambda k: out[k][key])
     return out
+
+
+def _cpu_tracked(fn: Callable, *args) -> tuple[object, int, int]:
+    """Run `fn` under the profiler's memory tracking: (result, peak bytes above start, net bytes).
+
+    Reads the raw allocator events (`kineto_results`, not public API): the FunctionEvent view files
+    a free under its enclosing scope (e.g. `Optimizer.step`), out of time order.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn(*args)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    cur = peak = 0
+    for _, nbytes in events:
+        cur += nbytes
+        peak = max(peak, cur)
+    return result, peak, cur
 
 
 def profile_step(device: torch.device, step: Callable[[], None], top: int = 25, name_chars: int = 90) -> dict:

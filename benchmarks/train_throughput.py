@@ -269,6 +269,13 @@ def _train_step(spec: dict, model, opt, ids) -> None:
     _opt_step(opt)
 
 
+def _phase_peak(phase: dict) -> str:
+    """GiB peak on CUDA; on CPU (no absolute counter) the MiB above the phase start, as "+NM"."""
+    if "peak_gb" in phase:
+        return f"{phase['peak_gb']:.1f}"
+    return f"+{phase['peak_above_start_gb'] * 1024:.0f}M"
+
+
 def _ratio(rows, a, b, key, seq=8192):
     def get(name):
         for r in rows:
@@ -360,7 +367,7 @@ def main() -> None:
                       f"{r['error'][:90]}")
                 continue
             ph = r.get("memory_phases") or {}
-            phases = "/".join(f"{ph[k]['peak_gb']:.1f}" for k in ("forward_loss", "backward", "optimizer")) if ph else "-"
+            phases = "/".join(_phase_peak(ph[k]) for k in ("forward_loss", "backward", "optimizer")) if ph else "-"
             before = r.get("allocated_before_row_gb")
             print(f"{r['row']:16} {r['seq']:>5} {r['tokens_per_s_per_gpu']:>10.0f} {r['step_ms']:>8.1f} "
                   f"{r['peak_mem_gb']:>8.1f} {'-' if r['mfu'] is None else format(r['mfu'], '.1%'):>6} {phases:>20} "

@@ -58,3 +58,23 @@ def test_kernel_summary_counts_overlap_once():
     assert s["cuda_kernel_total_ms"] == 3.1 and s["num_kernels"] == 4
     assert s["cuda_busy_fraction"] == 0.26
     assert s["top_kernels"] == [dict(name="gemm", calls=2, total_ms=2.0), dict(name="elementwise", calls=1, total_ms=1.0)]
+
+
+def test_cpu_phase_memory_sees_the_foreach_adamw_temporary():
+    """The optimizer phase of foreach AdamW peaks one parameter-size above its start; fused does not."""
+    import torch
+
+    sys.path.insert(0, str(_ROOT))
+    from benchmarks.step_probe import phase_memory
+
+    def run(**kw):
+        p = torch.nn.Parameter(torch.randn(512, 512))  # 1 MiB fp32
+        opt = torch.optim.AdamW([p], lr=1e-3, **kw)
+        loss_fn = lambda: (p * p).sum()  # noqa: E731
+        for _ in range(2):  # first step creates the Adam states; the second is the steady state
+            mem = phase_memory(torch.device("cpu"), loss_fn, torch.Tensor.backward, opt.step)
+            opt.zero_grad(set_to_none=True)
+        return mem["optimizer"]["peak_above_start_gb"] * 1024  # MiB
+
+    assert run(foreach=True) == pytest.approx(1.0, abs=0.01)
+    assert run(fused=True) == pytest.approx(0.0, abs=0.01)

@@ -40,6 +40,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch._dynamo.utils
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -214,8 +215,13 @@ def run_row(name: str, spec: dict, seqs, args, mesh, device, peak: float, rank: 
                 reset_counts()
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
+                dynamo_stats = torch._dynamo.utils.counters
+                dynamo_stats.clear()
                 times, losses = [], []
+                graphs_after_warmup = 0
                 for step in range(args.warmup + args.steps):
+                    if step == args.warmup:
+                        graphs_after_warmup = dynamo_stats["stats"]["unique_graphs"]
                     _sync(device)
                     t0 = time.perf_counter()
                     loss = loss_fn(spec, model, ids)
@@ -234,7 +240,12 @@ def run_row(name: str, spec: dict, seqs, args, mesh, device, peak: float, rank: 
                            peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
                            mfu=flops / step_s / peak if device.type == "cuda" else None,  # no CPU peak
                            model_tflops_per_step=flops / 1e12,
-                           first_loss=losses[0], last_loss=losses[-1], dispatch=get_counts())
+                           first_loss=losses[0], last_loss=losses[-1], dispatch=get_counts(),
+                           # compile health: graph breaks, and graphs compiled during the timed steps
+                           # (non-zero means recompiles inside the timing)
+                           graph_breaks=sum(dynamo_stats["graph_break"].values()),
+                           compiled_graphs=dynamo_stats["stats"]["unique_graphs"],
+                           recompiles_timed=dynamo_stats["stats"]["unique_graphs"] - graphs_after_warmup)
                 # Untimed extra steps: where the memory goes, and (opt-in) where the time goes.
                 row["memory_phases"] = phase_memory(device, partial(loss_fn, spec, model, ids),
                                                     torch.Tensor.backward, partial(_opt_step, opt))
@@ -359,18 +370,19 @@ def main() -> None:
         "ours_sac_save_mm": PRODUCT_SAVE_MM,
     }
     if rank == 0:
-        print(f"\n{'row':16} {'seq':>5} {'tok/s/gpu':>10} {'step ms':>8} {'peak GB':>8} {'MFU':>6} "
+        print(f"\n{'row':16} {'seq':>5} {'tok/s/gpu':>10} {'step ms':>8} {'peak GB':>8} {'MFU':>6} {'gb/rc':>5} "
               f"{'fwd/bwd/opt peak GB':>20} {'before':>6}  error")
         for r in rows:
             if "error" in r:
-                print(f"{r['row']:16} {r['seq']:>5} {'-':>10} {'-':>8} {'-':>8} {'-':>6} {'-':>20} {'-':>6}  "
+                print(f"{r['row']:16} {r['seq']:>5} {'-':>10} {'-':>8} {'-':>8} {'-':>6} {'-':>5} {'-':>20} {'-':>6}  "
                       f"{r['error'][:90]}")
                 continue
             ph = r.get("memory_phases") or {}
             phases = "/".join(_phase_peak(ph[k]) for k in ("forward_loss", "backward", "optimizer")) if ph else "-"
             before = r.get("allocated_before_row_gb")
             print(f"{r['row']:16} {r['seq']:>5} {r['tokens_per_s_per_gpu']:>10.0f} {r['step_ms']:>8.1f} "
-                  f"{r['peak_mem_gb']:>8.1f} {'-' if r['mfu'] is None else format(r['mfu'], '.1%'):>6} {phases:>20} "
+                  f"{r['peak_mem_gb']:>8.1f} {'-' if r['mfu'] is None else format(r['mfu'], '.1%'):>6} "
+                  f"{r['graph_breaks']:>2}/{r['recompiles_timed']:<2} {phases:>20} "
                   f"{'-' if before is None else f'{before:.1f}':>6}  {r.get('warning', '')}")
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         spec_peak = next((v for k, v in BF16_PEAK_FLOPS.items() if k in name), None)

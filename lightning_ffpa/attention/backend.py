@@ -6,15 +6,16 @@ Routing for one attention call (in this order):
 3. an eligible full-attention call goes to FFPA: dense with no mask, varlen with a 2D padding mask;
 4. anything else falls back: eager when a softcap is set, otherwise SDPA with repeated KV
    (never ``enable_gqa`` at head_dim > 256, which drops to the MATH kernel).
-Every fallback is counted and warned about once per reason. Kernels live in ``kernels.py``;
-this file never calls ffpa_attn directly.
+Every fallback is counted and warned about once per reason. Counting goes through ``counters.py``, so
+it is taken at runtime once per forward call in eager and compiled layers alike, and nothing here
+graph-breaks or recompiles a compiled layer. Kernels live in ``kernels.py``; this file never calls
+ffpa_attn directly.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from lightning_ffpa.attention import _hf_shim, kernels, masks
+from lightning_ffpa.attention import _hf_shim, counters, kernels, masks
 from lightning_ffpa.attention.flex import flex_forward
 
 NAME = "ffpa"
@@ -51,28 +52,27 @@ class FFPABackendConfig:
 
 
 _config = FFPABackendConfig()
-_counts: Counter = Counter()
-_reasons: Counter = Counter()
-_warned: set[str] = set()
 _packed_cache: dict[str, tuple] = {}
 
 
 def dispatch_counts() -> dict[str, int]:
-    """Calls per path since the last reset: ffpa-dense, ffpa-varlen, flex, sdpa, eager."""
-    return {p: _counts[p] for p in PATHS}
+    """Forward calls per path since the last reset: ffpa-dense, ffpa-varlen, flex, sdpa, eager.
+
+    One count per attention call in a forward pass, eager or compiled; activation-checkpoint
+    recomputes are not counted again (see ``counters.py``).
+    """
+    paths = counters.counts("path")
+    return {p: paths.get(p, 0) for p in PATHS}
 
 
 def fallback_counts() -> dict[str, int]:
     """Fallback calls per reason since the last reset (e.g. {'dtype': 4})."""
-    return dict(_reasons)
+    return counters.counts("reason")
 
 
 def reset_dispatch_counts() -> None:
     """Zero the path/reason/kernel counters and re-arm the once-per-reason warnings."""
-    _counts.clear()
-    _reasons.clear()
-    _warned.clear()
-    kernels.reset_kernel_counts()
+    counters.reset()
 
 
 def config() -> FFPABackendConfig:
@@ -159,13 +159,19 @@ _REASON_TEXT = {
 }
 
 
-def _note_fallback(reason: str, detail: str = "") -> None:
-    _reasons[reason] += 1
-    if reason not in _warned:
-        _warned.add(reason)
-        text = _REASON_TEXT.get(reason, reason)
-        warnings.warn(f"'ffpa' attention fallback ({reason}): {text}{'; ' + detail if detail else ''}",
-                      FFPAFallbackWarning, stacklevel=3)
+def _warn_fallback(reason: str) -> None:
+    """Warn once per reason; runs at runtime from the counter (also inside compiled layers)."""
+    text = _REASON_TEXT.get(reason, reason)
+    detail = kernels.ffpa_unavailable_reason() if reason == "kernel_unavailable" else ""
+    warnings.warn(f"'ffpa' attention fallback ({reason}): {text}{'; ' + detail if detail else ''}",
+                  FFPAFallbackWarning, stacklevel=2)
+
+
+counters.on_first("reason", _warn_fallback)
+
+
+def _note_fallback(reason: str, query: Tensor) -> None:
+    counters.count("reason", reason, query)
 
 
 def _is_packed(position_ids: Tensor | None) -> bool:
@@ -205,16 +211,16 @@ def ffpa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     if isinstance(attention_mask, BlockMask):
         if softcap:
-            _note_fallback("softcap")
+            _note_fallback("softcap", query)
             mask = masks.dense_from_block_mask(attention_mask, query.device)
             return _eager(module, query, key, value, mask, dropout, scaling, softcap), None
         if query.device.type == "meta" or (query.device.type == "cpu" and torch.is_grad_enabled()
                                             and query.requires_grad):
             # torch's flex has no CPU backward and no meta kernel (FLOP counting): the same mask runs through SDPA.
-            _note_fallback("flex_" + query.device.type)
+            _note_fallback("flex_" + query.device.type, query)
             mask = masks.dense_from_block_mask(attention_mask, query.device)
             return _sdpa(query, key, value, mask, dropout, scaling, False), None
-        _counts["flex"] += 1
+        counters.count("path", "flex", query)
         out = flex_forward(query, key, value, attention_mask, scaling)
         return out.transpose(1, 2), None
 
@@ -226,12 +232,12 @@ def ffpa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
         # HF's [B,H,S,D] are transposed views of [B,S,H,D] projections: transposing back is free.
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         if attention_mask is None:
-            _counts["ffpa-dense"] += 1
+            counters.count("path", "ffpa-dense", query)
             return kernels.ffpa_attention(q, k, v, scaling, causal), None
-        _counts["ffpa-varlen"] += 1
+        counters.count("path", "ffpa-varlen", query)
         return _varlen(q, k, v, attention_mask, scaling, causal), None
 
-    _note_fallback(reason, kernels.ffpa_unavailable_reason() if reason == "kernel_unavailable" else "")
+    _note_fallback(reason, query)
     if attention_mask is not None and attention_mask.dim() == 2:
         attention_mask = masks.dense_causal_padding(attention_mask, query.shape[2], key.shape[2], causal,
                                                     query.device)
@@ -267,7 +273,7 @@ def _bottom_right(mask: Tensor | None, causal: bool, q_len: int, kv_len: int, de
 
 def _sdpa(query, key, value, mask, dropout, scaling, causal) -> Tensor:
     """SDPA with KV repeated to the query heads (enable_gqa at head_dim > 256 selects the MATH kernel)."""
-    _counts["sdpa"] += 1
+    counters.count("path", "sdpa", query)
     groups = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -282,7 +288,7 @@ def _sdpa(query, key, value, mask, dropout, scaling, causal) -> Tensor:
 
 def _eager(module, query, key, value, mask, dropout, scaling, softcap, causal: bool = False) -> Tensor:
     """Plain matmul-softmax attention with a logit softcap (what HF's eager does)."""
-    _counts["eager"] += 1
+    counters.count("path", "eager", query)
     groups = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -49,10 +49,15 @@ def flex_forward(query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMas
                  options: dict[str, int] | None = None) -> Tensor:
     """flex_attention on ``[B,H,S,D]`` with GQA; compiled with per-head_dim options on CUDA, eager elsewhere."""
     gqa = query.shape[1] != key.shape[1]
-    if query.device.type != "cuda":
-        # Eager flex is the unfused reference path; fine for CPU tests, never used for speed.
-        return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    if options is None:
+    cuda = query.device.type == "cuda"
+    if options is None and cuda:
         options = kernel_options(query.shape[-1], query.dtype)
+    if torch.compiler.is_compiling() or not cuda:
+        # Inside a compiled layer dynamo inlines flex_attention into the layer's graph, kernel options
+        # included, and inductor emits the fused kernel; calling the cached compiled callable instead
+        # would make dynamo trace functools.cache and torch.compile, which breaks the layer's graph.
+        # Eager on CPU is the unfused reference path: fine for tests, never used for speed.
+        return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                              kernel_options=options)
     return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                             kernel_options=options)

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from lightning_ffpa.attention import counters
+
 # importing registers torch.ops.lightning_ffpa.ref_* (the CPU reference of the contract)
 from lightning_ffpa.attention.reference import _segments
 
@@ -58,7 +60,6 @@ CUTE_ARCH_MAJORS = (9, 10)
 _NO_WINDOW = -(2**31)
 
 _forced: str | None = None
-_kernel_counts: dict[str, int] = dict.fromkeys(KERNELS, 0)
 
 
 # --------------------------------------------------------------------------- availability
@@ -135,14 +136,17 @@ def forced_kernel() -> str | None:
 
 
 def kernel_counts() -> dict[str, int]:
-    """Forward calls per kernel ('cutedsl', 'reference') since the last reset: which kernel really ran."""
-    return dict(_kernel_counts)
+    """Forward calls per kernel ('cutedsl', 'reference') since the last reset: which kernel really ran.
+
+    Counted per forward call, eager or compiled; AC recomputes are not counted (``counters.py``).
+    """
+    got = counters.counts("kernel")
+    return {name: got.get(name, 0) for name in KERNELS}
 
 
 def reset_kernel_counts() -> None:
     """Zero the per-kernel forward counters."""
-    for name in KERNELS:
-        _kernel_counts[name] = 0
+    counters.reset("kernel")
 
 
 def _use_cute(q: Tensor) -> bool:
@@ -157,8 +161,8 @@ def _use_cute(q: Tensor) -> bool:
     return ok
 
 
-def _count(use_cute: bool) -> bool:
-    _kernel_counts["cutedsl" if use_cute else "reference"] += 1
+def _count(use_cute: bool, q: Tensor) -> bool:
+    counters.count("kernel", "cutedsl" if use_cute else "reference", q)
     return use_cute
 
 
@@ -167,7 +171,7 @@ def _count(use_cute: bool) -> bool:
 
 def dense_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     """Dense attention forward: (o [B,Sq,Hq,D], lse [B,Hq,Sq] fp32); bottom-right causal."""
-    if not _count(_use_cute(q)):
+    if not _count(_use_cute(q), q):
         return torch.ops.lightning_ffpa.ref_dense_fwd(q, k, v, float(scale), bool(causal))
     sq, sk = q.shape[1], k.shape[1]
     skip = sq - sk if causal and sq > sk else 0  # leading rows that see no key (kernel requires Sk >= Sq)
@@ -200,7 +204,7 @@ def dense_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
 def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                max_seqlen_k: int, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     """Packed THD attention forward: (o [Tq,Hq,D], lse [Hq,Tq] fp32); zero-length segments give o=0, lse=-inf."""
-    if not _count(_use_cute(q)):
+    if not _count(_use_cute(q), q):
         return torch.ops.lightning_ffpa.ref_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                                        int(max_seqlen_k), float(scale), bool(causal))
     return torch.ops.ffpa_attn._varlen_fwd_cute(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),

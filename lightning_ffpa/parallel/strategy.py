@@ -111,9 +111,10 @@ class FSDP2Strategy(ModelParallelStrategy):
             reduce_dtype: Dtype of the gradient reduce-scatter ("fp32" recommended with bf16 params).
             reshard_after_forward: Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2).
             cpu_offload: Keep sharded parameters, gradients and optimizer state on CPU.
-            compile: torch.compile each decoder layer (after AC wrapping, before FSDP). Off by default: on the
-                H200 run in benchmarks/results/train_throughput.json the compiled SAC layers graph-break and ran
-                20x slower than eager, so it stays opt-in until that is fixed.
+            compile: torch.compile each decoder layer (after AC wrapping, before FSDP). Off by default until an
+                H200 run confirms the fix: the compiled row in benchmarks/results/train_throughput.json ran 20x
+                slower than eager because the backend's Python counters made dynamo recompile every layer on
+                every call (now counted at runtime by attention/counters.py, with no graph breaks).
             save_distributed_checkpoint: Save per-rank DCP shards (True) or one full file on rank 0.
             process_group_backend: torch.distributed backend; default nccl on CUDA, gloo on CPU.
             timeout: Process-group timeout.

@@ -11,13 +11,10 @@ import pytest
 _ROOT = Path(__file__).resolve().parents[2]
 
 
-_COMPILE_BUG = pytest.mark.xfail(strict=True, reason="known: compiled SAC layers graph-break on H200 (ffpa gate under dynamo, flex BlockMask without q_indices); benchmarks/results/logs/gpu_tests_parallel_rollout.log")
-
-
 @pytest.mark.gpu
 @pytest.mark.timeout(420)
-@_COMPILE_BUG
 def test_benchmark_rows_run_tiny(tmp_path):
+    _require_ffpa()
     out = tmp_path / "tt.json"
     cmd = [sys.executable, str(_ROOT / "benchmarks" / "train_throughput.py"), "--preset", "tiny", "--layers", "4",
            "--seqs", "512", "--warmup", "1", "--steps", "2", "--out", str(out)]
@@ -29,42 +26,72 @@ def test_benchmark_rows_run_tiny(tmp_path):
     assert not errors, errors
     ours = next(r for r in rows if r["row"] == "ours")
     assert any(k.startswith("ffpa") and v for k, v in ours["dispatch"].items()), ours["dispatch"]
+    # The compiled row counts like the eager one (one count per layer forward, recomputes excluded).
+    nocompile = next(r for r in rows if r["row"] == "ours_nocompile")
+    assert ours["dispatch"] == nocompile["dispatch"], (ours["dispatch"], nocompile["dispatch"])
+    assert not ours.get("graph_breaks"), ours.get("graph_breaks")
+
+
+def _require_ffpa():
+    from lightning_ffpa.attention import kernels
+
+    assert kernels.ffpa_available(), (f"FFPA CuTeDSL is not importable ({kernels.ffpa_unavailable_reason()}): "
+                                      "run with the FFPA stack (source .device/b/env.sh)")
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("attn", ["sdpa", pytest.param("ffpa", marks=_COMPILE_BUG)])
+@pytest.mark.parametrize("attn", ["sdpa", "ffpa"])
 def test_compiled_sac_layers_match_eager_without_graph_breaks(attn):
+    """bf16, so the full layers really take FFPA (fp32 would fall back to sdpa for the dtype)."""
     import torch
     import torch._dynamo.utils
     import transformers
 
+    from lightning_ffpa import attention
     from lightning_ffpa.parallel import parallelize
     from lightning_ffpa.presets import build_text_config
 
     if attn == "ffpa":
-        from lightning_ffpa.attention import register_ffpa
-
-        register_ffpa()
+        _require_ffpa()
+        attention.register_ffpa()
     torch.manual_seed(0)
     cfg = build_text_config("tiny")
     cfg._attn_implementation = attn
-    model = transformers.Gemma4ForCausalLM(cfg).cuda()
-    ref = transformers.Gemma4ForCausalLM(cfg).cuda()
+    model = transformers.Gemma4ForCausalLM(cfg).cuda().bfloat16()
+    ref = transformers.Gemma4ForCausalLM(cfg).cuda().bfloat16()
     ref.load_state_dict(model.state_dict())
     parallelize(model, None, activation_checkpointing="selective", compile=True)
-    torch._dynamo.utils.counters.clear()
+    parallelize(ref, None, activation_checkpointing="selective")
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters
+    stats.clear()
     ids = torch.randint(0, 512, (2, 256), device="cuda")
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    ref_loss = ref(input_ids=ids, labels=ids, use_cache=False).loss
-    ref_loss.backward()
-    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
-    torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-4)
+    runs = {}
+    for name, m in (("compiled", model), ("eager", ref)):
+        attention.reset_dispatch_counts()
+        for step in range(3):
+            m.zero_grad(set_to_none=True)
+            loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            if name == "compiled" and step == 0:
+                graphs = stats["stats"]["unique_graphs"]
+        runs[name] = (loss.detach(), attention.dispatch_counts(), attention.kernel_counts())
+        if name == "compiled":  # before the eager run, whose compiled flex callable adds graphs of its own
+            assert not stats["graph_break"], dict(stats["graph_break"])
+            assert stats["stats"]["unique_graphs"] == graphs, "compiled layers recompiled after the first step"
+    (loss, counts, kernels), (ref_loss, ref_counts, ref_kernels) = runs["compiled"], runs["eager"]
+    torch.testing.assert_close(loss, ref_loss, atol=2e-2, rtol=2e-2)
+    assert counts == ref_counts and kernels == ref_kernels, (counts, ref_counts, kernels, ref_kernels)
+    if attn == "ffpa":
+        n_full, n_sliding = cfg.layer_types.count("full_attention"), cfg.layer_types.count("sliding_attention")
+        assert counts["ffpa-dense"] == 3 * n_full and counts["flex"] == 3 * n_sliding, counts
+        assert kernels["cutedsl"] == 3 * n_full, kernels
     got = dict(model.named_parameters())
     for name, p in ref.named_parameters():
         key = next(k for k in got if k.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "") == name)
-        torch.testing.assert_close(got[key].grad, p.grad, atol=2e-3, rtol=2e-2, msg=name)
+        g, r = got[key].grad.float(), p.grad.float()
+        assert (g - r).norm() <= 3e-2 * r.norm() + 1e-6, (name, ((g - r).norm() / r.norm()).item())
 
 
 @pytest.mark.gpu
@@ -80,10 +107,11 @@ def test_trainer_fsdp2_ffpa_throughput_on_gpu(tmp_path):
     from lightning_ffpa.module import Gemma4LM
     from lightning_ffpa.parallel import FSDP2Strategy
 
+    _require_ffpa()
     attention_cb = FFPAAttention(log_every_n_steps=1)
     trainer = L.Trainer(
         accelerator="gpu", devices=1, max_steps=6, log_every_n_steps=1, enable_checkpointing=False,
-        strategy=FSDP2Strategy(param_dtype="bf16", reduce_dtype="fp32", compile=None),
+        strategy=FSDP2Strategy(param_dtype="bf16", reduce_dtype="fp32", compile=True),
         callbacks=[attention_cb, TokenThroughput(window_size=2)],
         logger=L.pytorch.loggers.CSVLogger(tmp_path), default_root_dir=tmp_path, enable_progress_bar=False,
     )

@@ -1,0 +1,93 @@
+"""Dispatch counters (attention path, fallback reason, kernel) that stay truthful under torch.compile.
+
+Owns the counter storage, what one count means, and how a count is taken in eager and in compiled
+code. It does not decide what to count: ``backend.py`` (paths, fallback reasons) and ``kernels.py``
+(kernels) call ``count``.
+
+What one count means: one attention call in a *forward* pass. The forward that activation
+checkpointing re-runs during backward is not counted (it is the same call, and under SAC the saved
+FFPA/flex/SDPA forward is not even executed again), so eager, SAC and compiled runs report the same
+numbers for the same steps.
+
+How it is taken:
+- eager: a plain Python increment, skipped while autograd's backward is running (the recompute);
+- compiled (dynamo tracing): the call becomes ``torch.ops.lightning_ffpa.count_dispatch``, an opaque
+  op with no outputs that is marked side-effectful, so dynamo neither graph-breaks nor guards on
+  counter values, DCE keeps it, and its Python body runs once per real forward at runtime.
+  A Python ``+= 1`` here would instead become a trace-time constant that dynamo guards on, which
+  recompiles the layer on every call (the 20x slowdown of the compiled row on the H200), and
+  ``warnings.warn`` would graph-break; ``reorderable_logging_functions`` calls are silently dropped
+  inside the checkpoint higher-order op, so they are no alternative.
+  (A CUDA-graph replay would skip the op's Python body; compiled layers here do not use CUDA graphs.)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = ["count", "counts", "on_first", "reset"]
+
+GROUPS = ("path", "reason", "kernel")
+
+_counts: dict[str, Counter] = {g: Counter() for g in GROUPS}
+_first_hooks: dict[str, Callable[[str], None]] = {}
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs a backward: the forward being run is an AC recompute."""
+    # torch.utils.checkpoint uses the same private check (-1 outside a backward graph task).
+    return torch._C._current_graph_task_id() != -1
+
+
+def _record(group: str, name: str) -> None:
+    if _in_backward():
+        return
+    bucket = _counts[group]
+    bucket[name] += 1
+    hook = _first_hooks.get(group)
+    if hook is not None and bucket[name] == 1:
+        hook(name)
+
+
+@torch.library.custom_op("lightning_ffpa::count_dispatch", mutates_args=())
+def _count_dispatch(anchor: Tensor, group: str, name: str) -> None:
+    """Runtime body of a count taken inside compiled code (`anchor` only orders it among the layer's ops)."""
+    _record(group, name)
+
+
+@_count_dispatch.register_fake
+def _(anchor, group, name):
+    return None
+
+
+# No outputs: without this mark FX/AOT/inductor dead-code elimination drops the op (checked on torch 2.13:
+# the count stays 0); torch._library.utils.is_impure reads this set in torch 2.11 and 2.13.
+torch.fx.node.has_side_effect(torch.ops.lightning_ffpa.count_dispatch.default)
+
+
+def count(group: str, name: str, anchor: Tensor) -> None:
+    """Count one forward call of `name` in `group` ('path', 'reason' or 'kernel'); compile-safe."""
+    if torch.compiler.is_compiling():
+        torch.ops.lightning_ffpa.count_dispatch(anchor.detach(), group, name)
+    else:
+        _record(group, name)
+
+
+def counts(group: str) -> dict[str, int]:
+    """A copy of one group's counters."""
+    return dict(_counts[group])
+
+
+def on_first(group: str, hook: Callable[[str], None]) -> None:
+    """Call `hook(name)` (at runtime, eager or compiled) the first time `name` is counted since `reset`."""
+    _first_hooks[group] = hook
+
+
+def reset(*groups: str) -> None:
+    """Zero the given groups' counters, all groups if none given (re-arms their first-count hooks)."""
+    for group in groups or GROUPS:
+        _counts[group].clear()

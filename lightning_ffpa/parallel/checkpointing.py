@@ -127,12 +127,13 @@ def sac_policy(meta: dict, save_ops: frozenset, mm_ops: frozenset, save_mm: Save
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def sac_context_fn(extra_save_ops: list[str] | tuple[str, ...] = (), save_mm: SaveMM = "high_k",
+def sac_context_fn(extra_save_ops: list[str] | tuple[str, ...] = (), save_mm: SaveMM = "every_other",
                    width: int | None = None):
     """A `context_fn` for torch checkpoint; resolves op names now so typos fail before training.
 
-    `save_mm="high_k"` needs the layer `width`; `apply_activation_checkpointing` binds it per layer
-    through `context_fn.for_layer(layer)`.
+    `save_mm="high_k"` (the default of `parallelize` and `FSDP2Strategy`) needs the layer `width`:
+    pass it, or let `apply_activation_checkpointing` bind it per layer (`context_fn.for_layer(layer)`).
+    This function's own default is `"every_other"` because a bare checkpointed function has no width.
     """
     if save_mm not in SAVE_MM_RULES:
         raise ValueError(f"`sac_save_mm={save_mm!r}` is not one of {', '.join(map(repr, SAVE_MM_RULES))}")
@@ -161,7 +162,7 @@ def apply_activation_checkpointing(layer: torch.nn.Module, mode: ACMode, context
     if mode == "full":
         return checkpoint_wrapper(layer)
     if mode == "selective":
-        context_fn = context_fn or sac_context_fn()
+        context_fn = context_fn or sac_context_fn(save_mm="high_k")
         if hasattr(context_fn, "for_layer"):  # ours: bind the per-layer width the "high_k" rule needs
             context_fn = context_fn.for_layer(layer)
         return checkpoint_wrapper(layer, context_fn=context_fn)

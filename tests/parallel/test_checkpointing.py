@@ -238,3 +238,4 @@ def test_layer_width_and_bad_rule():
         checkpointing.sac_context_fn(save_mm="most")
     with pytest.raises(RuntimeError, match="without a layer width"):
         checkpointing.sac_context_fn(save_mm="high_k")()
+    assert checkpointing.sac_context_fn(save_mm="high_k", width=64).width == 64

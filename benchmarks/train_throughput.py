@@ -9,22 +9,34 @@ Rows (seq 4k and 8k each):
   2 seed_gqa      the seed's baseline: D=512 layers through SDPA enable_gqa (MATH path), else as row 1
   3 flex          Flex for all layers with D=512-safe kernel options, else as row 1
   4 ffpa_swap     "ffpa" attention swapped in only, else as row 1 (the kernel effect alone)
-  5 ours          ffpa + selective AC + per-layer compile + chunked fused linear CE
+  5 ours          ffpa + selective AC + per-layer compile + chunked fused linear CE, with the product's
+                  defaults for everything else: FSDP2Strategy's `sac_save_mm` and `build_adamw` (fused AdamW)
   5b ours_nocompile  row 5 without compile (so a compile failure still leaves a measurement)
-  (opt-in) ours_sac_all_mm  row 5 with SAC saving every matmul
+  ours_every_other   row 5b with SAC's previous matmul rule (`every_other`), to A/B the "high_k" default
+  (opt-in) ours_all_mm / ours_sac_all_mm   row 5b / 5 with SAC saving every matmul
+  (opt-in) ours_foreach   row 5b with the baseline rows' optimizer (plain AdamW), to isolate the optimizer
 
-Run: python benchmarks/train_throughput.py --out $OUT/train_throughput.json
+Baseline rows use what a plain Lightning user gets: `torch.optim.AdamW(model.parameters())` (foreach).
+Every row also records where memory goes: one extra untimed step with per-phase peaks (forward+loss,
+backward, optimizer) and the memory allocated before the row was built (a leak from an earlier row
+shows there). `--profile` adds one profiled step to the "ours*" rows: top CUDA kernels and busy/wall.
+
+Run: python benchmarks/train_throughput.py --out $OUT/train_throughput.json [--profile]
      torchrun --nproc_per_node 2 benchmarks/train_throughput.py --dp 2 --out ...
+     CPU smoke: python benchmarks/train_throughput.py --cpu --preset tiny --layers 4 --seqs 256 --warmup 1 --steps 1
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import os
 import sys
 import time
 import traceback
+import weakref
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,24 +46,34 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.step_probe import phase_memory, profile_step  # noqa: E402
 from lightning_ffpa.callbacks.attention import set_attn_implementation  # noqa: E402
 from lightning_ffpa.callbacks.throughput import BF16_PEAK_FLOPS, train_flops_per_batch  # noqa: E402
 from lightning_ffpa.loss import linear_cross_entropy  # noqa: E402
+from lightning_ffpa.module import build_adamw  # noqa: E402
 from lightning_ffpa.parallel import FSDP2Strategy, causal_lm_hidden_states, parallelize  # noqa: E402
 from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, _materialize  # noqa: E402
 from lightning_ffpa.presets import build_text_config  # noqa: E402
 
+# "ours" rows take the product's defaults, so the benchmark follows them when they change.
+PRODUCT_SAVE_MM = inspect.signature(FSDP2Strategy).parameters["sac_save_mm"].default
+_BASE = dict(ac="full", compile=False, loss="plain", optim="adamw_default")
+_OURS = dict(attn="ffpa", ac="selective", compile=True, loss="chunked", save_mm=PRODUCT_SAVE_MM, optim="product")
 ROWS = {
-    "sdpa": dict(attn="sdpa", ac="full", compile=False, loss="plain"),
-    "seed_gqa": dict(attn="sdpa_gqa", ac="full", compile=False, loss="plain"),
-    "flex": dict(attn="flex_d512", ac="full", compile=False, loss="plain"),
-    "ffpa_swap": dict(attn="ffpa", ac="full", compile=False, loss="plain"),
-    "ours": dict(attn="ffpa", ac="selective", compile=True, loss="chunked"),
-    "ours_nocompile": dict(attn="ffpa", ac="selective", compile=False, loss="chunked"),
-    # Opt-in (--rows): SAC saving every matmul, the memory-for-speed end of the SAC knob.
-    "ours_sac_all_mm": dict(attn="ffpa", ac="selective", compile=True, loss="chunked", save_mm="all"),
+    "sdpa": dict(attn="sdpa", **_BASE),
+    "seed_gqa": dict(attn="sdpa_gqa", **_BASE),
+    "flex": dict(attn="flex_d512", **_BASE),
+    "ffpa_swap": dict(attn="ffpa", **_BASE),
+    "ours": dict(_OURS),
+    "ours_nocompile": dict(_OURS, compile=False),
+    "ours_every_other": dict(_OURS, compile=False, save_mm="every_other"),
+    # Opt-in (--rows): the memory-for-speed end of the SAC knob, and the optimizer on its own.
+    "ours_all_mm": dict(_OURS, compile=False, save_mm="all"),
+    "ours_sac_all_mm": dict(_OURS, save_mm="all"),
+    "ours_foreach": dict(_OURS, compile=False, optim="adamw_default"),
 }
-DEFAULT_ROWS = ["sdpa", "seed_gqa", "flex", "ffpa_swap", "ours", "ours_nocompile"]
+# Compiled "ours" last: a slow compile can then only cost its own row, never the --budget-s of the others.
+DEFAULT_ROWS = ["sdpa", "seed_gqa", "flex", "ffpa_swap", "ours_nocompile", "ours_every_other", "ours"]
 
 
 # ----------------------------------------------------------------------------- baseline attentions
@@ -146,7 +168,7 @@ def build_model(spec: dict, mesh, layers: int, device, preset: str):
     strategy = FSDP2Strategy(activation_checkpointing=spec["ac"], compile=spec["compile"],  # product defaults
                              param_dtype="bf16" if device.type == "cuda" else "fp32")
     parallelize(model, mesh, activation_checkpointing=spec["ac"], compile=spec["compile"],
-                sac_save_mm=spec.get("save_mm", "every_other"),
+                sac_save_mm=spec.get("save_mm", PRODUCT_SAVE_MM),
                 mp_policy=strategy.mp_policy(), reshard_after_forward=True)
     _materialize(model, device)  # the strategy's meta -> device init (HF _init_weights, real random values)
     bad = [n for n, p in model.named_parameters() if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]
@@ -154,6 +176,13 @@ def build_model(spec: dict, mesh, layers: int, device, preset: str):
         raise RuntimeError(f"non-finite weights after init: {bad[:3]}")
     model.train()
     return model
+
+
+def build_optimizer(spec: dict, model):
+    """The product's AdamW (`build_adamw`: fused on CUDA) for "ours" rows; a plain user's AdamW otherwise."""
+    if spec["optim"] == "product":
+        return build_adamw(model, lr=1e-5)
+    return torch.optim.AdamW(model.parameters(), lr=1e-5)  # torch's default: foreach on CUDA
 
 
 def loss_fn(spec: dict, model, ids):
@@ -164,15 +193,22 @@ def loss_fn(spec: dict, model, ids):
                                 softcap=model.config.final_logit_softcapping, chunk_size=4096)
 
 
-def run_row(name: str, spec: dict, seqs, args, mesh, device, peak: float, rank: int) -> list[dict]:
-    out = []
+def _gib(device) -> float | None:
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def run_row(name: str, spec: dict, seqs, args, mesh, device, peak: float, rank: int) -> tuple[list[dict], object]:
+    """Rows for every seq, and a weakref to the row's model (the caller checks it was freed)."""
+    out, model_ref = [], None
     get_counts, reset_counts = _dispatch()
-    model = opt = None
+    model = opt = loss = None
+    allocated_at_start = _gib(device)
     try:
         model = build_model(spec, mesh, args.layers, device, args.preset)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+        model_ref = weakref.ref(model)
+        opt = build_optimizer(spec, model)
         for seq in seqs:
-            row = dict(row=name, seq=seq, **spec)
+            row = dict(row=name, seq=seq, **spec, allocated_before_row_gb=allocated_at_start)
             try:
                 gen = torch.Generator(device=device).manual_seed(rank)
                 ids = torch.randint(0, model.config.vocab_size, (1, seq), device=device, generator=gen)
@@ -196,33 +232,59 @@ def run_row(name: str, spec: dict, seqs, args, mesh, device, peak: float, rank: 
                     if step >= args.warmup:
                         times.append(time.perf_counter() - t0)
                     losses.append(loss.item())
+                    # The graph behind `loss` holds FSDP state -> the whole model: drop it every step.
+                    loss = None
                 step_s = sum(times) / len(times)
                 flops = train_flops_per_batch(model, 1, seq)
                 row.update(step_ms=step_s * 1e3, tokens_per_s_per_gpu=seq / step_s,
                            peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
-                           mfu=flops / step_s / peak, model_tflops_per_step=flops / 1e12,
+                           mfu=flops / step_s / peak if device.type == "cuda" else None,  # no CPU peak
+                           model_tflops_per_step=flops / 1e12,
                            first_loss=losses[0], last_loss=losses[-1], dispatch=get_counts(),
                            # compile health: graph breaks, and graphs compiled during the timed steps
                            # (non-zero means recompiles inside the timing)
                            graph_breaks=sum(dynamo_stats["graph_break"].values()),
                            compiled_graphs=dynamo_stats["stats"]["unique_graphs"],
                            recompiles_timed=dynamo_stats["stats"]["unique_graphs"] - graphs_after_warmup)
+                # Untimed extra steps: where the memory goes, and (opt-in) where the time goes.
+                row["memory_phases"] = phase_memory(device, partial(loss_fn, spec, model, ids),
+                                                    torch.Tensor.backward, partial(_opt_step, opt))
+                if args.profile and name.startswith("ours"):
+                    row["profile"] = profile_step(device, partial(_train_step, spec, model, opt, ids))
                 if not all(map(lambda v: v == v and abs(v) < 1e4, losses)):
                     row["error"] = f"non-finite loss {losses}"
             except Exception as e:  # noqa: BLE001 - one failing row must not kill the run
                 row["error"] = f"{type(e).__name__}: {e}"[:800]
                 traceback.print_exc()
+            loss = None
             out.append(row)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         out += [dict(row=name, seq=s, **spec, error=f"build: {type(e).__name__}: {e}"[:800]) for s in seqs]
     finally:
-        del model, opt
-        gc.collect()
+        del model, opt, loss
+        torch._dynamo.reset()  # compiled code holds the model's modules
+        gc.collect()  # FSDP state <-> module reference cycles: only the cycle collector frees a model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        torch._dynamo.reset()
-    return out
+    return out, model_ref
+
+
+def _opt_step(opt) -> None:
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _train_step(spec: dict, model, opt, ids) -> None:
+    loss_fn(spec, model, ids).backward()
+    _opt_step(opt)
+
+
+def _phase_peak(phase: dict) -> str:
+    """GiB peak on CUDA; on CPU (no absolute counter) the MiB above the phase start, as "+NM"."""
+    if "peak_gb" in phase:
+        return f"{phase['peak_gb']:.1f}"
+    return f"+{phase['peak_above_start_gb'] * 1024:.0f}M"
 
 
 def _ratio(rows, a, b, key, seq=8192):
@@ -248,6 +310,7 @@ def main() -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel GPUs (launch with torchrun when > 1)")
     p.add_argument("--preset", default="gemma4-31b", help="presets.py shape; 'tiny' with --cpu for a smoke run")
     p.add_argument("--cpu", action="store_true", help="smoke-run on CPU (gloo, no timing claims)")
+    p.add_argument("--profile", action="store_true", help="profile one extra step of the ours* rows (top kernels)")
     args = p.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -283,7 +346,12 @@ def main() -> None:
             rows += [dict(row=name, seq=s, **ROWS[name], error=f"skipped: past --budget-s {args.budget_s:.0f}")
                      for s in args.seqs]
             continue
-        rows += run_row(name, ROWS[name], args.seqs, args, mesh, device, peak, rank)
+        new_rows, model_ref = run_row(name, ROWS[name], args.seqs, args, mesh, device, peak, rank)
+        gc.collect()
+        if model_ref is not None and model_ref() is not None:  # would inflate the next row's memory
+            for r in new_rows:
+                r["warning"] = "model still alive after the row; later rows' memory includes it"
+        rows += new_rows
         if rank == 0:
             print(f"[{time.perf_counter() - t_start:6.0f}s] {name} done", flush=True)
 
@@ -296,15 +364,26 @@ def main() -> None:
         "ours_mfu_8k": next((r["mfu"] for r in rows if r["row"] == "ours" and r["seq"] == 8192 and "error" not in r),
                             None),
         "ours_nocompile_vs_sdpa_tps_8k": _ratio(rows, "ours_nocompile", "sdpa", "tokens_per_s_per_gpu"),
+        "ours_nocompile_vs_sdpa_peak_mem_8k": _ratio(rows, "ours_nocompile", "sdpa", "peak_mem_gb"),
+        "high_k_vs_every_other_tps_8k": _ratio(rows, "ours_nocompile", "ours_every_other", "tokens_per_s_per_gpu"),
+        "high_k_vs_every_other_peak_mem_8k": _ratio(rows, "ours_nocompile", "ours_every_other", "peak_mem_gb"),
+        "ours_sac_save_mm": PRODUCT_SAVE_MM,
     }
     if rank == 0:
-        print(f"\n{'row':16} {'seq':>5} {'tok/s/gpu':>10} {'step ms':>8} {'peak GB':>8} {'MFU':>6} {'gb/rc':>5}  error")
+        print(f"\n{'row':16} {'seq':>5} {'tok/s/gpu':>10} {'step ms':>8} {'peak GB':>8} {'MFU':>6} {'gb/rc':>5} "
+              f"{'fwd/bwd/opt peak GB':>20} {'before':>6}  error")
         for r in rows:
             if "error" in r:
-                print(f"{r['row']:16} {r['seq']:>5} {'-':>10} {'-':>8} {'-':>8} {'-':>6} {'-':>5}  {r['error'][:90]}")
-            else:
-                print(f"{r['row']:16} {r['seq']:>5} {r['tokens_per_s_per_gpu']:>10.0f} {r['step_ms']:>8.1f} "
-                      f"{r['peak_mem_gb']:>8.1f} {r['mfu']:>6.1%} {r['graph_breaks']:>2}/{r['recompiles_timed']:<2}")
+                print(f"{r['row']:16} {r['seq']:>5} {'-':>10} {'-':>8} {'-':>8} {'-':>6} {'-':>5} {'-':>20} {'-':>6}  "
+                      f"{r['error'][:90]}")
+                continue
+            ph = r.get("memory_phases") or {}
+            phases = "/".join(_phase_peak(ph[k]) for k in ("forward_loss", "backward", "optimizer")) if ph else "-"
+            before = r.get("allocated_before_row_gb")
+            print(f"{r['row']:16} {r['seq']:>5} {r['tokens_per_s_per_gpu']:>10.0f} {r['step_ms']:>8.1f} "
+                  f"{r['peak_mem_gb']:>8.1f} {'-' if r['mfu'] is None else format(r['mfu'], '.1%'):>6} "
+                  f"{r['graph_breaks']:>2}/{r['recompiles_timed']:<2} {phases:>20} "
+                  f"{'-' if before is None else f'{before:.1f}':>6}  {r.get('warning', '')}")
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         spec_peak = next((v for k, v in BF16_PEAK_FLOPS.items() if k in name), None)
         write_result("train_throughput", rows, summary, out=args.out, measured_bf16_peak_tflops=peak / 1e12,

@@ -52,6 +52,26 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def build_adamw(model: nn.Module, lr: float, weight_decay: float = 0.1,
+                betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+    """The product's AdamW: no decay on norms and biases; the fused kernel when every parameter is on CUDA.
+
+    Why fused: torch picks the foreach implementation by default, whose step allocates a parameter-sized
+    temporary (`_foreach_sqrt(exp_avg_sq)`) and makes ~7 passes over params/grads/states. With fp32
+    master weights that temporary is 4 bytes/param: on the 4.3B-param benchmark slice it *is* the step's
+    peak (16 GiB above params + grads + Adam states). The fused kernel updates each element in one pass
+    with no temporary, and DTensor (FSDP2) parameters support it. Elsewhere (CPU offload, CPU tests)
+    torch's default stays.
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    on_cuda = bool(decay or no_decay) and all(p.is_cuda for p in (*decay, *no_decay))
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True if on_cuda else None)
+
+
 class Gemma4LM(L.LightningModule):
     """Causal-LM training of Hugging Face Gemma4 (dense or MoE), from a checkpoint or a config preset."""
 
@@ -282,12 +302,7 @@ class Gemma4LM(L.LightningModule):
     # ---- optimizer ------------------------------------------------------------------------------------
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            if p.requires_grad:
-                (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
-        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), fused=None)
+        opt = build_adamw(self.model, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
         total = max(int(self.trainer.estimated_stepping_batches), hp.warmup_steps + 1)
         sched = get_cosine_with_min_lr_schedule_with_warmup(
             opt, num_warmup_steps=hp.warmup_steps, num_training_steps=total, min_lr_rate=hp.min_lr_ratio

@@ -90,3 +90,35 @@ def test_lora_targets_matching_nothing():
     lm = Gemma4LM(preset="tiny", lora={"r": 4, "target_modules": ["no_such_proj"]})
     with pytest.raises(ValueError, match=r"model\.lora\.target_modules"):
         lm.configure_model()
+
+
+def test_build_adamw_groups_and_fused_choice():
+    import transformers
+
+    from lightning_ffpa.module import build_adamw
+    from lightning_ffpa.presets import build_text_config
+
+    model = transformers.Gemma4ForCausalLM(build_text_config("tiny"))
+    opt = build_adamw(model, lr=1e-3, weight_decay=0.1)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in decay["params"]) and no_decay["params"]
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    assert opt.defaults["fused"] is None  # CPU parameters: torch's default implementation
+
+
+@pytest.mark.gpu
+def test_build_adamw_is_fused_on_cuda_and_steps():
+    import transformers
+
+    from lightning_ffpa.module import build_adamw
+    from lightning_ffpa.presets import build_text_config
+
+    model = transformers.Gemma4ForCausalLM(build_text_config("tiny")).cuda()
+    opt = build_adamw(model, lr=1e-3)
+    assert opt.defaults["fused"] is True
+    ids = torch.randint(0, 512, (2, 64), device="cuda")
+    before = model.lm_head.weight.detach().clone()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    opt.step()
+    assert not torch.equal(before, model.lm_head.weight)

@@ -78,7 +78,7 @@ def causal_lm_hidden_states(model: nn.Module, **inputs) -> torch.Tensor:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpointing: ACMode = "none",
-                sac_extra_save_ops: list[str] | tuple[str, ...] = (), sac_save_mm: SaveMM = "every_other",
+                sac_extra_save_ops: list[str] | tuple[str, ...] = (), sac_save_mm: SaveMM = "high_k",
                 compile: bool = False, mp_policy: MixedPrecisionPolicy | None = None,
                 reshard_after_forward: bool = True, cpu_offload: bool = False) -> nn.Module:
     """Apply AC, then per-layer compile, then FSDP2 per decoder layer and at the root; returns `model`.

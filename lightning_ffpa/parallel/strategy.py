@@ -89,7 +89,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         context_parallel_size: int = 1,
         activation_checkpointing: ACMode = "selective",
         sac_extra_save_ops: list[str] | None = None,
-        sac_save_mm: SaveMM = "every_other",
+        sac_save_mm: SaveMM = "high_k",
         param_dtype: str | None = "bf16",
         reduce_dtype: str | None = "fp32",
         reshard_after_forward: bool = True,
@@ -106,7 +106,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             context_parallel_size: Ranks that split one sequence (ring attention); 1 disables CP.
             activation_checkpointing: "none", "full" (recompute each decoder layer) or "selective" (SAC).
             sac_extra_save_ops: Extra op names the SAC policy must save, e.g. ["aten.mm.default"].
-            sac_save_mm: Matmuls SAC saves: "every_other" (default), "all" or "none".
+            sac_save_mm: Matmuls SAC saves: "high_k" (K > layer width: o_proj, down_proj), "every_other", "all", "none".
             param_dtype: Dtype FSDP gathers parameters in for compute ("bf16", "fp32", or null = as stored).
             reduce_dtype: Dtype of the gradient reduce-scatter ("fp32" recommended with bf16 params).
             reshard_after_forward: Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2).

@@ -186,3 +186,56 @@ def test_unknown_op_name_is_a_clear_error():
     assert resolve_op("aten.mm") is torch.ops.aten.mm.default
     with pytest.raises(ValueError, match="activation_checkpointing='some'"):
         parallelize(_tiny("sdpa"), None, activation_checkpointing="some")
+
+
+def _record_policy(monkeypatch):
+    """Record (is_recompute, op, K or None, saved) for every policy call."""
+    calls = []
+    real = checkpointing.sac_policy
+
+    def recording(meta, save_ops, mm_ops, save_mm, ctx, op, *args, **kwargs):
+        decision = real(meta, save_ops, mm_ops, save_mm, ctx, op, *args, **kwargs)
+        k = checkpointing.mm_reduction_dim(op, args) if op in mm_ops else None
+        calls.append((ctx.is_recompute, str(op), k, decision == checkpointing.CheckpointPolicy.MUST_SAVE))
+        return decision
+
+    monkeypatch.setattr(checkpointing, "sac_policy", recording)
+    return calls
+
+
+def test_high_k_saves_exactly_the_matmuls_wider_than_the_layer(monkeypatch):
+    cfg = build_text_config("tiny")
+    calls = _record_policy(monkeypatch)
+    model = _tiny("sdpa")
+    parallelize(model, None, activation_checkpointing="selective", sac_save_mm="high_k")
+    _step(model)
+    mm = [(k, saved) for rec, op, k, saved in calls if not rec and k is not None]
+    assert mm and all(saved == (k > cfg.hidden_size) for k, saved in mm), mm
+    # Per layer: o_proj (K = heads * head_dim) and down_proj (K = intermediate) are saved, q/k/v/gate/up not.
+    assert sum(saved for _, saved in mm) == 2 * cfg.num_hidden_layers
+    assert {k for k, saved in mm if not saved} == {cfg.hidden_size}
+    fwd = [c[1:] for c in calls if not c[0]]
+    rec = [c[1:] for c in calls if c[0]]
+    if rec:  # torch 2.11 asks again while recomputing: the answers must repeat layer by layer
+        assert rec == fwd
+
+
+@pytest.mark.parametrize("rule", checkpointing.SAVE_MM_RULES)
+def test_every_rule_gives_the_eager_gradients(rule):
+    ref = _tiny("sdpa")
+    model = _tiny("sdpa")
+    parallelize(model, None, activation_checkpointing="selective", sac_save_mm=rule)
+    _step(ref)
+    _step(model)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def test_layer_width_and_bad_rule():
+    model = _tiny("sdpa")
+    assert checkpointing.layer_width(model.model.layers[0]) == build_text_config("tiny").hidden_size
+    with pytest.raises(ValueError, match="sac_save_mm='most'"):
+        checkpointing.sac_context_fn(save_mm="most")
+    with pytest.raises(RuntimeError, match="without a layer width"):
+        checkpointing.sac_context_fn(save_mm="high_k")()
+    assert checkpointing.sac_context_fn(save_mm="high_k", width=64).width == 64

@@ -1,0 +1,121 @@
+"""Where one training step's memory and time go: per-phase memory, and a profiled step's top CUDA kernels.
+
+Owns the measuring only; the step itself (forward + loss, backward, optimizer) is the caller's, passed
+in as three callables so every benchmark row is probed the same way. Neither probe is timed: they
+run on an extra step after the timed ones, because the syncs and the profiler perturb timing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["phase_memory", "profile_step", "summarize_kernels"]
+
+_GIB = 2**30
+
+
+def phase_memory(device: torch.device, forward_loss: Callable[[], torch.Tensor],
+                 backward: Callable[[torch.Tensor], None], optimizer_step: Callable[[], None]) -> dict:
+    """Memory of forward+loss, backward and the optimizer step, each phase measured on its own.
+
+    Per phase: `peak_above_start_gb` (its own high-water mark over what was allocated when it began)
+    and `allocated_change_gb`; on CUDA also the absolute `peak_gb` / `allocated_after_gb` (the peak
+    counter is reset before each phase). On CPU the allocator has no counters, so the profiler's
+    allocation and free events are replayed in time order instead.
+    """
+    out: dict = {}
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    out["allocated_before_gb"] = torch.cuda.memory_allocated(device) / _GIB if cuda else None
+
+    def phase(name: str, fn: Callable, *args) -> object:
+        if cuda:
+            start = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            result = fn(*args)
+            torch.cuda.synchronize(device)
+            peak, end = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
+            out[name] = dict(peak_gb=peak / _GIB, allocated_after_gb=end / _GIB,
+                             peak_above_start_gb=(peak - start) / _GIB, allocated_change_gb=(end - start) / _GIB)
+        else:
+            result, peak, change = _cpu_tracked(fn, *args)
+            out[name] = dict(peak_above_start_gb=peak / _GIB, allocated_change_gb=change / _GIB)
+        return result
+
+    loss = phase("forward_loss", forward_loss)
+    phase("backward", backward, loss)
+    loss = None  # its graph holds the model's FSDP state; the optimizer phase must not see it
+    phase("optimizer", optimizer_step)
+    key = "peak_gb" if cuda else "peak_above_start_gb"
+    phases = ("forward_loss", "backward", "optimizer")
+    out["step_peak_gb"] = max(out[k][key] for k in phases) if cuda else None
+    out["peak_phase"] = max(phases, key=lambda k: out[k][key])
+    return out
+
+
+def _cpu_tracked(fn: Callable, *args) -> tuple[object, int, int]:
+    """Run `fn` under the profiler's memory tracking: (result, peak bytes above start, net bytes).
+
+    Reads the raw allocator events (`kineto_results`, not public API): the FunctionEvent view files
+    a free under its enclosing scope (e.g. `Optimizer.step`), out of time order.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn(*args)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    cur = peak = 0
+    for _, nbytes in events:
+        cur += nbytes
+        peak = max(peak, cur)
+    return result, peak, cur
+
+
+def profile_step(device: torch.device, step: Callable[[], None], top: int = 25, name_chars: int = 90) -> dict:
+    """Profile one step: top `top` CUDA kernels by total time, and CUDA busy time against wall time.
+
+    `cuda_busy_ms` is the union of kernel intervals (overlapping streams counted once); busy / wall
+    below 1 means the GPU waited on the host (launch overhead, syncs, graph breaks).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    events = [(ev.name, ev.time_range.start, ev.time_range.end) for ev in prof.events()
+              if ev.device_type == torch.autograd.DeviceType.CUDA]
+    return dict(wall_ms=wall_ms, **summarize_kernels(events, wall_ms, top, name_chars))
+
+
+def summarize_kernels(events: list[tuple[str, float, float]], wall_ms: float, top: int = 25,
+                      name_chars: int = 90) -> dict:
+    """(name, start_us, end_us) kernel events -> busy time (interval union), totals and the top kernels."""
+    kernels: dict[str, list] = {}
+    for name, start, stop in events:
+        total = kernels.setdefault(name, [0, 0.0])
+        total[0] += 1
+        total[1] += (stop - start) / 1e3
+    busy_us, end = 0.0, float("-inf")
+    for start, stop in sorted((start, stop) for _, start, stop in events):  # union of intervals
+        if stop > end:
+            busy_us += stop - max(start, end)
+            end = stop
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    return dict(
+        cuda_busy_ms=busy_us / 1e3,
+        cuda_busy_fraction=busy_us / 1e3 / wall_ms if wall_ms else None,
+        cuda_kernel_total_ms=sum(v[1] for v in kernels.values()),
+        num_kernels=sum(v[0] for v in kernels.values()),
+        top_kernels=[dict(name=n[:name_chars], calls=c, total_ms=round(ms, 3)) for n, (c, ms) in ranked[:top]],
+    )

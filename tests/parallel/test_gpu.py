@@ -1,5 +1,6 @@
 """GPU smoke: the benchmark's rows (FSDP2 + SAC + compile + chunked loss, ffpa) train finitely at tiny size."""
 
+import copy
 import json
 import os
 import subprocess
@@ -87,11 +88,25 @@ def test_compiled_sac_layers_match_eager_without_graph_breaks(attn):
         n_full, n_sliding = cfg.layer_types.count("full_attention"), cfg.layer_types.count("sliding_attention")
         assert counts["ffpa-dense"] == 3 * n_full and counts["flex"] == 3 * n_sliding, counts
         assert kernels["cutedsl"] == 3 * n_full, kernels
-    got = dict(model.named_parameters())
-    for name, p in ref.named_parameters():
-        key = next(k for k in got if k.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "") == name)
-        g, r = got[key].grad.float(), p.grad.float()
-        assert (g - r).norm() <= 3e-2 * r.norm() + 1e-6, (name, ((g - r).norm() / r.norm()).item())
+    # bf16 gradients of a tiny random model are noise-dominated (compiled vs eager differ by ~90% on CPU
+    # too, while fp32 agrees exactly), so both are judged against an fp32 eager truth: the compiled
+    # layers may not be further from it than eager bf16 is.
+    truth_cfg = copy.deepcopy(cfg)
+    truth_cfg._attn_implementation = "sdpa"
+    truth = transformers.Gemma4ForCausalLM(truth_cfg).cuda()
+    truth.load_state_dict({_clean(k): v.float() for k, v in ref.state_dict().items()})
+    truth(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    grads = {}
+    for tag, m in (("compiled", model), ("eager", ref), ("truth", truth)):
+        grads[tag] = {_clean(n): p.grad.float() for n, p in m.named_parameters()}
+    for name, g_t in grads["truth"].items():
+        err_c = ((grads["compiled"][name] - g_t).norm() / (g_t.norm() + 1e-12)).item()
+        err_e = ((grads["eager"][name] - g_t).norm() / (g_t.norm() + 1e-12)).item()
+        assert err_c <= 1.5 * err_e + 0.05, (name, err_c, err_e)
+
+
+def _clean(name: str) -> str:
+    return name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
 
 
 @pytest.mark.gpu

@@ -158,8 +158,11 @@ def build_model(spec: dict, mesh, layers: int, device, preset: str):
     types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
     cfg = build_text_config(preset, num_hidden_layers=layers, layer_types=types)
     if spec["attn"] == "ffpa":
-        from lightning_ffpa.attention import register_ffpa
+        from lightning_ffpa.attention import kernels, register_ffpa
 
+        if device.type == "cuda" and not kernels.ffpa_available():
+            # An "ffpa" row timed on the sdpa fallback would be a silent mislabel: fail the row instead.
+            raise RuntimeError(f"FFPA CuTeDSL unavailable: {kernels.ffpa_unavailable_reason()}")
         register_ffpa()
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):

@@ -66,8 +66,9 @@ def recorder(log: Path, hang_at: int | None = None, signal_at: int | None = None
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     # one thread: identical float reductions in every process, so curves can be compared bitwise
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{HERE}",
-               PYTHONWARNINGS="ignore")
+    # keep an inherited PYTHONPATH: on the GPU machine it carries the FFPA stack and jsonargparse
+    path = os.pathsep.join(filter(None, [str(REPO), str(HERE), os.environ.get("PYTHONPATH")]))
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=path, PYTHONWARNINGS="ignore")
     return env
 
 

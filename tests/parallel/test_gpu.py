@@ -19,7 +19,7 @@ def test_benchmark_rows_run_tiny(tmp_path):
     out = tmp_path / "tt.json"
     cmd = [sys.executable, str(_ROOT / "benchmarks" / "train_throughput.py"), "--preset", "tiny", "--layers", "4",
            "--seqs", "512", "--warmup", "1", "--steps", "2", "--out", str(out)]
-    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(_ROOT)), capture_output=True, text=True,
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))), capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]

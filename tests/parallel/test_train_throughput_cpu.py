@@ -16,7 +16,7 @@ def _run(tmp_path, rows, launcher=(), extra=()):
     out = tmp_path / "tt.json"
     cmd = [*launcher, str(_ROOT / "benchmarks" / "train_throughput.py"), *_SMOKE, "--rows", *rows,
            "--out", str(out), *extra]
-    env = dict(os.environ, PYTHONPATH=str(_ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())

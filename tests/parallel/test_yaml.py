@@ -29,7 +29,7 @@ def test_yaml_parses_into_the_strategy_and_callbacks():
 
 
 def _cli(args, cwd):
-    env = dict(os.environ, PYTHONPATH=str(_ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "lightning_ffpa.cli", "fit", *args], env=env, capture_output=True,
                           text=True, timeout=200, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-4000:]  # Gemma4LM raises on a non-finite loss

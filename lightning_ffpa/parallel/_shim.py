@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["flatten_mesh", "checkpoint_wrapper", "allow_checkpoint_side_effects_under_compile"]
+__all__ = ["flatten_mesh", "checkpoint_wrapper", "allow_checkpoint_side_effects_under_compile", "raise_recompile_limit"]
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
@@ -42,3 +42,14 @@ def allow_checkpoint_side_effects_under_compile() -> bool:
         return False
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     return True
+
+
+def raise_recompile_limit(limit: int = 64) -> None:
+    """Let dynamo keep `limit` graphs per code object (the config was renamed across torch versions).
+
+    Past the limit dynamo silently runs a frame eagerly; Gemma4's layer variants (sliding/full, KV-shared)
+    times a few sequence lengths pass the default of 8.
+    """
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), limit))

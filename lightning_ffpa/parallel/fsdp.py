@@ -17,7 +17,11 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from lightning_ffpa.parallel._shim import allow_checkpoint_side_effects_under_compile, flatten_mesh
+from lightning_ffpa.parallel._shim import (
+    allow_checkpoint_side_effects_under_compile,
+    flatten_mesh,
+    raise_recompile_limit,
+)
 from lightning_ffpa.parallel.checkpointing import (
     ACMode,
     SaveMM,
@@ -98,6 +102,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
     layers: nn.ModuleList = getattr(owner, attr)
     if compile and activation_checkpointing != "none":
         allow_checkpoint_side_effects_under_compile()
+    if compile:
+        raise_recompile_limit()
 
     for i, layer in enumerate(layers):
         # AC wraps the raw layer so the checkpoint region is exactly one decoder layer.

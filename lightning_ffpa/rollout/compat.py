@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from lightning_ffpa.parallel._shim import raise_recompile_limit  # noqa: F401 - re-exported for the engine
+
 # Read once at import: a compiled decode step traces `block_mask_from_kv_blocks`, and a plain module
 # constant keeps inspect/functools.cache out of the traced code.
 _HAS_COMPUTE_Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
@@ -47,8 +49,3 @@ def rotary_takes_layer_type(rotary: torch.nn.Module) -> bool:
     return "layer_type" in inspect.signature(rotary.forward).parameters
 
 
-def raise_recompile_limit(limit: int = 64) -> None:
-    """Packed prefill compiles flex once per padded length bucket and head_dim; allow that many."""
-    cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, name, max(getattr(cfg, name), limit))

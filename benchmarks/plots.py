@@ -1,4 +1,4 @@
-"""PNG plots of `benchmarks/results/*.json` into `docs/img/<benchmark>.png` (matplotlib, from the dev extra).
+"""PNG plots of `benchmarks/results/*.json` into `docs/img/<result file stem>.png` (matplotlib, from the dev extra).
 
 Owns drawing only; which files exist and the tables around the plots are `benchmarks/report.py`'s job.
 Rows carrying `error` or `skipped` are left out of a plot (the report's tables still list them).
@@ -109,8 +109,8 @@ def can_plot(rec: dict[str, Any]) -> bool:
     return entry is not None and bool(_ok(rec.get("rows", []), entry[1]))
 
 
-def draw(rec: dict[str, Any], out_dir: Path = IMG_DIR) -> Path:
-    """Draw one result record to `out_dir/<benchmark>.png`."""
+def draw(rec: dict[str, Any], out_dir: Path = IMG_DIR, name: str | None = None) -> Path:
+    """Draw one result record to `out_dir/<name>.png` (`name` defaults to the benchmark)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,7 +123,7 @@ def draw(rec: dict[str, Any], out_dir: Path = IMG_DIR) -> Path:
         PLOTTERS[rec["benchmark"]][0](rec, fig)
         fig.tight_layout()
         out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"{rec['benchmark']}.png"
+        path = out_dir / f"{name or rec['benchmark']}.png"
         fig.savefig(path, dpi=110, metadata={"Software": None})
     finally:
         plt.close(fig)
@@ -131,8 +131,8 @@ def draw(rec: dict[str, Any], out_dir: Path = IMG_DIR) -> Path:
 
 
 def draw_all(results: list[tuple[Path, dict[str, Any]]], out_dir: Path = IMG_DIR) -> list[Path]:
-    """Draw every plottable record; returns the written paths."""
-    return [draw(rec, out_dir) for _, rec in results if can_plot(rec)]
+    """Draw every plottable record, named after its result file; returns the written paths."""
+    return [draw(rec, out_dir, path.stem) for path, rec in results if can_plot(rec)]
 
 
 if __name__ == "__main__":

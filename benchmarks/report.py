@@ -65,7 +65,7 @@ ROW_HEADLINES: list[tuple[str, dict[str, Any], str, str, str]] = [
      "training step, 8k tokens, HF SDPA with full AC: peak memory", "{:.1f} GiB"),
 ]
 STANDARD_KEYS = ("benchmark", "command", "commit", "date", "device", "versions", "rows", "summary")
-NOTE_KEYS = ("depth_note", "model_slice")  # string summary entries that qualify a benchmark's headlines
+NOTE_KEYS = ("depth_note", "model_slice", "memory_note")  # string summary entries that qualify a benchmark's headlines
 
 
 def script_doc(benchmark: str) -> str | None:
@@ -156,7 +156,7 @@ def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) 
             if row is not None and _number(row.get(metric)):
                 bullets.append(f"- **{fmt.format(row[metric])}**: {what}. {link} (`{row_ref(match, metric)}`)")
         if bullets:
-            lines += [f"`{record['benchmark']}` on {record.get('device', '?')}, {record.get('date', '?')}{notes}:", "",
+            lines += [f"`{path.stem}` on {record.get('device', '?')}, {record.get('date', '?')}{notes}:", "",
                       *bullets, ""]
     return lines[:-1] if lines else lines
 
@@ -190,12 +190,12 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         "",
     ]
     for path, rec in results:
-        name = rec["benchmark"]
+        name, script = path.stem, rec["benchmark"]  # several result files can come from one script
         link = f"[`{rel(path, ROOT)}`]({rel(path, docs)})"
         out += [f"## {name}", "", f"Source: {link}", ""]
-        doc = script_doc(name)
+        doc = script_doc(script)
         if doc:
-            out += [f"What `benchmarks/{name}.py` measures (its docstring):", "", "```text", doc, "```", ""]
+            out += [f"What `benchmarks/{script}.py` measures (its docstring):", "", "```text", doc, "```", ""]
         out += [f"- device: {cell(rec.get('device'))}; date: {cell(rec.get('date'))}; "
                 f"commit: `{cell(rec.get('commit'))}`",
                 f"- versions: {cell(rec.get('versions', {}))}",
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import plots
 
     results = load_results()
-    plotted = {rec["benchmark"] for _, rec in results if plots.can_plot(rec)}
+    plotted = {path.stem for path, rec in results if plots.can_plot(rec)}
     pages = {BENCHMARKS_MD: render_benchmarks_md(results, plotted),
              README: replace_block(README.read_text(), render_headline(results))}
     if args.check:

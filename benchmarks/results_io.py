@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,14 +21,15 @@ def _version(mod: str) -> str | None:
 
 
 def _commit() -> str:
+    # An explicit commit wins: a copied work tree can carry a stale .git of another revision.
+    if os.environ.get("LIGHTNING_FFPA_COMMIT"):
+        return os.environ["LIGHTNING_FFPA_COMMIT"]
     try:
         root = Path(__file__).resolve().parents[1]
         sha = subprocess.check_output(["git", "-C", str(root), "rev-parse", "HEAD"], text=True).strip()
         dirty = subprocess.check_output(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], text=True)
         return sha + ("-dirty" if dirty.strip() else "")
     except Exception:  # noqa: BLE001 - the device copy may have no .git
-        import os
-
         return os.environ.get("LIGHTNING_FFPA_COMMIT", "unknown")
 
 

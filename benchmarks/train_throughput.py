@@ -290,6 +290,15 @@ def _phase_peak(phase: dict) -> str:
     return f"+{phase['peak_above_start_gb'] * 1024:.0f}M"
 
 
+def memory_note(rows: list[dict]) -> str | None:
+    """A headline caveat when a row started with memory an earlier row left alive (its peak includes it)."""
+    leaked = max((r.get("allocated_before_row_gb") or 0.0 for r in rows), default=0.0)
+    if leaked < 1.0:
+        return None
+    return (f"peak memory of some rows includes up to {leaked:.1f} GiB an earlier row left alive "
+            "(rows[].allocated_before_row_gb); compare peaks from a run without earlier rows")
+
+
 def _ratio(rows, a, b, key, seq=8192):
     def get(name):
         for r in rows:
@@ -372,6 +381,9 @@ def main() -> None:
         "high_k_vs_every_other_peak_mem_8k": _ratio(rows, "ours_nocompile", "ours_every_other", "peak_mem_gb"),
         "ours_sac_save_mm": PRODUCT_SAVE_MM,
     }
+    note = memory_note(rows)
+    if note:
+        summary["memory_note"] = note
     if rank == 0:
         print(f"\n{'row':16} {'seq':>5} {'tok/s/gpu':>10} {'step ms':>8} {'peak GB':>8} {'MFU':>6} {'gb/rc':>5} "
               f"{'fwd/bwd/opt peak GB':>20} {'before':>6}  error")

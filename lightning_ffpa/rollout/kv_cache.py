@@ -3,6 +3,13 @@
 Owns the KV tensors and the `update` hook HF attention modules call. Where each token goes is decided
 by the engine (`begin`, from the page table); this file never allocates pages. KV-shared layers
 (Gemma4 `num_kv_shared_layers`) get no pool: they reuse the pool of the layer that stores for them.
+
+Under torch.compile the write goes through the custom op `lightning_ffpa::kv_write`. A plain
+`index_copy_` into a graph input is functionalized into an out-of-place copy: inductor then rewrites
+the whole pool every layer every step (on the H200 that made the compiled decode step slower than the
+uncompiled one). A custom op that declares the mutation is re-inplaced by inductor into one in-place
+call; `tests/rollout/test_kv_write.py` checks the generated code allocates no pool-sized buffer.
+Eager runs call `index_copy_` directly (same kernel, no custom-op dispatch).
 """
 
 from __future__ import annotations
@@ -11,6 +18,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@torch.library.custom_op("lightning_ffpa::kv_write", mutates_args=("pool",))
+def kv_write(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write `rows` (Hkv, T, D) into `pool` (1, Hkv, N, D) at flat token indices `index` (T,), in place."""
+    pool[0].index_copy_(1, index, rows)
+
+
+@kv_write.register_fake
+def _(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    return None
+
+
+def _write(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    if torch.compiler.is_compiling():
+        kv_write(pool, index, rows)  # in place under inductor; see the module docstring
+    else:
+        pool[0].index_copy_(1, index, rows)
 
 
 @dataclass(frozen=True)
@@ -69,8 +94,8 @@ class PagedKVCache:
         B, H, S, D = key_states.shape
         rows_k = key_states.permute(1, 0, 2, 3).reshape(H, B * S, D)  # (Hkv, B*S, D)
         rows_v = value_states.permute(1, 0, 2, 3).reshape(H, B * S, D)
-        k_pool[0].index_copy_(1, self._index, rows_k.to(k_pool.dtype))
-        v_pool[0].index_copy_(1, self._index, rows_v.to(v_pool.dtype))
+        _write(k_pool, self._index, rows_k.to(k_pool.dtype))
+        _write(v_pool, self._index, rows_v.to(v_pool.dtype))
         if self._decode:
             return k_pool, v_pool
         return key_states, value_states

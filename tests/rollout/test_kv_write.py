@@ -1,0 +1,100 @@
+"""The KV write stays in place under inductor: a compiled decode step never copies a KV pool.
+
+Why it matters: functionalized `index_copy_` into a graph input made inductor rewrite every pool in full
+each layer each step (the H200's compiled decode step was slower than the uncompiled one). The proof is
+the generated code: it allocates no buffer shaped like a pool, and it writes each pool with one in-place
+`lightning_ffpa::kv_write` call on the pool itself. CPU (dense attention, fast) and GPU (compiled flex).
+"""
+
+import re
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+from transformers import Gemma4ForCausalLM
+
+from lightning_ffpa.presets import build_text_config
+from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
+from lightning_ffpa.rollout.kv_cache import kv_write
+
+_ALLOC = re.compile(r"empty_strided_\w+\(\(([\d, ]*)\)")
+
+
+def _model(dtype=torch.float32, device="cpu"):
+    torch.manual_seed(0)
+    cfg = build_text_config("tiny", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    return Gemma4ForCausalLM(cfg).to(device, dtype).eval()
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 9, 3)]
+
+
+def _record_code(eng: RolloutEngine, compiled) -> list[str]:
+    """Route the engine's decode step through `compiled`, keeping the code inductor generates on first call."""
+    codes: list[str] = []
+
+    def step(*args):
+        if codes:
+            return compiled(*args)
+        out, code = run_and_get_code(compiled, *args)
+        codes.extend(code)
+        return out
+
+    eng._step = step
+    return codes
+
+
+def _assert_writes_in_place(code: str, pools: list[torch.Tensor]) -> None:
+    # One in-place op call per pool (K and V of each caching layer), none functionalized into a copy.
+    assert code.count("torch.ops.lightning_ffpa.kv_write.default(") == len(pools)
+    assert "auto_functionalized" not in code
+    # No temporary shaped like a pool or a pool's head slab: nothing stages a copy of the KV cache.
+    pool_shapes = {tuple(p.shape) for p in pools} | {tuple(p.shape[1:]) for p in pools}
+    allocs = {tuple(int(x) for x in m.split(",") if x.strip()) for m in _ALLOC.findall(code)}
+    assert allocs and not allocs & pool_shapes, sorted(allocs & pool_shapes)
+
+
+def test_kv_write_op_matches_index_copy():
+    pool = torch.randn(1, 2, 12, 3)
+    index, rows = torch.tensor([7, 0, 4]), torch.randn(2, 3, 3)
+    want = pool.clone()
+    want[0].index_copy_(1, index, rows)
+    ptr = pool.data_ptr()
+    kv_write(pool, index, rows)
+    assert pool.data_ptr() == ptr and torch.equal(pool, want)
+
+
+def test_compiled_decode_step_writes_pools_in_place():
+    model = _model()
+    cfg = EngineConfig(page_size=4, num_pages=64, max_batch_size=4, max_seq_len=64, max_prefill_tokens=64,
+                       attention="dense")
+    want = [(s.output, s.logprobs) for s in RolloutEngine(model, cfg).generate(_prompts(), 6)]
+    eng = RolloutEngine(model, cfg)  # compile_decode is CUDA-only: compile its step by hand
+    pools = [*eng.cache.k.values(), *eng.cache.v.values()]
+    ptrs = [p.data_ptr() for p in pools]
+    torch._dynamo.reset()
+    codes = _record_code(eng, torch.compile(eng._decode_step, dynamic=False))
+    got = [(s.output, s.logprobs) for s in eng.generate(_prompts(), 6)]
+
+    # Same tokens as eager; logprobs to fp32 rounding (inductor fuses the norms/softmax differently).
+    assert [o for o, _ in got] == [o for o, _ in want]
+    torch.testing.assert_close(torch.tensor([lp for _, lp in got]), torch.tensor([lp for _, lp in want]),
+                               rtol=0, atol=1e-4)
+    assert [p.data_ptr() for p in pools] == ptrs and len(pools) == 4
+    _assert_writes_in_place("\n".join(codes), pools)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_compiled_decode_step_writes_pools_in_place_gpu():
+    model = _model(torch.bfloat16, "cuda")
+    cfg = EngineConfig(page_size=16, num_pages=32, max_batch_size=4, max_seq_len=128)
+    eng = RolloutEngine(model, EngineConfig(**{**vars(cfg), "compile_decode": True, "cuda_graphs": False}))
+    assert eng.decode_path == "compiled" and eng.attention_path == "flex_compiled"
+    torch._dynamo.reset()
+    codes = _record_code(eng, eng._step)
+    seqs = eng.generate(_prompts(), 6)
+    assert all(len(s.output) == 6 and all(torch.isfinite(torch.tensor(s.logprobs))) for s in seqs)
+    _assert_writes_in_place("\n".join(codes), [*eng.cache.k.values(), *eng.cache.v.values()])

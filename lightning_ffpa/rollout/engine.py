@@ -26,7 +26,10 @@ them). Admission and preemption need exact host state, so the scheduler asks for
 `EngineConfig.compile_decode` compiles the whole decode step (layers, masks, sampler) before capture.
 A graph replay removes launch overhead but not the cost of each small kernel (HF layers run dozens per
 layer in eager: norms in fp32, RoPE, residuals); compiling fuses them. The step traces as one graph
-(`test_engine_pipeline.py` checks that on CPU with dynamo's eager backend).
+(`test_engine_pipeline.py` checks that on CPU with dynamo's eager backend). The KV writes go through a
+custom op under compile so inductor keeps them in place instead of copying every pool each layer
+(`kv_cache.py`; `test_kv_write.py` checks the generated code). Off by default until the H200 confirms
+the compiled step beats the uncompiled graphed one.
 
 Sliding-window pages are not freed early. One page table serves every layer, and Gemma4's full layers
 read every page, so freeing a sliding layer's out-of-window pages needs a second page pool and table

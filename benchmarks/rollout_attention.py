@@ -158,7 +158,10 @@ def build_cases(kind: LayerKind, contexts: list[int], batch: int, padded: int, p
         slot_t = torch.tensor(slots + [0] * padded, device=device)
         pos_t = torch.tensor([n - 1 for n in lens] + [0] * padded, device=device)
         bm = decode_block_mask(logical, pt.table, pt.owner, slot_t, pos_t, page_size, kind.window)
-        q = torch.randn(batch, 1, q_heads, kind.head_dim, generator=g).to(device, dtype).transpose(1, 2)
+        # q ~ N(0, 1/D) so scores ~ N(0, 1) at scale 1 (Gemma4's): a spread softmax, where a missed or extra
+        # page moves the output far more than bf16 rounding does (a near one-hot softmax would hide it)
+        q = (torch.randn(batch, 1, q_heads, kind.head_dim, generator=g) * kind.head_dim ** -0.5)
+        q = q.to(device, dtype).transpose(1, 2)  # (B, Hq, 1, D), strided like HF's transposed projection
         ref = torch.empty(batch, q_heads, 1, kind.head_dim, dtype=torch.float32, device=device)
         for c in range(0, batch, ref_chunk):  # chunks: SDPA's GQA path materialises K/V per query head
             sl = slice(c, c + ref_chunk)
@@ -232,6 +235,7 @@ def run_candidate(kind: LayerKind, name: str, options, k_pool, v_pool, cases: li
             row["finite"] = bool(torch.isfinite(out).all())
             row["padded_rows_zero"] = bool((pad == 0).all()) if pad.numel() else True
             row["max_abs_err"] = float((real - case.ref[:case.num_real]).abs().max())
+            row["ref_max_abs"] = float(case.ref.abs().max())
             row["valid"] = row["finite"] and row["padded_rows_zero"] and row["max_abs_err"] <= args.atol
             sec, how = time_call(call, args.device, args.iters, args.warmup)
             row.update(us_per_call=sec * 1e6, timing=how, bandwidth_gb_s=case.needed_bytes / sec / 1e9,
@@ -311,7 +315,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and three candidates (CPU smoke test)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--atol", type=float, default=2e-2, help="max abs error vs dense_reference for a valid set")
+    ap.add_argument("--atol", type=float, default=5e-3,
+                    help="max abs error vs dense_reference for a valid set (bf16 rounding gives ~1e-3 here; "
+                    "one page of 5 missed moves some outputs by ~0.3)")
     ap.add_argument("--budget-s", type=float, default=180.0,
                     help="seconds of sweeping after which no new candidate is compiled (skips are recorded)")
     ap.add_argument("--ref-chunk", type=int, default=2, help="rows per dense_reference call (SDPA's GQA path "

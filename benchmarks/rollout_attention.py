@@ -14,8 +14,9 @@ grid (sets whose K/V tiles cannot fit shared memory are recorded as skipped, not
 USE_TMA on top of the best grid entry (flex quietly drops USE_TMA when the inputs miss TMA alignment).
 Never ROWS_GUARANTEED_SAFE nor BLOCKS_ARE_CONTIGUOUS.
 
-The summary's `kernel_options` is what `lightning_ffpa.rollout.attention.load_kernel_options(path)` reads:
-the fastest valid set per head_dim (or the built-in one if nothing beat it).
+The summary's `kernel_options` is what `lightning_ffpa.rollout.attention.load_kernel_options(path)` reads
+(and `benchmarks/rollout.py --kernel-options PATH`): the fastest valid set per head_dim, or the built-in one
+unless the fastest beats it by `--min-speedup`.
 
     python benchmarks/rollout_attention.py --out $OUT/rollout_attention.json
     python benchmarks/rollout_attention.py --device cpu --tiny   # CPU smoke (eager flex, two candidates)
@@ -212,13 +213,17 @@ def run_candidate(kind: LayerKind, name: str, options, k_pool, v_pool, cases: li
     flex = torch.compile(flex_attention, dynamic=False) if args.compile else flex_attention
     module = torch.nn.Module()
     module.sliding_window = kind.window
-    rows = []
+    rows, failed = [], None
     for case in cases:
         row = {"name": f"{kind.name}_d{kind.head_dim}", "kind": kind.name, "head_dim": kind.head_dim,
                "kv_heads": kind.kv_heads, "window": kind.window, "context": case.context,
                "batch": case.query.shape[0], "padded_rows": case.query.shape[0] - case.num_real,
                "candidate": name, "options": options, "attention_path": "flex_compiled" if args.compile else
                "flex_eager", "needed_kv_bytes": case.needed_bytes, "paged_kv_bytes": case.paged_bytes}
+        if failed is not None:  # same shapes, same compiled kernel: a compile/launch failure repeats
+            row.update(error=f"not run: failed at context {failed}", valid=False)
+            rows.append(row)
+            continue
         try:
             ctx = attn.StepContext({kind.window: case.block_mask}, decode=True, flex=flex)
 
@@ -243,6 +248,7 @@ def run_candidate(kind: LayerKind, name: str, options, k_pool, v_pool, cases: li
         except Exception as err:  # noqa: BLE001 - a refused option set is a result, not a crash
             row["error"] = f"{type(err).__name__}: {str(err)[:400]}"
             row["valid"] = False
+            failed = case.context
             if args.verbose:
                 traceback.print_exc()
         rows.append(row)
@@ -318,6 +324,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--atol", type=float, default=5e-3,
                     help="max abs error vs dense_reference for a valid set (bf16 rounding gives ~1e-3 here; "
                     "one page of 5 missed moves some outputs by ~0.3)")
+    ap.add_argument("--min-speedup", type=float, default=1.02,
+                    help="summary.kernel_options keeps the built-in set unless the best beats it by this factor")
     ap.add_argument("--budget-s", type=float, default=180.0,
                     help="seconds of sweeping after which no new candidate is compiled (skips are recorded)")
     ap.add_argument("--ref-chunk", type=int, default=2, help="rows per dense_reference call (SDPA's GQA path "
@@ -352,7 +360,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary: dict[str, Any] = {"per_kind": per_kind, "wall_s": time.perf_counter() - t_start}
     summary["kernel_options"] = [
         {"head_dim": e["head_dim"], "decode": True, "dtype": args.dtype,
-         "options": e["builtin_options"] if (e.get("speedup_vs_builtin") or 2) <= 1 else e["best_options"]}
+         "options": e["builtin_options"] if (e.get("speedup_vs_builtin") or 2) < args.min_speedup
+         else e["best_options"]}
         for e in per_kind.values() if "best_options" in e]
     steps = [e for e in per_kind.values() if e.get("ms_per_step_builtin") is not None]
     if len(steps) == len(kinds) and steps:

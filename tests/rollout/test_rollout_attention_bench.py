@@ -103,3 +103,21 @@ def test_grid_skips_tiles_over_shared_memory_and_never_unsafe_options():
     assert names["bn128_s2_w4"] and names["bn64_s3_w8"] is None
     names = {n: skip for n, _, skip in bench.grid_candidates(512, torch.bfloat16, h200, 128, tiny=False)}
     assert names["bn64_s2_w4"] and names["bn64_s1_w4"] is None and names["bn32_s3_w4"] is None
+
+
+def test_a_failing_option_set_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    real_flex = bench.flex_attention
+
+    def picky_flex(*args, kernel_options=None, **kwargs):  # stands in for a Triton resource error
+        if (kernel_options or {}).get("BLOCK_N") == 16:
+            raise RuntimeError("out of resource: shared memory")
+        return real_flex(*args, kernel_options=kernel_options, **kwargs)
+
+    monkeypatch.setattr(bench, "flex_attention", picky_flex)
+    res = bench.main([*TINY_ARGS, "--kinds", "sliding", "--out", str(tmp_path / "r.json")])
+    bad = [r for r in res["rows"] if r["candidate"] == "bn16_s1_w4"]
+    assert [r["context"] for r in bad] == [20, 30] and not any(r["valid"] for r in bad)
+    assert "out of resource" in bad[0]["error"] and bad[1]["error"] == "not run: failed at context 20"
+    entry = res["summary"]["per_kind"]["sliding_d32"]
+    assert entry["num_candidates"] == 2 and entry["num_valid"] == 1 and entry["best"] == "builtin"
+    assert res["summary"]["kernel_options"] == [{"head_dim": 32, "decode": True, "dtype": "float32", "options": None}]

@@ -103,8 +103,9 @@ def grid_candidates(head_dim: int, dtype: torch.dtype, limit: int, page_size: in
     if tiny:
         return out + [("bn16_s1_w4", {"BLOCK_N": 16, "num_stages": 1, "num_warps": 4}, None)]
     elem = torch.finfo(dtype).bits // 8
-    block_ns = (16, 32, 64) if head_dim > 256 else (32, 64, 128)
-    for bn, stages, warps in itertools.product(block_ns, (1, 2, 3), (4, 8)):
+    # likeliest winners first, in case --budget-s cuts the grid: pipelined loads (2-3 stages), mid tiles
+    block_ns = (32, 16, 64) if head_dim > 256 else (64, 32, 128)
+    for stages, bn, warps in itertools.product((2, 3, 1), block_ns, (4, 8)):
         opts = {"BLOCK_N": bn, "num_stages": stages, "num_warps": warps}
         need = smem_estimate(head_dim, bn, stages, elem)
         skip = None

@@ -217,6 +217,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         "python benchmarks/attention.py --out benchmarks/results/attention.json",
         "python benchmarks/train_throughput.py --out benchmarks/results/train_throughput.json",
         "python benchmarks/rollout.py --out benchmarks/results/rollout.json",
+        "python benchmarks/rollout_attention.py --out benchmarks/results/rollout_attention.json",
         "torchrun --nproc_per_node 2 benchmarks/context_parallel.py --out benchmarks/results/context_parallel.json",
         "python -m benchmarks.report    # this page, the README headline block, docs/img/*.png",
         "```",

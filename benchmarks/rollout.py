@@ -20,6 +20,10 @@ kernels and GPU-busy vs wall time per step go into that row's `profile`.
 
     python benchmarks/rollout.py --batches 8,64 --hf-batches 8,64 --out $OUT/rollout.json
     python benchmarks/rollout.py --batches 8,64,256 --hf-batches 8,64 --profile --out $OUT/rollout.json
+
+`--kernel-options PATH` installs flex kernel-option overrides first (`load_kernel_options`: a JSON list, or
+the result of `benchmarks/rollout_attention.py`, whose summary holds the fastest valid decode options);
+the overrides in force are recorded in the summary.
 """
 
 from __future__ import annotations
@@ -351,7 +355,13 @@ def main() -> None:
     ap.add_argument("--compile-decode-batches", default="64",
                     help="also run these batches with EngineConfig.compile_decode (adds compile time)")
     ap.add_argument("--no-pipeline", action="store_true", help="read every decode step back before the next")
+    ap.add_argument("--kernel-options", default=None,
+                    help="JSON of flex kernel-option overrides (e.g. a benchmarks/rollout_attention.py result)")
     args = ap.parse_args()
+    from lightning_ffpa.rollout.attention import kernel_option_overrides, load_kernel_options
+
+    if args.kernel_options:  # before any engine exists: captured graphs keep the kernels they were built with
+        load_kernel_options(args.kernel_options)
     global DEVICE
     DEVICE = args.device
     rows, summary = [], {}
@@ -416,6 +426,7 @@ def main() -> None:
     prof = next((r["profile"] for r in rows if "profile" in r and "error" not in r["profile"]), None)
     if prof:
         summary["profile_gpu_busy_fraction"] = prof["gpu_busy_ms_per_step"] / prof["wall_ms_per_step"]
+    summary["kernel_option_overrides"] = kernel_option_overrides()
     summary["depth_note"] = f"{args.layers} of 60 layers, {args.prompt_len}-token prompts, {args.new_tokens} new tokens"
     write_result("rollout", rows, summary, out=args.out)
     print(f"{'name':30} {'bs':>4} {'tok/s':>10} {'roofline':>9} {'peak GB':>8}  error")

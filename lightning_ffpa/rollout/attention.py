@@ -9,12 +9,20 @@ set here against SDPA on scrambled page layouts with padded rows (CPU eager and 
 We never enable `ROWS_GUARANTEED_SAFE` (padded decode rows are fully masked and give NaN with it) nor
 `BLOCKS_ARE_CONTIGUOUS` (pages of a sequence are not physically consecutive); the GPU test re-checks
 both hazards and fails if either is ever added while unsafe.
+
+Overrides: `set_kernel_options(head_dim, decode, options)` (or `load_kernel_options(path)` on the JSON that
+`benchmarks/rollout_attention.py` writes, which checks every candidate against `dense_reference` on the
+engine's page layouts) replaces the built-in options for one (head_dim, phase, dtype) without code edits.
+Keys are checked against the options flex reads for that phase, and the two unsafe options are refused.
+Set them before the engine runs: a captured CUDA graph keeps the kernels it was captured with.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,14 +39,95 @@ ATTENTION_NAME = "lightning_ffpa_paged"
 UNSAFE_OPTIONS = ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS")
 
 
-def kernel_options(head_dim: int, decode: bool, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any] | None:
-    """Flex kernel options for one head_dim, phase and dtype (None: flex's defaults)."""
+# What flex's Triton templates read (torch/_inductor/kernel/flex/flex_decoding.py, flex_attention.py);
+# anything else is a typo that flex would ignore or a knob we have not validated.
+DECODE_OPTION_KEYS = ("BLOCK_N", "BLOCK_M", "num_stages", "num_warps", "SPLIT_KV", "USE_TMA", "PRESCALE_QK")
+PREFILL_OPTION_KEYS = ("BLOCK_M", "BLOCK_N", "num_stages", "num_warps", "USE_TMA", "PRESCALE_QK")
+_BOOL_KEYS = ("USE_TMA", "PRESCALE_QK")
+
+# (head_dim, decode, dtype) -> options; None is a valid override (flex's defaults). Empty: built-ins only.
+_OVERRIDES: dict[tuple[int, bool, torch.dtype], dict[str, Any] | None] = {}
+
+
+def builtin_kernel_options(head_dim: int, decode: bool, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any] | None:
+    """The shipped flex kernel options for one head_dim, phase and dtype (None: flex's defaults)."""
     if head_dim <= 256:
         return None
     wide = dtype == torch.float32
     if decode:
         return {"num_stages": 1, "BLOCK_N": 16} if wide else {"num_stages": 1}
     return {"BLOCK_M": 32 if wide else 64, "BLOCK_N": 16 if wide else 32, "num_stages": 1, "num_warps": 4}
+
+
+def kernel_options(head_dim: int, decode: bool, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any] | None:
+    """Flex kernel options the engine uses: an override set for this key, else the built-in ones."""
+    key = (head_dim, decode, dtype)
+    if key in _OVERRIDES:
+        options = _OVERRIDES[key]
+        return None if options is None else dict(options)
+    return builtin_kernel_options(head_dim, decode, dtype)
+
+
+def validate_kernel_options(options: dict[str, Any] | None, decode: bool) -> dict[str, Any] | None:
+    """Return a copy of `options` after checking names and values; raise ValueError naming the bad one."""
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        raise ValueError(f"kernel options must be a dict or None, got {type(options).__name__}")
+    unsafe = sorted(set(options) & set(UNSAFE_OPTIONS))
+    if unsafe:
+        raise ValueError(f"kernel option(s) {unsafe} are refused: ROWS_GUARANTEED_SAFE gives NaN on padded decode "
+                         "rows and BLOCKS_ARE_CONTIGUOUS is wrong on scrambled pages")
+    known = DECODE_OPTION_KEYS if decode else PREFILL_OPTION_KEYS
+    phase = "decode" if decode else "prefill"
+    for name, value in options.items():
+        if name not in known:
+            raise ValueError(f"kernel option `{name}` is not a known {phase} option; choose from {list(known)}")
+        if name in _BOOL_KEYS:
+            if not isinstance(value, bool):
+                raise ValueError(f"kernel option `{name}={value!r}` must be a bool")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"kernel option `{name}={value!r}` must be a positive int")
+    return dict(options)
+
+
+def set_kernel_options(head_dim: int, decode: bool, options: dict[str, Any] | None,
+                       dtype: torch.dtype = torch.bfloat16) -> None:
+    """Override the options for one (head_dim, phase, dtype); `options=None` selects flex's defaults."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"`head_dim={head_dim!r}` must be a positive int")
+    _OVERRIDES[(head_dim, decode, dtype)] = validate_kernel_options(options, decode)
+
+
+def reset_kernel_options() -> None:
+    """Drop every override: back to the built-in options."""
+    _OVERRIDES.clear()
+
+
+def kernel_option_overrides() -> list[dict[str, Any]]:
+    """The overrides in force, in the JSON form `load_kernel_options` reads."""
+    return [{"head_dim": d, "decode": dec, "dtype": str(dt).removeprefix("torch."), "options": opts}
+            for (d, dec, dt), opts in _OVERRIDES.items()]
+
+
+def load_kernel_options(path: str | Path) -> list[dict[str, Any]]:
+    """Apply overrides from a JSON list of {head_dim, decode, dtype, options}, or from a result file of
+    `benchmarks/rollout_attention.py` (its `summary.kernel_options`). All entries are checked before any applies.
+    """
+    data = json.loads(Path(path).read_text())
+    entries = data["summary"]["kernel_options"] if isinstance(data, dict) and "summary" in data else data
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a list of kernel-option entries or a rollout_attention result")
+    parsed = []
+    for e in entries:
+        dtype = getattr(torch, str(e.get("dtype", "bfloat16")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{path}: unknown dtype {e.get('dtype')!r} in {e}")
+        decode = bool(e["decode"])
+        parsed.append((int(e["head_dim"]), decode, validate_kernel_options(e["options"], decode), dtype))
+    for head_dim, decode, options, dtype in parsed:
+        set_kernel_options(head_dim, decode, options, dtype)
+    return entries
 
 
 def dense_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None,

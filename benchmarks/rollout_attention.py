@@ -148,15 +148,9 @@ def build_cases(kind: LayerKind, contexts: list[int], batch: int, padded: int, p
     cases = []
     for ctx in contexts:
         pt = PageTable(num_pages, page_size, real + 1, blocks, device)
-        pt._free_pages = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()  # scrambled: pages not consecutive
         lo = max(1, ctx - page_size // 2)
         lens = torch.randint(lo, ctx + 1, (real,), generator=g).tolist()  # rows end at different page offsets
-        slots = []
-        for n in lens:
-            s = pt.allocate_slot()
-            pt.reserve(s, n)
-            slots.append(s)
-        pt.flush()
+        slots = pt.fill_scrambled(lens, g)  # pages not consecutive, as in a running engine
         slot_t = torch.tensor(slots + [0] * padded, device=device)
         pos_t = torch.tensor([n - 1 for n in lens] + [0] * padded, device=device)
         bm = decode_block_mask(logical, pt.table, pt.owner, slot_t, pos_t, page_size, kind.window)

@@ -113,6 +113,21 @@ class PageTable:
             target[idx[:, 0].long(), idx[:, 1].long()] = idx[:, 2]
             pending.clear()
 
+    def fill_scrambled(self, lengths: list[int], generator: torch.Generator) -> list[int]:
+        """Shuffle the free pages, then give each length its own slot and flush; returns the slots.
+
+        A running engine reaches non-consecutive pages after erases and preemptions; kernel-option
+        validation and benchmarks start from that layout instead of the fresh, consecutive one.
+        """
+        self._free_pages = (torch.randperm(self.num_pages - 1, generator=generator) + 1).tolist()
+        slots = []
+        for n in lengths:
+            slot = self.allocate_slot()
+            self.reserve(slot, n)
+            slots.append(slot)
+        self.flush()
+        return slots
+
     # ---- device-side lookups (graph-capturable) ----------------------------------------------
     def physical_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat KV-pool index of (slot, position) pairs: page * page_size + offset."""

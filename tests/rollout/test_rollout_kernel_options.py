@@ -21,14 +21,7 @@ def _paged_case(device, dtype, head_dim, page_size, lens, window, num_pages=40, 
     g = torch.Generator().manual_seed(seed)
     max_len = 16 * page_size
     pt = PageTable(num_pages, page_size, len(lens) + 1, max_len // page_size, device)
-    perm = torch.randperm(num_pages - 1, generator=g) + 1  # scramble the free list: pages are not consecutive
-    pt._free_pages = perm.tolist()
-    slots = []
-    for n in lens:
-        s = pt.allocate_slot()
-        pt.reserve(s, n)
-        slots.append(s)
-    pt.flush()
+    slots = pt.fill_scrambled(lens, g)  # pages are not consecutive
     pool = num_pages * page_size
     k_pool = torch.randn(1, hkv, pool, head_dim, generator=g).to(device, dtype)
     v_pool = torch.randn(1, hkv, pool, head_dim, generator=g).to(device, dtype)

@@ -17,7 +17,9 @@ from lightning_ffpa.rl.grpo import grpo_loss
 
 def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0) -> torch.Tensor:
     """log p(token t | < t) for t >= 1, shape (N, L-1), at the rollout temperature."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    # use_cache=False: a KV cache would grow again in every activation-checkpoint recompute.
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   use_cache=False).logits[:, :-1].float()
     if temperature > 0:
         logits = logits / temperature
     return torch.log_softmax(logits, -1).gather(2, batch["input_ids"][:, 1:, None])[..., 0]

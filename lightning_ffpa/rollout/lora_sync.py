@@ -25,8 +25,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+# Module wrappers the training side may add (activation checkpointing, torch.compile); the inference copy has none.
+_WRAPPER_SEGMENTS = ("._checkpoint_wrapped_module", "._orig_mod")
+
+
 def _infer_name(train_name: str) -> str:
     name = train_name[len(_PEFT_PREFIX):] if train_name.startswith(_PEFT_PREFIX) else train_name
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
     return name.replace(".base_layer.", ".")
 
 

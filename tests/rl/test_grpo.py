@@ -44,3 +44,23 @@ def test_reward_resolution():
     assert resolve_reward_funcs(["lightning_ffpa.rl.rewards.length_reward"])[0]([], ["a"], [[1, 2]]) == [2.0]
     with pytest.raises(ValueError, match="`reward_funcs` entry 'nope.mod:f'"):
         resolve_reward_funcs(["nope.mod:f"])
+
+
+def test_policy_logprobs_recompute_cleanly_under_activation_checkpointing():
+    """A KV cache would grow in the recompute: the checkpointed policy must match the plain one."""
+    import copy
+
+    import transformers
+
+    from lightning_ffpa.parallel import parallelize
+    from lightning_ffpa.presets import build_text_config
+    from lightning_ffpa.rl.module import token_logprobs
+
+    torch.manual_seed(0)
+    plain = transformers.Gemma4ForCausalLM(build_text_config("tiny"))
+    ckpt = parallelize(copy.deepcopy(plain), None, activation_checkpointing="full")
+    batch = {"input_ids": torch.randint(0, 512, (2, 24)), "attention_mask": torch.ones(2, 24, dtype=torch.long)}
+    for m in (plain, ckpt):
+        token_logprobs(m, batch).sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -31,3 +31,29 @@ def test_tiny_grpo_reward_rises():
     h = rewards.history
     assert len(h) == 10 and rollout.drift_report is not None
     assert sum(h[-3:]) / 3 > sum(h[:3]) / 3 + 0.1, h
+
+
+@pytest.mark.timeout(240)
+def test_grpo_fits_under_fsdp2_with_selective_ac_lora_and_kl(tmp_path):
+    """GRPO through the CLI with FSDP2Strategy (wrapped, sharded layers), LoRA and the KL term."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = yaml.safe_load((root / "configs" / "tiny_grpo.yaml").read_text())
+    cfg["trainer"].update(max_steps=3, logger=False, default_root_dir=str(tmp_path),
+                          strategy={"class_path": "lightning_ffpa.parallel.FSDP2Strategy",
+                                    "init_args": {"param_dtype": None, "reduce_dtype": None,
+                                                  "activation_checkpointing": "selective"}})
+    cfg["model"]["init_args"].update(lora_rank=4, beta=0.05)
+    path = tmp_path / "grpo_fsdp2.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1", MASTER_PORT="29641")
+    proc = subprocess.run([sys.executable, "-m", "lightning_ffpa.cli", "fit", "--config", str(path)], env=env,
+                          capture_output=True, text=True, timeout=220, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]

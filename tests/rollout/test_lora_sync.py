@@ -57,3 +57,16 @@ def test_verify_no_drift_catches_a_drifting_base():
     sync.refresh = drifting
     with pytest.raises(RuntimeError, match="drifted"):
         sync.verify_no_drift(num_refreshes=2)
+
+
+def test_refresh_through_checkpoint_and_compile_wrappers():
+    """The strategy wraps layers (AC, compile); their names must still map onto the plain inference copy."""
+    from lightning_ffpa.parallel import parallelize
+
+    train, inference = _models(torch.float32)
+    parallelize(train.get_base_model(), None, activation_checkpointing="selective")
+    assert any("_checkpoint_wrapped_module" in n for n, _ in train.named_parameters())
+    sync = LoraSync(train, inference)
+    sync.refresh(full=True)
+    ids = torch.randint(0, 512, (1, 12))
+    torch.testing.assert_close(inference(ids).logits, train(ids, use_cache=False).logits, atol=1e-4, rtol=1e-4)

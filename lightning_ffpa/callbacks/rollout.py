@@ -32,7 +32,7 @@ class RolloutCallback(L.Callback):
                  max_prefill_tokens: int = 8192, cuda_graphs: bool = True, verify_no_drift: bool = False,
                  eos_token_ids: list[int] | None = None, tokenizer: str | None = None,
                  model_attr: str = "model", pad_token_id: int = 0, attention: str = "flex",
-                 compile_decode: bool = False) -> None:
+                 compile_decode: bool = False, inference_dtype: str | None = None) -> None:
         """
         Args:
             reward_funcs: Import paths `pkg.module:func` of TRL-signature reward functions (summed).
@@ -55,8 +55,14 @@ class RolloutCallback(L.Callback):
             pad_token_id: Right-padding id of the GRPO batch.
             attention: "flex" (compiled on CUDA, eager on CPU) or "dense" (SDPA over the same masks; fast tiny CPU runs).
             compile_decode: torch.compile the whole decode step before graph capture (CUDA only; fuses small ops).
+            inference_dtype: Dtype of the inference copy ("bf16", "fp16", "fp32"); null = the strategy's compute
+                dtype (`param_dtype` of FSDP2Strategy) if it has one, else the training weights' dtype. Under
+                FSDP2 the stored weights are fp32 masters: a copy in their dtype would double its memory.
         """
         super().__init__()
+        from lightning_ffpa.parallel.strategy import _dtype
+
+        self.inference_dtype = _dtype(inference_dtype, "inference_dtype")  # a typo fails here, before any model
         if num_generations < 2:
             raise ValueError(f"`num_generations={num_generations}` must be >= 2 for group-normalised advantages")
         self.reward_paths = list(reward_funcs)
@@ -78,10 +84,11 @@ class RolloutCallback(L.Callback):
     def _build(self, pl_module: L.LightningModule) -> None:
         train = getattr(pl_module, self.model_attr)
         base = train.get_base_model() if hasattr(train, "get_base_model") else train
-        param = next(base.parameters())
+        compute = getattr(pl_module.trainer.strategy, "param_dtype", None) if pl_module._trainer else None
+        dtype = self.inference_dtype or compute or next(base.parameters()).dtype
         device = pl_module.device
         saved_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(param.dtype)  # build in the final dtype: no fp32 staging copy of a 31B model
+        torch.set_default_dtype(dtype)  # build in the final dtype: no fp32 staging copy of a 31B model
         try:
             with torch.device(device):  # a fresh model: no peft modules, weights filled by the sync
                 inference = type(base)(base.config)

@@ -57,3 +57,17 @@ def test_grpo_fits_under_fsdp2_with_selective_ac_lora_and_kl(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lightning_ffpa.cli", "fit", "--config", str(path)], env=env,
                           capture_output=True, text=True, timeout=220, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_inference_dtype_option():
+    with pytest.raises(ValueError, match="inference_dtype"):
+        RolloutCallback(["lightning_ffpa.rl.rewards:token_range_reward"], inference_dtype="bf17")
+    rollout = RolloutCallback(["lightning_ffpa.rl.rewards:token_range_reward"], num_generations=2,
+                              max_new_tokens=2, page_size=8, num_pages=32, max_batch_size=4, max_seq_len=16,
+                              eos_token_ids=[], attention="dense", inference_dtype="bf16")
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout])
+    module = GRPOModule(preset="tiny", lora_rank=2)
+    trainer.fit(module, datamodule=PromptDataModule(num_random_prompts=2, prompt_len=4, batch_size=2))
+    assert {p.dtype for p in rollout.sync.inference.parameters()} == {torch.bfloat16}
+    assert next(module.model.parameters()).dtype == torch.float32

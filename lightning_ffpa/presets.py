@@ -27,21 +27,15 @@ _GEMMA4_31B: dict[str, Any] = dict(
     hidden_size_per_layer_input=0,
 )
 
+# 26B-A4B: the 31B attention recipe (head dims, k_eq_v, window, softcap) at a smaller width, with MoE blocks.
 _GEMMA4_26B_A4B: dict[str, Any] = dict(
-    vocab_size=262_144,
+    _GEMMA4_31B,
     hidden_size=2816,
     intermediate_size=2112,
     num_hidden_layers=30,
     num_attention_heads=16,
     num_key_value_heads=8,
-    head_dim=256,
-    global_head_dim=512,
     num_global_key_value_heads=2,
-    attention_k_eq_v=True,
-    sliding_window=1024,
-    final_logit_softcapping=30.0,
-    max_position_embeddings=262_144,
-    hidden_size_per_layer_input=0,
     enable_moe_block=True,
     num_experts=128,
     top_k_experts=8,

@@ -21,17 +21,19 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_ffpa.data.sampler import ResumableSampler
 
 
+def require_at_least(minimum: int, **values: int) -> None:
+    """Raise one error naming the first `data.<option>` below `minimum`."""
+    for name, value in values.items():
+        if value < minimum:
+            raise ValueError(f"`data.{name}={value}` must be >= {minimum}")
+
 class SeededDataModule(pl.LightningDataModule):
     """Base for the data modules; subclasses provide the datasets and the collate function."""
 
     def __init__(self, batch_size: int, num_workers: int, seed: int) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"`data.batch_size={batch_size}` must be >= 1")
-        if num_workers < 0:
-            raise ValueError(f"`data.num_workers={num_workers}` must be >= 0")
-        if seed < 0:
-            raise ValueError(f"`data.seed={seed}` must be >= 0")
+        require_at_least(1, batch_size=batch_size)
+        require_at_least(0, num_workers=num_workers, seed=seed)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_ffpa.data.base import SeededDataModule
+from lightning_ffpa.data.base import SeededDataModule, require_at_least
 from lightning_ffpa.data.collate import PadCollate
 
 
@@ -61,15 +61,8 @@ class MockDataModule(SeededDataModule):
             num_workers: DataLoader worker processes.
         """
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
-        for name, value in (
-            ("vocab_size", vocab_size),
-            ("seq_length", seq_length),
-            ("num_samples", num_samples),
-        ):
-            if value < 1:
-                raise ValueError(f"`data.{name}={value}` must be >= 1")
-        if num_val_samples < 0:
-            raise ValueError(f"`data.num_val_samples={num_val_samples}` must be >= 0")
+        require_at_least(1, vocab_size=vocab_size, seq_length=seq_length, num_samples=num_samples)
+        require_at_least(0, num_val_samples=num_val_samples)
         self.vocab_size = vocab_size
         self.seq_length = seq_length
         self.max_seq_length = seq_length  # the name the module checks against max_position_embeddings

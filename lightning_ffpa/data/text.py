@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import Dataset
 
-from lightning_ffpa.data.base import SeededDataModule
+from lightning_ffpa.data.base import SeededDataModule, require_at_least
 from lightning_ffpa.data.collate import PackedCollate, PadCollate
 from lightning_ffpa.data.documents import Document, read_records, tokenize_records
 from lightning_ffpa.data.packing import pack_documents
@@ -86,8 +86,7 @@ class TextDataModule(SeededDataModule):
             raise FileNotFoundError(f"`data.val_file={val_file!r}` does not exist or is not a file")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"`data.val_fraction={val_fraction}` must be in [0, 1)")
-        if max_seq_length < 2:
-            raise ValueError(f"`data.max_seq_length={max_seq_length}` must be >= 2")
+        require_at_least(2, max_seq_length=max_seq_length)
         self.train_file, self.val_file, self.val_fraction = train_file, val_file, val_fraction
         self.max_seq_length = max_seq_length
         self.pack = pack

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_io import write_result  # noqa: E402
 from lightning_ffpa.attention import backend, flex, kernels  # noqa: E402
+from lightning_ffpa.parallel._shim import raise_recompile_limit  # noqa: E402
 
 HQ, HKV, D, SCALE = 32, 4, 512, 1.0
 
@@ -160,7 +161,7 @@ def main() -> None:
                         help="skip the remaining rows once this many seconds have passed")
     args = parser.parse_args()
     _BUDGET_S[0] = args.budget_s
-    torch._dynamo.config.cache_size_limit = 64  # one flex compile per (options, shape)
+    raise_recompile_limit(64)  # one flex compile per (options, shape)
     backend.register_ffpa()
     rows: list[dict] = []
     extra: dict = {"shape": {"B": 1, "Hq": HQ, "Hkv": HKV, "D": D, "causal": True, "dtype": "bfloat16"},

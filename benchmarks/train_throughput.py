@@ -52,6 +52,7 @@ from lightning_ffpa.callbacks.throughput import BF16_PEAK_FLOPS, train_flops_per
 from lightning_ffpa.loss import linear_cross_entropy  # noqa: E402
 from lightning_ffpa.module import build_adamw  # noqa: E402
 from lightning_ffpa.parallel import FSDP2Strategy, causal_lm_hidden_states, parallelize  # noqa: E402
+from lightning_ffpa.parallel._shim import raise_recompile_limit  # noqa: E402
 from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, _materialize  # noqa: E402
 from lightning_ffpa.presets import build_text_config  # noqa: E402
 
@@ -348,9 +349,7 @@ def main() -> None:
     t_start = time.perf_counter()
     # Per-layer compile with static shapes: 2 layer kinds x 2 seqs x (maybe) per-layer guards can pass
     # dynamo's default recompile limit of 8, which would silently drop layers to eager mid-benchmark.
-    for knob in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, 64)
+    raise_recompile_limit(64)
     for name in args.rows:
         skip = [time.perf_counter() - t_start > args.budget_s]
         torch.distributed.broadcast_object_list(skip, src=0)  # rank-uniform, or dp ranks would hang

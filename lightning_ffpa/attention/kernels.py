@@ -169,22 +169,10 @@ def _count(use_cute: bool, q: Tensor) -> bool:
 # --------------------------------------------------------------------------- the op contract
 
 
-def _detached(*ts: Tensor | None) -> tuple:
-    """Views without autograd history for the ffpa ops.
-
-    ffpa-attn 0.2.4 keeps the tensors of the call that compiled a kernel in its compile cache for the
-    life of the process; given our autograd inputs it would pin that step's graph, and through FSDP's
-    hooks the whole model (the 16 GiB leak across benchmark rows on the H200). Detached views pin only
-    one call's buffers.
-    """
-    return tuple(t.detach() if t is not None else None for t in ts)
-
-
 def dense_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     """Dense attention forward: (o [B,Sq,Hq,D], lse [B,Hq,Sq] fp32); bottom-right causal."""
     if not _count(_use_cute(q), q):
         return torch.ops.lightning_ffpa.ref_dense_fwd(q, k, v, float(scale), bool(causal))
-    q, k, v = _detached(q, k, v)
     sq, sk = q.shape[1], k.shape[1]
     skip = sq - sk if causal and sq > sk else 0  # leading rows that see no key (kernel requires Sk >= Sq)
     if skip == 0 and sk > 0:
@@ -202,7 +190,6 @@ def dense_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     """Dense attention backward from (o, lse) of the forward (or a merged global o/lse): (dq, dk, dv)."""
     if not _use_cute(q):
         return torch.ops.lightning_ffpa.ref_dense_bwd(do, q, k, v, o, lse, float(scale), bool(causal))
-    do, q, k, v, o, lse = _detached(do, q, k, v, o, lse)
     sq, sk = q.shape[1], k.shape[1]
     skip = sq - sk if causal and sq > sk else 0
     if skip == 0 and sk > 0:
@@ -220,7 +207,6 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     if not _count(_use_cute(q), q):
         return torch.ops.lightning_ffpa.ref_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                                        int(max_seqlen_k), float(scale), bool(causal))
-    q, k, v = _detached(q, k, v)
     return torch.ops.ffpa_attn._varlen_fwd_cute(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                                 int(max_seqlen_k), float(scale), bool(causal), _NO_WINDOW,
                                                 _NO_WINDOW, 0.0, q.shape[1] > k.shape[1])
@@ -234,7 +220,6 @@ def varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tens
         return torch.ops.lightning_ffpa.ref_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
                                                        int(max_seqlen_q), int(max_seqlen_k), float(scale),
                                                        bool(causal))
-    do, q, k, v, o, lse = _detached(do, q, k, v, o, lse)
     # Note the ffpa op's argument order: (q, k, v, out, dout, lse, ...).
     return torch.ops.ffpa_attn._varlen_bwd_cute(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                                 int(max_seqlen_k), float(scale), bool(causal), _NO_WINDOW,

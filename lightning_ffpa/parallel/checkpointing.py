@@ -148,7 +148,6 @@ def sac_context_fn(extra_save_ops: list[str] | tuple[str, ...] = (), save_mm: Sa
         return create_selective_checkpoint_contexts(policy)
 
     context_fn.save_ops = save_ops  # for inspection / tests
-    context_fn.save_mm = save_mm
     context_fn.width = width
     context_fn.for_layer = lambda layer: sac_context_fn(
         extra_save_ops, save_mm, layer_width(layer) if save_mm == "high_k" else None)

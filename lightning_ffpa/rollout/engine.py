@@ -172,19 +172,16 @@ class RolloutEngine:
                 if not inflight:
                     raise RuntimeError("scheduler asked for a sync with nothing in flight")
                 self.stats["syncs"] += 1
-                while inflight:
-                    inflight.popleft().apply(sched)
+                _drain(inflight, sched)
             elif kind == "prefill":
-                while inflight:
-                    inflight.popleft().apply(sched)
+                _drain(inflight, sched)
                 self._prefill(seqs, sampling, generator).apply(sched)
             else:
                 inflight.append(self._decode(seqs, sampling, generator))
                 # Read back one step late: the next step is already queued when the host waits here.
                 while len(inflight) > lag:
                     inflight.popleft().apply(sched)
-        while inflight:  # a step issued after the last EOS: its tokens are all discarded
-            inflight.popleft().apply(sched)
+        _drain(inflight, sched)  # a step issued after the last EOS: its tokens are all discarded
 
     @torch.inference_mode()
     def capture_all(self, sampling: SamplingParams) -> None:
@@ -294,6 +291,12 @@ class RolloutEngine:
             tokens, logprobs = self._step(inputs[0], inputs[1], sampling, None)
         self._graphs[bucket] = (graph, {"inputs": inputs, "tokens": tokens, "logprobs": logprobs})
         return self._graphs[bucket]
+
+
+def _drain(inflight: deque[_Readback], sched: Scheduler) -> None:
+    """Read back every step still in flight, oldest first."""
+    while inflight:
+        inflight.popleft().apply(sched)
 
 
 class _Readback:

@@ -67,12 +67,6 @@ class DecoderWalker:
         finally:
             cfg._attn_implementation = saved
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: StepContext,
-                cache: PagedKVCache, logits_index: torch.Tensor | None = None) -> torch.Tensor:
-        """`logits` with the paged attention routing flipped on for this call only."""
-        with self.paged_attention():
-            return self.logits(input_ids, position_ids, ctx, cache, logits_index)
-
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: StepContext,
                cache: PagedKVCache, logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (N, V) in fp32 for `input_ids` (B, S), keeping rows `logits_index` of the flat (B*S).

@@ -12,8 +12,9 @@ That is the bytes a step must read, not what flex happens to read: whole pages a
 Decode mostly reads, so the fraction against a measured read bandwidth (a bf16 sum,
 `roofline_fraction_read_bw`) is reported too; the target uses the copy bandwidth.
 
-Rows `ours_paged_flex_compiled_step` (`--compile-decode-batches`, default 64) rerun a batch with
-`EngineConfig.compile_decode`: the whole decode step compiled before capture, fusing the small ops.
+Rows `ours_paged_flex` run the engine's defaults: on CUDA the whole decode step is compiled before
+capture (`EngineConfig.compile_decode=None`), fusing the small ops. Rows `ours_paged_flex_eager_step`
+(`--eager-step-batches`, default 64) rerun a batch with `compile_decode=False`, the graphed eager step.
 
 `--profile` records a few decode steps of the largest batch with torch.profiler: the top CUDA
 kernels and GPU-busy vs wall time per step go into that row's `profile`.
@@ -205,7 +206,7 @@ def profile_decode(eng, prompts, sampling, steps: int = 6, skip: int = 4, top: i
             "top_kernels": [{"name": n, "calls": c, "total_ms": round(t, 4)} for n, (c, t) in rows]}
 
 
-def run_ours(model, cfg, prompts, new, bw, wbytes, page=128, profile=False, pipeline=True, compile_decode=False,
+def run_ours(model, cfg, prompts, new, bw, wbytes, page=128, profile=False, pipeline=True, compile_decode=None,
              read_bw=None):
     from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
     from lightning_ffpa.rollout.sampler import SamplingParams
@@ -235,7 +236,8 @@ def run_ours(model, cfg, prompts, new, bw, wbytes, page=128, profile=False, pipe
            "total_s": t_total, "prefill_s": t_prefill, "warmup_s": t_warm,
            "peak_mem_gb": _peak_gb(), "graph_replays": eng.stats["graph_replays"],
            "eager_decodes": eng.stats["eager_decodes"], "syncs": eng.stats["syncs"],
-           "pipeline": ecfg.pipeline, "tokens_generated": sum(len(s.output) for s in seqs)}
+           "pipeline": ecfg.pipeline, "decode_path": eng.decode_path, "attention_path": eng.attention_path,
+           "tokens_generated": sum(len(s.output) for s in seqs)}
     if profile:
         try:
             res["profile"] = profile_decode(eng, prompts, greedy)
@@ -352,8 +354,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--bandwidth-gb", type=float, default=4.0)
     ap.add_argument("--profile", action="store_true", help="profile a few decode steps at the largest batch")
-    ap.add_argument("--compile-decode-batches", default="64",
-                    help="also run these batches with EngineConfig.compile_decode (adds compile time)")
+    ap.add_argument("--eager-step-batches", default="64",
+                    help="also run these batches with EngineConfig.compile_decode=False (the graphed eager step)")
     ap.add_argument("--no-pipeline", action="store_true", help="read every decode step back before the next")
     ap.add_argument("--kernel-options", default=None,
                     help="JSON of flex kernel-option overrides (e.g. a benchmarks/rollout_attention.py result)")
@@ -374,12 +376,13 @@ def main() -> None:
     ours_tps, hf_tps, rollout_s = {}, {}, {}
     batches = [int(b) for b in args.batches.split(",")]
     hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
-    compile_batches = [int(b) for b in args.compile_decode_batches.split(",") if b]
+    eager_batches = [int(b) for b in args.eager_step_batches.split(",") if b]
     for bs in batches:
         prompts = torch.randint(2, cfg.vocab_size, (bs, args.prompt_len), generator=g).tolist()
-        compiled = [True] if bs in compile_batches else []
-        for compile_decode in (False, *compiled):
-            name = "ours_paged_flex_compiled_step" if compile_decode else "ours_paged_flex"
+        eager = [False] if bs in eager_batches else []
+        for compile_decode in (None, *eager):
+            ablation = compile_decode is False
+            name = "ours_paged_flex_eager_step" if ablation else "ours_paged_flex"
             row = {"name": name, "batch": bs, "layers": args.layers, "new_tokens": args.new_tokens}
             eng = None
             try:
@@ -387,9 +390,9 @@ def main() -> None:
                                     profile=args.profile and bs == max(batches), pipeline=not args.no_pipeline,
                                     compile_decode=compile_decode, read_bw=read_bw)
                 row.update(res)
-                if not compile_decode:
+                if not ablation:
                     ours_tps[bs], rollout_s[bs] = res["tokens_per_s"], res["total_s"]
-                if not compile_decode and (bs == 64 or bs == batches[-1]):
+                if not ablation and (bs == 64 or bs == batches[-1]):
                     row["lora_refresh_s"] = lora_refresh_s(model, eng.model)
                     summary.setdefault("_refresh", {})[bs] = row["lora_refresh_s"]
             except Exception as err:  # noqa: BLE001 - one failing row is recorded, never kills the run
@@ -415,12 +418,11 @@ def main() -> None:
     ours64 = next((r for r in rows if r.get("name") == "ours_paged_flex" and r.get("batch") == 64), {})
     refresh = summary.pop("_refresh", {})
     summary["roofline_fraction_bs64"] = ours64.get("roofline_fraction")
-    compiled64 = next((r for r in rows if r.get("name") == "ours_paged_flex_compiled_step"
-                       and r.get("batch") == 64), {})
-    if "roofline_fraction" in compiled64:
-        summary["roofline_fraction_bs64_compiled_step"] = compiled64["roofline_fraction"]
+    eager64 = next((r for r in rows if r.get("name") == "ours_paged_flex_eager_step" and r.get("batch") == 64), {})
+    if "roofline_fraction" in eager64:
+        summary["roofline_fraction_bs64_eager_step"] = eager64["roofline_fraction"]
         if 64 in hf_tps:
-            summary["vs_hf_generate_bs64_compiled_step"] = compiled64["tokens_per_s"] / hf_tps[64]
+            summary["vs_hf_generate_bs64_eager_step"] = eager64["tokens_per_s"] / hf_tps[64]
     summary["vs_hf_generate_bs64"] = ours_tps[64] / hf_tps[64] if 64 in ours_tps and 64 in hf_tps else None
     summary["lora_refresh_fraction"] = refresh[64] / rollout_s[64] if 64 in refresh and 64 in rollout_s else None
     prof = next((r["profile"] for r in rows if "profile" in r and "error" not in r["profile"]), None)

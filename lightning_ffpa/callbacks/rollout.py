@@ -32,7 +32,7 @@ class RolloutCallback(L.Callback):
                  max_prefill_tokens: int = 8192, cuda_graphs: bool = True, verify_no_drift: bool = False,
                  eos_token_ids: list[int] | None = None, tokenizer: str | None = None,
                  model_attr: str = "model", pad_token_id: int = 0, attention: str = "flex",
-                 compile_decode: bool = False, inference_dtype: str | None = None) -> None:
+                 compile_decode: bool | None = None, inference_dtype: str | None = None) -> None:
         """
         Args:
             reward_funcs: Import paths `pkg.module:func` of TRL-signature reward functions (summed).
@@ -54,7 +54,8 @@ class RolloutCallback(L.Callback):
             model_attr: Attribute of the LightningModule holding the HF model.
             pad_token_id: Right-padding id of the GRPO batch.
             attention: "flex" (compiled on CUDA, eager on CPU) or "dense" (SDPA over the same masks; fast tiny CPU runs).
-            compile_decode: torch.compile the whole decode step before graph capture (CUDA only; fuses small ops).
+            compile_decode: torch.compile the whole decode step before graph capture, fusing small ops; null = on
+                for CUDA, off on CPU.
             inference_dtype: Dtype of the inference copy ("bf16", "fp16", "fp32"); null = the strategy's compute
                 dtype (`param_dtype` of FSDP2Strategy) if it has one, else the training weights' dtype. Under
                 FSDP2 the stored weights are fp32 masters: a copy in their dtype would double its memory.

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lightning_ffpa.module import build_adamw
 from lightning_ffpa.rl.grpo import grpo_loss
 
 
@@ -94,5 +95,4 @@ class GRPOModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=0.0)
+        return build_adamw(self.model, self.hparams.lr, weight_decay=0.0, betas=(0.9, 0.999))  # fused on CUDA

@@ -32,10 +32,14 @@ from lightning_ffpa.rollout.compat import register_attention
 
 ATTENTION_NAME = "lightning_ffpa_paged"
 
-# head_dim 512 (Gemma4 full layers). Flex's default forward tiles at D > 256 are 64x32 (bf16) / 32x16
-# (fp32) with 3 pipeline stages: ~256 KB of shared memory against H200's 227 KB, so we keep the tiles and
-# use one stage. Decode: one stage as well; bf16 keeps flex's BLOCK_N (64, clamped to the page size):
-# 16x512 Q + 2 x 64x512 K/V tiles = 144 KB; fp32 needs BLOCK_N=16 (so pages must be multiples of 16).
+# Prefill at head_dim 512 (Gemma4 full layers): flex's default tiles at D > 256 are 64x32 (bf16) / 32x16
+# (fp32) with 3 pipeline stages, ~256 KB of shared memory against H200's 227 KB, so we keep the tiles and
+# use one stage. Decode (bf16/fp16): the fastest sets of the H200 sweep, each checked against the dense
+# reference on scrambled pages with padded rows (benchmarks/results/rollout_attention.json): 1.22x flex's
+# default at D=256 and 20x the one-stage set at D=512. USE_TMA gained under 1% there and needs sm90, so it
+# stays out. fp32 decode at D=512 needs BLOCK_N=16 to fit; BLOCK_N is clamped to divide the page size.
+_DECODE_HALF = {256: {"BLOCK_N": 64, "num_stages": 2, "num_warps": 4},
+                512: {"BLOCK_N": 16, "num_stages": 3, "num_warps": 4}}
 UNSAFE_OPTIONS = ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS")
 
 
@@ -49,23 +53,45 @@ _BOOL_KEYS = ("USE_TMA", "PRESCALE_QK")
 _OVERRIDES: dict[tuple[int, bool, torch.dtype], dict[str, Any] | None] = {}
 
 
-def builtin_kernel_options(head_dim: int, decode: bool, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any] | None:
+def _fit_block_n(options: dict[str, Any] | None, page_size: int | None) -> dict[str, Any] | None:
+    """Halve BLOCK_N until it divides the page size (a flex KV block is one page)."""
+    if options is None or page_size is None or "BLOCK_N" not in options:
+        return options
+    block_n = options["BLOCK_N"]
+    while block_n > 1 and page_size % block_n:
+        block_n //= 2
+    return {**options, "BLOCK_N": block_n}
+
+
+def builtin_kernel_options(head_dim: int, decode: bool, dtype: torch.dtype = torch.bfloat16,
+                           page_size: int | None = None) -> dict[str, Any] | None:
     """The shipped flex kernel options for one head_dim, phase and dtype (None: flex's defaults)."""
+    wide = dtype == torch.float32
+    if decode and not wide and head_dim in _DECODE_HALF:
+        return _fit_block_n(dict(_DECODE_HALF[head_dim]), page_size)
     if head_dim <= 256:
         return None
-    wide = dtype == torch.float32
     if decode:
-        return {"num_stages": 1, "BLOCK_N": 16} if wide else {"num_stages": 1}
+        return _fit_block_n({"num_stages": 1, "BLOCK_N": 16}, page_size) if wide else {"num_stages": 1}
     return {"BLOCK_M": 32 if wide else 64, "BLOCK_N": 16 if wide else 32, "num_stages": 1, "num_warps": 4}
 
 
-def kernel_options(head_dim: int, decode: bool, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any] | None:
-    """Flex kernel options the engine uses: an override set for this key, else the built-in ones."""
+def kernel_options(head_dim: int, decode: bool, dtype: torch.dtype = torch.bfloat16,
+                   page_size: int | None = None) -> dict[str, Any] | None:
+    """Flex kernel options the engine uses: an override set for this key, else the built-in ones.
+
+    With `page_size`, an override whose BLOCK_N does not divide it raises (flex would fail to lower).
+    """
     key = (head_dim, decode, dtype)
-    if key in _OVERRIDES:
-        options = _OVERRIDES[key]
-        return None if options is None else dict(options)
-    return builtin_kernel_options(head_dim, decode, dtype)
+    if key not in _OVERRIDES:
+        return builtin_kernel_options(head_dim, decode, dtype, page_size)
+    options = _OVERRIDES[key]
+    if options is None:
+        return None
+    if page_size is not None and page_size % options.get("BLOCK_N", 1):
+        raise ValueError(f"kernel option `BLOCK_N={options['BLOCK_N']}` set for head_dim {head_dim} must divide "
+                         f"`page_size={page_size}`")
+    return dict(options)
 
 
 def validate_kernel_options(options: dict[str, Any] | None, decode: bool) -> dict[str, Any] | None:
@@ -163,6 +189,7 @@ class StepContext:
     flex: Callable = flex_attention
     options: Callable[..., dict[str, Any] | None] = kernel_options
     calls: dict[str, int] = field(default_factory=dict)  # per-window call counts (tests count layers)
+    page_size: int | None = None  # decode: BLOCK_N must divide it
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -182,7 +209,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             return softcap * torch.tanh(score / softcap)
     out = ctx.flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling,
                    enable_gqa=query.shape[1] != key.shape[1],
-                   kernel_options=ctx.options(query.shape[-1], ctx.decode, query.dtype))
+                   kernel_options=ctx.options(query.shape[-1], ctx.decode, query.dtype, page_size=ctx.page_size))
     return out.transpose(1, 2), None  # (B, S, H, D)
 
 

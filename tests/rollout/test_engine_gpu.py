@@ -36,11 +36,11 @@ def test_graphs_match_eager_and_hf_greedy_fp32():
     model = _model(torch.float32)
     prompts = _prompts()
     graphs = RolloutEngine(model, _cfg())
-    eager = RolloutEngine(model, _cfg(cuda_graphs=False))
+    eager = RolloutEngine(model, _cfg(cuda_graphs=False, compile_decode=False))
     out_g = [s.output for s in graphs.generate(prompts, 48)]
     out_e = [s.output for s in eager.generate(prompts, 48)]
     assert graphs.stats["graph_replays"] > 0 and graphs.stats["eager_decodes"] == 0
-    assert graphs.attention_path == "flex_compiled"
+    assert graphs.attention_path == "flex_compiled" and graphs.decode_path == "compiled"  # CUDA defaults
     assert out_g == out_e
     for p, out in zip(prompts, out_g):
         ref = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=48, do_sample=False, pad_token_id=0)
@@ -48,10 +48,12 @@ def test_graphs_match_eager_and_hf_greedy_fp32():
 
 
 @pytest.mark.timeout(600)
-def test_compiled_decode_step_matches_graphs_fp32():
+def test_graphed_eager_step_matches_compiled_step_fp32():
     model = _model(torch.float32)
     prompts = _prompts()
-    plain = [s.output for s in RolloutEngine(model, _cfg()).generate(prompts, 32)]
+    plain_eng = RolloutEngine(model, _cfg(compile_decode=False))
+    assert plain_eng.decode_path == "eager"
+    plain = [s.output for s in plain_eng.generate(prompts, 32)]
     eng = RolloutEngine(model, _cfg(compile_decode=True))
     assert eng.decode_path == "compiled"
     assert [s.output for s in eng.generate(prompts, 32)] == plain

@@ -123,3 +123,26 @@ def test_compiled_flex_honours_decode_override_on_gpu():
         out = run()
     assert torch.isfinite(out).all() and (out[case.num_real:] == 0).all()
     assert (out[:case.num_real].float() - case.ref[:case.num_real]).abs().max() < 5e-3
+
+
+def test_builtin_block_n_is_clamped_to_divide_the_page_size():
+    assert attn.builtin_kernel_options(256, True, torch.bfloat16, page_size=128)["BLOCK_N"] == 64
+    assert attn.builtin_kernel_options(256, True, torch.bfloat16, page_size=48)["BLOCK_N"] == 16
+    assert attn.builtin_kernel_options(512, True, torch.bfloat16, page_size=16)["BLOCK_N"] == 16
+    assert attn.builtin_kernel_options(256, True, torch.bfloat16)["BLOCK_N"] == 64  # no page size: as swept
+
+
+def test_override_block_n_not_dividing_the_page_size_fails_at_engine_start():
+    from transformers import Gemma4ForCausalLM
+
+    from lightning_ffpa.presets import build_text_config
+    from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
+
+    model = Gemma4ForCausalLM(build_text_config("tiny")).eval()
+    cfg = EngineConfig(page_size=8, num_pages=16, max_batch_size=2, max_seq_len=64, attention="dense")
+    eng = RolloutEngine(model, cfg)
+    assert eng.decode_path == "eager"  # compile_decode=None: off on CPU
+    head_dim = eng.walker.specs[0].head_dim
+    attn.set_kernel_options(head_dim, True, {"BLOCK_N": 16}, torch.float32)
+    with pytest.raises(ValueError, match=r"`BLOCK_N=16`.*`page_size=8`"):
+        RolloutEngine(model, cfg)

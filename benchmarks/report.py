@@ -65,7 +65,9 @@ ROW_HEADLINES: list[tuple[str, dict[str, Any], str, str, str]] = [
      "training step, 8k tokens, HF SDPA with full AC: peak memory", "{:.1f} GiB"),
 ]
 STANDARD_KEYS = ("benchmark", "command", "commit", "date", "device", "versions", "rows", "summary")
-NOTE_KEYS = ("depth_note", "model_slice", "memory_note")  # string summary entries that qualify a benchmark's headlines
+NOTE_KEYS = ("depth_note", "model_slice", "memory_note", "history_note")  # strings that qualify a file's headlines
+# A file whose summary has a `history_note` is an earlier state kept for comparison: docs/benchmarks.md
+# lists it, the README does not.
 
 
 def script_doc(benchmark: str) -> str | None:
@@ -162,8 +164,8 @@ def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) 
 
 
 def render_headline(results: list[tuple[Path, dict[str, Any]]]) -> str:
-    """The README block between the BEGIN/END markers."""
-    lines = headline_lines(results, ROOT)
+    """The README block between the BEGIN/END markers (files with a `history_note` left out)."""
+    lines = headline_lines([(p, r) for p, r in results if "history_note" not in r["summary"]], ROOT)
     if not lines:
         lines = ["- No benchmark has been recorded yet (`benchmarks/results/` is empty)."]
     body = "\n".join(lines)

@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
 from lightning_ffpa.rl.grpo import group_advantages
@@ -105,6 +106,9 @@ class RolloutCallback(L.Callback):
             e = getattr(base.config, "eos_token_id", None)
             eos = [] if e is None else ([e] if isinstance(e, int) else list(e))
         self.engine = RolloutEngine(inference, self.engine_config, set(eos))
+        e = self.engine
+        rank_zero_info(f"RolloutCallback: {dtype} inference copy; attention {e.attention_path}, decode step "
+                       f"{e.decode_path}, CUDA graphs {'on' if e.on_cuda and e.config.cuda_graphs else 'off'}")
         self.tokenizer = None
         if self.tokenizer_name:
             from transformers import AutoTokenizer
@@ -130,6 +134,7 @@ class RolloutCallback(L.Callback):
         t1 = time.perf_counter()
         prompt_ids = [list(map(int, p)) for p in batch["prompt_ids"]]
         expanded = [p for p in prompt_ids for _ in range(G)]
+        before = dict(self.engine.stats)
         seqs = self.engine.generate(expanded, self.max_new_tokens, self.sampling)
         t2 = time.perf_counter()
         completion_ids = [s.output for s in seqs]
@@ -152,6 +157,10 @@ class RolloutCallback(L.Callback):
             pl_module.log(f"rollout/{name}", metric.compute(), on_step=True, on_epoch=False,
                           batch_size=len(seqs), prog_bar=name == "reward")
             metric.reset()
+        # How the engine ran this rollout: preemptions mean too few pages; eager decodes on CUDA mean no graph.
+        for name in ("preemptions", "eager_decodes", "graph_replays", "capture_s"):
+            pl_module.log(f"rollout/{name}", float(self.engine.stats[name] - before[name]), on_step=True,
+                          on_epoch=False, batch_size=len(seqs))
 
     def _fill(self, batch: dict, prompts: list[list[int]], seqs, rewards: torch.Tensor, device) -> None:
         """Right-padded prompt+completion rows with masks, engine logprobs and advantages, written into `batch`."""

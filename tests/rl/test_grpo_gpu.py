@@ -38,5 +38,6 @@ def test_tiny_grpo_fit_on_cuda_with_fsdp2_lora_and_compiled_graphed_rollouts(tmp
     assert eng.stats["graph_replays"] > 0 and eng.stats["eager_decodes"] == 0
     assert {p.dtype for p in rollout.sync.inference.parameters()} == {torch.bfloat16}
     assert rollout.drift_report is not None
+    assert trainer.callback_metrics["rollout/eager_decodes"] == 0
     assert len(rewards.history) == 4
     assert all(torch.isfinite(torch.tensor(pair)).all() for pair in rewards.history), rewards.history

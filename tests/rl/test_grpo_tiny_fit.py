@@ -71,3 +71,5 @@ def test_inference_dtype_option():
     trainer.fit(module, datamodule=PromptDataModule(num_random_prompts=2, prompt_len=4, batch_size=2))
     assert {p.dtype for p in rollout.sync.inference.parameters()} == {torch.bfloat16}
     assert next(module.model.parameters()).dtype == torch.float32
+    logged = trainer.callback_metrics  # how the engine ran is visible: eager on CPU, no graphs
+    assert logged["rollout/eager_decodes"] > 0 and logged["rollout/graph_replays"] == 0

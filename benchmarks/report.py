@@ -50,7 +50,8 @@ HEADLINES: dict[str, tuple[str, str]] = {
     "cp2_vs_cp1_loss_max_abs_diff": ("context parallel: loss difference CP=2 vs CP=1", "{:.2e}"),
     "roofline_fraction_bs64": ("GRPO rollouts, batch 64: decode throughput as a fraction of the HBM roofline",
                                "{:.1%}"),
-    "vs_hf_generate_bs64": ("GRPO rollouts, batch 64: paged flex engine vs HF `generate` (static cache)",
+    "vs_hf_generate_bs64": ("GRPO rollouts, batch 64: paged flex engine vs HF `generate` with a static cache "
+                            "(the faster of eager and compiled where both ran)",
                             "{:.2f}x tokens/s"),
     "lora_refresh_fraction": ("GRPO rollouts, batch 64: LoRA refresh time as a fraction of rollout time",
                               "{:.1%}"),

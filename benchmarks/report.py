@@ -53,6 +53,12 @@ HEADLINES: dict[str, tuple[str, str]] = {
     "vs_hf_generate_bs64": ("GRPO rollouts, batch 64: paged flex engine vs HF `generate` with a static cache "
                             "(the faster of eager and compiled where both ran)",
                             "{:.2f}x tokens/s"),
+    "vs_hf_generate_static_eager_bs64": ("GRPO rollouts, batch 64: paged flex engine vs HF `generate`, static cache, "
+                                         "eager forward", "{:.2f}x tokens/s"),
+    "vs_hf_generate_static_compiled_bs64": ("GRPO rollouts, batch 64: paged flex engine vs HF `generate`, static cache, "
+                                            "compiled forward (HF's default on CUDA)", "{:.2f}x tokens/s"),
+    "hf_ceiling_bs64": ("GRPO rollouts, batch 64: the most any engine could reach over the faster HF row (decode at "
+                        "100% of the HBM roofline, prefill free)", "{:.2f}x"),
     "lora_refresh_fraction": ("GRPO rollouts, batch 64: LoRA refresh time as a fraction of rollout time",
                               "{:.1%}"),
 }
@@ -66,7 +72,7 @@ ROW_HEADLINES: list[tuple[str, dict[str, Any], str, str, str]] = [
      "training step, 8k tokens, HF SDPA with full AC: peak memory", "{:.1f} GiB"),
 ]
 STANDARD_KEYS = ("benchmark", "command", "commit", "date", "device", "versions", "rows", "summary")
-NOTE_KEYS = ("depth_note", "model_slice", "memory_note", "history_note")  # strings that qualify a file's headlines
+NOTE_KEYS = ("depth_note", "model_slice", "memory_note", "history_note", "partial_run")  # strings that qualify a file's headlines
 # A file whose summary has a `history_note` is an earlier state kept for comparison: docs/benchmarks.md
 # lists it, the README does not.
 

@@ -427,6 +427,7 @@ def main() -> None:
     model, cfg = build_model(args.layers, args.preset)
     wbytes = weight_bytes(model)
     g = torch.Generator().manual_seed(0)
+
     def save_partial() -> None:  # a run cut short by a time limit still leaves its finished rows
         if args.out:
             write_result("rollout", rows, {"partial": True}, out=args.out)

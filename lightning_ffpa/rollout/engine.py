@@ -138,8 +138,8 @@ class RolloutEngine:
             self.flex, self.attention_path = torch.compile(flex_attention, dynamic=False), "flex_compiled"
         if cfg.compile_decode and not self.on_cuda:
             raise ValueError("`compile_decode=True` needs CUDA (the CPU path runs eagerly)")
-        for spec in self.walker.specs:  # a bad override fails here, before any compile or capture
-            kernel_options(spec.head_dim, True, self.dtype, page_size=cfg.page_size)
+        for head_dim in {spec.head_dim for spec in self.walker.specs}:  # a bad override fails here, before compile
+            kernel_options(head_dim, True, self.dtype, page_size=cfg.page_size)
         self._step, self.decode_path = self._decode_step, "eager"
         if self.on_cuda if cfg.compile_decode is None else cfg.compile_decode:
             compat.raise_recompile_limit()

@@ -89,7 +89,8 @@ def test_ffpa_forward_count_eager_no_mesh(mode, per_layer, dispatch_mode):
     assert _profiled_calls(model, ids, dispatch_mode) == per_layer * n_full
 
 
-@pytest.mark.parametrize("mode,per_layer", [("selective", 1), ("full", 2)])
+# Compiled full AC also runs the FFPA forward once: inductor's partitioner never replays an opaque custom op.
+@pytest.mark.parametrize("mode,per_layer", [("selective", 1), ("full", 1)])
 def test_ffpa_forward_count_compiled_no_mesh(mode, per_layer):
     from lightning_ffpa.parallel import parallelize
 
@@ -116,6 +117,7 @@ def one_gpu_group():
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("mode,per_layer", [("selective", 1), ("full", 2)])
 def test_ffpa_forward_count_fsdp2(one_gpu_group, mode, per_layer, compile):
+    per_layer = 1 if compile else per_layer  # see test_ffpa_forward_count_compiled_no_mesh
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -1,0 +1,154 @@
+"""Resume on the GPU: stop a fit mid-run (kill -9 and SIGTERM), resume from `last`, compare loss curves.
+
+Runs the shipped `configs/gemma4_ffpa.yaml` through the installed `lightning-ffpa` console script at a
+reduced-depth Gemma4-31B shape (one sliding and one full-attention layer at the real widths and head dims),
+with full fine-tuning or LoRA. Rows, each its own process:
+- `uninterrupted` twice: the run-to-run spread of the loss on this GPU (bf16 kernels are not bitwise
+  deterministic);
+- `kill9`: hangs before the optimizer step `--stop-at`, is killed with SIGKILL, then resumed from `last`;
+- `sigterm`: the same stop with SIGTERM.
+A resumed curve passes when every step's loss is within the measured spread of the uninterrupted run
+(or equal). The loss recorder is the hardening tests' `StepRecorder` (tests/hardening/_helpers.py).
+
+    python benchmarks/resume.py --variant full --out benchmarks/results/resume_full.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "hardening"))
+sys.path.insert(0, str(REPO))
+
+import _helpers as h  # noqa: E402
+
+from benchmarks.results_io import write_result  # noqa: E402
+
+LORA = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
+
+
+def fit_config(root: Path, log: Path, args, *, hang_at: int | None, checkpoints: bool) -> Path:
+    """The shipped recipe with the benchmark's overrides (one GPU, reduced depth, short run)."""
+    cfg = yaml.safe_load((REPO / "configs" / "gemma4_ffpa.yaml").read_text())
+    t = cfg["trainer"]
+    t.update(devices=1, max_steps=args.steps, default_root_dir=str(root), logger=False, log_every_n_steps=1,
+             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    t["strategy"]["init_args"]["compile"] = args.compile
+    kept = [c for c in t["callbacks"] if not c["class_path"].endswith(("ModelCheckpoint", "LearningRateMonitor"))]
+    if checkpoints:
+        kept.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                     "init_args": {"dirpath": str(root / "ckpt"), "every_n_train_steps": args.every,
+                                   "save_last": True, "save_top_k": 1}})
+    else:
+        t["enable_checkpointing"] = False
+    kept.append(h.recorder(log, hang_at=hang_at))
+    t["callbacks"] = kept
+    m = cfg["model"]["init_args"]
+    m.update(warmup_steps=2, config_overrides={
+        "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "vocab_size": args.vocab})
+    if args.variant == "lora":
+        m["lora"] = dict(LORA)
+        m["dtype"] = "bfloat16"
+    d = cfg["data"]["init_args"]
+    d.update(seq_length=args.seq, num_samples=args.samples, vocab_size=args.vocab)
+    return h.write_config(root / f"{log.stem}.yaml", cfg)
+
+
+def console(config: Path, *extra: str, log: Path) -> subprocess.Popen:
+    script = shutil.which("lightning-ffpa") or str(Path(sys.executable).with_name("lightning-ffpa"))
+    cmd = [script, "fit", "--config", str(config), *extra] if Path(script).exists() else \
+        [sys.executable, "-m", "lightning_ffpa.cli", "fit", "--config", str(config), *extra]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=h.subprocess_env(), stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    proc.log_path = log
+    return proc
+
+
+def curve(log: Path) -> dict[int, float]:
+    return {step: float.fromhex(loss) for step, (loss, _) in h.read_steps(log).items()}
+
+
+def uninterrupted(work: Path, args, name: str) -> dict:
+    root = work / name
+    root.mkdir()
+    log = root / "steps.log"
+    t0 = time.monotonic()
+    proc = console(fit_config(root, log, args, hang_at=None, checkpoints=False), log=root / "out.log")
+    h.wait_ok(proc, timeout=args.timeout)
+    return {"row": name, "curve": curve(log), "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def interrupted(work: Path, args, how: str) -> dict:
+    root = work / how
+    root.mkdir()
+    log = root / "steps.log"
+    config = fit_config(root, log, args, hang_at=args.stop_at, checkpoints=True)
+    proc = console(config, log=root / "out.log")
+    h.wait_for_line(log, "hang", proc, timeout=args.timeout)
+    if how == "kill9":
+        rc = h.kill9(proc)
+    else:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    before = curve(log)
+    last = sorted(p.name for p in (root / "ckpt").iterdir()) if (root / "ckpt").exists() else []
+    resume = console(config, "--ckpt_path", "last", log=root / "resume.log")
+    h.wait_ok(resume, timeout=args.timeout)
+    after = curve(log)  # the recorder appends; resumed steps overwrite the stopped run's entries
+    shutil.rmtree(root / "ckpt", ignore_errors=True)  # checkpoints are GBs: free the disk for the next row
+    return {"row": how, "stop_rc": rc, "steps_before_stop": sorted(before), "checkpoints_seen": last,
+            "curve": after}
+
+
+def compare(ref: dict[int, float], other: dict[int, float]) -> float:
+    common = sorted(set(ref) & set(other))
+    assert common == sorted(ref), f"missing steps: {sorted(set(ref) - set(other))}"
+    return max(abs(ref[s] - other[s]) for s in common)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", choices=("full", "lora"), default="full")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--every", type=int, default=2, help="checkpoint every N steps")
+    p.add_argument("--stop-at", type=int, default=5, help="hang before optimizer step N, then stop")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--samples", type=int, default=16, help="rows per epoch (batch 1)")
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--timeout", type=float, default=400)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="resume_") as tmp:
+        work = Path(tmp)
+        rows = [uninterrupted(work, args, "uninterrupted"), uninterrupted(work, args, "uninterrupted_repeat")]
+        spread = compare(rows[0]["curve"], rows[1]["curve"])
+        for how in ("kill9", "sigterm"):
+            rows.append(interrupted(work, args, how))
+    ref = rows[0]["curve"]
+    summary = {"run_to_run_spread": spread}
+    for row in rows[2:]:
+        diff = compare(ref, row["curve"])
+        summary[f"{row['row']}_max_abs_loss_diff"] = diff
+        summary[f"{row['row']}_within_spread"] = diff <= spread
+        summary[f"{row['row']}_bitwise"] = diff == 0.0
+    summary["finite"] = all(math.isfinite(v) for r in rows for v in r["curve"].values())
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    write_result(f"resume_{args.variant}", [copy.deepcopy(r) for r in rows], summary, out=args.out,
+                 config=config, recipe="configs/gemma4_ffpa.yaml, 2 layers (1 sliding, 1 full) at 31B widths")
+
+
+if __name__ == "__main__":
+    main()

@@ -257,7 +257,7 @@ class Gemma4LM(L.LightningModule):
         else:
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
             # Packed rows (`document_ids`): keep documents apart (FFPA varlen + document masks for "ffpa").
-            inputs.update(packed_inputs(batch, self.hparams.attn_implementation))
+            inputs.update(packed_inputs(batch, self.hf_model))
             labels = batch["labels"]
             # Shift by appending an ignored target, so both paths score position i against token i+1.
             labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from lightning_ffpa.attention import masks
+from lightning_ffpa.attention import _hf_shim, masks
 from lightning_ffpa.errors import ConfigError
 
 __all__ = ["POSITION_IDS_IMPLEMENTATIONS", "PackedDocuments", "check_packing", "packed_inputs"]
@@ -104,15 +104,17 @@ def check_packing(attn_implementation: str, pack: bool) -> None:
                           "or set `data.pack=false`")
 
 
-def packed_inputs(batch: dict[str, Tensor], attn_implementation: str) -> dict[str, Any]:
+def packed_inputs(batch: dict[str, Tensor], attn_implementation: str | Any) -> dict[str, Any]:
     """Extra model-forward kwargs that keep the documents of a packed batch apart (empty if not packed).
 
-    "ffpa" gets ``documents=`` (varlen full layers, document-aware Flex sliding layers). HF's own
+    `attn_implementation` is a name or an HF model (then the implementation it runs now). "ffpa" gets ``documents=`` (varlen full layers, document-aware Flex sliding layers). HF's own
     implementations split rows by ``position_ids`` resets, so those must be present and agree.
     """
     document_ids = batch.get("document_ids")
     if document_ids is None:
         return {}
+    if not isinstance(attn_implementation, str):
+        attn_implementation = _hf_shim.model_attention(attn_implementation)
     check_packing(attn_implementation, True)
     attention_mask = batch.get("attention_mask")
     if attn_implementation == "ffpa":

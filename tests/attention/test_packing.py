@@ -158,3 +158,16 @@ def test_hf_attention_needs_position_resets_where_documents_change():
         packed_inputs({**ok, "position_ids": torch.tensor([[0, 1, 2, 3]])}, "eager")
     with pytest.raises(ValueError, match="position_ids=absent"):
         packed_inputs({"input_ids": docs, "document_ids": docs}, "sdpa")
+
+
+def test_cli_preflight_accepts_ffpa_with_packing_and_names_the_rest(other_attention):
+    from lightning_ffpa.callbacks import FFPAAttention
+    from lightning_ffpa.validation import check_parallel_layout
+
+    dm = TextDataModule(max_seq_length=32, batch_size=2, pack=True, val_fraction=0.0)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    check_parallel_layout(trainer, Gemma4LM(preset="tiny", attn_implementation="ffpa"), dm)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
+                        callbacks=[FFPAAttention(attn_implementation=other_attention)])
+    with pytest.raises(ConfigError, match="data.pack"):
+        check_parallel_layout(trainer, Gemma4LM(preset="tiny", attn_implementation="ffpa"), dm)

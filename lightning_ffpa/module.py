@@ -23,6 +23,7 @@ from transformers import (
 )
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
+from lightning_ffpa.attention.documents import check_packing, packed_inputs
 from lightning_ffpa.loss import linear_cross_entropy
 from lightning_ffpa.metrics import TokenPerplexity
 from lightning_ffpa.parallel.context_parallel import cp_group_info, cp_loss_reduce, shard_batch
@@ -224,6 +225,7 @@ class Gemma4LM(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         seq = getattr(dm, "max_seq_length", None)
         self._check_seq_length(seq, "data.max_seq_length")
+        check_packing(self.hparams.attn_implementation, bool(getattr(dm, "pack", False)))
 
     # ---- forward and loss -----------------------------------------------------------------------------
     @property
@@ -254,6 +256,8 @@ class Gemma4LM(L.LightningModule):
             labels = shard["shift_labels"]
         else:
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+            # Packed rows (`document_ids`): keep documents apart (FFPA varlen + document masks for "ffpa").
+            inputs.update(packed_inputs(batch, self.hf_model))
             labels = batch["labels"]
             # Shift by appending an ignored target, so both paths score position i against token i+1.
             labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)

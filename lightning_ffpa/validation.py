@@ -195,10 +195,15 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
         raise ValueError(f"`model.attn_implementation='ffpa'` is the direct backend, which cannot run with "
                          f"`context_parallel_size={cp}`; use attn_implementation=sdpa and add the "
                          "`lightning_ffpa.callbacks.FFPAAttention` callback (it installs the FFPA ring)")
-    if getattr(datamodule, "pack", False) and cp == 1 and (direct_ffpa or _attention_callback_uses_ffpa(trainer)):
-        raise ValueError("`data.pack=True` with the direct 'ffpa' attention backend (context_parallel_size=1) would "
-                         "let packed documents attend to each other, so the backend refuses it; use pack=false, "
-                         "or context_parallel_size > 1 with the FFPA ring, which carries document ids")
+    if getattr(datamodule, "pack", False) and cp == 1:
+        from lightning_ffpa.attention.documents import check_packing
+
+        # At CP=1 the attention callback (if any) sets the model's implementation.
+        callbacks = _attention_callbacks(trainer)
+        attn = callbacks[0].attn_implementation if callbacks else (getattr(model, "hparams", None) or {}).get(
+            "attn_implementation")
+        if attn is not None:
+            check_packing(attn, True)
 
 
 def _attention_callbacks(trainer: Any) -> list[Any]:
@@ -211,10 +216,6 @@ def _attention_callbacks(trainer: Any) -> list[Any]:
 
 def _has_attention_callback(trainer: Any) -> bool:
     return bool(_attention_callbacks(trainer))
-
-
-def _attention_callback_uses_ffpa(trainer: Any) -> bool:
-    return any(getattr(cb, "attn_implementation", None) == "ffpa" for cb in _attention_callbacks(trainer))
 
 
 def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str | None = None) -> str | None:

@@ -22,6 +22,7 @@ MIN_TRANSFORMERS = "5.13"  # SDPA GQA fix for head_dim > 256 (transformers PR #4
 
 __all__ = [
     "ALL_MASK_ATTENTION_FUNCTIONS",
+    "model_attention",
     "PACKED_KWARGS",
     "check_version",
     "pad",
@@ -62,6 +63,11 @@ def registered_attention(name: str):
 def attention_names() -> set[str]:
     """Every attention implementation name registered with transformers."""
     return set(AttentionInterface._global_mapping)
+
+
+def model_attention(model) -> str | None:
+    """The attention implementation a model runs now (set at build or by `set_attn_implementation`)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
 def registered_mask(name: str):

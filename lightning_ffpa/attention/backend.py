@@ -1,10 +1,13 @@
 """The "ffpa" Hugging Face attention backend: registration, mask function, per-call routing, visible fallbacks.
 
 Routing for one attention call (in this order):
-1. refusals: context parallel > 1 and packed sequences raise one error pointing to the ring route;
-2. a Flex ``BlockMask`` (sliding and other non-plain-causal layers) goes to flex (eager if softcap);
-3. an eligible full-attention call goes to FFPA: dense with no mask, varlen with a 2D padding mask;
-4. anything else falls back: eager when a softcap is set, otherwise SDPA with repeated KV
+1. refusal: context parallel > 1 raises one error pointing to the ring route;
+2. packed documents (``documents=`` from ``Gemma4LM.compute_loss``, or ``position_ids`` that restart inside a
+   row) replace HF's mask: full layers run FFPA varlen over the document segments, sliding layers get a
+   window AND same-document Flex mask (``documents.py``);
+3. a Flex ``BlockMask`` (sliding and other non-plain-causal layers) goes to flex (eager if softcap);
+4. an eligible full-attention call goes to FFPA: dense with no mask, varlen with a 2D padding mask;
+5. anything else falls back: eager when a softcap is set, otherwise SDPA with repeated KV
    (never ``enable_gqa`` at head_dim > 256, which drops to the MATH kernel).
 Every fallback is counted and warned about once per reason. Counting goes through ``counters.py``, so
 it is taken at runtime once per forward call in eager and compiled layers alike, and nothing here
@@ -24,6 +27,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from lightning_ffpa.attention import _hf_shim, counters, kernels, masks
+from lightning_ffpa.attention.documents import PackedDocuments
 from lightning_ffpa.attention.flex import flex_forward
 
 NAME = "ffpa"
@@ -46,9 +50,6 @@ class FFPABackendConfig:
     """Activation dtypes routed to the CuTeDSL kernel (the CPU reference takes any float dtype)."""
     context_parallel_size: int = 1
     """Must be 1: the direct backend refuses CP > 1 (that is the ring's job)."""
-    refuse_packed: bool = True
-    """Raise on packed sequences (position_ids resets, cu_seq_lens kwargs); False lets them run through
-    flex with HF's document mask (correct, but no FFPA)."""
 
 
 _config = FFPABackendConfig()
@@ -80,8 +81,7 @@ def config() -> FFPABackendConfig:
     return _config
 
 
-def register_ffpa(head_dims: tuple[int, ...] = (512,), context_parallel_size: int = 1,
-                  refuse_packed: bool = True) -> None:
+def register_ffpa(head_dims: tuple[int, ...] = (512,), context_parallel_size: int = 1) -> None:
     """Register "ffpa" in transformers' attention and mask interfaces (idempotent; updates the config)."""
     if context_parallel_size != 1:
         raise ValueError(f"`context_parallel_size={context_parallel_size}`: the direct 'ffpa' backend runs "
@@ -89,7 +89,6 @@ def register_ffpa(head_dims: tuple[int, ...] = (512,), context_parallel_size: in
     _hf_shim.check_version()
     _config.head_dims = tuple(int(d) for d in head_dims)
     _config.context_parallel_size = context_parallel_size
-    _config.refuse_packed = refuse_packed
     _hf_shim.register_attention(NAME, ffpa_attention_forward)
     _hf_shim.register_mask(NAME, ffpa_mask)
     kernels.register_flop_formulas()
@@ -118,6 +117,9 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
                                         kv_length, device)
     # Remember that a padding mask exists: HF only treats position_ids resets as packing without one.
     block_mask._ffpa_padded = padding is not None
+    # HF sets use_vmap when a model adds its own or/and mask (e.g. bidirectional image tokens): packed
+    # documents would replace that mask, so such a call is refused rather than silently changed.
+    block_mask._ffpa_overlay = bool(kwargs.get("use_vmap", False))
     return block_mask
 
 
@@ -174,32 +176,42 @@ def _note_fallback(reason: str, query: Tensor) -> None:
     counters.count("reason", reason, query)
 
 
-def _is_packed(position_ids: Tensor | None) -> bool:
-    """True when position_ids restart inside a row (packed documents); one check per tensor, skipped when tracing."""
+def _documents_from_positions(position_ids: Tensor | None, batch: int) -> PackedDocuments | None:
+    """Segments from position_ids that restart inside a row, or None; one check per tensor, skipped when tracing."""
     if (position_ids is None or position_ids.shape[-1] < 2 or position_ids.device.type == "meta"
             or torch.compiler.is_compiling()):
-        return False
+        return None
     # Every layer of one forward gets the same tensor: check it once (a host sync), keyed by a weak
     # reference so a new batch that reuses the same memory is checked again.
     cached = _packed_cache.get("last")
     if cached is None or cached[0]() is not position_ids or cached[1] != position_ids._version:
-        cached = (weakref.ref(position_ids), position_ids._version, bool((position_ids.diff(dim=-1) != 1).any()))
+        packed = bool((position_ids.diff(dim=-1) != 1).any())
+        docs = PackedDocuments.from_position_ids(position_ids.expand(batch, -1)) if packed else None
+        cached = (weakref.ref(position_ids), position_ids._version, docs)
         _packed_cache["last"] = cached
     return cached[2]
 
 
-def _refuse(query: Tensor, attention_mask, kwargs: dict) -> None:
+def _documents(query: Tensor, attention_mask, kwargs: dict) -> PackedDocuments | None:
+    """The packed documents of this call (or None); raises where document boundaries cannot be honoured."""
     if _config.context_parallel_size != 1 or type(query).__name__ == "DTensor":
         raise RuntimeError(f"the direct 'ffpa' attention backend cannot run under context parallelism; {CP_ROUTE}")
-    if not _config.refuse_packed:
-        return
-    packed_kw = [k for k in _hf_shim.PACKED_KWARGS if kwargs.get(k) is not None]
+    docs = kwargs.get("documents")
     padded = (attention_mask is not None and not isinstance(attention_mask, BlockMask)) or getattr(
         attention_mask, "_ffpa_padded", False)
-    if packed_kw or (not padded and _is_packed(kwargs.get("position_ids"))):
-        what = f"kwargs {packed_kw}" if packed_kw else "position_ids that restart inside a row"
-        raise RuntimeError(f"the direct 'ffpa' attention backend refuses packed sequences ({what}): it would let "
-                           f"documents attend to each other; {CP_ROUTE}")
+    if docs is None and not padded:  # with a padding mask HF does not read resets as packing (left padding)
+        docs = _documents_from_positions(kwargs.get("position_ids"), query.shape[0])
+    if docs is None:
+        packed_kw = [k for k in _hf_shim.PACKED_KWARGS if kwargs.get(k) is not None]
+        if packed_kw:
+            raise RuntimeError(f"the 'ffpa' attention backend takes packed-sequence boundaries from `documents=` or "
+                               f"from position_ids that restart per document, not from kwargs {packed_kw}: "
+                               "without either, documents would attend to each other")
+        return None
+    if getattr(attention_mask, "_ffpa_overlay", False):
+        raise NotImplementedError("packed documents with a model-specific mask overlay (e.g. bidirectional image "
+                                  "tokens) are not supported by the 'ffpa' backend")
+    return docs
 
 
 def ffpa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -207,22 +219,13 @@ def ffpa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
                            scaling: float | None = None, sliding_window: int | None = None,
                            softcap: float | None = None, **kwargs) -> tuple[Tensor, None]:
     """HF attention function: q/k/v ``[B,H,S,D]`` in, ``([B,S,H,D], None)`` out."""
-    _refuse(query, attention_mask, kwargs)
+    documents = _documents(query, attention_mask, kwargs)
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    if documents is not None:
+        return _documents_forward(module, query, key, value, documents, dropout, scaling, sliding_window, softcap,
+                                  causal), None
     if isinstance(attention_mask, BlockMask):
-        if softcap:
-            _note_fallback("softcap", query)
-            mask = masks.dense_from_block_mask(attention_mask, query.device)
-            return _eager(module, query, key, value, mask, dropout, scaling, softcap), None
-        if query.device.type == "meta" or (query.device.type == "cpu" and torch.is_grad_enabled()
-                                            and query.requires_grad):
-            # torch's flex has no CPU backward and no meta kernel (FLOP counting): the same mask runs through SDPA.
-            _note_fallback("flex_" + query.device.type, query)
-            mask = masks.dense_from_block_mask(attention_mask, query.device)
-            return _sdpa(query, key, value, mask, dropout, scaling, False), None
-        counters.count("path", "flex", query)
-        out = flex_forward(query, key, value, attention_mask, scaling)
-        return out.transpose(1, 2), None
+        return _block_mask_forward(module, query, key, value, attention_mask, dropout, scaling, softcap), None
 
     if attention_mask is not None and attention_mask.dim() != 2:
         reason = "4d_mask"
@@ -245,6 +248,48 @@ def ffpa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
     if softcap:
         return _eager(module, query, key, value, attention_mask, dropout, scaling, softcap, causal), None
     return _sdpa(query, key, value, attention_mask, dropout, scaling, causal), None
+
+
+def _block_mask_forward(module, query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMask, dropout: float,
+                        scaling, softcap) -> Tensor:
+    """A Flex mask: flex, or its dense form through eager (softcap) / SDPA (CPU training, meta)."""
+    if softcap:
+        _note_fallback("softcap", query)
+        mask = masks.dense_from_block_mask(block_mask, query.device)
+        return _eager(module, query, key, value, mask, dropout, scaling, softcap)
+    if query.device.type == "meta" or (query.device.type == "cpu" and torch.is_grad_enabled()
+                                        and query.requires_grad):
+        # torch's flex has no CPU backward and no meta kernel (FLOP counting): the same mask runs through SDPA.
+        _note_fallback("flex_" + query.device.type, query)
+        mask = masks.dense_from_block_mask(block_mask, query.device)
+        return _sdpa(query, key, value, mask, dropout, scaling, False)
+    counters.count("path", "flex", query)
+    return flex_forward(query, key, value, block_mask, scaling).transpose(1, 2)
+
+
+def _documents_forward(module, query: Tensor, key: Tensor, value: Tensor, docs: PackedDocuments, dropout: float,
+                       scaling, sliding_window, softcap, causal: bool) -> Tensor:
+    """Packed rows: full layers -> FFPA varlen over the segments; sliding layers -> window AND document Flex mask."""
+    batch, _, seq, _ = query.shape
+    if key.shape[2] != seq or docs.shape != (batch, seq) or not causal:
+        raise ValueError(f"packed documents cover {docs.shape} tokens; this call has batch {batch}, {seq} queries, "
+                         f"{key.shape[2]} keys, causal={causal} (only causal self-attention over the batch is packed)")
+    if sliding_window is not None:
+        return _block_mask_forward(module, query, key, value, docs.block_mask(int(sliding_window), query.device),
+                                   dropout, scaling, softcap)
+    reason = _fallback_reason(module, query, dropout, scaling, softcap, None)
+    if reason is None:
+        counters.count("path", "ffpa-varlen", query)
+        # [B,H,S,D] transposed views of [B,S,H,D] projections: back to [B,S,H,D], then flat THD (views).
+        q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[3]) for t in (query, key, value))
+        out = kernels.ffpa_varlen_attention(q, k, v, docs.cu_seqlens, docs.cu_seqlens, docs.max_seqlen,
+                                            docs.max_seqlen, scaling, True)
+        return out.view(batch, seq, *out.shape[1:])
+    _note_fallback(reason, query)
+    mask = docs.dense_mask(None, query.device)
+    if softcap:
+        return _eager(module, query, key, value, mask, dropout, scaling, softcap)
+    return _sdpa(query, key, value, mask, dropout, scaling, False)
 
 
 def _varlen(q: Tensor, k: Tensor, v: Tensor, padding: Tensor, scale: float, causal: bool) -> Tensor:

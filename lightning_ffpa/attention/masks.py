@@ -84,6 +84,11 @@ def build_block_mask(mod: MaskMod, batch: int, q_len: int, kv_len: int, device: 
                              BLOCK_SIZE=block_size, _compile=device.type == "cuda")
 
 
+def dense_mask(mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device | str) -> Tensor:
+    """A mod materialised as a bool mask ``[B, 1, Q, KV]`` (the eager/SDPA fallbacks' form)."""
+    return create_mask(mod, batch, 1, q_len, kv_len, device=torch.device(device))
+
+
 def dense_from_block_mask(block_mask: BlockMask, device: torch.device) -> Tensor:
     """Materialise a BlockMask as a bool mask ``[B, 1|H, Q, KV]`` (used by the eager/SDPA fallbacks)."""
     b, h, _, _ = block_mask.shape

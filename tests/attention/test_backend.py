@@ -11,6 +11,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lightning_ffpa.attention import backend, force_kernel, kernels, masks
 from lightning_ffpa.attention.backend import FFPAFallbackWarning, ffpa_attention_forward, ffpa_mask
+from lightning_ffpa.attention.documents import PackedDocuments
 
 
 @pytest.fixture(autouse=True)
@@ -134,23 +135,51 @@ def test_dropout_in_training_falls_back():
     assert backend.dispatch_counts()["sdpa"] == 1 and backend.fallback_counts() == {"dropout": 1}
 
 
-def test_refusals_point_to_the_ring_route():
+def test_refusals_and_what_counts_as_packed():
     q, k, v = qkv()
     reset = torch.arange(6).repeat(2)[None].expand(2, -1)  # two documents per row
     with force_kernel("reference"):
-        with pytest.raises(RuntimeError, match="packed sequences.*context_parallel_size > 1"):
-            _route(q, k, v, None, position_ids=reset)
-        with pytest.raises(RuntimeError, match="packed sequences.*cu_seq_lens_q"):
+        # Flash-style boundaries without position resets or `documents=` cannot be honoured here.
+        with pytest.raises(RuntimeError, match="not from kwargs.*cu_seq_lens_q"):
             _route(q, k, v, None, cu_seq_lens_q=torch.tensor([0, 6, 12], dtype=torch.int32))
+        _route(q, k, v, None, position_ids=reset)  # resets: packed, FFPA varlen over the documents
+        assert backend.dispatch_counts()["ffpa-varlen"] == 1
         # A padding mask means HF did not treat position_ids as packing (left-padded generation).
         _route(q, k, v, torch.ones(2, 12, dtype=torch.bool), position_ids=reset)
         _route(q, k, v, None, position_ids=torch.arange(12)[None])
+        assert backend.dispatch_counts()["ffpa-varlen"] == 2 and backend.dispatch_counts()["ffpa-dense"] == 1
         backend.config().context_parallel_size = 2
         try:
             with pytest.raises(RuntimeError, match="context parallelism.*context_parallel_size > 1"):
                 _route(q, k, v, None)
         finally:
             backend.config().context_parallel_size = 1
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_packed_documents_equal_each_document_alone(window):
+    """`documents=`: full calls -> varlen over the segments, sliding calls -> window AND document mask."""
+    lens = [5, 4, 3]  # row 0: docs 5 + 4 + pad 3; row 1: doc 3 + pad 9 (a padding run is its own segment)
+    q, k, v = qkv(b=2, hq=4, hkv=2)
+    for t in (q, k, v):
+        t.requires_grad_()
+    doc_ids = torch.tensor([[0] * 5 + [1] * 4 + [-1] * 3, [0] * 3 + [-1] * 9])
+    docs = PackedDocuments.from_document_ids(doc_ids)
+    with force_kernel("reference"):
+        out = _route(q, k, v, None, documents=docs, sliding_window=window)
+        out.sum().backward()
+        path = "ffpa-varlen" if window is None else "sdpa"  # CPU flex has no backward: dense sdpa, counted
+        assert backend.dispatch_counts()[path] == 1
+        for row, start, n in [(0, 0, lens[0]), (0, 5, lens[1]), (1, 0, lens[2])]:
+            sl = slice(start, start + n)
+            qi, ki, vi = (t.detach()[row:row + 1, :, sl].requires_grad_() for t in (q, k, v))
+            i = torch.arange(n)
+            mask = causal(n) if window is None else causal(n) & (i[:, None] - i[None, :] < window)
+            want = naive(qi, ki, vi, mask, 1.0)
+            want.sum().backward()
+            torch.testing.assert_close(out[row, sl].double(), want[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(q.grad[row][:, sl], qi.grad[0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(k.grad[row][:, sl], ki.grad[0], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -182,13 +211,25 @@ def test_padded_batch_through_varlen_equals_per_sequence_dense(side):
 def test_packed_check_is_per_tensor_not_per_address():
     """A new position_ids tensor must be checked again even if it reuses the old one's memory."""
     q, k, v = qkv(s=6)
+    counts = backend.dispatch_counts
     with force_kernel("reference"):
         _route(q, k, v, None, position_ids=torch.arange(6)[None])
         storage = torch.arange(6)[None]
         _route(q, k, v, None, position_ids=storage)
+        assert counts()["ffpa-dense"] == 2 and counts()["ffpa-varlen"] == 0
         storage.copy_(torch.tensor([[0, 1, 2, 0, 1, 2]]))  # same memory, new content, new version
-        with pytest.raises(RuntimeError, match="packed"):
-            _route(q, k, v, None, position_ids=storage)
-        fresh = torch.tensor([[0, 1, 2, 0, 1, 2]])
-        with pytest.raises(RuntimeError, match="packed"):
-            _route(q, k, v, None, position_ids=fresh)
+        _route(q, k, v, None, position_ids=storage)
+        assert counts()["ffpa-varlen"] == 1
+        fresh = torch.tensor([[0, 1, 2, 3, 4, 5]])
+        _route(q, k, v, None, position_ids=fresh)
+        assert counts()["ffpa-dense"] == 3
+
+
+def test_packed_documents_refuse_a_model_mask_overlay():
+    """HF marks or/and overlays (e.g. bidirectional image tokens) with use_vmap: documents must not replace them."""
+    q, k, v = qkv(b=1, s=6)
+    overlay = ffpa_mask(batch_size=1, q_length=6, kv_length=6, mask_function=causal_mask_function,
+                        allow_is_causal_skip=False, use_vmap=True)
+    docs = PackedDocuments.from_document_ids(torch.tensor([[0, 0, 0, 1, 1, 1]]))
+    with force_kernel("reference"), pytest.raises(NotImplementedError, match="overlay"):
+        _route(q, k, v, overlay, documents=docs)

@@ -115,9 +115,15 @@ def test_left_padded_greedy_generation_matches_eager(model):
     assert backend.dispatch_counts()["ffpa-varlen"] == 2 * 3 and backend.dispatch_counts()["flex"] == 2 * 3
 
 
-def test_packed_batch_is_refused_with_the_cp_route(model):
-    ids = torch.randint(0, 512, (1, 24))
-    position_ids = torch.cat([torch.arange(10), torch.arange(14)])[None]  # two packed documents
+def test_packed_position_ids_alone_split_documents_through_varlen(model):
+    """A plain HF call with restarting position_ids (no `documents=`): the same split HF's own masks make."""
+    ids = torch.randint(0, 512, (1, 44), generator=torch.Generator().manual_seed(2))
+    position_ids = torch.cat([torch.arange(20), torch.arange(24)])[None]  # two packed documents
     model.set_attn_implementation("ffpa")
-    with force_kernel("reference"), pytest.raises(RuntimeError, match="packed sequences.*context_parallel_size > 1"):
-        model(input_ids=ids, position_ids=position_ids)
+    backend.reset_dispatch_counts()
+    with force_kernel("reference"), torch.no_grad():
+        packed = model(input_ids=ids, position_ids=position_ids).logits[0]
+        assert backend.dispatch_counts()["ffpa-varlen"] == 2  # both full layers
+        for sl in (slice(0, 20), slice(20, 44)):
+            alone = model(input_ids=ids[:, sl]).logits[0]
+            torch.testing.assert_close(packed[sl], alone, atol=1e-4, rtol=1e-4)

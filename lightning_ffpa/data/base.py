@@ -62,12 +62,12 @@ class SeededDataModule(pl.LightningDataModule):
         replicas = self._replicas()["num_replicas"]
         per_rank = -(-num_rows // replicas)  # DistributedSampler pads each rank up to ceil(n / replicas)
         if self.batch_size > per_rank:
-            where = f" on each of {replicas} data-parallel ranks" if replicas > 1 else ""
+            rows = f"{num_rows} row{'s' if num_rows != 1 else ''}"
+            where = f", {per_rank} on each of {replicas} data-parallel ranks" if replicas > 1 else ""
             raise ConfigError(
                 option("batch_size"),
                 self.batch_size,
-                f"larger than the training set: {num_rows} rows{where} ({per_rank} per rank); "
-                "lower the batch size or add data",
+                f"larger than the training set ({rows}{where}); lower the batch size or add data",
             )
 
     def _loader(self, dataset: Dataset, collate: Callable, train: bool) -> DataLoader:

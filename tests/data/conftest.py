@@ -62,3 +62,17 @@ def write(tmp_path):
         return str(path)
 
     return _write
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """Hugging Face hub offline mode (there is no network here): a hub lookup fails at once, not after retries."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    try:
+        import datasets.config
+    except ImportError:
+        return
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)

@@ -70,8 +70,7 @@ def test_hub_id_goes_to_auto_tokenizer(monkeypatch, hf_tokenizer_dir):
     assert asked == ["some-org/some-tokenizer"] and tok.bos_token_id == 2
 
 
-def test_unreachable_hub_id_is_one_config_error(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here; offline mode fails at once instead of retrying
+def test_unreachable_hub_id_is_one_config_error(offline):
     with pytest.raises(ConfigError, match=r"^`data\.init_args\.tokenizer='no-such-org/no-such-tok'`: AutoTokenizer "
                        r"could not load it from the Hugging Face hub \(or its local cache\): ") as info:
         load_tokenizer("no-such-org/no-such-tok")

@@ -58,7 +58,11 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], chat_templ
 
 
 class PromptDataModule(SeededDataModule):
-    """Prompts from a local file or a Hugging Face dataset, or random token prompts for tiny models."""
+    """GRPO prompts from a local .jsonl/.json/.parquet/.arrow file or a Hugging Face dataset (a `prompt` text
+    or `messages` chat field), rendered by the tokenizer's chat template with its generation prompt; the
+    other fields of each row reach the reward functions as keyword arguments. Without a source: random
+    token prompts for tiny models. Also importable as `lightning_ffpa.rl.prompts.PromptDataModule`.
+    """
 
     def __init__(
         self,

@@ -54,7 +54,13 @@ class TokenDataset(Dataset):
 
 
 class TextDataModule(SeededDataModule):
-    """Train on text or chats: a local .txt/.jsonl/.json/.parquet/.arrow file or a Hugging Face dataset."""
+    """Train on text or chats from a local .txt/.jsonl/.json/.parquet/.arrow file or a Hugging Face dataset
+    (`datasets.load_dataset`: a hub name or a folder of data files, with a config and splits). A hub id also
+    works for `tokenizer`. Chats (`messages_field`) are rendered by the tokenizer's chat template and learn
+    the assistant's tokens alone when the template marks them with `{% generation %}` or renders every turn
+    the same in each prefix of the chat, else every token; setup logs which. Composes with `pack`. A
+    `batch_size` larger than the training rows (after packing) is an error at setup.
+    """
 
     def __init__(
         self,

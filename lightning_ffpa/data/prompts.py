@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_ffpa.data.base import SeededDataModule, option, require_at_least
-from lightning_ffpa.data.sources import check_file, load_rows, record_of, require_datasets
+from lightning_ffpa.data.sources import check_file, check_split, load_rows, record_of, require_datasets
 from lightning_ffpa.data.tokenizer import format_plain_chat, load_tokenizer
 from lightning_ffpa.errors import ConfigError
 
@@ -103,6 +103,7 @@ class PromptDataModule(SeededDataModule):
             raise ConfigError(option("dataset"), dataset, "give either `dataset` or `path`, not both")
         if path is not None:
             check_file(path, option("path"))
+            check_split(path, split, option("split"))
             if path.lower().endswith(".txt"):
                 raise ConfigError(option("path"), path, "prompts need rows with fields: .jsonl, .json, .parquet or .arrow")
         if dataset is not None:

@@ -42,6 +42,14 @@ def check_file(path: str, option: str) -> None:
         require_datasets(option, path)
 
 
+def check_split(path: str | None, split: str, option: str) -> None:
+    """A split other than "train" needs `datasets`: the built-in .txt/.jsonl readers read the whole file."""
+    if path is not None and split != "train" and os.path.splitext(path)[1].lower() in BUILTIN_EXTENSIONS:
+        raise ConfigError(
+            option, split, f"applies to `dataset` and .json/.parquet/.arrow files; {path!r} is read whole"
+        )
+
+
 def read_text_documents(path: str, option: str) -> list[str]:
     """The documents of a .txt file: paragraphs separated by blank lines."""
     with open(path, encoding="utf-8") as f:

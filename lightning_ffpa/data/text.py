@@ -20,7 +20,7 @@ from lightning_ffpa.data.base import SeededDataModule, option, require_at_least
 from lightning_ffpa.data.collate import PackedCollate, PadCollate
 from lightning_ffpa.data.documents import Document, TokenizeStats, tokenize_records
 from lightning_ffpa.data.packing import pack_documents
-from lightning_ffpa.data.sources import check_file, read_records, require_datasets
+from lightning_ffpa.data.sources import check_file, check_split, read_records, require_datasets
 from lightning_ffpa.data.tokenizer import load_tokenizer, pad_id_of
 from lightning_ffpa.errors import ConfigError
 
@@ -107,6 +107,7 @@ class TextDataModule(SeededDataModule):
             train_file = SHAKESPEARE_PATH
         if train_file is not None:
             check_file(train_file, option("train_file"))
+            check_split(train_file, train_split, option("train_split"))
         if val_file is not None:
             check_file(val_file, option("val_file"))
         if dataset is not None:

@@ -90,6 +90,7 @@ def test_unreachable_hub_dataset_is_one_config_error(offline):
         ({"dataset": "org/name", "train_file": "x.txt"}, r"`data\.init_args\.dataset='org/name'`: give either"),
         ({"val_split": "test"}, r"`data\.init_args\.val_split='test'`: needs `dataset`"),
         ({"train_file": "/nonexistent/rows.parquet"}, r"`data\.init_args\.train_file='/nonexistent/rows\.parquet'`"),
+        ({"train_split": "train[:10]"}, r"`data\.init_args\.train_split='train\[:10\]'`: applies to `dataset`"),
     ],
 )
 def test_bad_source_options_fail_at_construction(kwargs, pattern):

@@ -32,7 +32,7 @@ CLASSES: list[tuple[str, str]] = [
     ("model", "lightning_ffpa.rl.module.GRPOModule"),
     ("data", "lightning_ffpa.data.TextDataModule"),
     ("data", "lightning_ffpa.data.MockDataModule"),
-    ("data", "lightning_ffpa.rl.prompts.PromptDataModule"),
+    ("data", "lightning_ffpa.data.PromptDataModule"),
     ("trainer.strategy", "lightning_ffpa.parallel.FSDP2Strategy"),
     ("trainer.callbacks", "lightning_ffpa.callbacks.FFPAAttention"),
     ("trainer.callbacks", "lightning_ffpa.callbacks.TokenThroughput"),

@@ -68,7 +68,7 @@ def test_tiny_loss_curve_matches_golden(tiny_losses):
 @pytest.mark.parametrize(
     "args, option",
     [
-        (["--data.init_args.train_file=/nonexistent.txt"], "data.train_file"),
+        (["--data.init_args.train_file=/nonexistent.txt"], "data.init_args.train_file"),
         (["--model.init_args.attn_implementation=flash9"], "attn_implementation"),
         (["--data.init_args.max_seq_length=4096"], "data.max_seq_length"),
     ],

@@ -6,6 +6,7 @@ The train sampler (`ResumableSampler`, a `DistributedSampler`) is built from the
 Lightning leaves it in place and calls `set_epoch` each epoch: the order is a pure function of
 (seed, epoch). The state records seed, epoch and the batches this epoch already trained on, so a run
 resumed mid-epoch continues with the next unseen batch instead of replaying the epoch from its start.
+A checkpoint written after the fit loop ended resumes at the batch after its last one (`resume.py`).
 Validation loaders are plain sequential ones that Lightning shards itself. Does not own the datasets.
 """
 
@@ -18,14 +19,21 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_ffpa.data.resume import continue_after_fit_end, loaded_loops_state
 from lightning_ffpa.data.sampler import ResumableSampler
+from lightning_ffpa.errors import ConfigError
+
+
+def option(name: str) -> str:
+    """A data option as users spell it in YAML and on the command line."""
+    return f"data.init_args.{name}"
 
 
 def require_at_least(minimum: int, **values: int) -> None:
-    """Raise one error naming the first `data.<option>` below `minimum`."""
+    """Raise one error naming the first `data.init_args.<option>` below `minimum`."""
     for name, value in values.items():
         if value < minimum:
-            raise ValueError(f"`data.{name}={value}` must be >= {minimum}")
+            raise ConfigError(option(name), value, f"must be >= {minimum}")
 
 class SeededDataModule(pl.LightningDataModule):
     """Base for the data modules; subclasses provide the datasets and the collate function."""
@@ -48,6 +56,19 @@ class SeededDataModule(pl.LightningDataModule):
             if kwargs
             else {"num_replicas": 1, "rank": 0}
         )
+
+    def check_batch_size(self, num_rows: int) -> None:
+        """Refuse a batch larger than one data-parallel rank's share of the `num_rows` training rows."""
+        replicas = self._replicas()["num_replicas"]
+        per_rank = -(-num_rows // replicas)  # DistributedSampler pads each rank up to ceil(n / replicas)
+        if self.batch_size > per_rank:
+            rows = f"{num_rows} row{'s' if num_rows != 1 else ''}"
+            where = f", {per_rank} on each of {replicas} data-parallel ranks" if replicas > 1 else ""
+            raise ConfigError(
+                option("batch_size"),
+                self.batch_size,
+                f"larger than the training set ({rows}{where}); lower the batch size or add data",
+            )
 
     def _loader(self, dataset: Dataset, collate: Callable, train: bool) -> DataLoader:
         sampler = None
@@ -90,9 +111,11 @@ class SeededDataModule(pl.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Refuse a different seed (the order would change); skip the batches the checkpoint trained on."""
         if state_dict.get("seed") != self.seed:
-            raise ValueError(
-                f"checkpoint was written with `data.seed={state_dict.get('seed')}` but this run has "
-                f"`data.seed={self.seed}`; resume with the same seed to keep the data order"
+            raise ConfigError(
+                option("seed"),
+                self.seed,
+                f"the checkpoint was written with seed {state_dict.get('seed')}; resume with the same "
+                "seed to keep the data order",
             )
         samples_done = int(state_dict.get("samples_done", 0))
         replicas = state_dict.get("num_replicas", 1)
@@ -102,5 +125,8 @@ class SeededDataModule(pl.LightningDataModule):
                 f"{self._replicas()['num_replicas']}: the rest of that epoch cannot be re-sharded; "
                 "resume on the same data-parallel size or from an epoch-end checkpoint"
             )
+        loops = loaded_loops_state(self.trainer) if self.trainer is not None else None
+        if loops is not None:
+            continue_after_fit_end(loops)  # Lightning restores its loops from this dict right after
         self._pending_skip = (int(state_dict.get("epoch", 0)), samples_done)
         self._apply_skip()

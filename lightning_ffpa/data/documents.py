@@ -1,23 +1,27 @@
-"""Reading local data files into token documents.
+"""Turning text and chat records into token documents.
 
-Owns: parsing .txt (blank-line separated documents) and .jsonl (`text` or chat `messages` per line),
-tokenizing each record into `(input_ids, labels)` with -100 on non-assistant chat tokens, and splitting
-documents longer than `max_seq_length`. Does not own padding, packing or loaders.
+Owns: tokenizing each record into `(input_ids, labels)` and splitting documents longer than
+`max_seq_length`. Chats are labelled on the assistant's tokens only when that can be done exactly: from
+the chat template's `{% generation %}` marks (`return_assistant_tokens_mask`), or, for templates without
+them, by rendering growing prefixes of the chat when the template renders earlier turns the same way
+every time; otherwise every token of the chat is learned. `TokenizeStats` counts which way each chat
+went. Does not own reading files (`sources.py`), padding, packing or loaders.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_ffpa.data.sources import Record, read_records
 from lightning_ffpa.data.tokenizer import format_plain_chat
 
+__all__ = ["IGNORE_INDEX", "Document", "Record", "TokenizeStats", "read_records", "tokenize_records"]
+
 IGNORE_INDEX = -100
-Record = str | list[dict[str, str]]  # plain text, or a chat as a list of {role, content}
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclass
@@ -35,49 +39,17 @@ class TokenizeStats:
     num_records: int = 0
     num_split: int = 0  # documents longer than max_seq_length, cut into windows
     num_dropped_unlabelled: int = 0  # windows with no token to learn from
+    num_chat_generation_masked: int = 0  # chats labelled on the template's {% generation %} tokens
+    num_chat_prefix_masked: int = 0  # chats labelled on the tokens each assistant message added
     num_chat_unmasked: int = 0  # chats whose template is not prefix-stable: all tokens labelled
 
 
-def read_records(path: str, option: str) -> list[Record]:
-    """Records of a .txt (split at blank lines) or .jsonl file; errors name `option` and the file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"`{option}={path!r}` does not exist or is not a file")
-    ext = os.path.splitext(path)[1].lower()
-    with open(path, encoding="utf-8") as f:
-        raw = f.read()
-    if ext == ".txt":
-        records: list[Record] = [p.strip() for p in re.split(r"\n\s*\n", raw) if p.strip()]
-    elif ext == ".jsonl":
-        records = [
-            _parse_jsonl_line(line, path, n, option)
-            for n, line in enumerate(raw.splitlines(), 1)
-            if line.strip()
-        ]
-    else:
-        raise ValueError(f"`{option}={path!r}` must end in .txt or .jsonl, not {ext!r}")
-    if not records:
-        raise ValueError(f"`{option}={path!r}` holds no documents (the file is empty or blank)")
-    return records
-
-
-def _parse_jsonl_line(line: str, path: str, lineno: int, option: str) -> Record:
-    where = f"`{option}={path!r}` line {lineno}"
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where} is not valid JSON: {e}") from e
-    if isinstance(obj, dict) and isinstance(obj.get("text"), str):
-        return obj["text"]
-    if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
-        msgs = obj["messages"]
-        ok = all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in msgs
-        )
-        if ok and msgs:
-            return [{"role": m["role"], "content": m["content"]} for m in msgs]
-        raise ValueError(f"{where}: `messages` must be a non-empty list of {{role: str, content: str}}")
-    raise ValueError(f"{where} needs a string `text` or a list `messages`")
+def has_generation_marks(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template marks assistant tokens with `{% generation %}`."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default one renders chats
+        template = template.get("default")
+    return isinstance(template, str) and bool(GENERATION_BLOCK.search(template))
 
 
 def tokenize_records(
@@ -86,10 +58,15 @@ def tokenize_records(
     """Tokenize, split to windows of at most `max_seq_length`, drop windows with nothing to learn."""
     stats = TokenizeStats(num_records=len(records))
     docs: list[Document] = []
+    masked = has_generation_marks(tokenizer)
     for rec in records:
-        doc = (
-            _tokenize_chat(rec, tokenizer, stats) if isinstance(rec, list) else _tokenize_text(rec, tokenizer)
-        )
+        if isinstance(rec, str):
+            doc = _tokenize_text(rec, tokenizer)
+        elif masked:
+            doc = _tokenize_chat_marked(rec, tokenizer)
+            stats.num_chat_generation_masked += 1
+        else:
+            doc = _tokenize_chat(rec, tokenizer, stats)
         windows = _split(doc, max_seq_length)
         stats.num_split += len(windows) > 1
         for w in windows:
@@ -123,6 +100,26 @@ def _render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def _finish_chat(tokenizer: Any, ids: list[int], labels: list[int], last_role: str) -> Document:
+    """Add bos/eos where the template did not; the eos is learned only after an assistant turn."""
+    wrapped = _wrap(tokenizer, ids)
+    if wrapped[:1] != ids[:1]:  # a bos was prepended
+        labels = [IGNORE_INDEX, *labels]
+    if len(labels) < len(wrapped):  # an eos was appended
+        labels.append(wrapped[-1] if last_role == "assistant" else IGNORE_INDEX)
+    return Document(wrapped, labels)
+
+
+def _tokenize_chat_marked(messages: list[dict[str, str]], tokenizer: Any) -> Document:
+    """Label exactly the tokens the template renders inside `{% generation %}` blocks."""
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids = [int(i) for i in out["input_ids"]]
+    labels = [i if m else IGNORE_INDEX for i, m in zip(ids, out["assistant_masks"])]
+    return _finish_chat(tokenizer, ids, labels, messages[-1]["role"])
+
+
 def _tokenize_chat(messages: list[dict[str, str]], tokenizer: Any, stats: TokenizeStats) -> Document:
     """Render growing prefixes of the chat; the ids each message adds are labelled iff it is the assistant's."""
     ids: list[int] = []
@@ -136,12 +133,8 @@ def _tokenize_chat(messages: list[dict[str, str]], tokenizer: Any, stats: Tokeni
         new = cur[len(ids) :]
         ids = cur
         labels += new if msg["role"] == "assistant" else [IGNORE_INDEX] * len(new)
-    wrapped = _wrap(tokenizer, ids)
-    if wrapped[:1] != ids[:1]:  # a bos was prepended
-        labels = [IGNORE_INDEX, *labels]
-    if len(labels) < len(wrapped):  # an eos was appended: learn it only after an assistant turn
-        labels.append(wrapped[-1] if messages[-1]["role"] == "assistant" else IGNORE_INDEX)
-    return Document(wrapped, labels)
+    stats.num_chat_prefix_masked += 1
+    return _finish_chat(tokenizer, ids, labels, messages[-1]["role"])
 
 
 def _split(doc: Document, max_len: int) -> list[Document]:

@@ -69,6 +69,10 @@ class MockDataModule(SeededDataModule):
         self.num_samples = num_samples
         self.num_val_samples = num_val_samples
 
+    def setup(self, stage: str | None = None) -> None:
+        """Check the batch size against the training rows (before the model is built)."""
+        self.check_batch_size(self.num_samples)
+
     def train_dataloader(self):
         """Shuffled (seed, epoch) loader over the training rows."""
         ds = MockDataset(self.num_samples, self.seq_length, self.vocab_size, self.seed)

@@ -1,9 +1,9 @@
-"""Local text data: a .txt or .jsonl file tokenized into padded or packed training rows.
+"""Text data: local files or Hugging Face datasets, tokenized into padded or packed training rows.
 
-Owns: `TextDataModule` (option validation, train/val split, choosing padding vs packing) and
-`TokenDataset`. Parsing and tokenizing live in `documents.py`, packing in `packing.py`, batching in
-`collate.py`. Checking `max_seq_length` against the model is the LightningModule's job; it reads
-`datamodule.max_seq_length` and `datamodule.vocab_size`.
+Owns: `TextDataModule` (option validation, train/val split, choosing padding vs packing, saying how chats
+were labelled) and `TokenDataset`. Reading lives in `sources.py`, tokenizing in `documents.py`, packing in
+`packing.py`, batching in `collate.py`. Checking `max_seq_length` against the model is the
+LightningModule's job; it reads `datamodule.max_seq_length` and `datamodule.vocab_size`.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import Dataset
 
-from lightning_ffpa.data.base import SeededDataModule, require_at_least
+from lightning_ffpa.data.base import SeededDataModule, option, require_at_least
 from lightning_ffpa.data.collate import PackedCollate, PadCollate
-from lightning_ffpa.data.documents import Document, read_records, tokenize_records
+from lightning_ffpa.data.documents import Document, TokenizeStats, tokenize_records
 from lightning_ffpa.data.packing import pack_documents
+from lightning_ffpa.data.sources import check_file, check_split, read_records, require_datasets
 from lightning_ffpa.data.tokenizer import load_tokenizer, pad_id_of
+from lightning_ffpa.errors import ConfigError
 
 SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "shakespeare.txt")
 
@@ -52,12 +54,24 @@ class TokenDataset(Dataset):
 
 
 class TextDataModule(SeededDataModule):
-    """Train on a local .txt (documents split at blank lines) or .jsonl (`text` or chat `messages`) file."""
+    """Train on text or chats from a local .txt/.jsonl/.json/.parquet/.arrow file or a Hugging Face dataset
+    (`datasets.load_dataset`: a hub name or a folder of data files, with a config and splits). A hub id also
+    works for `tokenizer`. Chats (`messages_field`) are rendered by the tokenizer's chat template and learn
+    the assistant's tokens alone when the template marks them with `{% generation %}` or renders every turn
+    the same in each prefix of the chat, else every token; setup logs which. Composes with `pack`. A
+    `batch_size` larger than the training rows (after packing) is an error at setup.
+    """
 
     def __init__(
         self,
-        train_file: str = SHAKESPEARE_PATH,
+        train_file: str | None = None,
         val_file: str | None = None,
+        dataset: str | None = None,
+        dataset_config: str | None = None,
+        train_split: str = "train",
+        val_split: str | None = None,
+        text_field: str = "text",
+        messages_field: str = "messages",
         val_fraction: float = 0.05,
         tokenizer: str = "byte",
         max_seq_length: int = 256,
@@ -68,10 +82,17 @@ class TextDataModule(SeededDataModule):
     ) -> None:
         """
         Args:
-            train_file: Training data, a .txt or .jsonl file (default: the shipped Shakespeare sample).
-            val_file: Validation data file; if unset, `val_fraction` of the training documents is held out.
-            val_fraction: Share of training documents held out for validation when `val_file` is unset (0: none).
-            tokenizer: "byte" for the byte-level tokenizer, or a local directory for `AutoTokenizer`.
+            train_file: Local training file: .txt (documents split at blank lines), .jsonl, or .json/.parquet/.arrow
+                (through `datasets`); unset with no `dataset`: the shipped Shakespeare sample.
+            val_file: Local validation file; if unset (and no `val_split`), `val_fraction` of the training documents.
+            dataset: A Hugging Face hub dataset name, or a local folder of data files, for `datasets.load_dataset`.
+            dataset_config: The `dataset`'s configuration name, if it has several.
+            train_split: The split of `dataset` (or of a `datasets`-read file) to train on; slices like `train[:1000]` work.
+            val_split: The split of `dataset` to validate on; unset holds out `val_fraction` of the training documents.
+            text_field: Field of a row holding plain text.
+            messages_field: Field of a row holding a chat (a list of {role, content}), rendered by the tokenizer's chat template.
+            val_fraction: Share of training documents held out for validation when there is no val file or split (0: none).
+            tokenizer: "byte" for the byte-level tokenizer, or a local folder or hub id for `AutoTokenizer`.
             max_seq_length: Longest row in tokens; longer documents are cut into windows of this length.
             batch_size: Rows per batch on each data-parallel rank.
             pack: Pack documents greedily into rows of `max_seq_length` with position and document ids.
@@ -80,14 +101,28 @@ class TextDataModule(SeededDataModule):
         """
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
         # cheap checks first, before any reading or tokenizing
-        if not os.path.isfile(train_file):
-            raise FileNotFoundError(f"`data.train_file={train_file!r}` does not exist or is not a file")
-        if val_file is not None and not os.path.isfile(val_file):
-            raise FileNotFoundError(f"`data.val_file={val_file!r}` does not exist or is not a file")
+        if dataset is not None and train_file is not None:
+            raise ConfigError(option("dataset"), dataset, "give either `dataset` or `train_file`, not both")
+        if dataset is None and train_file is None:
+            train_file = SHAKESPEARE_PATH
+        if train_file is not None:
+            check_file(train_file, option("train_file"))
+            check_split(train_file, train_split, option("train_split"))
+        if val_file is not None:
+            check_file(val_file, option("val_file"))
+        if dataset is not None:
+            require_datasets(option("dataset"), dataset)
+        if val_split is not None and dataset is None:
+            raise ConfigError(option("val_split"), val_split, "needs `dataset` (a local file has one split)")
+        if val_split is not None and val_file is not None:
+            raise ConfigError(option("val_split"), val_split, "give either `val_split` or `val_file`, not both")
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"`data.val_fraction={val_fraction}` must be in [0, 1)")
+            raise ConfigError(option("val_fraction"), val_fraction, "must be in [0, 1)")
         require_at_least(2, max_seq_length=max_seq_length)
         self.train_file, self.val_file, self.val_fraction = train_file, val_file, val_fraction
+        self.dataset, self.dataset_config = dataset, dataset_config
+        self.train_split, self.val_split = train_split, val_split
+        self.text_field, self.messages_field = text_field, messages_field
         self.max_seq_length = max_seq_length
         self.pack = pack
         self.tokenizer = load_tokenizer(tokenizer)
@@ -98,44 +133,65 @@ class TextDataModule(SeededDataModule):
         self._val: TokenDataset | None = None
 
     def setup(self, stage: str | None = None) -> None:
-        """Read, tokenize, split and (optionally) pack; runs once per process."""
-        if self._train is not None:
-            return
-        train_docs = self._documents(self.train_file, "data.train_file")
-        if self.val_file is not None:
-            val_docs = self._documents(self.val_file, "data.val_file")
-        else:
-            train_docs, val_docs = self._split(train_docs)
-        self._train, self._val = self._dataset(train_docs), self._dataset(val_docs)
-        rank_zero_info(
-            f"TextDataModule: {len(self._train)} train / {len(self._val)} val rows "
-            f"(pack={self.pack}, max_seq_length={self.max_seq_length}); {self.stats}"
-        )
-
-    def _documents(self, path: str, option: str) -> list[Document]:
-        records = read_records(path, option)
-        docs, stats = tokenize_records(records, self.tokenizer, self.max_seq_length)
-        self.stats[option] = asdict(stats)
-        if stats.num_chat_unmasked:
-            rank_zero_warn(
-                f"`{option}`: {stats.num_chat_unmasked} chats render differently turn by turn "
-                "under this chat template; all their tokens are labelled (user turns included)"
+        """Read, tokenize, split and (optionally) pack; runs once per process. Checks the batch size."""
+        if self._train is None:
+            if self.dataset is not None:
+                train_docs = self._documents(self.dataset, "dataset", self.train_split)
+            else:
+                train_docs = self._documents(self.train_file, "train_file", self.train_split)
+            if self.val_file is not None:
+                val_docs = self._documents(self.val_file, "val_file", "train")
+            elif self.val_split is not None:
+                val_docs = self._documents(self.dataset, "val_split", self.val_split)
+            else:
+                train_docs, val_docs = self._split(train_docs)
+            self._train, self._val = self._dataset(train_docs), self._dataset(val_docs)
+            rank_zero_info(
+                f"TextDataModule: {len(self._train)} train / {len(self._val)} val rows "
+                f"(pack={self.pack}, max_seq_length={self.max_seq_length}); {self.stats}"
             )
+        self.check_batch_size(len(self._train))
+
+    def _documents(self, source: str, name: str, split: str) -> list[Document]:
+        opt = option(name)
+        records = read_records(
+            source, opt, self.dataset_config, split, text_field=self.text_field, messages_field=self.messages_field
+        )
+        docs, stats = tokenize_records(records, self.tokenizer, self.max_seq_length)
+        self.stats[opt] = asdict(stats)
+        self._report_chat_labels(opt, stats)
         if not docs:
-            raise ValueError(
-                f"`{option}={path!r}` has no document with a token to learn from "
+            raise ConfigError(
+                opt, source, f"has no document with a token to learn from "
                 f"({stats.num_dropped_unlabelled} dropped: too short or no assistant turn)"
             )
         return docs
+
+    def _report_chat_labels(self, opt: str, stats: TokenizeStats) -> None:
+        """Say once per source which tokens of its chats are learned."""
+        if stats.num_chat_generation_masked:
+            rank_zero_info(
+                f"`{opt}`: {stats.num_chat_generation_masked} chats learn the assistant tokens only, as marked "
+                "by the chat template's {% generation %} blocks"
+            )
+        if stats.num_chat_prefix_masked:
+            rank_zero_info(
+                f"`{opt}`: {stats.num_chat_prefix_masked} chats learn the tokens each assistant message adds "
+                "(the template has no {% generation %} marks; its turns render the same in every prefix)"
+            )
+        if stats.num_chat_unmasked:
+            rank_zero_warn(
+                f"`{opt}`: {stats.num_chat_unmasked} chats render differently turn by turn under this chat "
+                "template, which has no {% generation %} marks; all their tokens are learned (user turns too)"
+            )
 
     def _split(self, docs: list[Document]) -> tuple[list[Document], list[Document]]:
         if self.val_fraction == 0.0:
             return docs, []
         num_val = max(1, round(len(docs) * self.val_fraction))
         if num_val >= len(docs):
-            raise ValueError(
-                f"`data.val_fraction={self.val_fraction}` leaves no training document out of "
-                f"{len(docs)} in `data.train_file={self.train_file!r}`"
+            raise ConfigError(
+                option("val_fraction"), self.val_fraction, f"leaves no training document out of {len(docs)}"
             )
         order = list(range(len(docs)))
         random.Random(self.seed).shuffle(order)  # same split on every rank and every run with this seed

@@ -1,7 +1,8 @@
-"""Tokenizers for the data modules: a byte-level fallback and loading a local Hugging Face tokenizer.
+"""Tokenizers for the data modules: a byte-level fallback and loading a Hugging Face tokenizer.
 
-Owns: `ByteTokenizer`, `load_tokenizer(spec)` and the plain chat format used when a tokenizer has no chat
-template. Does not own turning documents into training rows (see `documents.py`) or batching.
+Owns: `ByteTokenizer`, `load_tokenizer(spec)` (a local folder or a hub id, through `AutoTokenizer`) and the
+plain chat format used when a tokenizer has no chat template. Does not own turning documents into training
+rows (see `documents.py`) or batching.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from typing import Any
+
+from lightning_ffpa.errors import ConfigError, one_line
 
 BYTE_TOKENIZER = "byte"
 
@@ -75,21 +78,30 @@ class ByteTokenizer:
         return self.encode(text) if tokenize else text
 
 
-def load_tokenizer(spec: str) -> Any:
-    """`"byte"` gives `ByteTokenizer`; anything else must be a local directory for `AutoTokenizer`."""
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1 or os.sep != "/" and os.sep in spec
+
+
+def load_tokenizer(spec: str, option: str = "data.init_args.tokenizer") -> Any:
+    """`"byte"` gives `ByteTokenizer`; else a local folder or a hub id for `AutoTokenizer.from_pretrained`.
+
+    Every failure (no such folder, unknown id, no network and nothing cached) is one `ConfigError` naming
+    `option` and the value.
+    """
     if spec == BYTE_TOKENIZER:
         return ByteTokenizer()
-    if not os.path.isdir(spec):
-        raise FileNotFoundError(
-            f"`data.tokenizer={spec!r}` is not a local tokenizer directory; give a folder written by "
-            f"`save_pretrained` or {BYTE_TOKENIZER!r} for the byte-level tokenizer"
+    if not os.path.isdir(spec) and (_looks_like_path(spec) or os.path.exists(spec)):
+        raise ConfigError(
+            option, spec, f"is not a tokenizer folder (give a folder written by `save_pretrained`, a hub id, "
+            f"or {BYTE_TOKENIZER!r} for the byte-level tokenizer)"
         )
     from transformers import AutoTokenizer
 
+    where = "the local folder" if os.path.isdir(spec) else "the Hugging Face hub (or its local cache)"
     try:
         return AutoTokenizer.from_pretrained(spec)
-    except Exception as e:  # re-raise with the option named; the cause stays chained
-        raise ValueError(f"`data.tokenizer={spec!r}` could not be loaded by AutoTokenizer: {e}") from e
+    except Exception as e:  # one line naming the option; the cause stays chained for --debug
+        raise ConfigError(option, spec, f"AutoTokenizer could not load it from {where}: {one_line(e)}") from e
 
 
 def pad_id_of(tokenizer: Any) -> int:
@@ -98,4 +110,5 @@ def pad_id_of(tokenizer: Any) -> int:
         value = getattr(tokenizer, name, None)
         if value is not None:
             return int(value)
-    raise ValueError("`data.tokenizer` has neither a pad nor an eos token; padding needs one of them")
+    name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+    raise ConfigError("data.init_args.tokenizer", name, "has neither a pad nor an eos token; padding needs one")

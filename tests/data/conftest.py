@@ -4,12 +4,26 @@ import json
 
 import pytest
 
-WORDS = "hello world how are you i am fine thanks the cat sat on mat user assistant system : < > end".split()
+WORDS = ("hello world how are you i am fine thanks the cat sat on mat user assistant system : < > end "
+         "what is two plus three five four").split()
 
 
-@pytest.fixture
-def hf_tokenizer_dir(tmp_path):
-    """A WordLevel `PreTrainedTokenizerFast` with a chat template, written by `save_pretrained`."""
+# a template without {% generation %} marks; every turn renders the same in every prefix of the chat
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}< {{ m['role'] }} > {{ m['content'] }} < end > {% endfor %}"
+    "{% if add_generation_prompt %}< assistant > {% endif %}"
+)
+# the same rendering, with the assistant's content and end marker inside {% generation %}
+GENERATION_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}< {{ m['role'] }} > "
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }} < end > {% endgeneration %}"
+    "{% else %}{{ m['content'] }} < end > {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}< assistant > {% endif %}"
+)
+
+
+def save_tokenizer(path, chat_template):
+    """A WordLevel `PreTrainedTokenizerFast` over WORDS with `chat_template`, written by `save_pretrained`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -19,12 +33,21 @@ def hf_tokenizer_dir(tmp_path):
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
     )
-    fast.chat_template = (
-        "{{ bos_token }}{% for m in messages %}< {{ m['role'] }} > {{ m['content'] }} < end > {% endfor %}"
-    )
-    path = tmp_path / "tok"
+    fast.chat_template = chat_template
     fast.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture
+def hf_tokenizer_dir(tmp_path):
+    """A tiny local tokenizer whose chat template has no {% generation %} marks."""
+    return save_tokenizer(tmp_path / "tok", PLAIN_TEMPLATE)
+
+
+@pytest.fixture
+def hf_generation_tokenizer_dir(tmp_path):
+    """A tiny local tokenizer whose chat template marks the assistant's tokens with {% generation %}."""
+    return save_tokenizer(tmp_path / "tok_gen", GENERATION_TEMPLATE)
 
 
 @pytest.fixture
@@ -39,3 +62,17 @@ def write(tmp_path):
         return str(path)
 
     return _write
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """Hugging Face hub offline mode (there is no network here): a hub lookup fails at once, not after retries."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    try:
+        import datasets.config
+    except ImportError:
+        return
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)

@@ -58,7 +58,7 @@ def test_mock_state_dict_refuses_other_seed():
     state = dm.state_dict()
     assert state == {"seed": 1, "epoch": 2, "samples_done": 0, "num_replicas": 1}
     MockDataModule(seed=1).load_state_dict(state)
-    with pytest.raises(ValueError, match=r"data\.seed=1.*data\.seed=2"):
+    with pytest.raises(ValueError, match=r"`data\.init_args\.seed=2`: the checkpoint was written with seed 1"):
         MockDataModule(seed=2).load_state_dict(state)
     # mid-epoch on 2 ranks cannot continue on 1; at an epoch boundary (0 samples done) it can
     with pytest.raises(ValueError, match=r"mid-epoch on 2 data-parallel ranks, this run has 1"):
@@ -78,7 +78,7 @@ def test_resumable_sampler_skips_once_and_only_its_epoch():
 
 
 def test_mock_bad_args_name_option():
-    with pytest.raises(ValueError, match=r"`data\.seq_length=0`"):
+    with pytest.raises(ValueError, match=r"`data\.init_args\.seq_length=0`"):
         MockDataModule(seq_length=0)
-    with pytest.raises(ValueError, match=r"`data\.batch_size=0`"):
+    with pytest.raises(ValueError, match=r"`data\.init_args\.batch_size=0`"):
         MockDataModule(batch_size=0)

@@ -6,6 +6,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ffpa.data import MockDataModule, TextDataModule
+from lightning_ffpa.errors import ConfigError
 
 
 class Recorder(pl.LightningModule):
@@ -63,7 +64,7 @@ def test_resume_sees_the_same_order(tmp_path):
     resumed, _ = _fit(_mock(), 2, tmp_path / "c", ckpt_path=ckpt)
     assert [s for e, s in resumed] == epoch1
 
-    with pytest.raises(ValueError, match=r"data\.seed=0.*data\.seed=5"):
+    with pytest.raises(ConfigError, match=r"`data\.init_args\.seed=5`: the checkpoint was written with seed 0"):
         _fit(_mock(seed=5), 2, tmp_path / "d", ckpt_path=ckpt)
 
 
@@ -92,3 +93,52 @@ def test_text_module_trains_with_workers_and_validation(tmp_path, write):
     seen, trainer = _fit(dm, 1, tmp_path)
     assert len(seen) == len(dm._train) // 4 + bool(len(dm._train) % 4)
     assert trainer.num_val_batches == [1]
+
+
+# where `last.ckpt` of a run stopped by `max_steps` is written: `on_train_end`, or `on_train_epoch_end`
+SAVE_AT = {
+    "train_end": {"every_n_train_steps": 1000},
+    "train_epoch_end": {"every_n_epochs": 1, "save_on_train_epoch_end": True},
+}
+
+
+def _fit_steps(max_steps, root, ckpt_path=None, num_samples=40, save_at="train_end"):
+    """Fit to `max_steps`; `last.ckpt` is written only where Lightning writes it when `max_steps` stops a run."""
+    dm = MockDataModule(vocab_size=1000, seq_length=8, num_samples=num_samples, batch_size=4, seed=0)
+    last = ModelCheckpoint(dirpath=root / "ckpts", save_last=True, **SAVE_AT[save_at])
+    seen, trainer = _fit(dm, -1, root, ckpt_path=ckpt_path, max_steps=max_steps, callbacks=[last])
+    return seen, trainer, str(root / "ckpts" / "last.ckpt")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("save_at", sorted(SAVE_AT))
+def test_extending_a_finished_run_continues_its_epoch(tmp_path, save_at):
+    full, straight, _ = _fit_steps(14, tmp_path / "a")  # 10 batches per epoch: crosses into epoch 1
+    assert [e for e, _ in full] == [0] * 10 + [1] * 4
+
+    first, _, last = _fit_steps(3, tmp_path / "b", save_at=save_at)
+    loops = torch.load(last, weights_only=False)["loops"]["fit_loop"]
+    assert loops["epoch_progress"]["current"]["processed"] == 1  # Lightning counts the cut epoch as done
+    assert torch.load(last, weights_only=False)["MockDataModule"]["samples_done"] == 12
+    second, _, _ = _fit_steps(6, tmp_path / "b", ckpt_path=last, save_at=save_at)  # epoch 0, batches 4..6
+    # the rest of epoch 0, then epoch 1
+    third, extended, _ = _fit_steps(14, tmp_path / "b", ckpt_path=last, save_at=save_at)
+    assert first + second + third == full
+    assert extended.current_epoch == straight.current_epoch
+    assert extended.fit_loop.epoch_loop._batches_that_stepped == straight.fit_loop.epoch_loop._batches_that_stepped
+
+    # the data position saved after the extension is the uninterrupted run's
+    straight.save_checkpoint(tmp_path / "a.ckpt")
+    extended.save_checkpoint(tmp_path / "b.ckpt")
+    a, b = (torch.load(tmp_path / f"{n}.ckpt", weights_only=False) for n in "ab")
+    assert a["MockDataModule"] == b["MockDataModule"] == {
+        "seed": 0, "epoch": 1, "samples_done": 16, "num_replicas": 1}
+    assert a["loops"]["fit_loop"]["epoch_progress"] == b["loops"]["fit_loop"]["epoch_progress"]
+
+
+@pytest.mark.timeout(120)
+def test_a_run_that_stopped_at_its_epoch_end_starts_the_next_epoch(tmp_path):
+    full, _, _ = _fit_steps(12, tmp_path / "a", num_samples=24)  # 6 batches per epoch
+    first, _, last = _fit_steps(6, tmp_path / "b", num_samples=24)
+    rest, _, _ = _fit_steps(12, tmp_path / "b", ckpt_path=last, num_samples=24)
+    assert first + rest == full and [e for e, _ in rest] == [1] * 6

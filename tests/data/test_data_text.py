@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lightning_ffpa.data import IGNORE_INDEX, SHAKESPEARE_PATH, ByteTokenizer, TextDataModule
+from lightning_ffpa.errors import ConfigError
 
 TXT = "First speech,\nsecond line.\n\nSecond speech.\n\n\n  \nThird speech here.\n"
 
@@ -13,7 +14,7 @@ def _all_rows(ds):
 
 
 def test_txt_documents_split_at_blank_lines(write):
-    dm = TextDataModule(train_file=write("a.txt", TXT), val_fraction=0.0, max_seq_length=64)
+    dm = TextDataModule(train_file=write("a.txt", TXT), val_fraction=0.0, max_seq_length=64, batch_size=1)
     dm.setup()
     tok = dm.tokenizer
     texts = sorted(tok.decode(r["input_ids"]) for r in _all_rows(dm._train))
@@ -25,11 +26,11 @@ def test_txt_documents_split_at_blank_lines(write):
 
 
 def test_long_documents_split_into_windows(write):
-    dm = TextDataModule(train_file=write("a.txt", "x" * 100), val_fraction=0.0, max_seq_length=32)
+    dm = TextDataModule(train_file=write("a.txt", "x" * 100), val_fraction=0.0, max_seq_length=32, batch_size=1)
     dm.setup()
     lengths = sorted(len(r["input_ids"]) for r in _all_rows(dm._train))
     assert lengths == [6, 32, 32, 32]  # 102 tokens (bos + 100 + eos) in windows of 32
-    assert dm.stats["data.train_file"]["num_split"] == 1
+    assert dm.stats["data.init_args.train_file"]["num_split"] == 1
 
 
 def test_jsonl_text_and_val_file(write):
@@ -50,7 +51,7 @@ def test_jsonl_messages_mask_non_assistant_tokens(write):
         {"role": "assistant", "content": "ciao"},
     ]
     dm = TextDataModule(
-        train_file=write("c.jsonl", [{"messages": chat}]), val_fraction=0.0, max_seq_length=128
+        train_file=write("c.jsonl", [{"messages": chat}]), val_fraction=0.0, max_seq_length=128, batch_size=1
     )
     dm.setup()
     row = dm._train[0]
@@ -70,6 +71,7 @@ def test_messages_with_hf_chat_template(write, hf_tokenizer_dir):
         tokenizer=hf_tokenizer_dir,
         val_fraction=0.0,
         max_seq_length=64,
+        batch_size=1,
     )
     dm.setup()
     tok = dm.tokenizer
@@ -80,7 +82,8 @@ def test_messages_with_hf_chat_template(write, hf_tokenizer_dir):
     learned = chat_row["labels"][chat_row["labels"] != IGNORE_INDEX]
     assert tok.decode(learned, skip_special_tokens=True) == "< assistant > i am fine thanks < end >"
     assert dm.vocab_size == len(tok) and dm.pad_id == tok.pad_token_id
-    assert dm.stats["data.train_file"]["num_chat_unmasked"] == 0
+    stats = dm.stats["data.init_args.train_file"]
+    assert (stats["num_chat_prefix_masked"], stats["num_chat_generation_masked"], stats["num_chat_unmasked"]) == (1, 0, 0)
 
 
 def test_val_split_is_seeded_and_disjoint(write):
@@ -121,13 +124,13 @@ def test_unpacked_loader_batches_and_max_len():
     [
         (
             {"train_file": "/nonexistent/train.txt"},
-            FileNotFoundError,
-            r"`data\.train_file='/nonexistent/train\.txt'`",
+            ConfigError,
+            r"`data\.init_args\.train_file='/nonexistent/train\.txt'`: does not exist",
         ),
-        ({"val_file": "/nonexistent/val.txt"}, FileNotFoundError, r"`data\.val_file="),
-        ({"val_fraction": 1.0}, ValueError, r"`data\.val_fraction=1\.0`"),
-        ({"max_seq_length": 1}, ValueError, r"`data\.max_seq_length=1`"),
-        ({"seed": -1}, ValueError, r"`data\.seed=-1`"),
+        ({"val_file": "/nonexistent/val.txt"}, ConfigError, r"`data\.init_args\.val_file="),
+        ({"val_fraction": 1.0}, ConfigError, r"`data\.init_args\.val_fraction=1\.0`"),
+        ({"max_seq_length": 1}, ConfigError, r"`data\.init_args\.max_seq_length=1`"),
+        ({"seed": -1}, ConfigError, r"`data\.init_args\.seed=-1`"),
     ],
 )
 def test_bad_options_fail_at_construction(kwargs, error, pattern):
@@ -138,23 +141,22 @@ def test_bad_options_fail_at_construction(kwargs, error, pattern):
 @pytest.mark.parametrize(
     "name, content, pattern",
     [
-        ("empty.txt", "", r"`data\.train_file=.*empty\.txt'` holds no documents"),
-        ("blank.txt", "\n\n   \n", r"`data\.train_file=.*blank\.txt'` holds no documents"),
-        ("empty.jsonl", "\n", r"`data\.train_file=.*empty\.jsonl'` holds no documents"),
-        ("bad.jsonl", '{"text": "ok"}\n{"txt": 1}\n', r"`data\.train_file=.*bad\.jsonl'` line 2 needs"),
+        ("empty.txt", "", r"`data\.init_args\.train_file=.*empty\.txt'`: holds no documents"),
+        ("blank.txt", "\n\n   \n", r"`data\.init_args\.train_file=.*blank\.txt'`: holds no documents"),
+        ("empty.jsonl", "\n", r"`data\.init_args\.train_file=.*empty\.jsonl'`: holds no documents"),
+        ("bad.jsonl", '{"text": "ok"}\n{"txt": 1}\n', r"`data\.init_args\.train_file=.*bad\.jsonl'`: line 2 needs"),
         ("broken.jsonl", "{not json\n", r"line 1 is not valid JSON"),
         ("msgs.jsonl", '{"messages": [{"role": "user"}]}\n', r"line 1: `messages` must be"),
-        ("data.csv", "a,b\n", r"must end in \.txt or \.jsonl"),
+        ("data.csv", "a,b\n", r"must end in one of \.txt, \.jsonl, \.json, \.parquet, \.arrow, not '\.csv'"),
         ("users.jsonl", '{"messages": [{"role": "user", "content": "hi"}]}\n', r"no document with a token"),
     ],
 )
 def test_empty_or_malformed_data_names_file(write, name, content, pattern):
-    dm = TextDataModule(train_file=write(name, content), val_fraction=0.0)
-    with pytest.raises(ValueError, match=pattern):
-        dm.setup()
+    with pytest.raises(ConfigError, match=pattern):  # at construction (path, extension) or in setup
+        TextDataModule(train_file=write(name, content), val_fraction=0.0).setup()
 
 
 def test_split_leaving_no_train_document(write):
     dm = TextDataModule(train_file=write("one.txt", "only one"), val_fraction=0.5)
-    with pytest.raises(ValueError, match=r"`data\.val_fraction=0\.5` leaves no training document"):
+    with pytest.raises(ConfigError, match=r"`data\.init_args\.val_fraction=0\.5`: leaves no training document"):
         dm.setup()

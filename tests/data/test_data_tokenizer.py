@@ -3,6 +3,7 @@
 import pytest
 
 from lightning_ffpa.data import ByteTokenizer, TextDataModule, load_tokenizer
+from lightning_ffpa.errors import ConfigError
 
 
 def test_byte_roundtrip_and_specials():
@@ -41,12 +42,36 @@ def test_load_local_tokenizer(hf_tokenizer_dir):
 
 def test_bad_tokenizer_path_names_option(tmp_path, write):
     missing = str(tmp_path / "no_such_tokenizer")
-    with pytest.raises(FileNotFoundError, match=r"`data\.tokenizer="):
+    with pytest.raises(ConfigError, match=r"`data\.init_args\.tokenizer='.*no_such_tokenizer'`: is not a tokenizer folder"):
         load_tokenizer(missing)
     train = write("train.txt", "hello world\n")
-    with pytest.raises(FileNotFoundError, match=r"`data\.tokenizer=.*no_such_tokenizer"):
+    with pytest.raises(ConfigError, match=r"`data\.init_args\.tokenizer=.*no_such_tokenizer"):
         TextDataModule(train_file=train, tokenizer=missing)
-    # a directory that is not a tokenizer: still one error naming the option
+    # a directory that is not a tokenizer: still one error naming the option, on one line
     (tmp_path / "empty_dir").mkdir()
-    with pytest.raises(ValueError, match=r"`data\.tokenizer=.*empty_dir.*could not be loaded"):
+    with pytest.raises(ConfigError, match=r"`data\.init_args\.tokenizer=.*empty_dir'`: AutoTokenizer could not load") as info:
         load_tokenizer(str(tmp_path / "empty_dir"))
+    assert "\n" not in str(info.value)
+
+
+def test_hub_id_goes_to_auto_tokenizer(monkeypatch, hf_tokenizer_dir):
+    """A name that is not a local folder is a hub id: handed to `AutoTokenizer.from_pretrained` as is."""
+    import transformers
+
+    asked = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def fake(name, *args, **kwargs):
+        asked.append(name)
+        return real(hf_tokenizer_dir)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake)
+    tok = load_tokenizer("some-org/some-tokenizer")
+    assert asked == ["some-org/some-tokenizer"] and tok.bos_token_id == 2
+
+
+def test_unreachable_hub_id_is_one_config_error(offline):
+    with pytest.raises(ConfigError, match=r"^`data\.init_args\.tokenizer='no-such-org/no-such-tok'`: AutoTokenizer "
+                       r"could not load it from the Hugging Face hub \(or its local cache\): ") as info:
+        load_tokenizer("no-such-org/no-such-tok")
+    assert "\n" not in str(info.value)

@@ -1,0 +1,112 @@
+"""GRPO prompts: local files and `datasets` sources, `prompt` text or `messages` chats, the chat template with
+its generation prompt, extra fields kept for the reward functions, and the option errors."""
+
+import json
+
+import pytest
+import torch
+
+from lightning_ffpa.data import ByteTokenizer, PromptDataModule
+from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.rl.prompts import PromptDataModule as LegacyPath
+
+PROMPTS = [{"prompt": "what is two plus three", "answer": "five"}, {"prompt": "hello", "answer": "world"}]
+
+
+def _batch(dm):
+    dm.setup()
+    return next(iter(dm.train_dataloader()))
+
+
+def test_the_rl_import_path_still_works():
+    assert LegacyPath is PromptDataModule
+
+
+def test_text_prompts_get_the_chat_template_and_keep_their_fields(write, hf_generation_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    dm = PromptDataModule(path=write("p.jsonl", PROMPTS), tokenizer=hf_generation_tokenizer_dir, batch_size=2)
+    batch = _batch(dm)
+    tok = AutoTokenizer.from_pretrained(hf_generation_tokenizer_dir)
+    by_answer = dict(zip(batch["answer"], zip(batch["prompt"], batch["prompt_ids"])))
+    text, ids = by_answer["five"]
+    expected = tok.apply_chat_template([{"role": "user", "content": "what is two plus three"}], tokenize=False,
+                                       add_generation_prompt=True)
+    assert text == expected and text.endswith("< assistant > ")
+    assert ids == tok.encode(expected, add_special_tokens=False) and ids[0] == tok.bos_token_id
+    assert set(batch) == {"prompt", "prompt_ids", "answer"}  # `answer` reaches the reward functions
+
+
+def test_chat_prompts_from_parquet(tmp_path, hf_tokenizer_dir):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    chat = [{"role": "system", "content": "i am fine"}, {"role": "user", "content": "how are you"}]
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": chat, "answer": "fine"}]), path)
+    dm = PromptDataModule(path=str(path), tokenizer=hf_tokenizer_dir, batch_size=1)
+    batch = _batch(dm)
+    assert batch["prompt"] == ["<bos>< system > i am fine < end > < user > how are you < end > < assistant > "]
+    assert batch["messages"] == [chat] and batch["answer"] == ["fine"]
+
+
+def test_without_a_template(write, hf_tokenizer_dir):
+    # chat_template off: a text prompt is tokenized as is, with the tokenizer's special tokens
+    dm = PromptDataModule(path=write("p.jsonl", PROMPTS[:1]), tokenizer=hf_tokenizer_dir, chat_template=False,
+                          batch_size=1)
+    batch = _batch(dm)
+    assert batch["prompt"] == ["what is two plus three"]
+    # the byte tokenizer has no template: chats use the plain format, ending in the assistant's prefix
+    chat = [{"role": "user", "content": "hi"}]
+    dm = PromptDataModule(path=write("c.jsonl", [{"messages": chat}]), tokenizer="byte", batch_size=1)
+    batch = _batch(dm)
+    assert batch["prompt"] == ["user: hi\nassistant: "]
+    assert ByteTokenizer().decode(batch["prompt_ids"][0]) == "user: hi\nassistant: "
+
+
+def test_dataset_folder_and_split(tmp_path, hf_tokenizer_dir):
+    pytest.importorskip("datasets")
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps({"question": f"what is {w}"}) + "\n"
+                                                for w in ("two", "three", "four")))
+    dm = PromptDataModule(dataset=str(folder), split="train[:2]", prompt_field="question",
+                          tokenizer=hf_tokenizer_dir, batch_size=2)
+    batch = _batch(dm)
+    assert sorted(batch["question"]) == ["what is three", "what is two"]
+    assert all(p.endswith("< assistant > ") for p in batch["prompt"])
+
+
+def test_random_prompts_are_seeded_token_ids():
+    dm = PromptDataModule(num_random_prompts=4, prompt_len=3, vocab_size=50, batch_size=4, seed=7)
+    dm.setup()
+    rows = [dm.dataset_rows[i]["prompt_ids"] for i in range(4)]
+    expected = torch.randint(2, 50, (4, 3), generator=torch.Generator().manual_seed(7)).tolist()
+    assert rows == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"path": "PROMPTS"}, r"`data\.init_args\.tokenizer=None`: is needed"),
+        ({"path": "/nonexistent/p.jsonl", "tokenizer": "byte"}, r"`data\.init_args\.path='/nonexistent/p\.jsonl'`"),
+        ({"path": "PROMPTS", "dataset": "org/name", "tokenizer": "byte"}, r"`data\.init_args\.dataset='org/name'`"),
+        ({"vocab_size": 2}, r"`data\.init_args\.vocab_size=2`"),
+    ],
+)
+def test_bad_options_name_the_option(write, kwargs, pattern):
+    kwargs = {k: write("p.jsonl", PROMPTS) if v == "PROMPTS" else v for k, v in kwargs.items()}
+    with pytest.raises(ConfigError, match=pattern):
+        PromptDataModule(**kwargs)
+
+
+def test_setup_errors_name_the_option(write, offline):
+    dm = PromptDataModule(path=write("p.jsonl", PROMPTS), tokenizer="byte", batch_size=3)
+    with pytest.raises(ConfigError, match=r"`data\.init_args\.batch_size=3`: larger than the training set \(2 rows\)"):
+        dm.setup()
+    dm = PromptDataModule(path=write("q.jsonl", [{"question": "x"}]), tokenizer="byte", batch_size=1)
+    with pytest.raises(ConfigError, match=r"row 1 needs a string `prompt` or a list `messages`"):
+        dm.setup()
+    dm = PromptDataModule(dataset="no-such-org/no-such-prompts", tokenizer="byte")
+    with pytest.raises(ConfigError, match=r"`data\.init_args\.dataset='no-such-org/no-such-prompts'`: "):
+        dm.setup()

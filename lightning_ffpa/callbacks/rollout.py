@@ -92,13 +92,9 @@ class RolloutCallback(L.Callback):
                               f"must be one of {list(get_args(InferenceDtype))} or null")
 
     def check_lengths(self, prompt_len: int, where: str = "") -> None:
-        """Raise unless a prompt of `prompt_len` tokens plus `max_new_tokens` fits `engine.max_seq_len`
-        (the engine would otherwise cut completions short without a word)."""
-        need = prompt_len + self.sampling.max_new_tokens
-        if need > self.engine_config.max_seq_len:
-            raise ConfigError(f"{OPTION}.engine.max_seq_len", self.engine_config.max_seq_len,
-                              f"must be >= prompt length + `sampling.max_new_tokens` = {prompt_len} + "
-                              f"{self.sampling.max_new_tokens} = {need}{where}")
+        """Raise unless a prompt of `prompt_len` tokens plus `sampling.max_new_tokens` fits the engine's
+        `max_seq_len` and page pool (the engine would otherwise cut completions short)."""
+        self.engine_config.check_fits(prompt_len, self.sampling.max_new_tokens, f"{OPTION}.engine", where)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Check options against the data and the module, before the model is built."""

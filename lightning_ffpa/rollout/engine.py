@@ -107,13 +107,22 @@ class EngineConfig:
         if self.max_seq_len % self.page_size:
             raise ConfigError(f"{option}.max_seq_len", self.max_seq_len,
                               f"must be a multiple of `{option}.page_size={self.page_size}`")
-        per_seq = self.max_seq_len // self.page_size
-        if self.num_pages - 1 < per_seq:  # one full-length sequence must fit alone, or the scheduler stalls
-            raise ConfigError(f"{option}.num_pages", self.num_pages,
-                              f"must be >= {per_seq + 1}: one sequence of `max_seq_len={self.max_seq_len}` "
-                              f"takes {per_seq} pages of {self.page_size} tokens, plus the reserved page 0")
         if self.attention not in ("flex", "dense"):
             raise ConfigError(f"{option}.attention", self.attention, "must be 'flex' or 'dense'")
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int, option: str = "engine", where: str = "") -> None:
+        """Raise unless a prompt of `prompt_len` tokens plus `max_new_tokens` fits `max_seq_len` (else the
+        completion would be cut short) and the page pool (else the scheduler could never place it)."""
+        need = prompt_len + max_new_tokens
+        if need > self.max_seq_len:
+            raise ConfigError(f"{option}.max_seq_len", self.max_seq_len,
+                              f"must be >= prompt length + `max_new_tokens` = {prompt_len} + {max_new_tokens} = "
+                              f"{need}{where}")
+        pages = -(-need // self.page_size)
+        if pages > self.num_pages - 1:  # page 0 is reserved for padding
+            raise ConfigError(f"{option}.num_pages", self.num_pages,
+                              f"must be >= {pages + 1}: {need} tokens take {pages} pages of {self.page_size}, "
+                              f"plus the reserved page 0{where}")
 
 
 def _buckets(max_batch: int) -> list[int]:
@@ -180,6 +189,8 @@ class RolloutEngine:
         if max_new_tokens is not None:
             sampling = replace(sampling, max_new_tokens=max_new_tokens)
         sampling.check()
+        if prompts:
+            self.config.check_fits(max(map(len, prompts)), sampling.max_new_tokens, where=" (the longest prompt)")
         self._use_sampling(sampling)
         if generator is not None and self.on_cuda and self.config.cuda_graphs:
             raise ValueError("a custom `generator` cannot drive captured CUDA graphs; seed torch.cuda instead")

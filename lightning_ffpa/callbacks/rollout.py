@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -27,7 +27,7 @@ from lightning_ffpa.rollout.lora_sync import LoraSync
 from lightning_ffpa.rollout.sampler import SamplingParams
 
 OPTION = "RolloutCallback"  # how errors spell this Callback's options: `RolloutCallback.sampling.top_p`
-InferenceDtype = Literal["bfloat16", "float16", "float32"]
+INFERENCE_DTYPES = ("bfloat16", "float16", "float32")  # torch's names: `getattr(torch, name)` is the parser
 
 
 class RolloutCallback(L.Callback):
@@ -36,7 +36,8 @@ class RolloutCallback(L.Callback):
     def __init__(self, reward_funcs: list[Callable], engine: EngineConfig | None = None,
                  sampling: SamplingParams | None = None, num_generations: int = 4, verify_no_drift: bool = False,
                  eos_token_ids: list[int] | None = None, tokenizer: str | None = None, model_attr: str = "model",
-                 pad_token_id: int = 0, inference_dtype: InferenceDtype | None = None) -> None:
+                 pad_token_id: int = 0,
+                 inference_dtype: Literal["bfloat16", "float16", "float32"] | None = None) -> None:
         """
         Args:
             reward_funcs: TRL-signature reward functions, summed; in YAML dotted import paths
@@ -87,9 +88,9 @@ class RolloutCallback(L.Callback):
                 raise ConfigError(f"{OPTION}.eos_token_ids", eos_token_ids, "token ids must be >= 0")
         if pad_token_id < 0:
             raise ConfigError(f"{OPTION}.pad_token_id", pad_token_id, "must be >= 0")
-        if inference_dtype is not None and inference_dtype not in get_args(InferenceDtype):
+        if inference_dtype is not None and inference_dtype not in INFERENCE_DTYPES:
             raise ConfigError(f"{OPTION}.inference_dtype", inference_dtype,
-                              f"must be one of {list(get_args(InferenceDtype))} or null")
+                              f"must be one of {list(INFERENCE_DTYPES)} or null")
 
     def check_lengths(self, prompt_len: int, where: str = "") -> None:
         """Raise unless a prompt of `prompt_len` tokens plus `sampling.max_new_tokens` fits the engine's

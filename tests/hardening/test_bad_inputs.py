@@ -139,7 +139,7 @@ CASES = [
       "data": {"pack": True}}, [], None, R("data.pack")),
     ("reward function import path that does not resolve",
      {"callbacks": [{"class_path": "lightning_ffpa.callbacks.rollout.RolloutCallback",
-                     "init_args": {"reward_funcs": ["no_such_module:reward"]}}]}, [], None, R("reward_funcs")),
+                     "init_args": {"reward_funcs": ["no_such_module.reward"]}}]}, [], None, P("reward_funcs")),
 ]
 
 

@@ -4,7 +4,7 @@ What comes from lightning-ffpa: `GRPOModule` (policy + clipped-ratio loss), `Pro
 `RolloutCallback` (before each step: refresh the inference copy's LoRA weights in place, generate
 `num_generations` completions per prompt with the paged engine, score them with the reward functions,
 write group-normalised advantages into the batch). What is yours: the reward function below. It has TRL's
-signature, so TRL reward functions plug in unchanged, and it is passed by import path.
+signature, so TRL reward functions plug in unchanged; in YAML it is a dotted import path.
 
     python examples/grpo_tiny.py                    # tiny random Gemma4, CPU, LoRA rank 8
     python examples/grpo_tiny.py --steps 30         # watch rollout/reward rise
@@ -21,6 +21,8 @@ import lightning as L
 from lightning_ffpa.callbacks.rollout import RolloutCallback
 from lightning_ffpa.rl.module import GRPOModule
 from lightning_ffpa.rl.prompts import PromptDataModule
+from lightning_ffpa.rollout.engine import EngineConfig
+from lightning_ffpa.rollout.sampler import SamplingParams
 
 
 def even_token_reward(prompts: list[Any], completions: list[str], completion_ids: list[list[int]],
@@ -44,11 +46,13 @@ def main(argv: list[str] | None = None) -> dict:
                         lr=2e-2, clip_eps=0.2, beta=0.0, dtype="float32")
     prompts = PromptDataModule(num_random_prompts=16, prompt_len=4, vocab_size=512, batch_size=2)
     rollout = RolloutCallback(
-        reward_funcs=[f"{__name__}:even_token_reward"],  # an import path: resolved (and checked) right here
-        num_generations=args.num_generations, max_new_tokens=args.max_new_tokens, temperature=1.0,
-        page_size=8, num_pages=64, max_batch_size=16, max_seq_len=32, eos_token_ids=[],
+        reward_funcs=[even_token_reward],  # its signature is checked right here (TRL's keywords + **kwargs)
+        num_generations=args.num_generations,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens),
+        engine=EngineConfig(page_size=8, num_pages=64, max_batch_size=16, max_seq_len=32,
+                            attention="dense" if args.accelerator == "cpu" else "flex"),  # CPU: SDPA, same masks
+        eos_token_ids=[],
         verify_no_drift=True,  # proves the in-place LoRA refresh is exact before training starts
-        attention="dense" if args.accelerator == "cpu" else "flex",  # CPU: SDPA over the same paged masks
     )
     trainer = L.Trainer(accelerator=args.accelerator, devices=1, max_steps=args.steps, callbacks=[rollout],
                         logger=False, enable_checkpointing=False, enable_model_summary=False,

@@ -4,77 +4,64 @@ completions per prompt with the paged engine, score them, and fill the batch for
 Drop-in for an existing Lightning project: the LightningModule only needs its HF model at
 `model_attr` (peft-wrapped or plain) and a training_step that reads the keys written here:
 `input_ids`, `attention_mask`, `completion_mask`, `old_logprobs`, `advantages`, `rewards`.
-It owns the orchestration; the engine, LoRA sync and GRPO math live in their own files.
+It owns the orchestration and the checks of its options (all before any model is built); the engine
+(`rollout/`), LoRA sync, batch layout (`rl/batch.py`), rewards and GRPO math (`rl/`) live in their own files.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
-from lightning_ffpa.rl.grpo import group_advantages
-from lightning_ffpa.rl.rewards import resolve_reward_funcs
+from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.rl.batch import build_grpo_batch, repeat_groups
+from lightning_ffpa.rl.rewards import check_reward_funcs, total_reward
 from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
 from lightning_ffpa.rollout.lora_sync import LoraSync
 from lightning_ffpa.rollout.sampler import SamplingParams
+
+OPTION = "RolloutCallback"  # how errors spell this Callback's options: `RolloutCallback.sampling.top_p`
+INFERENCE_DTYPES = ("bfloat16", "float16", "float32")  # torch's names: `getattr(torch, name)` is the parser
 
 
 class RolloutCallback(L.Callback):
     """Generates GRPO groups between optimizer steps and feeds them to the batch."""
 
-    def __init__(self, reward_funcs: list[str], num_generations: int = 4, max_new_tokens: int = 64,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, page_size: int = 128,
-                 num_pages: int = 1024, max_batch_size: int = 64, max_seq_len: int = 1024,
-                 max_prefill_tokens: int = 8192, cuda_graphs: bool = True, verify_no_drift: bool = False,
-                 eos_token_ids: list[int] | None = None, tokenizer: str | None = None,
-                 model_attr: str = "model", pad_token_id: int = 0, attention: str = "flex",
-                 compile_decode: bool | None = None, inference_dtype: str | None = None) -> None:
+    def __init__(self, reward_funcs: list[Callable], engine: EngineConfig | None = None,
+                 sampling: SamplingParams | None = None, num_generations: int = 4, verify_no_drift: bool = False,
+                 eos_token_ids: list[int] | None = None, tokenizer: str | None = None, model_attr: str = "model",
+                 pad_token_id: int = 0,
+                 inference_dtype: Literal["bfloat16", "float16", "float32"] | None = None) -> None:
         """
         Args:
-            reward_funcs: Import paths `pkg.module:func` of TRL-signature reward functions (summed).
-            num_generations: Completions per prompt (the GRPO group size G).
-            max_new_tokens: Completion length cap.
-            temperature: Sampling temperature (0 = greedy).
-            top_p: Nucleus sampling mass.
-            top_k: Top-k sampling (0 = off).
-            page_size: KV page size in tokens.
-            num_pages: KV pages per layer.
-            max_batch_size: Most sequences decoded at once.
-            max_seq_len: Longest prompt + completion.
-            max_prefill_tokens: Token budget per packed prefill.
-            cuda_graphs: Capture decode steps per batch bucket on CUDA.
+            reward_funcs: TRL-signature reward functions, summed; in YAML dotted import paths
+                (`lightning_ffpa.rl.rewards.length_reward`).
+            engine: Paged engine sizes (page_size, num_pages, max_batch_size, max_seq_len, ...); null = defaults.
+            sampling: temperature, top_p, top_k and max_new_tokens of every completion; null = defaults.
+            num_generations: Completions per prompt (the GRPO group size G, >= 2).
             verify_no_drift: At fit start, check the base weights hash is unchanged over refreshes and the
                 inference copy is deterministic (raises otherwise).
             eos_token_ids: Tokens that end a completion (default: the model config's eos_token_id).
             tokenizer: HF tokenizer to decode completions for reward functions (None: ids joined by spaces).
             model_attr: Attribute of the LightningModule holding the HF model.
             pad_token_id: Right-padding id of the GRPO batch.
-            attention: "flex" (compiled on CUDA, eager on CPU) or "dense" (SDPA over the same masks; fast tiny CPU runs).
-            compile_decode: torch.compile the whole decode step before graph capture, fusing small ops; null = on
-                for CUDA, off on CPU.
-            inference_dtype: Dtype of the inference copy ("bf16", "fp16", "fp32"); null = the strategy's compute
-                dtype (`param_dtype` of FSDP2Strategy) if it has one, else the training weights' dtype. Under
+            inference_dtype: Dtype of the inference copy; null = the strategy's compute dtype (its public
+                `param_dtype`, as FSDP2Strategy has) if it has one, else the training weights' dtype. Under
                 FSDP2 the stored weights are fp32 masters: a copy in their dtype would double its memory.
         """
         super().__init__()
-        from lightning_ffpa.parallel.strategy import _dtype
-
-        self.inference_dtype = _dtype(inference_dtype, "inference_dtype")  # a typo fails here, before any model
-        if num_generations < 2:
-            raise ValueError(f"`num_generations={num_generations}` must be >= 2 for group-normalised advantages")
-        self.reward_paths = list(reward_funcs)
-        self.reward_funcs = resolve_reward_funcs(self.reward_paths)  # fail before any model is built
-        self.num_generations, self.max_new_tokens = num_generations, max_new_tokens
-        self.sampling = SamplingParams(temperature, top_p, top_k)
-        self.engine_config = EngineConfig(page_size=page_size, num_pages=num_pages, max_batch_size=max_batch_size,
-                                          max_seq_len=max_seq_len, max_prefill_tokens=max_prefill_tokens,
-                                          cuda_graphs=cuda_graphs, attention=attention,
-                                          compile_decode=compile_decode)
+        self.engine_config = engine if engine is not None else EngineConfig()
+        self.sampling = sampling if sampling is not None else SamplingParams()
+        self._check_options(reward_funcs, num_generations, eos_token_ids, pad_token_id, inference_dtype)
+        self.reward_funcs = list(reward_funcs)
+        self.num_generations = num_generations
+        self.inference_dtype = None if inference_dtype is None else getattr(torch, inference_dtype)
         self.verify_no_drift, self.eos_token_ids = verify_no_drift, eos_token_ids
         self.tokenizer_name, self.model_attr, self.pad_token_id = tokenizer, model_attr, pad_token_id
         self.engine: RolloutEngine | None = None
@@ -82,11 +69,54 @@ class RolloutCallback(L.Callback):
         self.metrics = {k: MeanMetric() for k in ("reward", "completion_length", "refresh_s", "generate_s")}
         self.drift_report: dict[str, str] | None = None
 
-    # ---- setup ----------------------------------------------------------------------------------
-    def _build(self, pl_module: L.LightningModule) -> None:
+    # ---- option checks: all before any model is built -------------------------------------------
+    def _check_options(self, reward_funcs: list, num_generations: int, eos_token_ids: list[int] | None,
+                       pad_token_id: int, inference_dtype: str | None) -> None:
+        if any(isinstance(f, str) for f in reward_funcs):
+            path = next(f for f in reward_funcs if isinstance(f, str))
+            raise ConfigError(f"{OPTION}.reward_funcs", path, "give functions; in YAML write dotted import "
+                              "paths such as `my_project.rewards.my_reward` (the `module:function` form is gone)")
+        check_reward_funcs(reward_funcs, f"{OPTION}.reward_funcs")
+        if num_generations < 2:
+            raise ConfigError(f"{OPTION}.num_generations", num_generations,
+                              "must be >= 2: advantages are normalised within each group")
+        self.engine_config.check(f"{OPTION}.engine")
+        self.sampling.check(f"{OPTION}.sampling")
+        self.check_lengths(1)  # the shortest possible prompt; the real one is checked at setup and per batch
+        for tok in eos_token_ids or ():
+            if tok < 0:
+                raise ConfigError(f"{OPTION}.eos_token_ids", eos_token_ids, "token ids must be >= 0")
+        if pad_token_id < 0:
+            raise ConfigError(f"{OPTION}.pad_token_id", pad_token_id, "must be >= 0")
+        if inference_dtype is not None and inference_dtype not in INFERENCE_DTYPES:
+            raise ConfigError(f"{OPTION}.inference_dtype", inference_dtype,
+                              f"must be one of {list(INFERENCE_DTYPES)} or null")
+
+    def check_lengths(self, prompt_len: int, where: str = "") -> None:
+        """Raise unless a prompt of `prompt_len` tokens plus `sampling.max_new_tokens` fits the engine's
+        `max_seq_len` and page pool (the engine would otherwise cut completions short)."""
+        self.engine_config.check_fits(prompt_len, self.sampling.max_new_tokens, f"{OPTION}.engine", where)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Check options against the data and the module, before the model is built."""
+        longest = _longest_prompt(trainer.datamodule)
+        if longest is None:
+            rank_zero_info("RolloutCallback: the datamodule holds no `dataset` of `prompt_ids` rows; prompt "
+                           "lengths against `engine.max_seq_len` are checked per batch instead")
+        else:
+            self.check_lengths(longest, " (the longest prompt of the datamodule)")
+        temperature = getattr(pl_module, "hparams", {}).get("temperature")
+        if temperature is not None and temperature != self.sampling.temperature:
+            # The ratio exp(logp - old_logp) compares distributions at two temperatures otherwise.
+            raise ConfigError(f"{OPTION}.sampling.temperature", self.sampling.temperature,
+                              f"must equal the module's `temperature={temperature}` (the policy scores "
+                              "tokens at the rollout temperature)")
+
+    # ---- build ------------------------------------------------------------------------------------
+    def _build(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         train = getattr(pl_module, self.model_attr)
         base = train.get_base_model() if hasattr(train, "get_base_model") else train
-        compute = getattr(pl_module.trainer.strategy, "param_dtype", None) if pl_module._trainer else None
+        compute = getattr(trainer.strategy, "param_dtype", None)
         dtype = self.inference_dtype or compute or next(base.parameters()).dtype
         device = pl_module.device
         saved_dtype = torch.get_default_dtype()
@@ -118,7 +148,7 @@ class RolloutCallback(L.Callback):
             m.to(device)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._build(pl_module)
+        self._build(trainer, pl_module)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else " ".join(map(str, ids))
@@ -129,25 +159,23 @@ class RolloutCallback(L.Callback):
         if not isinstance(batch, dict) or "prompt_ids" not in batch:
             raise TypeError("RolloutCallback needs dict batches with a `prompt_ids` list (see rl/prompts.py)")
         G = self.num_generations
+        prompt_ids = [list(map(int, p)) for p in batch["prompt_ids"]]
+        self.check_lengths(max(map(len, prompt_ids)), f" (a prompt of batch {batch_idx})")
         t0 = time.perf_counter()
         self.sync.refresh()
         t1 = time.perf_counter()
-        prompt_ids = [list(map(int, p)) for p in batch["prompt_ids"]]
-        expanded = [p for p in prompt_ids for _ in range(G)]
+        expanded = repeat_groups(prompt_ids, G)
         before = dict(self.engine.stats)
-        seqs = self.engine.generate(expanded, self.max_new_tokens, self.sampling)
+        seqs = self.engine.generate(expanded, sampling=self.sampling)
         t2 = time.perf_counter()
         completion_ids = [s.output for s in seqs]
-        extra = {k: [v for v in vals for _ in range(G)] for k, vals in batch.items()
-                 if k not in ("prompt_ids", "prompt")}
-        prompts = [p for p in batch.get("prompt", [self._decode(p) for p in prompt_ids]) for _ in range(G)]
+        extra = {k: repeat_groups(v, G) for k, v in batch.items() if k not in ("prompt_ids", "prompt")}
+        prompts = repeat_groups(batch.get("prompt", [self._decode(p) for p in prompt_ids]), G)
         completions = [self._decode(c) for c in completion_ids]
-        total = torch.zeros(len(seqs))
-        for fn in self.reward_funcs:
-            r = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **extra)
-            total += torch.tensor([float("nan") if x is None else float(x) for x in r]).nan_to_num(0.0)
+        total = total_reward(self.reward_funcs, prompts, completions, completion_ids, **extra)
         device = pl_module.device
-        self._fill(batch, expanded, seqs, total, device)
+        grpo = build_grpo_batch(expanded, completion_ids, [s.logprobs for s in seqs], total, G, self.pad_token_id)
+        batch.update({k: v.to(device) for k, v in grpo.items()})
         lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32)
         for name, value in (("reward", total), ("completion_length", lengths),
                             ("refresh_s", torch.tensor(t1 - t0)), ("generate_s", torch.tensor(t2 - t1))):
@@ -162,21 +190,14 @@ class RolloutCallback(L.Callback):
             pl_module.log(f"rollout/{name}", float(self.engine.stats[name] - before[name]), on_step=True,
                           on_epoch=False, batch_size=len(seqs))
 
-    def _fill(self, batch: dict, prompts: list[list[int]], seqs, rewards: torch.Tensor, device) -> None:
-        """Right-padded prompt+completion rows with masks, engine logprobs and advantages, written into `batch`."""
-        rows = [p + s.output for p, s in zip(prompts, seqs)]
-        L_ = max(len(r) for r in rows)
-        N = len(rows)
-        ids = torch.full((N, L_), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros(N, L_, dtype=torch.long)
-        comp = torch.zeros(N, L_, dtype=torch.long)
-        old = torch.zeros(N, L_)
-        for i, (p, s) in enumerate(zip(prompts, seqs)):
-            n, m = len(p), len(s.output)
-            ids[i, : n + m] = torch.tensor(p + s.output)
-            attn[i, : n + m] = 1
-            comp[i, n: n + m] = 1
-            old[i, n: n + m] = torch.tensor(s.logprobs)
-        batch.update(input_ids=ids.to(device), attention_mask=attn.to(device), completion_mask=comp.to(device),
-                     old_logprobs=old.to(device), rewards=rewards.to(device),
-                     advantages=group_advantages(rewards, self.num_generations).to(device))
+
+def _longest_prompt(datamodule: Any) -> int | None:
+    """Length of the longest `prompt_ids` row of `datamodule.dataset` (a map-style dataset of dict rows, as
+    PromptDataModule builds in `setup`); None when the datamodule has no such dataset."""
+    dataset = getattr(datamodule, "dataset", None)
+    if dataset is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return None
+    first = dataset[0]
+    if not isinstance(first, dict) or "prompt_ids" not in first:
+        return None
+    return max(len(dataset[i]["prompt_ids"]) for i in range(len(dataset)))

@@ -1,8 +1,10 @@
 """GRPO math: group-normalised advantages and the clipped-ratio policy loss with an optional KL term.
 
-Owns formulas only; generation, rewards and logging live in `callbacks/rollout.py` and `rl/module.py`.
-Conventions follow TRL: advantages (r - mean_group) / (std_group + 1e-4); KL is the k3 estimator
-exp(ref - logp) - (ref - logp) - 1. Token losses are averaged per sequence, then over sequences.
+Owns formulas only; generation, rewards, batch layout and logging live in `callbacks/rollout.py`,
+`rl/rewards.py`, `rl/batch.py` and `rl/module.py`. Conventions follow TRL: advantages
+(r - mean_group) / (std_group + 1e-4); KL is the k3 estimator exp(ref - logp) - (ref - logp) - 1; token
+losses are averaged per sequence, then over sequences. Clip bounds may be asymmetric as in DAPO
+(`clip_eps` below, `clip_eps_high` above).
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               clip_eps: float = 0.2, beta: float = 0.0, ref_logprobs: torch.Tensor | None = None,
               clip_eps_high: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate over completion tokens; `logprobs`/`old_logprobs`/`mask` are (N, T), `advantages` (N,)."""
+    """Clipped surrogate over completion tokens; `logprobs`/`old_logprobs`/`mask` are (N, T), `advantages` (N,).
+
+    The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (DAPO's "clip-higher": a larger upper bound
+    lets unlikely tokens with positive advantage grow); `clip_eps_high=None` uses clip_eps on both sides.
+    """
     if beta > 0 and ref_logprobs is None:
         raise ValueError(f"`beta={beta}` needs reference logprobs")
     high = clip_eps if clip_eps_high is None else clip_eps_high

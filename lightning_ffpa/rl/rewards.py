@@ -1,33 +1,63 @@
-"""Reward functions: resolving TRL-signature callables from import-path strings, plus toy rewards for tests.
+"""Reward functions: the TRL signature check, summing several functions into one reward per completion, and
+toy rewards for tests and demos.
 
-A reward function is `f(prompts, completions, completion_ids, **kw) -> list[float | None]`
-(TRL's signature); None means "not applicable to this sample" and counts as 0 after summing.
+A reward function is `f(prompts, completions, completion_ids, **kwargs) -> list[float | None]`
+(TRL's signature); None means "not applicable to this sample" and counts as 0 after summing. Functions
+arrive as callables: from YAML, jsonargparse imports a dotted path (`my_project.rewards.my_reward`).
+Does not own prompts, generation or advantages.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
+from lightning_ffpa.errors import ConfigError
+
 RewardFn = Callable[..., list]
+REQUIRED = ("prompts", "completions", "completion_ids")
 
 
-def resolve_reward_funcs(paths: list[str], option: str = "reward_funcs") -> list[RewardFn]:
-    """Import each `pkg.module:func` (or `pkg.module.func`); one clear error names the option."""
-    if not paths:
-        raise ValueError(f"`{option}` is empty: give at least one reward function import path")
-    funcs = []
-    for path in paths:
-        mod_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-        try:
-            fn = getattr(importlib.import_module(mod_name), attr)
-        except (ImportError, AttributeError, ValueError) as err:
-            raise ValueError(f"`{option}` entry {path!r} cannot be imported: {err}") from err
+def _name(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def check_reward_funcs(funcs: Sequence[Any], option: str = "reward_funcs") -> list[RewardFn]:
+    """Each entry must be callable with TRL's keywords `prompts, completions, completion_ids, **kwargs`."""
+    if not funcs:
+        raise ConfigError(option, list(funcs), "give at least one reward function (a dotted import path in YAML)")
+    for i, fn in enumerate(funcs):
         if not callable(fn):
-            raise ValueError(f"`{option}` entry {path!r} is not callable")
-        funcs.append(fn)
-    return funcs
+            raise ConfigError(f"{option}[{i}]", fn, "is not callable (give a dotted path to a function)")
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError) as err:  # a builtin without a signature cannot be checked
+            raise ConfigError(f"{option}[{i}]", _name(fn), "has no inspectable signature; wrap it in a Python "
+                              "function taking `prompts, completions, completion_ids, **kwargs`") from err
+        names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+        missing = [n for n in REQUIRED if n not in names and not var_kw] + ([] if var_kw else ["**kwargs"])
+        if missing:
+            raise ConfigError(f"{option}[{i}]", _name(fn),
+                              f"must accept `prompts, completions, completion_ids, **kwargs` (TRL's reward "
+                              f"signature); missing {', '.join(missing)}")
+    return list(funcs)
+
+
+def total_reward(funcs: Sequence[RewardFn], prompts: list[Any], completions: list[str],
+                 completion_ids: list[list[int]], **kwargs: Any) -> torch.Tensor:
+    """Sum of every function's rewards, one float per completion (None counts as 0)."""
+    total = torch.zeros(len(completion_ids))
+    for fn in funcs:
+        r = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+        if len(r) != len(completion_ids):
+            raise ValueError(f"reward function {_name(fn)} returned {len(r)} values for {len(completion_ids)} "
+                             "completions")
+        total += torch.tensor([float("nan") if x is None else float(x) for x in r]).nan_to_num(0.0)
+    return total
 
 
 def token_range_reward(prompts: list[Any], completions: list[str], completion_ids: list[list[int]],

@@ -45,12 +45,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
+from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.rollout import compat
 from lightning_ffpa.rollout.attention import StepContext, dense_reference, kernel_options
 from lightning_ffpa.rollout.kv_cache import PagedKVCache
@@ -70,7 +71,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EngineConfig:
-    """Sizes of the paged cache and batch."""
+    """Sizes of the paged cache and batch. Plain data: `RolloutEngine` (or the Callback, under its own
+    option names) calls `check` before anything is allocated."""
 
     page_size: int = 128
     """Tokens per KV page (= the KV block of every mask)."""
@@ -94,13 +96,33 @@ class EngineConfig:
     pipeline: bool = True
     """Queue each decode step before reading back the previous one (stops are seen one step late)."""
 
-    def __post_init__(self) -> None:
+    def check(self, option: str = "engine") -> None:
+        """Raise ConfigError naming `<option>.<field>` for the first value out of range or inconsistent."""
+        for name, minimum in (("page_size", 1), ("num_pages", 2), ("max_batch_size", 1), ("max_seq_len", 1),
+                              ("max_prefill_tokens", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < minimum:
+                why = "page 0 is reserved" if name == "num_pages" else "a count"
+                raise ConfigError(f"{option}.{name}", value, f"must be an int >= {minimum} ({why})")
         if self.max_seq_len % self.page_size:
-            raise ValueError(f"`max_seq_len={self.max_seq_len}` must be a multiple of `page_size={self.page_size}`")
-        if self.num_pages < 2:
-            raise ValueError(f"`num_pages={self.num_pages}` must be >= 2")
+            raise ConfigError(f"{option}.max_seq_len", self.max_seq_len,
+                              f"must be a multiple of `{option}.page_size={self.page_size}`")
         if self.attention not in ("flex", "dense"):
-            raise ValueError(f"`attention={self.attention!r}` must be 'flex' or 'dense'")
+            raise ConfigError(f"{option}.attention", self.attention, "must be 'flex' or 'dense'")
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int, option: str = "engine", where: str = "") -> None:
+        """Raise unless a prompt of `prompt_len` tokens plus `max_new_tokens` fits `max_seq_len` (else the
+        completion would be cut short) and the page pool (else the scheduler could never place it)."""
+        need = prompt_len + max_new_tokens
+        if need > self.max_seq_len:
+            raise ConfigError(f"{option}.max_seq_len", self.max_seq_len,
+                              f"must be >= prompt length + `max_new_tokens` = {prompt_len} + {max_new_tokens} = "
+                              f"{need}{where}")
+        pages = -(-need // self.page_size)
+        if pages > self.num_pages - 1:  # page 0 is reserved for padding
+            raise ConfigError(f"{option}.num_pages", self.num_pages,
+                              f"must be >= {pages + 1}: {need} tokens take {pages} pages of {self.page_size}, "
+                              f"plus the reserved page 0{where}")
 
 
 def _buckets(max_batch: int) -> list[int]:
@@ -118,12 +140,13 @@ class RolloutEngine:
                  eos_token_ids: set[int] | None = None) -> None:
         self.model = model.eval()
         self.config = cfg = config or EngineConfig()
+        cfg.check()
         self.walker = DecoderWalker(model)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.on_cuda = self.device.type == "cuda"
         if self.on_cuda and cfg.page_size % 16:
-            raise ValueError(f"`page_size={cfg.page_size}` must be a multiple of 16 on CUDA (flex decode tiles)")
+            raise ConfigError("engine.page_size", cfg.page_size, "must be a multiple of 16 on CUDA (flex decode tiles)")
         self.eos_token_ids = set(eos_token_ids or ())
         self.page_table = PageTable(cfg.num_pages, cfg.page_size, cfg.max_batch_size + 1,
                                     cfg.max_seq_len // cfg.page_size, self.device)
@@ -137,7 +160,7 @@ class RolloutEngine:
             compat.raise_recompile_limit()
             self.flex, self.attention_path = torch.compile(flex_attention, dynamic=False), "flex_compiled"
         if cfg.compile_decode and not self.on_cuda:
-            raise ValueError("`compile_decode=True` needs CUDA (the CPU path runs eagerly)")
+            raise ConfigError("engine.compile_decode", True, "needs CUDA (the CPU path runs eagerly)")
         for head_dim in {spec.head_dim for spec in self.walker.specs}:  # a bad override fails here, before compile
             kernel_options(head_dim, True, self.dtype, page_size=cfg.page_size)
         self._step, self.decode_path = self._decode_step, "eager"
@@ -155,17 +178,26 @@ class RolloutEngine:
 
     # ---- public -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None = None,
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None,
+                 sampling: SamplingParams | None = None,
                  generator: torch.Generator | None = None) -> list[Sequence]:
-        """Generate for every prompt; returns finished `Sequence`s in prompt order."""
+        """Generate for every prompt; returns finished `Sequence`s in prompt order.
+
+        `max_new_tokens` defaults to `sampling.max_new_tokens`; `sampling` defaults to greedy.
+        """
         sampling = sampling or SamplingParams(temperature=0.0)
+        if max_new_tokens is not None:
+            sampling = replace(sampling, max_new_tokens=max_new_tokens)
+        sampling.check()
+        if prompts:
+            self.config.check_fits(max(map(len, prompts)), sampling.max_new_tokens, where=" (the longest prompt)")
         self._use_sampling(sampling)
         if generator is not None and self.on_cuda and self.config.cuda_graphs:
             raise ValueError("a custom `generator` cannot drive captured CUDA graphs; seed torch.cuda instead")
         cfg = self.config
         sched = Scheduler(self.page_table, cfg.max_batch_size, cfg.max_prefill_tokens, self.eos_token_ids)
         for i, p in enumerate(prompts):
-            sched.add(Sequence(i, list(p), max_new_tokens))
+            sched.add(Sequence(i, list(p), sampling.max_new_tokens))
         with self.walker.paged_attention():
             self._run(sched, sampling, generator)
         self.stats["preemptions"] += sched.num_preemptions
@@ -201,7 +233,7 @@ class RolloutEngine:
                     self._graph(b, sampling)
 
     def _use_sampling(self, sampling: SamplingParams) -> None:
-        if sampling != self._sampling:
+        if self._sampling is None or sampling.sampler_key != self._sampling.sampler_key:
             self._graphs.clear()  # the sampler is baked into each captured graph
             self._sampling = sampling
 

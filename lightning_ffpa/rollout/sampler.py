@@ -1,9 +1,10 @@
 """Token sampler: temperature, top-k, top-p, with per-token logprobs; no host syncs, so it can be
 captured inside the decode CUDA graph.
 
-Owns the sampling math only. Logprobs are those of the temperature-scaled distribution before
-top-k/top-p filtering (what a GRPO policy forward at the same temperature recomputes); greedy
-(temperature 0) reports logprobs of the unscaled distribution.
+Owns the sampling math and `SamplingParams` (with the completion length cap, as vLLM's `max_tokens`).
+The order is temperature, then top-k, then top-p over what top-k kept. Logprobs are those of the
+temperature-scaled distribution before top-k/top-p filtering (what a GRPO policy forward at the same
+temperature recomputes); greedy (temperature 0) reports logprobs of the unscaled distribution.
 """
 
 from __future__ import annotations
@@ -12,25 +13,41 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_ffpa.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling settings shared by every request of one engine run."""
+    """Sampling settings shared by every request of one engine run.
+
+    Plain data: its user calls `check(option)` so an error names the option as that user spells it
+    (`sampling.top_p` for the engine, `RolloutCallback.sampling.top_p` for the Callback).
+    """
 
     temperature: float = 1.0
     """0 means greedy (argmax)."""
     top_p: float = 1.0
-    """Nucleus mass kept, in (0, 1]."""
+    """Nucleus mass kept, in (0, 1], over the temperature-scaled, top-k-filtered distribution."""
     top_k: int = 0
     """Keep the k most likely tokens; 0 keeps all."""
+    max_new_tokens: int = 64
+    """Completion length cap in tokens (>= 1)."""
 
-    def __post_init__(self) -> None:
+    def check(self, option: str = "sampling") -> None:
+        """Raise ConfigError naming `<option>.<field>` for the first value out of range."""
         if self.temperature < 0:
-            raise ValueError(f"`temperature={self.temperature}` must be >= 0")
+            raise ConfigError(f"{option}.temperature", self.temperature, "must be >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"`top_p={self.top_p}` must be in (0, 1]")
+            raise ConfigError(f"{option}.top_p", self.top_p, "must be in (0, 1]")
         if self.top_k < 0:
-            raise ValueError(f"`top_k={self.top_k}` must be >= 0")
+            raise ConfigError(f"{option}.top_k", self.top_k, "must be >= 0 (0 = off)")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"{option}.max_new_tokens", self.max_new_tokens, "must be >= 1")
+
+    @property
+    def sampler_key(self) -> tuple[float, float, int]:
+        """The fields the sampler reads (what a captured decode graph bakes in)."""
+        return self.temperature, self.top_p, self.top_k
 
 
 def sample(logits: torch.Tensor, params: SamplingParams,

@@ -136,7 +136,7 @@ CASES = [
                  R("data.max_seq_length=30")),
     ("reward function import path that does not resolve",
      {"callbacks": [{"class_path": "lightning_ffpa.callbacks.rollout.RolloutCallback",
-                     "init_args": {"reward_funcs": ["no_such_module:reward"]}}]}, [], None, R("reward_funcs")),
+                     "init_args": {"reward_funcs": ["no_such_module.reward"]}}]}, [], None, P("reward_funcs")),
 ]
 
 

@@ -1,12 +1,13 @@
-"""GRPO advantages and loss against a hand-computed example; reward-path resolution errors."""
+"""GRPO advantages and loss against a hand-computed example; DAPO's asymmetric clip; reward signature checks."""
 
 import math
 
 import pytest
 import torch
 
+from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.rl.grpo import group_advantages, grpo_loss
-from lightning_ffpa.rl.rewards import resolve_reward_funcs, token_range_reward
+from lightning_ffpa.rl.rewards import check_reward_funcs, length_reward, token_range_reward, total_reward
 
 
 def test_group_advantages_by_hand():
@@ -38,12 +39,60 @@ def test_grpo_loss_by_hand():
     assert loss_kl.item() == pytest.approx(expect_kl, rel=1e-6)
 
 
-def test_reward_resolution():
-    (fn,) = resolve_reward_funcs(["lightning_ffpa.rl.rewards:token_range_reward"])
-    assert fn is token_range_reward
-    assert resolve_reward_funcs(["lightning_ffpa.rl.rewards.length_reward"])[0]([], ["a"], [[1, 2]]) == [2.0]
-    with pytest.raises(ValueError, match="`reward_funcs` entry 'nope.mod:f'"):
-        resolve_reward_funcs(["nope.mod:f"])
+def test_asymmetric_clip_bounds_dapo():
+    """clip_eps bounds the ratio below (1 - clip_eps), clip_eps_high above (1 + clip_eps_high): swapping them
+    changes which tokens are clipped, the loss and the gradients."""
+    old = torch.zeros(2, 1)
+    logp = torch.tensor([[math.log(1.25)], [math.log(0.7)]], requires_grad=True)
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.ones(2, 1)
+    loss, stats = grpo_loss(logp, old, adv, mask, clip_eps=0.2, clip_eps_high=0.28)
+    loss.backward()
+    # token 0: ratio 1.25 <= 1 + 0.28 with A > 0, not clipped: -1.25.
+    # token 1: ratio 0.7 < 1 - 0.2 with A < 0, clipped: -min(0.7 * -2, 0.8 * -2) = 1.6.
+    assert loss.item() == pytest.approx((-1.25 + 1.6) / 2, rel=1e-6)
+    assert stats["clip_fraction"].item() == pytest.approx(0.5)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.25 / 2], [0.0]]))  # a clipped token has no gradient
+    # Swapped bounds clip token 0 at 1.2 and token 1 at 0.72: a different loss.
+    swapped, _ = grpo_loss(logp.detach(), old, adv, mask, clip_eps=0.28, clip_eps_high=0.2)
+    assert swapped.item() == pytest.approx((-1.2 + 1.44) / 2, rel=1e-6)
+    symmetric, _ = grpo_loss(logp.detach(), old, adv, mask, clip_eps=0.2)  # clip_eps_high=None: symmetric
+    assert symmetric.item() == pytest.approx((-1.2 + 1.6) / 2, rel=1e-6)
+
+
+def _no_kwargs(prompts, completions, completion_ids):
+    return [0.0] * len(completions)
+
+
+def _no_ids(prompts, completions):
+    return [0.0] * len(completions)
+
+
+def _ids_in_kwargs(prompts, completions, **kwargs):  # TRL-valid: completion_ids arrives in kwargs
+    return [0.0] * len(completions)
+
+
+def _only_kwargs(**kwargs):
+    return [1.0] * len(kwargs["completions"])
+
+
+def test_reward_signatures_are_checked_by_name():
+    valid = [token_range_reward, _only_kwargs, _ids_in_kwargs]
+    assert check_reward_funcs(valid) == valid
+    with pytest.raises(ConfigError, match=r"`reward_funcs\[1\]=.*_no_kwargs'`: .*missing \*\*kwargs"):
+        check_reward_funcs([length_reward, _no_kwargs])
+    with pytest.raises(ConfigError, match=r"_no_ids.*missing completion_ids, \*\*kwargs$"):
+        check_reward_funcs([_no_ids])
+    with pytest.raises(ConfigError, match="at least one"):
+        check_reward_funcs([])
+    with pytest.raises(ConfigError, match="not callable"):
+        check_reward_funcs([3])
+
+
+def test_total_reward_sums_functions_and_none_counts_zero():
+    ids = [[1, 2, 100], []]
+    total = total_reward([token_range_reward, length_reward], ["p", "p"], ["a", ""], ids, answer=["x", "y"])
+    assert total.tolist() == pytest.approx([2 / 3 + 3.0, 0.0])
 
 
 def test_policy_logprobs_recompute_cleanly_under_activation_checkpointing():

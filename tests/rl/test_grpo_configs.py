@@ -1,5 +1,6 @@
 """Every shipped GRPO YAML parses and instantiates through the project CLI; bad reward paths fail early."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,17 @@ def test_grpo_config_instantiates(path):
     assert any(isinstance(c, RolloutCallback) for c in cli.trainer.callbacks)
 
 
-def test_bad_reward_path_names_the_option():
-    with pytest.raises(ValueError, match="`reward_funcs` entry 'my.rewards:missing'"):
-        RolloutCallback(["my.rewards:missing"])
+def test_bad_reward_path_names_the_option(tmp_path, capsys):
+    """A dotted path that does not import fails while parsing (jsonargparse's usage error), naming the
+    option and the path."""
+    import yaml
+
+    cfg = yaml.safe_load(next(p for p in CONFIGS if p.name == "tiny_grpo.yaml").read_text())
+    cfg["trainer"]["callbacks"][0]["init_args"]["reward_funcs"] = ["my.rewards.missing"]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(SystemExit) as err:
+        FFPACLI(model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
+                args=["--config", str(path), "--trainer.logger=false"], run=False, auto_configure_optimizers=False)
+    assert err.value.code == 2
+    assert re.search(r'Parser key "reward_funcs".*\n.*my\.rewards\.missing', capsys.readouterr().err)

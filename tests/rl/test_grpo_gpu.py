@@ -9,6 +9,9 @@ from lightning_ffpa.callbacks.rollout import RolloutCallback
 from lightning_ffpa.parallel import FSDP2Strategy
 from lightning_ffpa.rl.module import GRPOModule
 from lightning_ffpa.rl.prompts import PromptDataModule
+from lightning_ffpa.rl.rewards import token_range_reward
+from lightning_ffpa.rollout.engine import EngineConfig
+from lightning_ffpa.rollout.sampler import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -24,8 +27,8 @@ class _Rewards(L.Callback):
 @pytest.mark.timeout(600)
 def test_tiny_grpo_fit_on_cuda_with_fsdp2_lora_and_compiled_graphed_rollouts(tmp_path):
     torch.manual_seed(0)
-    rollout = RolloutCallback(["lightning_ffpa.rl.rewards:token_range_reward"], num_generations=8,
-                              max_new_tokens=16, page_size=16, num_pages=64, max_batch_size=16, max_seq_len=32,
+    rollout = RolloutCallback([token_range_reward], num_generations=8, sampling=SamplingParams(max_new_tokens=16),
+                              engine=EngineConfig(page_size=16, num_pages=64, max_batch_size=16, max_seq_len=32),
                               eos_token_ids=[], verify_no_drift=True)
     rewards = _Rewards()
     trainer = L.Trainer(max_steps=4, accelerator="gpu", devices=1, strategy=FSDP2Strategy(), logger=False,

@@ -5,8 +5,12 @@ import pytest
 import torch
 
 from lightning_ffpa.callbacks.rollout import RolloutCallback
+from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.rl.module import GRPOModule
 from lightning_ffpa.rl.prompts import PromptDataModule
+from lightning_ffpa.rl.rewards import token_range_reward
+from lightning_ffpa.rollout.engine import EngineConfig
+from lightning_ffpa.rollout.sampler import SamplingParams
 
 
 class _Rewards(L.Callback):
@@ -20,9 +24,10 @@ class _Rewards(L.Callback):
 @pytest.mark.timeout(120)
 def test_tiny_grpo_reward_rises():
     torch.manual_seed(0)
-    rollout = RolloutCallback(["lightning_ffpa.rl.rewards:token_range_reward"], num_generations=8,
-                              max_new_tokens=6, page_size=8, num_pages=64, max_batch_size=16, max_seq_len=32,
-                              eos_token_ids=[], verify_no_drift=True, attention="dense")
+    rollout = RolloutCallback([token_range_reward], num_generations=8, sampling=SamplingParams(max_new_tokens=6),
+                              engine=EngineConfig(page_size=8, num_pages=64, max_batch_size=16, max_seq_len=32,
+                                                  attention="dense"),
+                              eos_token_ids=[], verify_no_drift=True)
     rewards = _Rewards()
     trainer = L.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout, rewards])
@@ -60,11 +65,12 @@ def test_grpo_fits_under_fsdp2_with_selective_ac_lora_and_kl(tmp_path):
 
 
 def test_inference_dtype_option():
-    with pytest.raises(ValueError, match="inference_dtype"):
-        RolloutCallback(["lightning_ffpa.rl.rewards:token_range_reward"], inference_dtype="bf17")
-    rollout = RolloutCallback(["lightning_ffpa.rl.rewards:token_range_reward"], num_generations=2,
-                              max_new_tokens=2, page_size=8, num_pages=32, max_batch_size=4, max_seq_len=16,
-                              eos_token_ids=[], attention="dense", inference_dtype="bf16")
+    with pytest.raises(ConfigError, match="RolloutCallback.inference_dtype"):
+        RolloutCallback([token_range_reward], inference_dtype="bf17")
+    rollout = RolloutCallback([token_range_reward], num_generations=2, sampling=SamplingParams(max_new_tokens=2),
+                              engine=EngineConfig(page_size=8, num_pages=32, max_batch_size=4, max_seq_len=16,
+                                                  attention="dense"),
+                              eos_token_ids=[], inference_dtype="bfloat16")
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout])
     module = GRPOModule(preset="tiny", lora_rank=2)

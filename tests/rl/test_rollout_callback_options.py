@@ -1,0 +1,134 @@
+"""RolloutCallback's options: each bad value is one ConfigError naming `RolloutCallback.<option>`, raised when
+the Callback is built or at setup, before any model or engine exists."""
+
+import lightning as L
+import pytest
+import yaml
+
+from lightning_ffpa.callbacks.rollout import RolloutCallback
+from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.rl.module import GRPOModule
+from lightning_ffpa.rl.prompts import PromptDataModule
+from lightning_ffpa.rl.rewards import token_range_reward
+from lightning_ffpa.rollout.engine import EngineConfig
+from lightning_ffpa.rollout.sampler import SamplingParams
+
+SMALL = dict(page_size=8, num_pages=16, max_batch_size=4, max_seq_len=32, attention="dense")
+
+
+def _callback(engine=None, sampling=None, **kw):
+    return RolloutCallback(kw.pop("reward_funcs", [token_range_reward]),
+                           engine=EngineConfig(**{**SMALL, **(engine or {})}),
+                           sampling=SamplingParams(**{"max_new_tokens": 4, **(sampling or {})}), **kw)
+
+
+def _two_args(prompts, completions):
+    return [0.0] * len(completions)
+
+
+CASES = [
+    (dict(num_generations=1), "RolloutCallback.num_generations"),
+    (dict(sampling={"max_new_tokens": 0}), "RolloutCallback.sampling.max_new_tokens"),
+    (dict(sampling={"temperature": -1.0}), "RolloutCallback.sampling.temperature"),
+    (dict(sampling={"top_p": 0.0}), "RolloutCallback.sampling.top_p"),
+    (dict(sampling={"top_p": 1.01}), "RolloutCallback.sampling.top_p"),
+    (dict(sampling={"top_k": -2}), "RolloutCallback.sampling.top_k"),
+    (dict(engine={"page_size": 0}), "RolloutCallback.engine.page_size"),
+    (dict(engine={"num_pages": 1}), "RolloutCallback.engine.num_pages"),
+    (dict(engine={"num_pages": 3}, sampling={"max_new_tokens": 20}),  # 1 + 20 tokens: 3 pages + page 0
+     "RolloutCallback.engine.num_pages"),
+    (dict(engine={"max_batch_size": 0}), "RolloutCallback.engine.max_batch_size"),
+    (dict(engine={"max_seq_len": 30}), "RolloutCallback.engine.max_seq_len"),  # not a multiple of 8
+    (dict(engine={"max_prefill_tokens": 0}), "RolloutCallback.engine.max_prefill_tokens"),
+    (dict(engine={"attention": "sdpa"}), "RolloutCallback.engine.attention"),
+    (dict(sampling={"max_new_tokens": 32}), "RolloutCallback.engine.max_seq_len"),  # no room for a prompt
+    (dict(eos_token_ids=[-1]), "RolloutCallback.eos_token_ids"),
+    (dict(pad_token_id=-1), "RolloutCallback.pad_token_id"),
+    (dict(inference_dtype="bf16"), "RolloutCallback.inference_dtype"),
+    (dict(reward_funcs=[]), "RolloutCallback.reward_funcs"),
+    (dict(reward_funcs=["lightning_ffpa.rl.rewards:length_reward"]), "RolloutCallback.reward_funcs"),
+    (dict(reward_funcs=[token_range_reward, _two_args]), "RolloutCallback.reward_funcs[1]"),
+]
+
+
+@pytest.mark.parametrize("kwargs, option", CASES, ids=[f"{c[1]}-{i}" for i, c in enumerate(CASES)])
+def test_bad_option_is_one_config_error_naming_it(kwargs, option):
+    with pytest.raises(ConfigError) as err:
+        _callback(**kwargs)
+    assert err.value.option == option
+    assert str(err.value).startswith(f"`{option}=") and "\n" not in str(err.value)
+
+
+def test_reward_signature_error_names_the_function_and_what_is_missing():
+    with pytest.raises(ConfigError, match=r"_two_args.*missing completion_ids, \*\*kwargs"):
+        _callback(reward_funcs=[_two_args])
+
+
+def _fit(rollout, module=None, prompt_len=4):
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout])
+    module = module or GRPOModule(preset="tiny")
+    trainer.fit(module, datamodule=PromptDataModule(num_random_prompts=4, prompt_len=prompt_len, batch_size=2))
+    return module
+
+
+def test_prompt_plus_completion_longer_than_max_seq_len_fails_at_setup_before_any_model():
+    rollout = _callback(engine={"max_seq_len": 16}, sampling={"max_new_tokens": 8}, num_generations=2)
+    module = GRPOModule(preset="tiny")
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.engine.max_seq_len=16`: .* 10 \+ 8 = 18 \(the longest"):
+        _fit(rollout, module, prompt_len=10)
+    assert module.model is None and rollout.engine is None  # nothing was built
+
+
+def test_rollout_temperature_must_match_the_policy_temperature():
+    rollout = _callback(sampling={"temperature": 0.7}, num_generations=2)
+    module = GRPOModule(preset="tiny", temperature=1.0)
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.sampling.temperature=0.7`: must equal"):
+        _fit(rollout, module)
+    assert module.model is None
+
+
+def test_engine_refuses_zero_new_tokens():
+    """The engine itself: max_new_tokens=0 used to generate one token (the prefill's)."""
+    import torch
+    import transformers
+
+    from lightning_ffpa.presets import build_text_config
+    from lightning_ffpa.rollout.engine import RolloutEngine
+
+    torch.manual_seed(0)
+    engine = RolloutEngine(transformers.Gemma4ForCausalLM(build_text_config("tiny")), EngineConfig(**SMALL))
+    with pytest.raises(ConfigError, match="^`sampling.max_new_tokens=0`"):
+        engine.generate([[3, 4, 5]], 0)
+    assert [len(s.output) for s in engine.generate([[3, 4, 5]], 1)] == [1]
+    with pytest.raises(ConfigError, match=r"^`engine.max_seq_len=32`: .* 3 \+ 30 = 33"):
+        engine.generate([[3, 4, 5]], 30)  # used to stop at 32 tokens without a word
+    with pytest.raises(ConfigError, match="^`engine.page_size=0`"):
+        RolloutEngine(engine.model, EngineConfig(**{**SMALL, "page_size": 0}))
+
+
+def test_yaml_sections_reach_the_typed_configs(tmp_path):
+    """Through the CLI: dataclass sections, a dotted reward path, and a bad value's ConfigError as the cause."""
+    from pathlib import Path
+
+    from lightning_ffpa.cli import FFPACLI
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "tiny_grpo.yaml").read_text())
+
+    def build(cfg):
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return FFPACLI(model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
+                       args=["--config", str(path), "--trainer.logger=false"], run=False,
+                       auto_configure_optimizers=False)
+
+    (rollout,) = [c for c in build(cfg).trainer.callbacks if isinstance(c, RolloutCallback)]
+    assert rollout.reward_funcs == [token_range_reward]
+    assert rollout.engine_config.page_size == 8 and rollout.sampling.max_new_tokens == 6
+    cfg["trainer"]["callbacks"][0]["init_args"]["sampling"]["max_new_tokens"] = 0
+    with pytest.raises(ValueError) as err:
+        build(cfg)
+    cause = err.value
+    while cause is not None and not isinstance(cause, ConfigError):
+        cause = cause.__cause__ or cause.__context__
+    assert cause is not None and cause.option == "RolloutCallback.sampling.max_new_tokens"

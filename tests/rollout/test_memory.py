@@ -1,0 +1,83 @@
+"""The GRPO memory arithmetic against known sizes: parameter counts derived by hand from the 31B shapes, real
+models, peft's adapters, the KV pool the engine allocates, and the bytes autograd saves per layer."""
+
+import pytest
+import torch
+import transformers
+
+from lightning_ffpa.presets import build_text_config
+from lightning_ffpa.rollout import memory
+from lightning_ffpa.rollout.engine import EngineConfig
+from lightning_ffpa.rollout.kv_cache import PagedKVCache
+from lightning_ffpa.rollout.walker import DecoderWalker
+
+H, INTER, V = 5376, 21504, 262_144  # Gemma4-31B hidden, MLP and vocabulary sizes
+SLIDING = H * (32 * 256 + 2 * 16 * 256 + 32 * 256) + 3 * H * INTER + 2 * 256 + 4 * H  # q, k, v, o; MLP; norms
+FULL = H * (32 * 512 + 4 * 512 + 32 * 512) + 3 * H * INTER + 2 * 512 + 4 * H  # k_eq_v: no v_proj
+KV_SLIDING, KV_FULL = 2 * 16 * 256, 2 * 4 * 512  # K+V elements per token per layer
+
+
+def test_31b_at_12_layers_by_hand():
+    est = memory.estimate("gemma4-31b", num_hidden_layers=12, lora_r=16,
+                          engine=EngineConfig(page_size=128, num_pages=64, max_seq_len=384), train_tokens=0)
+    params = V * H + H + 10 * SLIDING + 2 * FULL  # 5:1 sliding:full, tied embeddings, final norm
+    assert params == 7_266_902_272
+    adapters = (est.policy - params * 2) // 4
+    assert est.inference_copy == params * 2 and est.lora_optimizer == adapters * 12
+    assert est.kv_pool == 64 * 128 * 2 * (10 * KV_SLIDING + 2 * KV_FULL)
+    assert est.activations == 0 and est.logits == 0
+
+
+def test_full_depth_31b_policy_and_copy_alone_fill_an_h200():
+    est = memory.estimate("gemma4-31b", lora_r=16, engine=EngineConfig(page_size=128, num_pages=1024))
+    assert est.inference_copy == 2 * (V * H + H + 50 * SLIDING + 10 * FULL)  # 30.7e9 parameters in bf16
+    assert est.policy + est.inference_copy > 114 * memory.GIB
+    assert est.kv_pool == 1024 * 128 * 2 * (50 * KV_SLIDING + 10 * KV_FULL)  # the old recipe's pool: ~110 GiB
+
+
+def test_tiny_against_real_model_peft_and_kv_cache():
+    from peft import LoraConfig, get_peft_model
+
+    engine = EngineConfig(page_size=8, num_pages=16, max_seq_len=64)
+    est = memory.estimate("tiny", lora_r=4, weight_bytes=4, inference_bytes=2, engine=engine)
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(build_text_config("tiny"))
+    params = sum(p.numel() for p in model.parameters())
+    cache = PagedKVCache(DecoderWalker(model).specs, 16, 8, torch.bfloat16, "cpu")
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=list(memory.LORA_TARGETS)))
+    adapters = sum(p.numel() for n, p in peft.named_parameters() if "lora_" in n)
+    assert est.inference_copy == params * 2 and est.policy == params * 4 + adapters * 4
+    assert est.lora_optimizer == adapters * 12
+    assert est.kv_pool == cache.num_bytes
+
+
+def test_activation_coefficient_matches_the_bytes_autograd_saves():
+    """Count unique storages saved for backward by a 31B-shaped layer stack at 1/8 width (bf16, CPU)."""
+    scale, tokens, layers = 8, 64, 6
+    cfg = build_text_config("gemma4-31b", num_hidden_layers=layers, hidden_size=H // scale,
+                            intermediate_size=INTER // scale, num_attention_heads=32 // scale,
+                            num_key_value_heads=16 // scale, num_global_key_value_heads=1, vocab_size=512)
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(cfg).to(torch.bfloat16)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in weights:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model(input_ids=torch.randint(0, 512, (1, tokens)), use_cache=False)
+    per_hidden = sum(saved.values()) / (tokens * layers * cfg.hidden_size)
+    assert 0.8 * memory.ACTIVATION_BYTES_PER_HIDDEN <= per_hidden <= memory.ACTIVATION_BYTES_PER_HIDDEN, per_hidden
+
+
+def test_cli_prints_the_table(capsys):
+    est = memory.main(["--preset", "tiny", "--lora_r", "2", "--engine.num_pages", "8", "--engine.page_size", "4",
+                       "--engine.max_seq_len", "16", "--train_tokens", "32"])
+    out = capsys.readouterr().out
+    assert "kv_pool" in out and f"{est.total / memory.GIB:8.1f} GiB" in out
+    with pytest.raises(ValueError, match="lora_r"):
+        memory.estimate("tiny", lora_r=0)

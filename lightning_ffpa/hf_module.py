@@ -10,6 +10,7 @@ checkpoint's. Does not own training (`Gemma4LM` in module.py, `GRPOModule` in rl
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,11 @@ from lightning_ffpa.presets import build_text_config, check_overrides, check_pre
 KNOWN_ATTN = ("sdpa", "eager", "flex_attention", "ffpa")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 _MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemma4ForConditionalGeneration}
+
+
+# peft's names inside a wrapped model: infixes on base weights, and the adapter weights themselves.
+_PEFT_INFIX = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+_ADAPTER_KEY = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
 
 
 def _registered_attn() -> set[str]:
@@ -173,6 +179,11 @@ class HFModule(L.LightningModule):
         if self.model is not None:
             return
         if self.shards_model:
+            lora = self.hparams.get("lora") or {}
+            if lora.get("use_dora") or lora.get("init_lora_weights", True) not in (True, False, "gaussian"):
+                key = "use_dora" if lora.get("use_dora") else "init_lora_weights"
+                raise ConfigError(f"model.lora.{key}", lora[key], "needs the base weights when the adapter is "
+                                  "created, which FSDP2Strategy (a meta-device build) does not have; use plain LoRA")
             # Sharded: build on meta; the strategy shards, materialises and initialises (parallel/).
             self.model = self.build_model(device="meta")
             self._needs_weight_init = True
@@ -181,24 +192,51 @@ class HFModule(L.LightningModule):
         self.model.config.use_cache = False
 
     def load_sharded_weights(self) -> None:
-        """Fill the sharded, materialised model from `pretrained` (called by FSDP2Strategy after sharding).
+        """Finish a sharded, materialised model (called by FSDP2Strategy after sharding): load `pretrained`
+        into the base weights, then initialise the LoRA adapters as peft does.
 
         Rank 0 reads the checkpoint through `from_pretrained` (so HF's key mapping applies) and broadcasts;
-        each rank keeps only its shards.
+        each rank keeps only its shards. Materialisation ran HF's `_init_weights` over every Linear, adapters
+        included, so without the reset `lora_B` would not start at zero (the model would not start at the base).
         """
-        if self.hparams.get("pretrained") is None or not getattr(self, "_needs_weight_init", False):
+        if not getattr(self, "_needs_weight_init", False):
             return
+        if self.hparams.get("pretrained") is not None:
+            self._load_pretrained_into_shards()
+        if self.hparams.get("lora"):
+            from peft.tuners.lora import LoraLayer
+
+            init = self.hparams.lora.get("init_lora_weights", True)
+            with torch.no_grad():
+                for module in self.model.modules():
+                    if isinstance(module, LoraLayer):
+                        for adapter in module.lora_A:
+                            module.reset_lora_parameters(adapter, init)
+        self._needs_weight_init = False
+
+    def _load_pretrained_into_shards(self) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full: dict[str, torch.Tensor] = {}
         if self.global_rank == 0:
             cls = _MODEL_CLASSES[self.model_class_name]
             ref = cls.from_pretrained(self.hparams.pretrained, config=self.config,
-                                      dtype=resolve_dtype(self.hparams.get("dtype", "auto")))
-            full = ref.state_dict()
+                                      dtype=resolve_dtype(self.hparams.get("dtype", "auto"))).state_dict()
+            # peft renames wrapped weights (`q_proj.weight` -> `q_proj.base_layer.weight`); adapters are not in `ref`.
+            missing = []
+            for key in self.hf_model.state_dict():
+                if _ADAPTER_KEY.search(key):
+                    continue
+                source = _PEFT_INFIX.sub("", key)
+                if source in ref:
+                    full[key] = ref[source]
+                else:
+                    missing.append(source)
+            if missing:
+                raise RuntimeError(f"`model.pretrained={self.hparams.pretrained!r}` has no weights for {missing[:5]} "
+                                   f"({len(missing)} missing)")
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
         set_model_state_dict(self.hf_model, full, options=options)
-        self._needs_weight_init = False
 
     @property
     def hf_model(self) -> PreTrainedModel:

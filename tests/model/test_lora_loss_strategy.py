@@ -22,8 +22,8 @@ from lightning_ffpa.presets import build_text_config
 from ._fit_matrix import STEPS, fit_losses
 
 _SCRIPT = Path(__file__).with_name("_fit_matrix.py")
-FIRST_TOL = 2e-5  # fp32: summation order only (chunking, CP reduction)
-SECOND_TOL = 2e-4  # fp32, after one AdamW step at lr 1e-2 (Adam's normalisation amplifies tiny gradient noise)
+FIRST_TOL = 1e-5  # fp32: summation order only (chunking, CP reduction)
+SECOND_TOL = 5e-5  # fp32, after one AdamW step (Adam divides by |g|: near-zero gradient elements amplify noise)
 LIGER = importlib.util.find_spec("liger_kernel") is not None
 IMPLS = ["plain", "chunked", pytest.param("liger", marks=pytest.mark.skipif(
     not (LIGER and torch.cuda.is_available()), reason="liger-kernel not installed, or no CUDA for its Triton kernels"))]

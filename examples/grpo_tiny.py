@@ -42,8 +42,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     L.seed_everything(0, verbose=False)
-    policy = GRPOModule(preset="tiny", lora_rank=args.lora_rank, lora_alpha=2.0 * max(args.lora_rank, 1),
-                        lr=2e-2, clip_eps=0.2, beta=0.0, dtype="float32")
+    lora = None if args.lora_rank == 0 else {"r": args.lora_rank, "lora_alpha": 2.0 * args.lora_rank,
+                                             "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_proj", "up_proj", "down_proj"]}
+    policy = GRPOModule(preset="tiny", lora=lora, learning_rate=2e-2, clip_eps=0.2, beta=0.0, dtype="float32")
     prompts = PromptDataModule(num_random_prompts=16, prompt_len=4, vocab_size=512, batch_size=2)
     rollout = RolloutCallback(
         reward_funcs=[even_token_reward],  # its signature is checked right here (TRL's keywords + **kwargs)

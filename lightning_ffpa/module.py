@@ -1,56 +1,44 @@
-"""The Gemma4 LightningModule: build or load the HF model, the causal-LM loss, metrics, optimizer.
+"""The Gemma4 LightningModule: the causal-LM loss, metrics and optimizer around the shared model options.
 
-It owns model construction (pretrained or preset), the loss and the optimizer. It does not own sharding
-(`lightning_ffpa.parallel`), attention kernels (`lightning_ffpa.attention`) or data (`lightning_ffpa.data`).
+It owns the training objective (plain, chunked or liger loss; CP sharding of the batch) and the optimizer.
+Model construction and the shared model options live in `hf_module.py` (also used by `GRPOModule`); it
+does not own sharding (`lightning_ffpa.parallel`), attention kernels (`lightning_ffpa.attention`) or data
+(`lightning_ffpa.data`).
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, Literal
 
-import lightning as L
 import torch
 from torch import nn
-from transformers import (
-    AutoConfig,
-    Gemma4Config,
-    Gemma4ForCausalLM,
-    Gemma4ForConditionalGeneration,
-    PretrainedConfig,
-    PreTrainedModel,
-)
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from lightning_ffpa.attention.documents import check_packing, packed_inputs
+from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.hf_module import (  # noqa: F401 - re-exported: `from lightning_ffpa.module import resolve_dtype`
+    _MODEL_CLASSES,
+    KNOWN_ATTN,
+    HFModule,
+    resolve_dtype,
+    text_config,
+)
+from lightning_ffpa.hidden_states import causal_lm_hidden_states
+from lightning_ffpa.lora import LoraSpec, lora_hparam
 from lightning_ffpa.loss import linear_cross_entropy
 from lightning_ffpa.metrics import TokenPerplexity
 from lightning_ffpa.parallel.context_parallel import cp_group_info, cp_loss_reduce, shard_batch
-from lightning_ffpa.parallel.fsdp import causal_lm_hidden_states
-from lightning_ffpa.presets import build_text_config
-
-# HF names plus ours; anything else registered in transformers' AttentionInterface is accepted too.
-KNOWN_ATTN = ("sdpa", "eager", "flex_attention", "ffpa")
-_MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemma4ForConditionalGeneration}
 
 
-def _registered_attn() -> set[str]:
-    from lightning_ffpa.attention._hf_shim import attention_names
-
-    return set(KNOWN_ATTN) | attention_names()
-
-
-def resolve_dtype(dtype: str) -> torch.dtype:
-    """'auto' is bf16 where the device supports it (CUDA with bf16), else fp32."""
-    if dtype == "auto":
-        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16 else torch.float32
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
-
-
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+def check_range(option: str, value: float, *, gt: float | None = None, ge: float | None = None,
+                le: float | None = None) -> None:
+    """Raise ConfigError naming `option` unless `value` is within the given bounds."""
+    if gt is not None and not value > gt:
+        raise ConfigError(option, value, f"must be > {gt}")
+    if ge is not None and not value >= ge:
+        raise ConfigError(option, value, f"must be >= {ge}")
+    if le is not None and not value <= le:
+        raise ConfigError(option, value, f"must be <= {le}")
 
 
 def build_adamw(model: nn.Module, lr: float, weight_decay: float = 0.1,
@@ -73,7 +61,7 @@ def build_adamw(model: nn.Module, lr: float, weight_decay: float = 0.1,
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True if on_cuda else None)
 
 
-class Gemma4LM(L.LightningModule):
+class Gemma4LM(HFModule):
     """Causal-LM training of Hugging Face Gemma4 (dense or MoE), from a checkpoint or a config preset."""
 
     def __init__(
@@ -84,7 +72,7 @@ class Gemma4LM(L.LightningModule):
         model_class: Literal["causal_lm", "conditional_generation"] = "causal_lm",
         attn_implementation: str = "sdpa",
         dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
-        lora: dict[str, Any] | None = None,
+        lora: LoraSpec | None = None,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -99,141 +87,46 @@ class Gemma4LM(L.LightningModule):
         Args:
             pretrained: local path or hub id passed to `from_pretrained`; None builds from `preset`.
             preset: config preset when `pretrained` is None: tiny, tiny-moe, gemma4-31b, gemma4-26b-a4b.
-            config_overrides: text-config fields to override (e.g. `{num_hidden_layers: 6}`).
+            config_overrides: text-config fields to override (e.g. `{num_hidden_layers: 6}`); an unknown field is an error.
             model_class: `causal_lm` (Gemma4ForCausalLM) or `conditional_generation` (Gemma4ForConditionalGeneration).
             attn_implementation: sdpa, eager, flex_attention or ffpa (any name registered with transformers).
             dtype: parameter dtype; `auto` is bf16 on GPUs that support it, else fp32.
-            lora: peft `LoraConfig` fields (e.g. `{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}`); None trains all weights.
-            learning_rate: peak AdamW learning rate.
+            lora: peft LoRA options (e.g. `{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}`); None trains all weights.
+            learning_rate: peak AdamW learning rate (> 0).
             weight_decay: AdamW weight decay (not applied to norms and biases).
             betas: AdamW betas.
-            warmup_steps: linear warmup steps before the cosine decay.
-            min_lr_ratio: final learning rate as a fraction of the peak.
+            warmup_steps: linear warmup steps before the cosine decay (>= 0).
+            min_lr_ratio: final learning rate as a fraction of the peak, in [0, 1].
             loss_impl: `plain` (full logits), `chunked` (never materialises fp32 logits) or `liger` (liger-kernel).
-            loss_chunk_size: tokens per chunk for the chunked loss.
+            loss_chunk_size: tokens per chunk for the chunked loss (>= 1).
             max_seq_length: longest sequence the data will feed; checked against `max_position_embeddings`.
         """
         super().__init__()
+        lora = lora_hparam(lora)  # plain data in hparams and checkpoints
+        check_range("model.learning_rate", learning_rate, gt=0)
+        check_range("model.weight_decay", weight_decay, ge=0)
+        for beta in betas:
+            check_range("model.betas", beta, ge=0, le=1)
+        check_range("model.warmup_steps", warmup_steps, ge=0)
+        check_range("model.min_lr_ratio", min_lr_ratio, ge=0, le=1)
+        check_range("model.loss_chunk_size", loss_chunk_size, ge=1)
+        if loss_impl not in ("plain", "chunked", "liger"):
+            raise ConfigError("model.loss_impl", loss_impl, "must be one of 'plain', 'chunked', 'liger'")
+        if max_seq_length is not None:
+            check_range("model.max_seq_length", max_seq_length, ge=1)
         self.save_hyperparameters()
-        if attn_implementation not in _registered_attn():
-            raise ValueError(
-                f"model.attn_implementation={attn_implementation!r} is unknown; "
-                f"choose one of {sorted(_registered_attn())}"
-            )
-        self.config = self._load_config()
-        self._check_seq_length(max_seq_length, "model.max_seq_length")
-        self.model: PreTrainedModel | None = None
+        self.init_model_options()
+        self.check_seq_length(max_seq_length, "model.max_seq_length")
         self.train_ppl = TokenPerplexity()
         self.val_ppl = TokenPerplexity()
-
-    # ---- model construction -------------------------------------------------------------------------
-    def _load_config(self) -> PretrainedConfig:
-        hp = self.hparams
-        overrides = dict(hp.config_overrides or {})
-        if hp.pretrained is None:
-            cfg = build_text_config(hp.preset, **overrides)
-            if hp.model_class == "conditional_generation":
-                cfg = Gemma4Config(text_config=cfg.to_dict(), vision_config=None, audio_config=None)
-            return cfg
-        local = Path(hp.pretrained).expanduser()
-        if not local.exists() and (hp.pretrained.startswith((".", "/", "~")) or os.environ.get("HF_HUB_OFFLINE")):
-            raise FileNotFoundError(f"model.pretrained={hp.pretrained!r}: no such directory")
-        try:
-            cfg = AutoConfig.from_pretrained(hp.pretrained, **overrides)
-        except OSError as err:
-            raise FileNotFoundError(f"model.pretrained={hp.pretrained!r} could not be loaded: {err}") from err
-        return cfg
-
-    def _check_seq_length(self, seq_len: int | None, option: str) -> None:
-        limit = getattr(text_config(self.config), "max_position_embeddings", None)
-        if seq_len is not None and limit is not None and seq_len > limit:
-            raise ValueError(f"{option}={seq_len} exceeds the model's max_position_embeddings={limit}")
-
-    @property
-    def shards_model(self) -> bool:
-        """True under FSDP2Strategy, which shards, materialises and loads weights; the model is built on meta.
-
-        Other strategies get a fully built model (Lightning's FSDP wraps it as is).
-        """
-        if self._trainer is None:
-            return False
-        from lightning_ffpa.parallel import FSDP2Strategy
-
-        return isinstance(self.trainer.strategy, FSDP2Strategy)
-
-    def build_model(self, device: torch.device | str | None = None) -> PreTrainedModel:
-        """Create the HF model (weights loaded or randomly initialised) with the configured attention."""
-        hp = self.hparams
-        dtype = resolve_dtype(hp.dtype)
-        cls = _MODEL_CLASSES[hp.model_class]
-        attn = "sdpa" if hp.attn_implementation == "ffpa" else hp.attn_implementation
-        if hp.pretrained is not None and device != "meta":
-            model = cls.from_pretrained(hp.pretrained, config=self.config, dtype=dtype, attn_implementation=attn)
-        else:
-            with torch.device(device or "cpu"):
-                model = cls._from_config(self.config, dtype=dtype, attn_implementation=attn)
-        if hp.attn_implementation == "ffpa":
-            from lightning_ffpa.attention import register_ffpa
-
-            register_ffpa()
-            model.set_attn_implementation("ffpa")
-        if hp.lora:
-            model = self._apply_lora(model)
-        return model
-
-    def _apply_lora(self, model: PreTrainedModel) -> nn.Module:
-        from peft import LoraConfig, get_peft_model
-
-        spec = dict(self.hparams.lora)
-        spec.setdefault("task_type", "CAUSAL_LM")
-        try:
-            return get_peft_model(model, LoraConfig(**spec))
-        except ValueError as err:
-            raise ValueError(f"model.lora.target_modules={spec.get('target_modules')!r}: {err}") from err
-
-    def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        if self.shards_model:
-            # Sharded: build on meta; the strategy shards, materialises and initialises (parallel/).
-            self.model = self.build_model(device="meta")
-            self._needs_weight_init = True
-        else:
-            self.model = self.build_model()
-        self.model.config.use_cache = False
-
-    def load_sharded_weights(self) -> None:
-        """Fill the sharded, materialised model from `pretrained` (called by FSDP2Strategy after sharding).
-
-        Rank 0 reads the checkpoint through `from_pretrained` (so HF's key mapping applies) and broadcasts;
-        each rank keeps only its shards.
-        """
-        if self.hparams.pretrained is None or not getattr(self, "_needs_weight_init", False):
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        full: dict[str, torch.Tensor] = {}
-        if self.global_rank == 0:
-            cls = _MODEL_CLASSES[self.hparams.model_class]
-            ref = cls.from_pretrained(self.hparams.pretrained, config=self.config, dtype=resolve_dtype(self.hparams.dtype))
-            full = ref.state_dict()
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-        set_model_state_dict(self.hf_model, full, options=options)
-        self._needs_weight_init = False
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         seq = getattr(dm, "max_seq_length", None)
-        self._check_seq_length(seq, "data.max_seq_length")
+        self.check_seq_length(seq, "data.max_seq_length")
         check_packing(self.hparams.attn_implementation, bool(getattr(dm, "pack", False)))
 
     # ---- forward and loss -----------------------------------------------------------------------------
-    @property
-    def hf_model(self) -> PreTrainedModel:
-        """The underlying HF model (peft wrapper removed)."""
-        model = self.model
-        return model.get_base_model() if hasattr(model, "get_base_model") else model
-
     def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         return self.model(input_ids=input_ids, **kwargs)
 

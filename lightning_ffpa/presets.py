@@ -1,13 +1,19 @@
 """Gemma4 text-config presets: a tiny random model for CPU, and the real 31B / 26B-A4B shapes.
 
-This file owns shapes only; building and loading models lives in `module.py`.
+This file owns shapes and which text-config fields `model.config_overrides` may set; building and loading
+models lives in `hf_module.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
-from transformers import Gemma4TextConfig
+from transformers import Gemma4TextConfig, PretrainedConfig
+
+from lightning_ffpa.errors import ConfigError
 
 # Real shapes, from the public Gemma4 config.json files (random weights are used for benchmarks).
 _GEMMA4_31B: dict[str, Any] = dict(
@@ -74,10 +80,40 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def config_fields(config: PretrainedConfig | type[PretrainedConfig], extra: Iterable[str] = ()) -> set[str]:
+    """Names a config accepts as overrides: its dataclass fields, its serialised keys, and `extra`."""
+    cls = config if isinstance(config, type) else type(config)
+    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    instance = config if not isinstance(config, type) else None
+    if instance is not None:
+        names |= set(instance.to_dict())
+    return names | set(extra)
+
+
+def check_overrides(overrides: dict[str, Any], valid: set[str], config_name: str,
+                    option: str = "model.config_overrides") -> None:
+    """Every key must be a config field (else transformers keeps it as an unused attribute, silently)."""
+    if not isinstance(overrides, dict):
+        raise ConfigError(option, overrides, "must be a mapping of text-config fields, e.g. {num_hidden_layers: 2}")
+    for key, value in overrides.items():
+        if key not in valid:
+            close = difflib.get_close_matches(key, sorted(valid), n=1)
+            hint = f"; did you mean `{close[0]}`?" if close else ""
+            raise ConfigError(f"{option}.{key}", value, f"is not a {config_name} field{hint}")
+
+
+def check_preset_overrides(preset: str, overrides: dict[str, Any], option: str = "model.config_overrides") -> None:
+    """Check `preset` and that every override names a `Gemma4TextConfig` field (or a key the presets set)."""
+    if preset not in PRESETS:
+        raise ConfigError("model.preset", preset, f"is unknown; choose one of {sorted(PRESETS)}")
+    extra = set().union(*PRESETS.values())  # constructor keywords Gemma4TextConfig pops (e.g. global_head_dim)
+    check_overrides(overrides, config_fields(Gemma4TextConfig, extra), Gemma4TextConfig.__name__, option)
+
+
 def build_text_config(preset: str = "tiny", **overrides: Any) -> Gemma4TextConfig:
     """Return a `Gemma4TextConfig` for `preset`, with `overrides` applied (e.g. `num_hidden_layers=6`)."""
     if preset not in PRESETS:
-        raise ValueError(f"model.preset={preset!r} is unknown; choose one of {sorted(PRESETS)}")
+        raise ConfigError("model.preset", preset, f"is unknown; choose one of {sorted(PRESETS)}")
     kwargs = dict(PRESETS[preset])
     kwargs.update(overrides)
     if "num_hidden_layers" in overrides and "layer_types" not in overrides and "layer_types" in kwargs:

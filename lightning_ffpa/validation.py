@@ -27,6 +27,8 @@ from lightning_ffpa.checkpoint import _compat
 
 # Hyper-parameters that define the architecture: a checkpoint trained with other values cannot be resumed.
 ARCHITECTURE_HPARAMS = ("pretrained", "preset", "config_overrides", "model_class", "lora")
+# LightningCLI option: take the model options from an explicit checkpoint file even where they differ.
+RESUME_SWITCH = "resume_model_from_checkpoint"
 
 
 class CheckpointError(ValueError):
@@ -105,23 +107,16 @@ def _check_dcp_folder(path: Path, option: str) -> dict[str, Any]:
 
 def check_hparams_match(saved: dict[str, Any] | None, model: Any, option: str = "ckpt_path") -> None:
     """Refuse to resume a checkpoint whose architecture hyper-parameters differ from this run's `model.*`."""
+    from lightning_ffpa.hf_module import differing_options
+
     current = getattr(model, "hparams", None)
     if not saved or current is None:
         return
-    for key in ARCHITECTURE_HPARAMS:
-        if key in saved and key in current and _plain(saved[key]) != _plain(current[key]):
-            raise CheckpointError(
-                f"`{option}` was trained with `model.{key}={saved[key]!r}` but this run has "
-                f"`model.{key}={current[key]!r}`; the weights would not fit"
-            )
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+    for key, was, now in differing_options(saved, dict(current), ARCHITECTURE_HPARAMS)[:1]:
+        raise CheckpointError(
+            f"`{option}` was trained with `model.{key}={was!r}` but this run has "
+            f"`model.{key}={now!r}`; the weights would not fit"
+        )
 
 
 def check_lora_targets(model: Any, option: str = "model.lora.target_modules") -> None:
@@ -148,7 +143,7 @@ def _adaptable_module_names(model: Any) -> list[str]:
     from lightning_ffpa.module import _MODEL_CLASSES
 
     with torch.device("meta"):  # names only: no memory, no init
-        hf = _MODEL_CLASSES[model.hparams.model_class]._from_config(model.config)
+        hf = _MODEL_CLASSES[getattr(model, "model_class_name", "causal_lm")]._from_config(model.config)
     return [n for n, m in hf.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
 
 
@@ -238,12 +233,24 @@ class PreflightCLIMixin:
     its hyper-parameters), so a truncated file would otherwise fail there with torch's raw zip error.
     """
 
+    def add_default_arguments_to_parser(self, parser: Any) -> None:
+        super().add_default_arguments_to_parser(parser)
+        parser.add_argument(
+            f"--{RESUME_SWITCH}", type=bool, default=False,
+            help="With an explicit ckpt_path file, Lightning takes the model options from the checkpoint; a "
+                 "`model.*` option that differs from it is an error unless this is true.")
+
     def parse_arguments(self, parser: Any, args: Any) -> None:
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path and ckpt_path not in ("last", "hpc", "best"):
-            check_checkpoint(ckpt_path, "ckpt_path", resume=subcommand == "fit")
+            state = check_checkpoint(ckpt_path, "ckpt_path", resume=subcommand == "fit")
+            if Path(ckpt_path).is_file() and not self.config[subcommand].get(RESUME_SWITCH):
+                from lightning_ffpa.hf_module import check_options_match_checkpoint
+
+                check_options_match_checkpoint(self.config[subcommand].get("model"), state.get("hyper_parameters"),
+                                               ckpt_path, RESUME_SWITCH)
 
     def before_fit(self) -> None:
         """Pre-flight checks (checkpoint, LoRA targets, vocab) before any model is built."""

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import Gemma4ForCausalLM
 
+from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.module import Gemma4LM
 from lightning_ffpa.presets import build_text_config
 
@@ -84,6 +85,76 @@ def test_lora_trains_only_adapters():
 def test_bad_input_names_the_option(kwargs, option):
     with pytest.raises((ValueError, FileNotFoundError), match=option.replace(".", r"\.")):
         Gemma4LM(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [
+        ({"warmup_steps": -10}, "model.warmup_steps"),
+        ({"learning_rate": 0.0}, "model.learning_rate"),
+        ({"loss_chunk_size": 0}, "model.loss_chunk_size"),
+        ({"min_lr_ratio": 1.5}, "model.min_lr_ratio"),
+        ({"weight_decay": -0.1}, "model.weight_decay"),
+        ({"lora": {"r": 0}}, "model.lora.r"),
+        ({"lora": {"r": 4, "lora_alpha": 0}}, "model.lora.lora_alpha"),
+        ({"lora": {"r": 4, "lora_dropout": 1.0}}, "model.lora.lora_dropout"),
+        ({"dtype": "bf16"}, "model.dtype"),
+    ],
+)
+def test_out_of_range_options_are_config_errors(kwargs, option):
+    with pytest.raises(ConfigError, match=f"^`{option.replace('.', '[.]')}="):
+        Gemma4LM(**kwargs)
+
+
+@pytest.mark.parametrize("pretrained", [False, True])
+def test_unknown_config_override_names_the_key_and_the_closest_field(pretrained, tmp_path):
+    kwargs = {"config_overrides": {"num_hidden_laers": 2}}
+    if pretrained:
+        Gemma4ForCausalLM(build_text_config("tiny")).config.save_pretrained(tmp_path)
+        kwargs["pretrained"] = str(tmp_path)
+    with pytest.raises(ConfigError, match=r"^`model\.config_overrides\.num_hidden_laers=2`: .*`num_hidden_layers`"):
+        Gemma4LM(**kwargs)
+
+
+def test_pretrained_config_overrides_reach_the_text_config(tmp_path):
+    Gemma4ForCausalLM(build_text_config("tiny")).config.save_pretrained(tmp_path)
+    lm = Gemma4LM(pretrained=str(tmp_path), config_overrides={"num_hidden_layers": 2, "sliding_window": 8})
+    assert lm.config.num_hidden_layers == 2 and lm.config.sliding_window == 8
+
+
+def test_lora_with_the_chunked_loss_matches_plain():
+    """Under peft, `model.model` is the whole CausalLM: the chunked loss must find the decoder beneath it."""
+    losses, grads = {}, {}
+    for impl in ("plain", "chunked"):
+        torch.manual_seed(0)
+        lm = Gemma4LM(preset="tiny", dtype="float32", loss_impl=impl, loss_chunk_size=24,
+                      lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj"]})
+        lm.configure_model()
+        with torch.no_grad():  # B starts at 0; give it values so A's gradients are not all zero
+            for name, p in lm.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+        loss, _ = lm.compute_loss(_batch())
+        loss.backward()
+        losses[impl] = loss.detach()
+        grads[impl] = {n: p.grad for n, p in lm.model.named_parameters() if p.requires_grad}
+    torch.testing.assert_close(losses["chunked"], losses["plain"], rtol=1e-6, atol=1e-6)
+    assert grads["plain"].keys() == grads["chunked"].keys() and grads["plain"]
+    for name, g in grads["plain"].items():
+        torch.testing.assert_close(grads["chunked"][name], g, rtol=1e-4, atol=1e-5)  # fp32 summation order
+
+
+def test_lora_option_parses_from_the_cli_as_typed_fields(capsys):
+    from pathlib import Path
+
+    from lightning_ffpa.cli import main
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(tiny), "--model.init_args.lora",
+              "{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}", "--print_config"])
+    out = capsys.readouterr().out
+    assert "r: 16" in out and "lora_alpha: 32.0" in out and "- v_proj" in out and "use_rslora: false" in out
 
 
 def test_lora_targets_matching_nothing():

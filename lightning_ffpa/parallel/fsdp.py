@@ -17,6 +17,11 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
+from lightning_ffpa.hidden_states import (
+    HIDDEN_STATES_METHOD,
+    causal_lm_hidden_states,  # re-exported: `lightning_ffpa.parallel.causal_lm_hidden_states`
+    install_hidden_states_method,
+)
 from lightning_ffpa.parallel._shim import (
     allow_checkpoint_side_effects_under_compile,
     flatten_mesh,
@@ -32,7 +37,6 @@ from lightning_ffpa.parallel.checkpointing import (
 __all__ = ["parallelize", "find_decoder_layers", "causal_lm_hidden_states", "FSDP_MESH_NAME"]
 
 FSDP_MESH_NAME = "dp_cp"
-_HIDDEN_METHOD = "forward_hidden_states"
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, str] | None:
@@ -48,37 +52,6 @@ def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, str] | None:
         if isinstance(layers, nn.ModuleList) and any(type(m).__name__.endswith("DecoderLayer") for m in layers):
             return module, "layers"
     return None
-
-
-def _install_hidden_states_method(model: nn.Module) -> None:
-    """Give an HF CausalLM a root-level method that returns final hidden states (for the fused loss).
-
-    The fused loss needs `lm_head.weight` unsharded while it runs, which FSDP2 guarantees only inside
-    a root forward; registering this method as an FSDP forward method gives it the root's hooks.
-    """
-    if not (hasattr(model, "model") and hasattr(model, "lm_head")):
-        return
-
-    def forward_hidden_states(**inputs) -> torch.Tensor:
-        # A KV cache in training would grow again in every AC recompute: off unless asked for.
-        inputs.setdefault("use_cache", False)
-        return model.model(**inputs).last_hidden_state  # (B, S, H)
-
-    setattr(model, _HIDDEN_METHOD, forward_hidden_states)
-
-
-def causal_lm_hidden_states(model: nn.Module, **inputs) -> torch.Tensor:
-    """Final hidden states (B, S, H) of an HF CausalLM, sharded by `parallelize` or not."""
-    method = getattr(model, _HIDDEN_METHOD, None)
-    if method is not None:
-        return method(**inputs)
-    if any(hasattr(p, "to_local") for p in model.parameters()):  # sharded, but not the root we wrapped
-        raise RuntimeError(
-            f"causal_lm_hidden_states got a sharded {type(model).__name__} without the root hook: pass the module "
-            "given to `parallelize` (the FSDP root), not an inner or unwrapped one"
-        )
-    inputs.setdefault("use_cache", False)
-    return model.model(**inputs).last_hidden_state
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpointing: ACMode = "none",
@@ -128,10 +101,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
         # The last layer's params are needed again right away in backward: keep them gathered.
         fully_shard(layer, reshard_after_forward=reshard_after_forward and i < len(layers) - 1, **kwargs)
     # The root unit holds embeddings, final norm and the (tied) lm_head.
-    _install_hidden_states_method(model)
+    has_hidden_method = install_hidden_states_method(model)
     # The root stays gathered after forward: the fused loss reads lm_head.weight after the forward
     # method returns, and backward needs it first thing anyway.
     fully_shard(model, reshard_after_forward=False, **kwargs)
-    if hasattr(model, _HIDDEN_METHOD):
-        register_fsdp_forward_method(model, _HIDDEN_METHOD)
+    if has_hidden_method:
+        # Register on the root (the peft wrapper under LoRA), so the fused loss's hidden-states call
+        # runs the root's all-gather like `forward` does.
+        register_fsdp_forward_method(model, HIDDEN_STATES_METHOD)
     return model

@@ -1,18 +1,23 @@
-"""A GRPO LightningModule around an HF causal LM (tiny preset or pretrained), optionally with peft LoRA.
+"""A GRPO LightningModule around an HF causal LM, built from the same model options as `Gemma4LM`.
 
 Owns the policy forward and the loss on batches the rollout Callback has filled
-(`input_ids`, `attention_mask`, `completion_mask`, `old_logprobs`, `advantages`). It does not generate:
-any LightningModule exposing its HF model as `self.model` can use the Callback the same way.
+(`input_ids`, `attention_mask`, `completion_mask`, `old_logprobs`, `advantages`). Model construction (preset
+or pretrained, config overrides, attention, dtype, LoRA, FSDP2 meta build) is `HFModule`'s. It does not
+generate: any LightningModule exposing its HF model as `self.model` can use the Callback the same way.
 """
 
 from __future__ import annotations
 
-import lightning as L
+from typing import Any, Literal
+
 import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
-from lightning_ffpa.module import build_adamw
+from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.hf_module import HFModule
+from lightning_ffpa.lora import LoraSpec, lora_hparam
+from lightning_ffpa.module import build_adamw, check_range
 from lightning_ffpa.rl.grpo import grpo_loss
 
 
@@ -26,55 +31,52 @@ def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0) -> t
     return torch.log_softmax(logits, -1).gather(2, batch["input_ids"][:, 1:, None])[..., 0]
 
 
-class GRPOModule(L.LightningModule):
+class GRPOModule(HFModule):
     """GRPO policy: HF model in `self.model`, clipped-ratio loss, optional KL to the adapter-free base."""
 
-    def __init__(self, preset: str = "tiny", pretrained: str | None = None, lora_rank: int = 0,
-                 lora_alpha: float = 16.0, lora_targets: list[str] | None = None, lr: float = 1e-5,
-                 clip_eps: float = 0.2, beta: float = 0.0, temperature: float = 1.0,
-                 dtype: str = "float32", seed: int = 0) -> None:
-        """
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        preset: str = "tiny",
+        config_overrides: dict[str, Any] | None = None,
+        attn_implementation: str = "sdpa",
+        dtype: Literal["auto", "bfloat16", "float16", "float32"] = "float32",
+        lora: LoraSpec | None = None,
+        learning_rate: float = 1e-5,
+        clip_eps: float = 0.2,
+        clip_eps_high: float | None = None,
+        beta: float = 0.0,
+        temperature: float = 1.0,
+    ) -> None:
+        """Build the module; the policy is created in `configure_model` by the same code as `Gemma4LM`'s model.
+
         Args:
-            preset: `lightning_ffpa.presets` name used when `pretrained` is None (random weights).
-            pretrained: HF model name/path to load instead of a preset.
-            lora_rank: peft LoRA rank; 0 trains all weights.
-            lora_alpha: LoRA alpha (scale = alpha / rank).
-            lora_targets: Module names LoRA wraps (default: attention and MLP projections).
-            lr: AdamW learning rate.
-            clip_eps: PPO/GRPO ratio clip.
-            beta: KL coefficient against the base model (needs `lora_rank > 0`: the base is the adapter-free model).
-            temperature: Rollout temperature; the policy scores tokens at the same temperature.
-            dtype: Parameter dtype (`float32`, `bfloat16`).
-            seed: Seed for random preset weights.
+            pretrained: local path or hub id passed to `from_pretrained`; None builds from `preset`.
+            preset: config preset when `pretrained` is None: tiny, tiny-moe, gemma4-31b, gemma4-26b-a4b.
+            config_overrides: text-config fields to override (e.g. `{num_hidden_layers: 6}`); an unknown field is an error.
+            attn_implementation: sdpa, eager, flex_attention or ffpa (any name registered with transformers).
+            dtype: parameter dtype; `auto` is bf16 on GPUs that support it, else fp32.
+            lora: peft LoRA options (e.g. `{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}`); None trains all weights.
+            learning_rate: AdamW learning rate (> 0).
+            clip_eps: lower ratio clip: the ratio is kept >= 1 - clip_eps (> 0).
+            clip_eps_high: upper ratio clip: the ratio is kept <= 1 + clip_eps_high (DAPO's clip-higher); None = clip_eps.
+            beta: KL coefficient against the base model (>= 0; > 0 needs `lora`: the base is the adapter-free model).
+            temperature: Rollout temperature; the policy scores tokens at the same temperature (> 0).
         """
         super().__init__()
-        if beta > 0 and lora_rank == 0:
-            raise ValueError(f"`beta={beta}` needs `lora_rank > 0` (the reference is the adapter-free base)")
+        lora = lora_hparam(lora)  # plain data in hparams and checkpoints
+        check_range("model.learning_rate", learning_rate, gt=0)
+        check_range("model.clip_eps", clip_eps, gt=0)
+        if clip_eps_high is not None:
+            check_range("model.clip_eps_high", clip_eps_high, ge=clip_eps)
+        check_range("model.beta", beta, ge=0)
+        check_range("model.temperature", temperature, gt=0)
+        if beta > 0 and lora is None:
+            raise ConfigError("model.beta", beta, "needs `model.lora` (the KL reference is the adapter-free base)")
         self.save_hyperparameters()
-        self.model: nn.Module | None = None
+        self.init_model_options()
         self.clip_fraction = MeanMetric()
         self.kl = MeanMetric()
-
-    def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        from transformers import AutoModelForCausalLM, Gemma4ForCausalLM
-
-        from lightning_ffpa.presets import build_text_config
-
-        hp = self.hparams
-        dtype = getattr(torch, hp.dtype)
-        if hp.pretrained:
-            model = AutoModelForCausalLM.from_pretrained(hp.pretrained, dtype=dtype)
-        else:
-            torch.manual_seed(hp.seed)
-            model = Gemma4ForCausalLM(build_text_config(hp.preset)).to(dtype)
-        if hp.lora_rank > 0:
-            from peft import LoraConfig, get_peft_model
-
-            targets = hp.lora_targets or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-            model = get_peft_model(model, LoraConfig(r=hp.lora_rank, lora_alpha=hp.lora_alpha, target_modules=targets))
-        self.model = model
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         hp = self.hparams
@@ -85,7 +87,8 @@ class GRPOModule(L.LightningModule):
             with torch.no_grad(), self.model.disable_adapter():
                 ref = token_logprobs(self.model, batch, hp.temperature)
         loss, stats = grpo_loss(logp, batch["old_logprobs"][:, 1:], batch["advantages"], mask,
-                                clip_eps=hp.clip_eps, beta=hp.beta, ref_logprobs=ref)
+                                clip_eps=hp.clip_eps, clip_eps_high=hp.clip_eps_high, beta=hp.beta,
+                                ref_logprobs=ref)
         self.log("train/loss", loss, prog_bar=True)
         self.clip_fraction.update(stats["clip_fraction"])
         self.log("train/clip_fraction", self.clip_fraction, on_step=True, on_epoch=False)
@@ -95,4 +98,4 @@ class GRPOModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return build_adamw(self.model, self.hparams.lr, weight_decay=0.0, betas=(0.9, 0.999))  # fused on CUDA
+        return build_adamw(self.model, self.hparams.learning_rate, weight_decay=0.0, betas=(0.9, 0.999))  # fused on CUDA

@@ -34,7 +34,8 @@ def test_tiny_grpo_fit_on_cuda_with_fsdp2_lora_and_compiled_graphed_rollouts(tmp
     trainer = L.Trainer(max_steps=4, accelerator="gpu", devices=1, strategy=FSDP2Strategy(), logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=tmp_path, callbacks=[rollout, rewards])
-    module = GRPOModule(preset="tiny", lr=1e-3, temperature=1.0, lora_rank=4)
+    module = GRPOModule(preset="tiny", learning_rate=1e-3, temperature=1.0,
+                        lora={"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
     trainer.fit(module, datamodule=PromptDataModule(num_random_prompts=16, prompt_len=4, batch_size=2))
     eng = rollout.engine
     assert eng.decode_path == "compiled" and eng.attention_path == "flex_compiled"

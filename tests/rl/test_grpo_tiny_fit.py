@@ -31,7 +31,7 @@ def test_tiny_grpo_reward_rises():
     rewards = _Rewards()
     trainer = L.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout, rewards])
-    module = GRPOModule(preset="tiny", lr=2e-2, temperature=1.0)
+    module = GRPOModule(preset="tiny", learning_rate=2e-2, temperature=1.0)
     trainer.fit(module, datamodule=PromptDataModule(num_random_prompts=16, prompt_len=4, batch_size=2))
     h = rewards.history
     assert len(h) == 10 and rollout.drift_report is not None
@@ -54,7 +54,7 @@ def test_grpo_fits_under_fsdp2_with_selective_ac_lora_and_kl(tmp_path):
                           strategy={"class_path": "lightning_ffpa.parallel.FSDP2Strategy",
                                     "init_args": {"param_dtype": None, "reduce_dtype": None,
                                                   "activation_checkpointing": "selective"}})
-    cfg["model"]["init_args"].update(lora_rank=4, beta=0.05)
+    cfg["model"]["init_args"].update(lora={"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "o_proj"]}, beta=0.05)
     path = tmp_path / "grpo_fsdp2.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
@@ -73,7 +73,7 @@ def test_inference_dtype_option():
                               eos_token_ids=[], inference_dtype="bfloat16")
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout])
-    module = GRPOModule(preset="tiny", lora_rank=2)
+    module = GRPOModule(preset="tiny", lora={"r": 2, "target_modules": ["q_proj", "o_proj"]})
     trainer.fit(module, datamodule=PromptDataModule(num_random_prompts=2, prompt_len=4, batch_size=2))
     assert {p.dtype for p in rollout.sync.inference.parameters()} == {torch.bfloat16}
     assert next(module.model.parameters()).dtype == torch.float32

@@ -1,0 +1,276 @@
+"""The LightningModule base that builds the HF Gemma4 model from the model options every module here shares.
+
+Owns: the shared options (`pretrained`, `preset`, `config_overrides`, `model_class`, `attn_implementation`,
+`dtype`, `lora`) and their checks, the HF config, building the model (pretrained or preset; on meta under
+FSDP2Strategy), LoRA, loading pretrained weights into shards, and comparing these options with a
+checkpoint's. Does not own training (`Gemma4LM` in module.py, `GRPOModule` in rl/module.py), sharding
+(`lightning_ffpa.parallel`) or attention kernels (`lightning_ffpa.attention`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    Gemma4Config,
+    Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+
+from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.lora import apply_lora, lora_hparam
+from lightning_ffpa.presets import build_text_config, check_overrides, check_preset_overrides, config_fields
+
+# HF names plus ours; anything else registered in transformers' AttentionInterface is accepted too.
+KNOWN_ATTN = ("sdpa", "eager", "flex_attention", "ffpa")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+_MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemma4ForConditionalGeneration}
+
+
+# peft's names inside a wrapped model: infixes on base weights, and the adapter weights themselves.
+_PEFT_INFIX = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+_ADAPTER_KEY = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
+
+
+def _registered_attn() -> set[str]:
+    from lightning_ffpa.attention._hf_shim import attention_names
+
+    return set(KNOWN_ATTN) | attention_names()
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    """'auto' is bf16 where the device supports it (CUDA with bf16), else fp32."""
+    if dtype == "auto":
+        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def canonical_option(key: str, value: Any) -> Any:
+    """A model option in a comparable form: LoRA options normalised, mappings/sequences/namespaces as plain data."""
+    if hasattr(value, "as_dict"):  # a jsonargparse Namespace (a dataclass option before instantiation)
+        value = value.as_dict()
+    if key == "lora":
+        return lora_hparam(value)
+    if isinstance(value, dict):
+        return {k: canonical_option("", v) for k, v in value.items()} or None  # {} and None both mean "none"
+    if isinstance(value, (list, tuple)):
+        return [canonical_option("", v) for v in value]
+    return value
+
+
+def differing_options(saved: dict[str, Any], current: dict[str, Any],
+                      keys: tuple[str, ...] | None = None) -> list[tuple[str, Any, Any]]:
+    """(option, saved value, current value) for each option both sides set differently (`_`-keys skipped)."""
+    names = keys if keys is not None else tuple(k for k in saved if not k.startswith("_"))
+    out = []
+    for key in names:
+        if key in saved and key in current:
+            a, b = canonical_option(key, saved[key]), canonical_option(key, current[key])
+            if a != b:
+                out.append((key, saved[key], current[key]))
+    return out
+
+
+class HFModule(L.LightningModule):
+    """Base for LightningModules that train an HF Gemma4 model built from the shared model options.
+
+    A subclass takes the options as constructor arguments (same names, types and docs as `Gemma4LM`),
+    calls `self.save_hyperparameters()`, then `self.init_model_options()`; the model itself is built in
+    `configure_model` (on meta under FSDP2Strategy, which shards, materialises and loads it).
+    """
+
+    def init_model_options(self) -> None:
+        """Check the shared options and load the HF config (no weights); raises ConfigError on a bad option."""
+        hp = self.hparams
+        hp["lora"] = lora_hparam(hp.get("lora"))  # checked, and plain data for hparams/checkpoints
+        attn = hp.get("attn_implementation", "sdpa")
+        if attn not in _registered_attn():
+            raise ConfigError("model.attn_implementation", attn, f"is unknown; choose one of {sorted(_registered_attn())}")
+        if hp.get("dtype", "auto") not in DTYPES:
+            raise ConfigError("model.dtype", hp.get("dtype"), f"must be one of {list(DTYPES)}")
+        if self.model_class_name not in _MODEL_CLASSES:
+            raise ConfigError("model.model_class", self.model_class_name, f"must be one of {sorted(_MODEL_CLASSES)}")
+        self.config = self._load_config()
+        self.model: PreTrainedModel | None = None
+
+    @property
+    def model_class_name(self) -> str:
+        """`causal_lm` or `conditional_generation` (modules without a `model_class` option build a CausalLM)."""
+        return self.hparams.get("model_class", "causal_lm")
+
+    def _load_config(self) -> PretrainedConfig:
+        hp = self.hparams
+        overrides = hp.get("config_overrides") or {}
+        if hp.get("pretrained") is None:
+            check_preset_overrides(hp.preset, overrides)
+            cfg = build_text_config(hp.preset, **overrides)
+            if self.model_class_name == "conditional_generation":
+                cfg = Gemma4Config(text_config=cfg.to_dict(), vision_config=None, audio_config=None)
+            return cfg
+        local = Path(hp.pretrained).expanduser()
+        if not local.exists() and (hp.pretrained.startswith((".", "/", "~")) or os.environ.get("HF_HUB_OFFLINE")):
+            raise ConfigError("model.pretrained", hp.pretrained, "no such directory")
+        try:
+            cfg = AutoConfig.from_pretrained(hp.pretrained)
+        except OSError as err:
+            raise ConfigError("model.pretrained", hp.pretrained, f"could not be loaded: {err}") from err
+        # Set on the text config (not through `from_pretrained(**overrides)`, which drops unknown keys
+        # silently and would put text fields on a multimodal config's top level).
+        text = text_config(cfg)
+        check_overrides(overrides, config_fields(text), type(text).__name__)
+        for key, value in overrides.items():
+            setattr(text, key, value)
+        return cfg
+
+    def check_seq_length(self, seq_len: int | None, option: str) -> None:
+        """`option` (a sequence length) must fit the model's `max_position_embeddings`."""
+        limit = getattr(text_config(self.config), "max_position_embeddings", None)
+        if seq_len is not None and limit is not None and seq_len > limit:
+            raise ConfigError(option, seq_len, f"exceeds the model's max_position_embeddings={limit}")
+
+    @property
+    def shards_model(self) -> bool:
+        """True under FSDP2Strategy, which shards, materialises and loads weights; the model is built on meta.
+
+        Other strategies get a fully built model (Lightning's FSDP wraps it as is).
+        """
+        if self._trainer is None:
+            return False
+        from lightning_ffpa.parallel import FSDP2Strategy
+
+        return isinstance(self.trainer.strategy, FSDP2Strategy)
+
+    def build_model(self, device: torch.device | str | None = None) -> nn.Module:
+        """Create the HF model (weights loaded or randomly initialised) with the configured attention and LoRA."""
+        hp = self.hparams
+        dtype = resolve_dtype(hp.get("dtype", "auto"))
+        cls = _MODEL_CLASSES[self.model_class_name]
+        requested = hp.get("attn_implementation", "sdpa")
+        attn = "sdpa" if requested == "ffpa" else requested
+        if hp.get("pretrained") is not None and device != "meta":
+            model = cls.from_pretrained(hp.pretrained, config=self.config, dtype=dtype, attn_implementation=attn)
+        else:
+            with torch.device(device or "cpu"):
+                model = cls._from_config(self.config, dtype=dtype, attn_implementation=attn)
+        if requested == "ffpa":
+            from lightning_ffpa.attention import register_ffpa
+
+            register_ffpa()
+            model.set_attn_implementation("ffpa")
+        if hp.get("lora"):
+            model = apply_lora(model, hp.lora)
+        return model
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        if self.shards_model:
+            lora = self.hparams.get("lora") or {}
+            if lora.get("use_dora") or lora.get("init_lora_weights", True) not in (True, False, "gaussian"):
+                key = "use_dora" if lora.get("use_dora") else "init_lora_weights"
+                raise ConfigError(f"model.lora.{key}", lora[key], "needs the base weights when the adapter is "
+                                  "created, which FSDP2Strategy (a meta-device build) does not have; use plain LoRA")
+            # Sharded: build on meta; the strategy shards, materialises and initialises (parallel/).
+            self.model = self.build_model(device="meta")
+            self._needs_weight_init = True
+        else:
+            self.model = self.build_model()
+        self.model.config.use_cache = False
+
+    def load_sharded_weights(self) -> None:
+        """Finish a sharded, materialised model (called by FSDP2Strategy after sharding): load `pretrained`
+        into the base weights, then initialise the LoRA adapters as peft does.
+
+        Rank 0 reads the checkpoint through `from_pretrained` (so HF's key mapping applies) and broadcasts;
+        each rank keeps only its shards. Materialisation ran HF's `_init_weights` over every Linear, adapters
+        included, so without the reset `lora_B` would not start at zero (the model would not start at the base).
+        """
+        if not getattr(self, "_needs_weight_init", False):
+            return
+        if self.hparams.get("pretrained") is not None:
+            self._load_pretrained_into_shards()
+        if self.hparams.get("lora"):
+            from peft.tuners.lora import LoraLayer
+
+            init = self.hparams.lora.get("init_lora_weights", True)
+            with torch.no_grad():
+                for module in self.model.modules():
+                    if isinstance(module, LoraLayer):
+                        for adapter in module.lora_A:
+                            module.reset_lora_parameters(adapter, init)
+        self._needs_weight_init = False
+
+    def _load_pretrained_into_shards(self) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full: dict[str, torch.Tensor] = {}
+        if self.global_rank == 0:
+            cls = _MODEL_CLASSES[self.model_class_name]
+            ref = cls.from_pretrained(self.hparams.pretrained, config=self.config,
+                                      dtype=resolve_dtype(self.hparams.get("dtype", "auto"))).state_dict()
+            # peft renames wrapped weights (`q_proj.weight` -> `q_proj.base_layer.weight`); adapters are not in `ref`.
+            missing = []
+            for key in self.hf_model.state_dict():
+                if _ADAPTER_KEY.search(key):
+                    continue
+                source = _PEFT_INFIX.sub("", key)
+                if source in ref:
+                    full[key] = ref[source]
+                else:
+                    missing.append(source)
+            if missing:
+                raise RuntimeError(f"`model.pretrained={self.hparams.pretrained!r}` has no weights for {missing[:5]} "
+                                   f"({len(missing)} missing)")
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        set_model_state_dict(self.hf_model, full, options=options)
+
+    @property
+    def hf_model(self) -> PreTrainedModel:
+        """The underlying HF model (peft wrapper removed)."""
+        model = self.model
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse (before any weight is loaded) a checkpoint whose architecture options differ from this module's."""
+        from lightning_ffpa.validation import check_hparams_match
+
+        check_hparams_match(checkpoint.get("hyper_parameters"), self, "ckpt_path")
+
+
+def check_options_match_checkpoint(given: Any, saved: dict[str, Any] | None, ckpt_path: str, switch: str) -> None:
+    """Refuse `model.*` options that differ from those saved in the checkpoint `ckpt_path` (ConfigError).
+
+    Why: with an explicit checkpoint file, LightningCLI re-parses the checkpoint's hyper-parameters over the
+    user's `model` options, so a changed option would be replaced silently. `given` is the parsed `model`
+    config (`{class_path, init_args}` in subclass mode, or the init args); `switch` names the option that
+    takes the checkpoint's values instead.
+    """
+    if not saved or given is None:
+        return
+    given = given.as_dict() if hasattr(given, "as_dict") else dict(given)
+    init_args = given.get("init_args") if "class_path" in given else given
+    fix = f"drop the option, or pass `--{switch} true` to take the checkpoint's model options"
+    saved_class, given_class = saved.get("_class_path"), given.get("class_path")
+    if saved_class and given_class and saved_class != given_class:
+        raise ConfigError("model.class_path", given_class, f"differs from `ckpt_path={ckpt_path}`, which was "
+                                                           f"trained with {saved_class!r}; {fix}")
+    diffs = differing_options(saved, init_args or {})
+    if diffs:
+        key, was, now = diffs[0]
+        also = f" (also differ: {', '.join('model.' + k for k, _, _ in diffs[1:])})" if len(diffs) > 1 else ""
+        raise ConfigError(f"model.{key}", now, f"differs from `ckpt_path={ckpt_path}`, which has {was!r} and would "
+                                               f"replace it silently; {fix}{also}")

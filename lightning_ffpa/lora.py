@@ -1,0 +1,97 @@
+"""The `lora` option of every LightningModule here: `LoraSpec`, its checks, and the peft model it builds.
+
+Owns the typed LoRA options (a subset of peft's `LoraConfig` fields, so LightningCLI/jsonargparse type and
+document them: `--model.init_args.lora '{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}'` or
+`--model.init_args.lora.r 16`), their range checks, the plain dict form kept in `hparams` and checkpoints
+(`torch.load(weights_only=True)` cannot unpickle a dataclass), and `apply_lora`. Does not own which modules
+exist (validation.py checks that `target_modules` match) or merging adapters (export.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import nn
+
+from lightning_ffpa.errors import ConfigError
+
+__all__ = ["LoraSpec", "lora_hparam", "apply_lora"]
+
+
+@dataclass
+class LoraSpec:
+    """peft LoRA adapter options (the `peft.LoraConfig` fields of the same names and defaults)."""
+
+    r: int = 8
+    """adapter rank (>= 1)."""
+    lora_alpha: float = 8
+    """scaling numerator: the update is scaled by lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)."""
+    target_modules: list[str] | str | None = None
+    """module name suffixes to adapt (e.g. [q_proj, v_proj]), a regex over full names, or `all-linear`."""
+    lora_dropout: float = 0.0
+    """dropout on the adapter input, in [0, 1)."""
+    bias: Literal["none", "all", "lora_only"] = "none"
+    """which biases train."""
+    use_rslora: bool = False
+    """rank-stabilised scaling lora_alpha / sqrt(r)."""
+    use_dora: bool = False
+    """weight-decomposed LoRA (DoRA)."""
+    modules_to_save: list[str] | None = None
+    """modules trained in full and saved with the adapter (e.g. [lm_head])."""
+    layers_to_transform: list[int] | None = None
+    """only these decoder layer indices get adapters (None: all)."""
+    exclude_modules: list[str] | str | None = None
+    """module names (or a regex) never adapted."""
+    init_lora_weights: bool | str = True
+    """peft's adapter initialisation (True: B = 0, so training starts from the base model)."""
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(LoraSpec)}
+
+
+def _spec(value: LoraSpec | dict[str, Any], option: str) -> LoraSpec:
+    if isinstance(value, LoraSpec):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(option, value, "must be a mapping of peft LoraConfig fields, e.g. {r: 16, lora_alpha: 32}")
+    for key in value:
+        if key not in _FIELDS:
+            close = difflib.get_close_matches(key, list(_FIELDS), n=1)
+            hint = f"; did you mean `{close[0]}`?" if close else f"; known fields: {sorted(_FIELDS)}"
+            raise ConfigError(f"{option}.{key}", value[key], f"is not a LoRA option{hint}")
+    return LoraSpec(**value)
+
+
+def lora_hparam(value: LoraSpec | dict[str, Any] | None, option: str = "model.lora") -> dict[str, Any] | None:
+    """The checked LoRA options as a plain dict (`r` plus the fields that differ from their default), or None."""
+    if value is None:
+        return None
+    spec = _spec(value, option)
+    if not isinstance(spec.r, int) or spec.r < 1:
+        raise ConfigError(f"{option}.r", spec.r, "must be an integer >= 1")
+    if not spec.lora_alpha > 0:
+        raise ConfigError(f"{option}.lora_alpha", spec.lora_alpha, "must be > 0")
+    if not 0.0 <= spec.lora_dropout < 1.0:
+        raise ConfigError(f"{option}.lora_dropout", spec.lora_dropout, "must be in [0, 1)")
+    if spec.bias not in ("none", "all", "lora_only"):
+        raise ConfigError(f"{option}.bias", spec.bias, "must be one of 'none', 'all', 'lora_only'")
+    plain = {"r": spec.r}
+    for name, field in _FIELDS.items():
+        v = getattr(spec, name)
+        if name != "r" and v != field.default:
+            plain[name] = list(v) if isinstance(v, tuple) else v
+    return plain
+
+
+def apply_lora(model: nn.Module, lora: dict[str, Any], option: str = "model.lora") -> nn.Module:
+    """Wrap `model` in a peft LoRA model (only the adapters train)."""
+    from peft import LoraConfig, get_peft_model
+
+    spec = {"task_type": "CAUSAL_LM", **lora_hparam(lora, option)}
+    try:
+        return get_peft_model(model, LoraConfig(**spec))
+    except ValueError as err:
+        raise ConfigError(f"{option}.target_modules", spec.get("target_modules"), str(err)) from err

@@ -1,0 +1,100 @@
+"""Model options vs an explicit checkpoint: LightningCLI would replace `model.*` with the checkpoint's hparams
+silently; a difference is a ConfigError naming the option and both values unless --resume_model_from_checkpoint."""
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import yaml
+
+from lightning_ffpa.cli import FFPACLI, main
+from lightning_ffpa.data import MockDataModule
+from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.module import Gemma4LM
+from lightning_ffpa.validation import CheckpointError
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj"]}
+
+
+def _config(tmp_path: Path) -> Path:
+    cfg = {
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 1, "logger": False, "default_root_dir": str(tmp_path),
+                    "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 0,
+                    "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                   "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True}}]},
+        "model": {"class_path": "lightning_ffpa.module.Gemma4LM",
+                  "init_args": {"preset": "tiny", "dtype": "float32", "loss_impl": "chunked", "lora": LORA,
+                                "config_overrides": {"num_hidden_layers": 2}, "warmup_steps": 0}},
+        "data": {"class_path": "lightning_ffpa.data.MockDataModule",
+                 "init_args": {"vocab_size": 512, "seq_length": 32, "num_samples": 4, "batch_size": 2}},
+    }
+    path = tmp_path / "fit.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """One optimizer step of LoRA + chunked loss through the real CLI; returns (config, last.ckpt)."""
+    tmp_path = tmp_path_factory.mktemp("resume")
+    config = _config(tmp_path)
+    main(["fit", "--config", str(config)])
+    return config, tmp_path / "ckpt" / "last.ckpt"
+
+
+class _Parsed(Exception):
+    pass
+
+
+class _ParseOnly(FFPACLI):
+    """Stops right before the classes are built: after LightningCLI applied the checkpoint's hparams."""
+
+    def before_instantiate_classes(self) -> None:
+        raise _Parsed(self.config)
+
+
+def _parse(config: Path, ckpt: Path, *extra: str):
+    with pytest.raises(_Parsed) as parsed:
+        _ParseOnly(model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
+                   auto_configure_optimizers=False,
+                   args=["fit", "--config", str(config), "--ckpt_path", str(ckpt), *extra])
+    return parsed.value.args[0].fit.model.init_args
+
+
+def test_same_options_resume(fitted):
+    config, ckpt = fitted
+    init_args = _parse(config, ckpt)
+    assert init_args.config_overrides == {"num_hidden_layers": 2}
+
+
+@pytest.mark.parametrize("override, option, given, saved", [
+    (["--model.init_args.config_overrides", "{num_hidden_layers: 3}"], "model.config_overrides",
+     "{'num_hidden_layers': 3}", "{'num_hidden_layers': 2}"),
+    (["--model.init_args.lora.r", "8"], "model.lora", "'r': 8", "'r': 4"),
+    (["--model.init_args.learning_rate", "0.5"], "model.learning_rate", "0.5", "0.0003"),
+])
+def test_a_differing_option_is_an_error_naming_both_values(fitted, override, option, given, saved):
+    config, ckpt = fitted
+    with pytest.raises(ConfigError) as err:
+        _parse(config, ckpt, *override)
+    message = str(err.value)
+    assert message.startswith(f"`{option}=") and given in message and saved in message
+    assert "--resume_model_from_checkpoint true" in message
+
+
+def test_the_switch_takes_the_checkpoints_options(fitted):
+    config, ckpt = fitted
+    init_args = _parse(config, ckpt, "--model.init_args.config_overrides", "{num_hidden_layers: 3}",
+                       "--resume_model_from_checkpoint", "true")
+    assert init_args.config_overrides == {"num_hidden_layers": 2}
+
+
+def test_python_api_refuses_another_architecture_before_loading(fitted):
+    _, ckpt = fitted
+    module = Gemma4LM(preset="tiny", dtype="float32", lora={**LORA, "r": 2}, config_overrides={"num_hidden_layers": 2})
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    data = MockDataModule(vocab_size=512, seq_length=32, num_samples=4, batch_size=2)
+    with pytest.raises(CheckpointError, match=r"model\.lora="):
+        trainer.fit(module, data, ckpt_path=str(ckpt))
+    assert trainer.global_step == 0

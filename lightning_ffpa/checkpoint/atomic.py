@@ -116,7 +116,10 @@ def free_bytes(directory: str | os.PathLike) -> int:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} bytes"
 
 
 def space_error(directory: str | os.PathLike, needed: int, free: int) -> ConfigError:

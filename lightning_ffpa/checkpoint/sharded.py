@@ -13,6 +13,7 @@ checkpoints are written (`ModelCheckpoint`).
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import threading
@@ -81,10 +82,10 @@ class ShardedCheckpointWriter:
         if not self.async_save:
             try:
                 dcp.save(state, checkpoint_id=str(tmp))
-            except BaseException:
+            except BaseException as err:
                 if strategy.global_rank == 0:
                     discard(tmp)
-                raise
+                raise _disk_full(err) or err
             strategy.barrier("ffpa_dcp_written")
             if strategy.global_rank == 0:
                 publish(tmp, path)
@@ -109,7 +110,7 @@ class ShardedCheckpointWriter:
                 publish(tmp, path)
                 self.num_saved += 1
             except BaseException as err:  # noqa: BLE001 - re-raised on the training thread by `wait`
-                self._error = err
+                self._error = _disk_full(err) or err
                 discard(tmp)
                 retired = []  # keep the checkpoints it would have replaced
             finally:
@@ -166,6 +167,17 @@ class ShardedCheckpointWriter:
                 self._retired.append(path)
                 return
         _remove(path)
+
+
+def _disk_full(err: BaseException) -> OSError | None:
+    """DCP reports every rank's failure inside one CheckpointException; surface a full disk as ENOSPC (one line)."""
+    failures = getattr(err, "failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        failure = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback summary)
+        if isinstance(failure, OSError) and failure.errno == errno.ENOSPC:
+            return OSError(errno.ENOSPC, f"no space left on device while rank {rank} wrote its shard",
+                           failure.filename)
+    return None
 
 
 def _remove(path: Path) -> None:

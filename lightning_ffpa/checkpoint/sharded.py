@@ -85,7 +85,10 @@ class ShardedCheckpointWriter:
             except BaseException as err:
                 if strategy.global_rank == 0:
                     discard(tmp)
-                raise _disk_full(err) or err
+                full = _disk_full(err)
+                if full is not None:
+                    raise full from err
+                raise
             strategy.barrier("ffpa_dcp_written")
             if strategy.global_rank == 0:
                 publish(tmp, path)

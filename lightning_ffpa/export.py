@@ -13,7 +13,7 @@ The checkpoint is verified first (every record's CRC for a `.ckpt`, shard sizes 
 code 2 and one line (`lightning_ffpa.errors.console_entry`); `--merge-lora`-style spellings also work.
 
 The result loads with `Gemma4ForCausalLM.from_pretrained(OUT)`; a LoRA run also writes `OUT/adapter`
-(`PeftModel.from_pretrained(base, OUT/adapter)`) unless `--merge-lora`.
+(`PeftModel.from_pretrained(base, OUT/adapter)`) unless `--merge_lora`.
 
 Inside a running FSDP2 job, `save_hf_sharded(model, OUT)` writes the same folder straight from the
 sharded model: each rank writes its own shards through torch's `HuggingFaceStorageWriter` (no all-gather),

@@ -51,7 +51,7 @@ class Net(L.LightningModule):
 def weights_hash(module: Net) -> str:
     h = hashlib.sha256()
     for _, p in sorted(module.named_parameters()):
-        h.update(p.full_tensor().detach().numpy().tobytes())
+        h.update(p.full_tensor().detach().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 

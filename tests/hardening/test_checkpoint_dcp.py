@@ -61,3 +61,36 @@ def test_failed_write_on_one_rank_leaves_last_on_the_previous_checkpoint(report,
     record_property("case", "FSDP2 (2 ranks): write fails mid-save on rank 1 -> nothing published, last unchanged")
     assert report["fail"].startswith("OSError: [Errno 28]"), report["fail"]
     _kept(report["fail_listing"], [1, 2])
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_async_dcp_save_on_one_gpu_with_nccl(tmp_path):
+    """On CUDA the training group is NCCL; the background save runs on its own gloo group and publishes."""
+    import lightning as L
+    import torch
+    from _dcp_ranks import HashAtStart, Net, weights_hash
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ffpa.parallel import FSDP2Strategy
+
+    data = DataLoader(TensorDataset(torch.randn(32, 16, generator=torch.Generator().manual_seed(1))), batch_size=4)
+
+    def fit(steps, ckpt_path=None):
+        start = HashAtStart()
+        trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                            strategy=FSDP2Strategy(async_save=True, param_dtype="fp32", reduce_dtype="fp32",
+                                                   activation_checkpointing="none", compile=False),
+                            callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=2,
+                                                       monitor="step", mode="max", save_last="link"), start])
+        module = Net()
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+        return trainer, module, start
+
+    trainer, module, _ = fit(3)
+    assert trainer.strategy._dcp_writer.num_saved == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "last.ckpt"]
+    end = weights_hash(module)
+    _, _, start = fit(4, ckpt_path="last")
+    assert start.hash == end

@@ -272,8 +272,10 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._dcp_writer.wait()  # the last background save is on disk before the process may exit
-        super().teardown()
+        try:
+            self._dcp_writer.wait()  # the last background save is on disk before the process may exit
+        finally:
+            super().teardown()
 
     @property
     def mesh(self) -> DeviceMesh:

@@ -39,6 +39,8 @@ CLASSES: list[tuple[str, str]] = [
     ("trainer.callbacks", "lightning_ffpa.callbacks.rollout.RolloutCallback"),
     ("trainer.callbacks", "lightning_ffpa.callbacks.nonfinite.NonFiniteGuard"),
     ("trainer.callbacks", "lightning_ffpa.callbacks.preemption.DeferredRequeue"),
+    ("trainer.callbacks", "lightning_ffpa.checkpoint.RunLock"),
+    ("trainer.plugins", "lightning_ffpa.checkpoint.AtomicCheckpointIO"),
 ]
 
 

@@ -6,10 +6,14 @@ ever holding the whole model), mapping Lightning/PEFT names to HF names, writing
 index and `config.json`; LoRA adapters in PEFT format, or merged into the base weights in fp32.
 Does not own training-time saving (`ModelCheckpoint`) or checking the checkpoint (`lightning_ffpa.validation`).
 
-    python -m lightning_ffpa.export CKPT OUT [--merge-lora] [--dtype bfloat16] [--max-shard-size 5GB]
+    python -m lightning_ffpa.export CKPT OUT [--merge_lora] [--dtype bfloat16] [--max_shard_size 5GB] [--config DIR]
+
+The checkpoint is verified first (every record's CRC for a `.ckpt`, shard sizes for a DCP folder), and a
+`--config` folder must describe the checkpoint's tensors (same names and shapes). Bad input exits with
+code 2 and one line (`lightning_ffpa.errors.console_entry`); `--merge-lora`-style spellings also work.
 
 The result loads with `Gemma4ForCausalLM.from_pretrained(OUT)`; a LoRA run also writes `OUT/adapter`
-(`PeftModel.from_pretrained(base, OUT/adapter)`) unless `--merge-lora`.
+(`PeftModel.from_pretrained(base, OUT/adapter)`) unless `--merge_lora`.
 
 Inside a running FSDP2 job, `save_hf_sharded(model, OUT)` writes the same folder straight from the
 sharded model: each rank writes its own shards through torch's `HuggingFaceStorageWriter` (no all-gather),
@@ -18,20 +22,20 @@ then rank 0 consolidates them file by file.
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import save_file
 
 from lightning_ffpa.checkpoint import _compat
-from lightning_ffpa.validation import check_checkpoint
+from lightning_ffpa.errors import ConfigError, console_entry
+from lightning_ffpa.validation import CheckpointError, check_checkpoint
 
 MODULE_PREFIX = "model."  # Gemma4LM keeps the HF model in `self.model`
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> HF model
@@ -55,7 +59,7 @@ class _Source:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.meta = check_checkpoint(path, "checkpoint", resume=False, verify_checksums=False)
+        self.meta = check_checkpoint(path, "ckpt", resume=False, verify_checksums=True)
         if path.is_dir():
             md = _compat.read_dcp_metadata(str(path))
             self._dcp_keys = {k.removeprefix("state_dict."): k for k in md.state_dict_metadata
@@ -140,32 +144,46 @@ def _plan(names: list[str], tied: bool, merge: bool) -> _Plan:
     return _Plan(base, adapter)
 
 
-def _shards(plan: dict[str, list[str]], specs: dict[str, tuple], max_bytes: int, dtype) -> list[list[str]]:
-    groups, current, size = [], [], 0
-    for hf_name, sources in plan.items():
-        shape, src_dtype = specs[sources[0]]
-        nbytes = math.prod(shape) * (dtype or src_dtype).itemsize
-        if current and size + nbytes > max_bytes:
-            groups.append(current)
-            current, size = [], 0
-        current.append(hf_name)
-        size += nbytes
-    return groups + ([current] if current else [])
+def _split(names: dict[str, tuple[tuple[int, ...], torch.dtype]], max_shard_size: str | int, option: str):
+    """huggingface_hub's shard split over meta tensors of the given shapes (nothing is read to plan it)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    meta = {n: torch.empty(shape, dtype=dtype, device="meta") for n, (shape, dtype) in names.items()}
+    try:
+        return split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size)
+    except ValueError as err:
+        raise ConfigError(option, max_shard_size, f"must look like 500MB or 5GB ({err})") from err
 
 
-def _parse_size(text: str) -> int:
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMG]?B)", text.strip().upper())
-    if not match:
-        raise ValueError(f"`--max-shard-size={text!r}` must look like 500MB or 5GB")
-    return int(float(match[1]) * {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}[match[2]])
+def check_config_matches(config, hparams: dict[str, Any], shapes: dict[str, tuple[int, ...]], tied: bool,
+                         option: str, value: Any) -> None:
+    """The HF model `config` describes must have exactly the checkpoint's tensors (names and shapes)."""
+    import transformers
+
+    name = {"conditional_generation": "Gemma4ForConditionalGeneration"}.get(hparams.get("model_class"),
+                                                                          "Gemma4ForCausalLM")
+    cls = getattr(transformers, name)
+    try:
+        with torch.device("meta"):  # shapes only: no memory, no init
+            expected = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
+    except Exception as err:  # noqa: BLE001 - any failure to build is the same user-facing problem
+        raise ConfigError(option, value, f"cannot build {name} from it ({type(err).__name__}: {err})") from err
+    if tied:
+        expected.pop("lm_head.weight", None)
+    wrong = [f"`{k}` is {shapes[k]} in the checkpoint but {expected[k]} for this config"
+             for k in shapes if k in expected and expected[k] != shapes[k]]
+    wrong += [f"the checkpoint has `{k}`, this config does not" for k in shapes if k not in expected]
+    wrong += [f"this config has `{k}`, the checkpoint does not" for k in expected if k not in shapes]
+    if wrong:
+        raise ConfigError(option, value, f"does not match the checkpoint's tensors: {len(wrong)} differ, "
+                                         f"e.g. {wrong[0]}")
 
 
 def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, dtype: str | None = None,
            max_shard_size: str = "5GB", config_dir: str | None = None) -> ExportResult:
     """Write the checkpoint's model as an HF folder (and its LoRA adapter in PEFT format, unless merged)."""
     if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"`--dtype={dtype!r}` must be one of {sorted(_DTYPES)}")
-    max_bytes = _parse_size(max_shard_size)
+        raise ConfigError("--dtype", dtype, f"must be one of {sorted(_DTYPES)}")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"`out_dir={str(out)!r}` exists and is not empty; choose a new folder")
@@ -174,18 +192,21 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     config = model_config(hparams, config_dir)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     lora = hparams.get("lora")
-    plan = _plan(sorted(source.specs), tied=bool(getattr(text, "tie_word_embeddings", False)), merge=merge_lora)
+    tied = bool(getattr(text, "tie_word_embeddings", False))
+    plan = _plan(sorted(source.specs), tied=tied, merge=merge_lora)
     if merge_lora and not lora:
-        raise ValueError("`--merge-lora` was given but the checkpoint was not trained with `model.lora`")
+        raise ConfigError("--merge_lora", True, "the checkpoint was not trained with `model.lora`")
+    check_config_matches(config, hparams, {hf: source.specs[src[0]][0] for hf, src in plan.base.items()}, tied,
+                         *(("--config", config_dir) if config_dir else ("ckpt", str(ckpt))))
     scaling = _lora_scaling(lora) if lora else 1.0
     target = _DTYPES[dtype] if dtype else None
+    split = _split({hf: (source.specs[src[0]][0], target or source.specs[src[0]][1]) for hf, src in plan.base.items()},
+                   max_shard_size, "--max_shard_size")
 
     out.mkdir(parents=True, exist_ok=True)
-    groups = _shards(plan.base, source.specs, max_bytes, target)
-    names = (["model.safetensors"] if len(groups) == 1 else
-             [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)])
+    names = list(split.filename_to_tensors)
     weight_map, total, merged = {}, 0, []
-    for file_name, group in zip(names, groups):
+    for file_name, group in split.filename_to_tensors.items():
         wanted = [src for hf in group for src in plan.base[hf]]
         loaded = source.load(wanted)  # one shard's worth of tensors at a time
         tensors = {}
@@ -202,7 +223,7 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
             total += tensors[hf].numel() * tensors[hf].element_size()
         save_file(tensors, str(out / file_name), metadata={"format": "pt"})
         del tensors, loaded
-    if len(groups) > 1:
+    if split.is_sharded:
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     save_dtype = target or source.specs[plan.base[next(iter(plan.base))][0]][1]
@@ -217,13 +238,19 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
 
 
 def _lora_scaling(lora: dict[str, Any]) -> float:
+    """The factor B@A is scaled by, as peft computes it (alpha/r, or alpha/sqrt(r) with rsLoRA)."""
+    from peft import LoraConfig, get_peft_model
+
     for unsupported in ("rank_pattern", "alpha_pattern"):
         if lora.get(unsupported):
-            raise NotImplementedError(f"merging with `model.lora.{unsupported}` is not supported; export the adapter")
+            raise ConfigError("--merge_lora", True, f"merging with `model.lora.{unsupported}` is not supported; "
+                                                    "export the adapter instead")
     if lora.get("use_dora"):
-        raise NotImplementedError("merging DoRA adapters is not supported; export the adapter")
-    r, alpha = int(lora.get("r", 8)), float(lora.get("lora_alpha", 8))
-    return alpha / math.sqrt(r) if lora.get("use_rslora") else alpha / r
+        raise ConfigError("--merge_lora", True, "merging DoRA adapters is not supported; export the adapter instead")
+    keep = ("r", "lora_alpha", "use_rslora")
+    probe = get_peft_model(torch.nn.Sequential(torch.nn.Linear(1, 1, device="meta")),
+                           LoraConfig(target_modules=["0"], **{k: lora[k] for k in keep if k in lora}))
+    return float(probe.base_model.model[0].scaling["default"])
 
 
 def _export_adapter(source: _Source, names: dict[str, str], lora: dict[str, Any], out: Path, base: str) -> None:
@@ -256,13 +283,9 @@ def save_hf_sharded(model: torch.nn.Module, out_dir: str | Path, *, max_shard_si
     state = get_model_state_dict(model)  # DTensor shards stay sharded
     if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    max_bytes, index, size = _parse_size(max_shard_size), {}, 0
-    file_index = 1
-    for name, t in state.items():  # global shapes: the same mapping on every rank
-        nbytes = t.numel() * t.element_size()
-        if size and size + nbytes > max_bytes:
-            file_index, size = file_index + 1, 0
-        index[name], size = file_index, size + nbytes
+    # global shapes: the same split on every rank
+    split = _split({n: (tuple(t.shape), t.dtype) for n, t in state.items()}, max_shard_size, "max_shard_size")
+    index = {n: i for i, names in enumerate(split.filename_to_tensors.values(), 1) for n in names}
     writer = _compat.hf_storage_writer(str(out), fqn_to_index_mapping=index, save_distributed=True,
                                        enable_consolidation=True)
     dcp.save(state, storage_writer=writer)
@@ -278,23 +301,74 @@ def save_hf_sharded(model: torch.nn.Module, out_dir: str | Path, *, max_shard_si
     return out
 
 
-def main(argv: list[str] | None = None) -> ExportResult:
-    """Command line: `python -m lightning_ffpa.export CKPT OUT [...]`."""
-    parser = argparse.ArgumentParser(prog="lightning-ffpa-export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("ckpt", help="Lightning checkpoint: a .ckpt file or a DCP folder (FSDP2 ModelCheckpoint)")
-    parser.add_argument("out", help="new folder for the HF model (config.json + safetensors)")
-    parser.add_argument("--merge-lora", action="store_true", help="merge LoRA into the weights (fp32 math)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="cast the weights (default: as stored)")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 500MB, 5GB")
-    parser.add_argument("--config", dest="config_dir", help="HF config folder (default: rebuilt from hparams)")
-    args = parser.parse_args(argv)
-    result = export(args.ckpt, args.out, merge_lora=args.merge_lora, dtype=args.dtype,
-                    max_shard_size=args.max_shard_size, config_dir=args.config_dir)
+def command(ckpt: str, out: str, merge_lora: bool = False,
+            dtype: Literal["float32", "bfloat16", "float16"] | None = None, max_shard_size: str = "5GB",
+            config: str | None = None) -> ExportResult:
+    """Export a Lightning checkpoint (a .ckpt file or a DCP folder) to a Hugging Face model folder.
+
+    Args:
+        ckpt: Lightning checkpoint: a .ckpt file or a DCP folder (FSDP2 ModelCheckpoint).
+        out: New folder for the HF model (config.json + safetensors).
+        merge_lora: Merge LoRA into the weights (fp32 math) instead of writing OUT/adapter.
+        dtype: Cast the weights (default: as stored).
+        max_shard_size: Largest safetensors file, e.g. 500MB or 5GB (decimal units, as huggingface_hub).
+        config: HF config folder (default: rebuilt from the checkpoint's hyper-parameters); must match its tensors.
+    """
+    result = export(ckpt, out, merge_lora=merge_lora, dtype=dtype, max_shard_size=max_shard_size, config_dir=config)
     print(f"wrote {result.num_tensors} tensors in {len(result.shards)} file(s) to {result.out_dir}"
           + (f"; adapter in {result.adapter_dir}" if result.adapter_dir else "")
           + (f"; merged LoRA into {len(result.merged)} weights" if result.merged else ""))
     return result
 
 
+def _parser():
+    from jsonargparse import ActionYesNo, ArgumentParser
+
+    parser = ArgumentParser(prog="lightning-ffpa-export", description=command.__doc__.split("\n")[0],
+                            exit_on_error=False)
+    parser.add_function_arguments(command, as_positional=True, skip={"merge_lora"})
+    parser.add_argument("--merge_lora", action=ActionYesNo, default=False,
+                        help="Merge LoRA into the weights (fp32 math) instead of writing OUT/adapter.")
+    return parser
+
+
+def _snake(arg: str) -> str:
+    """`--merge-lora` -> `--merge_lora` (the option names; values are left alone)."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg[2:].partition("=")
+    return "--" + name.replace("-", "_") + eq + value
+
+
+def _value(argv: list[str], option: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1]
+        if arg == option and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def run(argv: list[str]) -> ExportResult:
+    """Parse `argv` (jsonargparse over `command`'s signature) and export."""
+    from argparse import ArgumentError
+
+    argv = [_snake(a) for a in argv]
+    try:
+        args = _parser().parse_args(argv)
+    except ArgumentError as err:
+        key = re.match(r'Parser key "(\w+)"', str(err))
+        if key:  # jsonargparse's type errors run over many lines; name the option and its allowed values
+            hint = f"must be one of {sorted(_DTYPES)}" if key[1] == "dtype" else f"is not a valid {key[1]}"
+            raise ConfigError(f"--{key[1]}", _value(argv, f"--{key[1]}"), hint) from err
+        raise ConfigError("lightning-ffpa-export", " ".join(argv), str(err).splitlines()[0]) from err
+    return command(**{k: args[k] for k in ("ckpt", "out", "merge_lora", "dtype", "max_shard_size", "config")})
+
+
+def main() -> int:
+    """Console script `lightning-ffpa-export` / `python -m lightning_ffpa.export`: exit 0, or 2 with one line."""
+    return console_entry(run, user_errors=(CheckpointError, FileExistsError))
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_ffpa.checkpoint import _compat
+from lightning_ffpa.checkpoint.paths import root_checkpoint_dirs
 
 # Hyper-parameters that define the architecture: a checkpoint trained with other values cannot be resumed.
 ARCHITECTURE_HPARAMS = ("pretrained", "preset", "config_overrides", "model_class", "lora")
@@ -103,6 +104,25 @@ def _check_dcp_folder(path: Path, option: str) -> dict[str, Any]:
         return torch.load(meta_file, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001
         raise CheckpointError(f"`{option}={str(path)!r}`: {meta_file.name} cannot be loaded ({err})") from err
+
+
+def check_no_dangling_last(trainer: Any, option: str = "ckpt_path") -> None:
+    """`last` found nothing: refuse if a `last*.ckpt` link points to a save that never completed.
+
+    Lightning would silently start from scratch; a background save killed before it was renamed into
+    place leaves exactly that link (the older complete checkpoints are still there).
+    """
+    for cb in getattr(trainer, "checkpoint_callbacks", []):
+        folder = getattr(cb, "dirpath", None)
+        if not folder or not Path(folder).is_dir():
+            continue
+        for link in sorted(Path(folder).glob("last*.ckpt")):
+            if link.is_symlink() and not link.exists():
+                complete = sorted((p for p in Path(folder).glob("*.ckpt") if p.exists() and not p.is_symlink()),
+                                  key=lambda p: p.stat().st_mtime)
+                hint = f"e.g. `--ckpt_path {complete[-1]}`" if complete else "no complete checkpoint is left"
+                raise CheckpointError(f"`{option}='last'`: {link} points to {os.readlink(link)!r}, a save that "
+                                      f"did not complete; pass a complete checkpoint explicitly ({hint})")
 
 
 def check_hparams_match(saved: dict[str, Any] | None, model: Any, option: str = "ckpt_path") -> None:
@@ -215,11 +235,14 @@ def _has_attention_callback(trainer: Any) -> bool:
 
 def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str | None = None) -> str | None:
     """Run every pre-flight check for `fit`; returns the checkpoint path `fit` will resume from (or None)."""
+    root_checkpoint_dirs(trainer)  # before `last` is resolved: it is looked up in these folders
     check_parallel_layout(trainer, model, datamodule)
     check_data_fits_model(model, datamodule)
     check_lora_targets(model)
     resolved = _compat.resolve_ckpt_path(trainer, ckpt_path)
     if resolved is None:
+        if ckpt_path == "last":
+            check_no_dangling_last(trainer)
         return None
     state = check_checkpoint(resolved, "ckpt_path")
     check_hparams_match(state.get("hyper_parameters"), model, "ckpt_path")

@@ -1,5 +1,13 @@
-"""Checkpoint plumbing: version shims for reading plain `.ckpt` files and DCP folders.
+"""Checkpoint plumbing: atomic writes, sharded (DCP) folders, the run-directory lock, version shims for reading.
 
-Owns how our tools read checkpoints. Does not own when checkpoints are written (Lightning's
-`ModelCheckpoint`), the data position (`lightning_ffpa.data.sampler`) or the HF export (`lightning_ffpa.export`).
+Owns how checkpoints are written (`atomic`: temporary name + rename, disk-space pre-flight;
+`sharded`: per-rank DCP folders, optionally in the background), the run-directory lock (`lock`), where
+checkpoints go by default (`paths`) and how our tools read them (`_compat`). Does not own when
+checkpoints are written or how many are kept (Lightning's `ModelCheckpoint`), the data position
+(`lightning_ffpa.data.sampler`) or the HF export (`lightning_ffpa.export`).
 """
+
+from lightning_ffpa.checkpoint.atomic import AtomicCheckpointIO
+from lightning_ffpa.checkpoint.lock import RunLock
+
+__all__ = ["AtomicCheckpointIO", "RunLock"]

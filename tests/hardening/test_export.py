@@ -1,9 +1,15 @@
 """HF export: a trained tiny checkpoint (.ckpt and DCP folder) -> safetensors -> `from_pretrained` gives the
-same logits; LoRA as a PEFT adapter and merged in fp32; shards are read one group at a time."""
+same logits; LoRA as a PEFT adapter and merged in fp32; shards are read one group at a time; a corrupt
+checkpoint or a `--config` of other shapes is refused; the command exits 0, or 2 with one line."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -13,8 +19,11 @@ from transformers import Gemma4ForCausalLM
 
 from lightning_ffpa import export as export_mod
 from lightning_ffpa.data import MockDataModule
-from lightning_ffpa.export import export, main
+from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.export import export, run
 from lightning_ffpa.module import Gemma4LM
+from lightning_ffpa.presets import build_text_config
+from lightning_ffpa.validation import CheckpointError
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj", "down_proj"]}
 
@@ -58,7 +67,7 @@ def _dcp_folder(ckpt, dst):
 @torch.no_grad()
 def test_ckpt_export_loads_with_from_pretrained_and_matches_logits(trained, tmp_path, record_property):
     lm, ckpt = trained
-    result = main([str(ckpt), str(tmp_path / "hf")])
+    result = run([str(ckpt), str(tmp_path / "hf")])
     hf = Gemma4ForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ids = _ids()
     record_property("hardening", "export")
@@ -122,20 +131,96 @@ def test_dtype_cast_writes_bf16(trained, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"merge_lora": True}, "--merge-lora"),
+    ({"merge_lora": True}, "--merge_lora"),
     ({"dtype": "float64"}, "--dtype"),
-    ({"max_shard_size": "lots"}, "--max-shard-size"),
+    ({"max_shard_size": "lots"}, "--max_shard_size"),
 ])
 def test_export_bad_input_names_the_option(trained, tmp_path, kwargs, match):
     _, ckpt = trained
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         export(ckpt, tmp_path / "x", **kwargs)
+    assert not (tmp_path / "x").exists()
 
 
-def test_export_refuses_non_empty_out_dir(trained, tmp_path):
+def _flip_one_bit_in_a_weight(src: Path, dst: Path) -> None:
+    raw = bytearray(src.read_bytes())
+    with zipfile.ZipFile(src) as zf:
+        record = max(zf.infolist(), key=lambda i: i.file_size)  # the largest tensor's storage
+        data = zf.read(record)
+    at = bytes(raw).find(data)
+    assert at > 0 and bytes(raw).count(data[:64]) == 1
+    raw[at + len(data) // 2] ^= 0x01
+    dst.write_bytes(bytes(raw))
+
+
+def test_export_refuses_a_checkpoint_with_one_flipped_bit(trained, tmp_path, record_property):
     _, ckpt = trained
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="out_dir"):
-        export(ckpt, tmp_path / "out")
-    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    bad = tmp_path / "flipped.ckpt"
+    _flip_one_bit_in_a_weight(ckpt, bad)
+    with pytest.raises(CheckpointError, match="fails its CRC check"):
+        export(bad, tmp_path / "out")
+    record_property("hardening", "export")
+    record_property("case", "one flipped bit in a weight: export refuses (CRC)")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("config", [
+    build_text_config("tiny", intermediate_size=96),  # same architecture, other shapes
+    build_text_config("tiny", num_hidden_layers=2),  # fewer layers: tensors the config does not have
+])
+def test_export_refuses_a_config_that_does_not_match_the_tensors(trained, tmp_path, config, record_property):
+    _, ckpt = trained
+    config.save_pretrained(tmp_path / "cfg")
+    with pytest.raises(ConfigError, match=r"^`--config=.*`: does not match the checkpoint's tensors: \d+ differ, e\.g\."):
+        export(ckpt, tmp_path / "out", config_dir=str(tmp_path / "cfg"))
+    record_property("hardening", "export")
+    record_property("case", f"--config of other shapes ({config.num_hidden_layers} layers): refused")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_config_of_another_architecture(trained, tmp_path):
+    from transformers import LlamaConfig
+
+    _, ckpt = trained
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                vocab_size=512).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ConfigError, match="^`--config="):
+        export(ckpt, tmp_path / "out", config_dir=str(tmp_path / "llama"))
+
+
+def test_export_accepts_the_matching_config(trained, tmp_path):
+    lm, ckpt = trained
+    lm.config.save_pretrained(tmp_path / "cfg")
+    assert export(ckpt, tmp_path / "out", config_dir=str(tmp_path / "cfg")).num_tensors > 0
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-m", "lightning_ffpa.export", *args], env=env, capture_output=True,
+                          text=True, timeout=200)
+
+
+def test_export_command_exit_codes(trained, tmp_path, monkeypatch, capsys, record_property):
+    """0 on success (old `--merge-lora`-style spellings still parse); 2 and one line naming the option."""
+    from lightning_ffpa.export import main
+
+    _, ckpt = trained
+    monkeypatch.setattr(sys, "argv", ["lightning-ffpa-export", str(ckpt), str(tmp_path / "ok"),
+                                      "--max-shard-size", "1MB", "--dtype=bfloat16"])
+    assert main() == 0
+    assert capsys.readouterr().out.startswith("wrote ")
+    assert (tmp_path / "ok" / "model.safetensors.index.json").is_file()
+    for args, option in [((str(ckpt), str(tmp_path / "a"), "--merge-lora"), "--merge_lora"),
+                         ((str(tmp_path / "missing.ckpt"), str(tmp_path / "c")), "ckpt"),
+                         ((str(ckpt),), "lightning-ffpa-export")]:
+        monkeypatch.setattr(sys, "argv", ["lightning-ffpa-export", *args])
+        assert main() == 2, args
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: `{option}="), lines
+    bad = _cli(str(ckpt), str(tmp_path / "b"), "--dtype", "float64")  # the real process: exit status 2
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: `--dtype="), bad.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]  # nothing written by the failed runs
+    record_property("hardening", "export")
+    record_property("case", "export command: exit 0 / exit 2 with one line naming the option")

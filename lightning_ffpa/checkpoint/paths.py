@@ -1,0 +1,26 @@
+"""Where a run's checkpoints go when the config does not say: `<trainer.default_root_dir>/checkpoints`.
+
+Owns filling in `ModelCheckpoint.dirpath` when it is unset, before `fit` resolves `--ckpt_path last`, so
+the shipped configs follow `--trainer.default_root_dir` and a resumed run finds its `last.ckpt`. Lightning
+itself would put them under the first logger's versioned folder (`.../version_N/checkpoints`), which
+changes from run to run, so `last` would not be found on resume. Does not own the loggers' folders
+(with no explicit logger, Lightning's default logger writes under `default_root_dir`) or saving.
+"""
+
+from __future__ import annotations
+
+import os
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+__all__ = ["root_checkpoint_dirs"]
+
+
+def root_checkpoint_dirs(trainer) -> list[str]:
+    """Set `dirpath = <default_root_dir>/checkpoints` on every ModelCheckpoint without one; returns those set."""
+    set_now = []
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:
+            cb.dirpath = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
+            set_now.append(cb.dirpath)
+    return set_now

@@ -1,0 +1,136 @@
+"""Plain-file checkpoints on one CPU process: atomic writes, disk pre-flight, retention, async, dangling `last`.
+
+A small Lightning demo model keeps each fit to a second or two; what is tested is the checkpoint plumbing
+(`lightning_ffpa.checkpoint`), which does not depend on the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+from lightning_ffpa.checkpoint import AtomicCheckpointIO
+from lightning_ffpa.checkpoint import atomic as atomic_mod
+from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.validation import CheckpointError, check_no_dangling_last
+
+
+def _trainer(root: Path, max_steps: int, io=None, **ckpt) -> tuple[L.Trainer, ModelCheckpoint]:
+    cb = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, **ckpt)
+    trainer = L.Trainer(default_root_dir=root, max_steps=max_steps, accelerator="cpu", logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[cb], plugins=[io if io is not None else AtomicCheckpointIO()])
+    return trainer, cb
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_failure_mid_save_leaves_no_file_and_keeps_last(tmp_path, monkeypatch, record_property):
+    """The writer dies after writing part of the file: no final file, no partial, `last.ckpt` untouched."""
+    trainer, _ = _trainer(tmp_path, 2, save_last=True, save_top_k=-1)
+    trainer.fit(BoringModel())
+    last = tmp_path / "ckpt" / "last.ckpt"
+    before = _digest(last)
+
+    def dies_midway(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(atomic_mod.torch, "save", dies_midway)
+    trainer, _ = _trainer(tmp_path, 3, save_last=True, save_top_k=-1)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.fit(BoringModel(), ckpt_path=str(last))
+    monkeypatch.undo()
+    record_property("hardening", "checkpoint")
+    record_property("case", "writer fails mid-save: no half-written file, last.ckpt unchanged")
+    assert _names(tmp_path / "ckpt") == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt"]
+    assert _digest(last) == before
+    assert torch.load(last, weights_only=True)["global_step"] == 2
+
+
+def test_replacing_a_file_is_atomic_and_leaves_no_partial(tmp_path):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "a" / "last.ckpt"
+    io.save_checkpoint({"x": torch.ones(3)}, path)
+    io.save_checkpoint({"x": torch.zeros(3)}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["x"], torch.zeros(3))
+    assert _names(path.parent) == ["last.ckpt"]
+
+
+def test_disk_preflight_refuses_before_writing(tmp_path, monkeypatch, record_property):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2**20, 2**20 - 100, 100))
+    trainer, _ = _trainer(tmp_path, 2)
+    with pytest.raises(ConfigError) as err:
+        trainer.fit(BoringModel())
+    record_property("hardening", "checkpoint")
+    record_property("case", "disk too small for the checkpoint: one line before writing")
+    msg = str(err.value)
+    assert msg.startswith("`trainer.default_root_dir=") and "100 bytes is free" in msg and "\n" not in msg
+    assert not (tmp_path / "ckpt").exists() or _names(tmp_path / "ckpt") == []
+
+
+def test_free_space_estimate_counts_every_tensor(tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    state = {"state_dict": {"w": torch.zeros(100, 10)}, "optimizer_states": [{"m": torch.zeros(100, 10)}]}
+    assert atomic_mod.checkpoint_bytes(state) == 8000
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 0, 8000))  # no room for the 5% margin
+    with pytest.raises(ConfigError, match="7.81 KiB"):
+        atomic_mod.check_free_space(tmp_path, 8000)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 0, 8500))
+    atomic_mod.check_free_space(tmp_path / "not" / "yet", 8000)  # checked on the nearest existing parent
+
+
+def test_retention_keeps_the_last_k(tmp_path, record_property):
+    trainer, cb = _trainer(tmp_path, 5, save_top_k=2, monitor="step", mode="max", save_last="link")
+    trainer.fit(BoringModel())
+    record_property("hardening", "checkpoint")
+    record_property("case", "retention: save_top_k=2 on step keeps the newest 2, last links the newest")
+    folder = tmp_path / "ckpt"
+    assert _names(folder) == ["epoch=0-step=4.ckpt", "epoch=0-step=5.ckpt", "last.ckpt"]
+    assert os.readlink(folder / "last.ckpt") == "epoch=0-step=5.ckpt"
+
+
+def test_async_plain_save_completes_and_resumes(tmp_path, record_property):
+    io = AsyncCheckpointIO(AtomicCheckpointIO())
+    trainer, _ = _trainer(tmp_path, 3, io=io, save_last=True)
+    model = BoringModel()
+    trainer.fit(model)  # teardown waits for the background writes
+    last = tmp_path / "ckpt" / "last.ckpt"
+    saved = torch.load(last, weights_only=True)
+    assert saved["global_step"] == 3
+    assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
+    trainer, _ = _trainer(tmp_path, 5, io=AsyncCheckpointIO(AtomicCheckpointIO()), save_last=True)
+    trainer.fit(BoringModel(), ckpt_path=str(last))
+    record_property("hardening", "checkpoint")
+    record_property("case", "async plain-file save (AsyncCheckpointIO + AtomicCheckpointIO) completes and resumes")
+    assert trainer.global_step == 5
+    assert torch.load(last, weights_only=True)["global_step"] == 5
+    assert not [n for n in _names(tmp_path / "ckpt") if n.endswith(".partial")]
+
+
+def test_dangling_last_link_is_refused_by_name(tmp_path):
+    """A background save killed before its rename leaves `last.ckpt` pointing at nothing; say so."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    torch.save({"global_step": 2}, folder / "epoch=0-step=2.ckpt")
+    os.symlink("epoch=0-step=3.ckpt", folder / "last.ckpt")
+    trainer = type("T", (), {"checkpoint_callbacks": [ModelCheckpoint(dirpath=folder)]})()
+    with pytest.raises(CheckpointError, match=r"last.ckpt points to 'epoch=0-step=3.ckpt'.*epoch=0-step=2.ckpt"):
+        check_no_dangling_last(trainer)

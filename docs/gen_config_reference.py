@@ -92,6 +92,16 @@ def render_reference() -> str:
         "`--trainer.callbacks.help lightning_ffpa.callbacks.FFPAAttention`. Lightning's own `trainer:` options are",
         "in the [Trainer docs](https://lightning.ai/docs/pytorch/stable/common/trainer.html).",
         "",
+        "Model options are one vocabulary: `Gemma4LM` and `GRPOModule` build their model through the same code",
+        "(`lightning_ffpa.hf_module.HFModule`) from `pretrained`, `preset`, `config_overrides`, `attn_implementation`,",
+        "`dtype` and `lora`. `lora` takes peft `LoraConfig` fields, e.g.",
+        "`--model.init_args.lora '{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}'` or",
+        "`--model.init_args.lora.r 16`. A bad value (an unknown `config_overrides` field, a negative `warmup_steps`,",
+        "`lora.r: 0`, ...) is an error naming the option before any model is built. With an explicit",
+        "`--ckpt_path FILE`, LightningCLI takes the model options from the checkpoint, so a `model` option that",
+        "differs from it is an error naming both values; `--resume_model_from_checkpoint true` takes the",
+        "checkpoint's.",
+        "",
     ]
     for key, path in CLASSES:
         cls = _import(path)

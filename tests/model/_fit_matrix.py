@@ -11,6 +11,7 @@ import sys
 import lightning as L
 import torch
 
+from lightning_ffpa.attention import backend, kernels
 from lightning_ffpa.callbacks.attention import FFPAAttention
 from lightning_ffpa.data import MockDataModule
 from lightning_ffpa.module import Gemma4LM
@@ -29,9 +30,11 @@ class _Losses(L.Callback):
 
 
 def fit_losses(pretrained: str, loss_impl: str, lora: bool, cp: int, accelerator: str = "cpu",
-               dtype: str = "float32") -> tuple[list[float], int, int]:
-    """Per-step training losses of one case (global over the CP group), trainable and total parameter tensors."""
+               dtype: str = "float32") -> tuple[list[float], int, int, dict[str, int]]:
+    """Per-step training losses of one case (global over the CP group), trainable and total parameter tensors,
+    and the FFPA kernel calls per kernel (`reference` on CPU, `cutedsl` on the GPU)."""
     L.seed_everything(0)
+    backend.reset_dispatch_counts()
     low = dtype != "float32"
     if cp == 0:
         strategy, devices = "auto", 1
@@ -48,9 +51,12 @@ def fit_losses(pretrained: str, loss_impl: str, lora: bool, cp: int, accelerator
     module = Gemma4LM(pretrained=pretrained, dtype=module_dtype, loss_impl=loss_impl, loss_chunk_size=24,
                       lora=LORA if lora else None, learning_rate=1e-2, warmup_steps=0)
     data = MockDataModule(vocab_size=512, seq_length=32, num_samples=8, batch_size=2, seed=5)
-    trainer.fit(module, data)
+    # CPU: the FFPA dispatch runs its CPU reference op; GPU bf16: the real kernels, failing loudly if unusable.
+    force = "reference" if accelerator == "cpu" else ("cutedsl" if low else None)
+    with kernels.force_kernel(force):
+        trainer.fit(module, data)
     params = list(module.model.parameters())
-    return losses.losses, sum(p.requires_grad for p in params), len(params)
+    return losses.losses, sum(p.requires_grad for p in params), len(params), kernels.kernel_counts()
 
 
 def main(out: str, pretrained: str, cp: int, accelerator: str, dtype: str, cases: str) -> None:

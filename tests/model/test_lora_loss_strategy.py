@@ -23,7 +23,7 @@ from ._fit_matrix import STEPS, fit_losses
 
 _SCRIPT = Path(__file__).with_name("_fit_matrix.py")
 FIRST_TOL = 1e-5  # fp32: summation order only (chunking, CP reduction)
-SECOND_TOL = 5e-5  # fp32, after one AdamW step (Adam divides by |g|: near-zero gradient elements amplify noise)
+SECOND_TOL = 1e-4  # fp32, after one AdamW step (Adam divides by |g|: near-zero gradients amplify rounding)
 LIGER = importlib.util.find_spec("liger_kernel") is not None
 IMPLS = ["plain", "chunked", pytest.param("liger", marks=pytest.mark.skipif(
     not (LIGER and torch.cuda.is_available()), reason="liger-kernel not installed, or no CUDA for its Triton kernels"))]
@@ -78,11 +78,12 @@ def _strategies(gpu: bool = False):
 @pytest.mark.parametrize("loss_impl", IMPLS)
 def test_fit_matches_the_plain_loss(loss_impl, lora, strategy, matrix):
     runs = matrix(strategy)
-    losses, trainable, total = runs[f"{loss_impl}:{int(lora)}"]
+    losses, trainable, total, kernel_calls = runs[f"{loss_impl}:{int(lora)}"]
     plain = runs[f"plain:{int(lora)}"][0]
     reference = matrix("none")["plain:0"][0]
     print(f"{strategy} {loss_impl} lora={lora}: {losses} (plain {plain}, reference {reference})")
     assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses)))
+    assert kernel_calls.get("reference", 0) > 0  # the full-attention layers ran the FFPA op (CPU reference)
     assert losses[0] == pytest.approx(reference[0], abs=FIRST_TOL)
     assert losses[1] == pytest.approx(plain[1], abs=SECOND_TOL)
     if lora:  # only adapters train: A and B of each targeted Linear (5 per layer in the tiny model)
@@ -103,8 +104,9 @@ def test_gpu_bf16_every_loss_and_lora_matches_plain(strategy, matrix):
     for lora in (0, 1):
         plain = runs[f"plain:{lora}"][0]
         tol = max(3 * abs(plain[0] - fp32), 5e-3)
-        for case, (losses, _, _) in runs.items():
+        for case, (losses, _, _, kernel_calls) in runs.items():
             if case.endswith(f":{lora}"):
-                print(f"{strategy} {case}: {losses} (plain {plain}, fp32 ref {fp32:.6f})")
+                print(f"{strategy} {case}: {losses} (plain {plain}, fp32 ref {fp32:.6f}), kernels {kernel_calls}")
+                assert kernel_calls.get("cutedsl", 0) > 0 and kernel_calls.get("reference", 0) == 0, kernel_calls
                 assert abs(losses[0] - plain[0]) <= tol, (case, losses, plain, fp32)
                 assert abs(losses[1] - plain[1]) <= 2e-2, (case, losses, plain)

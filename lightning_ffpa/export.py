@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from lightning_ffpa.checkpoint import _compat
+from lightning_ffpa._compat import torch as torch_compat
+from lightning_ffpa._compat.transformers import text_config
 from lightning_ffpa.validation import check_checkpoint
 
 MODULE_PREFIX = "model."  # Gemma4LM keeps the HF model in `self.model`
@@ -57,7 +58,7 @@ class _Source:
         self.path = path
         self.meta = check_checkpoint(path, "checkpoint", resume=False, verify_checksums=False)
         if path.is_dir():
-            md = _compat.read_dcp_metadata(str(path))
+            md = torch_compat.read_dcp_metadata(str(path))
             self._dcp_keys = {k.removeprefix("state_dict."): k for k in md.state_dict_metadata
                               if k.startswith("state_dict.")}
             self.specs = {k: (tuple(md.state_dict_metadata[full].size), md.state_dict_metadata[full].properties.dtype)
@@ -73,7 +74,7 @@ class _Source:
     def load(self, keys: list[str]) -> dict[str, torch.Tensor]:
         if not self.path.is_dir():
             return {k: self._state[k] for k in keys}
-        loaded = _compat.load_dcp_keys(str(self.path), {self._dcp_keys[k] for k in keys})
+        loaded = torch_compat.load_dcp_keys(str(self.path), {self._dcp_keys[k] for k in keys})
         flat = dict(_flatten(loaded))
         return {k: flat[self._dcp_keys[k]] for k in keys}
 
@@ -172,7 +173,7 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     source = _Source(Path(ckpt))
     hparams = source.hparams
     config = model_config(hparams, config_dir)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     lora = hparams.get("lora")
     plan = _plan(sorted(source.specs), tied=bool(getattr(text, "tie_word_embeddings", False)), merge=merge_lora)
     if merge_lora and not lora:
@@ -263,7 +264,7 @@ def save_hf_sharded(model: torch.nn.Module, out_dir: str | Path, *, max_shard_si
         if size and size + nbytes > max_bytes:
             file_index, size = file_index + 1, 0
         index[name], size = file_index, size + nbytes
-    writer = _compat.hf_storage_writer(str(out), fqn_to_index_mapping=index, save_distributed=True,
+    writer = torch_compat.hf_storage_writer(str(out), fqn_to_index_mapping=index, save_distributed=True,
                                        enable_consolidation=True)
     dcp.save(state, storage_writer=writer)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0

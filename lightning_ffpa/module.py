@@ -23,9 +23,10 @@ from transformers import (
 )
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
+from lightning_ffpa._compat.transformers import attention_names, from_config, text_config
+from lightning_ffpa.cp import cp_group_info, cp_loss_reduce, shard_batch
 from lightning_ffpa.loss import linear_cross_entropy
 from lightning_ffpa.metrics import TokenPerplexity
-from lightning_ffpa.parallel.context_parallel import cp_group_info, cp_loss_reduce, shard_batch
 from lightning_ffpa.parallel.fsdp import causal_lm_hidden_states
 from lightning_ffpa.presets import build_text_config
 
@@ -35,8 +36,6 @@ _MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemm
 
 
 def _registered_attn() -> set[str]:
-    from lightning_ffpa.attention._hf_shim import attention_names
-
     return set(KNOWN_ATTN) | attention_names()
 
 
@@ -46,10 +45,6 @@ def resolve_dtype(dtype: str) -> torch.dtype:
         bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if bf16 else torch.float32
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
-
-
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def build_adamw(model: nn.Module, lr: float, weight_decay: float = 0.1,
@@ -170,7 +165,7 @@ class Gemma4LM(L.LightningModule):
             model = cls.from_pretrained(hp.pretrained, config=self.config, dtype=dtype, attn_implementation=attn)
         else:
             with torch.device(device or "cpu"):
-                model = cls._from_config(self.config, dtype=dtype, attn_implementation=attn)
+                model = from_config(cls, self.config, dtype=dtype, attn_implementation=attn)
         if hp.attn_implementation == "ffpa":
             from lightning_ffpa.attention import register_ffpa
 

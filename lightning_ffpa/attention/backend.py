@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from lightning_ffpa import saved_ops
 from lightning_ffpa._compat import transformers as hf_compat
 from lightning_ffpa.attention import counters, kernels, masks
 from lightning_ffpa.attention.flex import flex_forward
@@ -94,10 +95,7 @@ def register_ffpa(head_dims: tuple[int, ...] = (512,), context_parallel_size: in
     hf_compat.register_attention(NAME, ffpa_attention_forward)
     hf_compat.register_mask(NAME, ffpa_mask)
     kernels.register_flop_formulas()
-    # SAC must save the FFPA forwards; the parallel package knows no kernels, so it is handed them here.
-    from lightning_ffpa.parallel.checkpointing import register_save_ops
-
-    register_save_ops(kernels.forward_ops())
+    saved_ops.register(kernels.forward_ops())  # SAC saves the FFPA forwards (its policy knows no kernels)
 
 
 # --------------------------------------------------------------------------- mask function

@@ -19,11 +19,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_ffpa import attention
+from lightning_ffpa import attention, saved_ops
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat.transformers import find_hf_model, set_attn_implementation
 from lightning_ffpa.attention import kernels
-from lightning_ffpa.parallel.checkpointing import register_save_ops
 
 __all__ = ["FFPAAttention", "context_parallel_size"]
 
@@ -66,7 +65,7 @@ class FFPAAttention(Callback):
         elif self.cp_size > 1:
             # The ring is installed once the model exists, possibly after the strategy has wrapped the layers
             # for SAC (the policy is built then): hand SAC the ring's kernel forwards now.
-            register_save_ops(kernels.forward_ops())
+            saved_ops.register(kernels.forward_ops())
         attention.reset_dispatch_counts()
         self._install(trainer, pl_module, required=False)
 

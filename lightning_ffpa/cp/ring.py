@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_ffpa import saved_ops
 from lightning_ffpa._compat import transformers as hf_compat
 from lightning_ffpa.attention import kernels
 from lightning_ffpa.cp.group import RingGroup, cp_group_info
@@ -256,6 +257,7 @@ def install_ring(model: torch.nn.Module, cp_mesh_or_group: Any, block_ops: str =
         if not m.is_causal:
             raise NotImplementedError(f"ring attention supports causal layers only (layer {m.layer_idx} is not)")
     handle = RingAttention(group, block_ops=block_ops, sliding_backend=sliding_backend)
+    saved_ops.register(kernels.forward_ops())  # for layers wrapped by SAC after this call
     hf_compat.register_attention(ATTN_NAME, ring_attention_forward)
     # The mask function returns None for every layer on purpose: the ring builds document/causal/window masks
     # from ring_layout itself, and HF builds no (sequence-local, hence wrong) masks.

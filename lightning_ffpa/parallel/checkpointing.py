@@ -1,9 +1,8 @@
 """Activation checkpointing for decoder layers: full, or selective (SAC) with an FFPA-aware save policy.
 
 Owns the op lists, the policy and the layer wrapper. Which layers get wrapped is `fsdp.parallelize`'s job;
-which custom attention kernels exist is the attention package's: it hands its forward ops to
-`register_save_ops` when it is installed (`register_ffpa`, `install_ring`, the `FFPAAttention` Callback), so
-this package imports nothing from `lightning_ffpa.attention`.
+which custom attention kernels exist is the attention package's: it declares their forwards in
+`lightning_ffpa.saved_ops` when it is installed, so this package imports nothing from `lightning_ffpa.attention`.
 
 The save policy (selective mode):
 - MUST_SAVE attention forwards (the registered custom ops such as FFPA's, the flex_attention HOP, the SDPA
@@ -28,16 +27,16 @@ sequence and give the same answers.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
 from functools import partial
 from typing import Literal
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from lightning_ffpa import saved_ops
 from lightning_ffpa._compat.torch import HigherOrderOperator, OpOverload, OpOverloadPacket, checkpoint_wrapper
 
-__all__ = ["default_save_ops", "register_save_ops", "resolve_op", "sac_policy", "sac_context_fn", "apply_activation_checkpointing",
+__all__ = ["default_save_ops", "resolve_op", "sac_policy", "sac_context_fn", "apply_activation_checkpointing",
            "layer_width", "mm_reduction_dim", "SAVE_MM_RULES"]
 
 ACMode = Literal["none", "full", "selective"]
@@ -54,21 +53,9 @@ _SDPA_FORWARDS = (
 _MM_OPS = ("mm", "addmm", "_grouped_mm")
 
 
-_registered_save_ops: set = set()
-
-
-def register_save_ops(ops: Iterable) -> None:
-    """Add custom forward ops every SAC policy built from now on must save (e.g. `kernels.forward_ops()`).
-
-    Register before the policy is built (`parallelize`, `FSDP2Strategy.setup`): the attention Callback does
-    it in `setup()`, before the strategy wraps the layers.
-    """
-    _registered_save_ops.update(ops)
-
-
 def default_save_ops() -> set:
-    """Registered custom forwards (FFPA), the flex_attention HOP, SDPA fused forwards and reduce-scatter."""
-    ops: set = set(_registered_save_ops)
+    """Declared custom forwards (FFPA, `saved_ops`), the flex_attention HOP, SDPA fused forwards, reduce-scatter."""
+    ops: set = set(saved_ops.registered())
     ops.add(torch.ops.higher_order.flex_attention)
     for name in _SDPA_FORWARDS:
         packet = getattr(torch.ops.aten, name, None)

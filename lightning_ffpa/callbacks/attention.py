@@ -7,8 +7,8 @@ kernels, the "ffpa" HF backend, its mask function and the dispatch counters live
 - CP = 1: register "ffpa" and set it on the model (full layers at head_dim 512 go to FFPA, sliding
   layers to Flex through the registered mask function).
 - CP > 1: keep "sdpa" for HF and install the ring hook over the mesh's "context_parallel" dim.
-Either way it hands the attention kernels' forward ops to the SAC policy in `setup()`, before the strategy
-wraps the layers. Works with any strategy: without a device mesh, CP is 1.
+When FFPA kernels will run, their forward ops are declared to the SAC policy (`lightning_ffpa.saved_ops`) in
+`setup()`, before the strategy wraps the layers. Works with any strategy: without a device mesh, CP is 1.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Rows (each one failing is recorded with its error, never kills the run):
   and vocabulary, random N(0, 0.02) weights, bf16, no FSDP/optimizer), forward+backward of the token-mean
   loss. Sliding layers use Flex in both rows (halo); only the full-attention blocks differ.
 - ``parity_cp1``: the same slice, whole sequence on each GPU alone (ring of one), forward loss, against the
-  cp=2 losses. Flex ring rows recompute each block's forward in backward (see attention/ring_flex.py).
+  cp=2 losses. Flex ring rows recompute each block's forward in backward (see lightning_ffpa/cp/flex_blocks.py).
 Summary: ``ffpa_ring_vs_flex_ring_tps_16k`` (model slice), ``ffpa_ring_vs_flex_ring_attn_tps_16k``,
 ``cp2_vs_cp1_loss_max_abs_diff``.
 """
@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_io import write_result  # noqa: E402
 from lightning_ffpa.attention import kernels  # noqa: E402
-from lightning_ffpa.attention.ring import RingAttention, install_ring  # noqa: E402
-from lightning_ffpa.parallel.context_parallel import IGNORE_INDEX, cp_loss_reduce, shard_batch  # noqa: E402
+from lightning_ffpa.cp import IGNORE_INDEX, cp_loss_reduce, shard_batch  # noqa: E402
+from lightning_ffpa.cp.ring import RingAttention, install_ring  # noqa: E402
 
 
 def packed_batch(seq_len: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:

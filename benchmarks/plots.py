@@ -136,7 +136,7 @@ def draw_all(results: list[tuple[Path, dict[str, Any]]], out_dir: Path = IMG_DIR
 
 
 if __name__ == "__main__":
-    from benchmarks.report import load_results
+    from benchmarks.results_io import load_results
 
     for p in draw_all(load_results()):
         print(f"wrote {p}")

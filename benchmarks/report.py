@@ -11,13 +11,13 @@ called from here unless `--no-plots`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.results_io import load_results
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = ROOT / "benchmarks" / "results"
 BENCHMARKS_MD = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
 BEGIN = "<!-- BEGIN GENERATED: headline numbers (python -m benchmarks.report) -->"
@@ -83,18 +83,6 @@ def script_doc(benchmark: str) -> str | None:
 
     path = ROOT / "benchmarks" / f"{benchmark}.py"
     return ast.get_docstring(ast.parse(path.read_text())) if path.exists() else None
-
-
-def load_results(results_dir: Path = RESULTS_DIR) -> list[tuple[Path, dict[str, Any]]]:
-    """Every result JSON under `results_dir` (not its subfolders), sorted by file name."""
-    out = []
-    for path in sorted(results_dir.glob("*.json")):
-        record = json.loads(path.read_text())
-        missing = [k for k in ("benchmark", "rows", "summary") if k not in record]
-        if missing:
-            raise ValueError(f"{path}: result file lacks {missing} (write it with benchmarks/results_io.py)")
-        out.append((path, record))
-    return out
 
 
 def _number(value: Any) -> bool:

@@ -1,4 +1,4 @@
-"""One writer for benchmarks/results/*.json, so every recorded run carries the same keys."""
+"""One writer and one reader for benchmarks/results/*.json, so every recorded run carries the same keys."""
 
 from __future__ import annotations
 
@@ -60,3 +60,15 @@ def write_result(benchmark: str, rows: list[dict[str, Any]], summary: dict[str, 
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(json.dumps(summary, indent=2, default=str))
     return path
+
+
+def load_results(results_dir: Path = RESULTS_DIR) -> list[tuple[Path, dict[str, Any]]]:
+    """Every result JSON under `results_dir` (not its subfolders), sorted by file name."""
+    out = []
+    for path in sorted(results_dir.glob("*.json")):
+        record = json.loads(path.read_text())
+        missing = [k for k in ("benchmark", "rows", "summary") if k not in record]
+        if missing:
+            raise ValueError(f"{path}: result file lacks {missing} (write it with benchmarks/results_io.py)")
+        out.append((path, record))
+    return out

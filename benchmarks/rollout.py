@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results_io import write_result  # noqa: E402
+from lightning_ffpa._compat import transformers as hf_compat  # noqa: E402
 from lightning_ffpa.presets import build_text_config  # noqa: E402
 
 DEVICE = "cuda"
@@ -269,7 +270,7 @@ GLOBAL_ACCESS = "allow_global_per_layer_attribute_access"
 def run_hf_cb(model, prompts, new):
     from transformers import GenerationConfig
 
-    saved = model.config._attn_implementation
+    saved = hf_compat.config_attn_implementation(model.config)
     # transformers' CB cache reads global kv-head counts, which Gemma4's heterogeneous config refuses
     # (AmbiguousGlobalPerLayerAttributeError) unless this flag is set; set for this baseline only.
     old_flag = getattr(model.config, GLOBAL_ACCESS, None)  # None: this transformers has no such guard

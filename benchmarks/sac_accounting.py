@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning_ffpa._compat import transformers as hf_compat  # noqa: E402
 from lightning_ffpa.parallel import checkpointing, parallelize  # noqa: E402
 from lightning_ffpa.parallel.checkpointing import SAVE_MM_RULES, CheckpointPolicy  # noqa: E402
 from lightning_ffpa.presets import build_text_config  # noqa: E402
@@ -53,14 +54,12 @@ def _nbytes(out) -> int:
 def account(preset: str = "gemma4-31b", seq: int = 8192, rules=SAVE_MM_RULES) -> dict:
     """{rule: [per layer {layer_type, saved_bytes, saved_mm_bytes, recompute_mm_flops, mm_flops, saved_ops}]}."""
     import transformers
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register("acct", _attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register("acct", lambda *a, **k: None)
+    hf_compat.register_attention("acct", _attention)
+    hf_compat.register_mask("acct", lambda *a, **k: None)
     types = ["sliding_attention", "full_attention"]
     cfg = build_text_config(preset, num_hidden_layers=2, layer_types=types, vocab_size=256)
-    cfg._attn_implementation = "acct"
+    hf_compat.set_config_attn_implementation(cfg, "acct")
     result = {}
     real = checkpointing.sac_policy
     for rule in rules:

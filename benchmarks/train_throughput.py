@@ -40,20 +40,19 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch._dynamo.utils
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_io import write_result  # noqa: E402
 from benchmarks.step_probe import phase_memory, profile_step  # noqa: E402
-from lightning_ffpa.callbacks.attention import set_attn_implementation  # noqa: E402
+from lightning_ffpa._compat import torch as torch_compat  # noqa: E402
+from lightning_ffpa._compat import transformers as hf_compat  # noqa: E402
 from lightning_ffpa.callbacks.throughput import BF16_PEAK_FLOPS, train_flops_per_batch  # noqa: E402
 from lightning_ffpa.loss import linear_cross_entropy  # noqa: E402
 from lightning_ffpa.module import build_adamw  # noqa: E402
 from lightning_ffpa.parallel import FSDP2Strategy, causal_lm_hidden_states, parallelize  # noqa: E402
-from lightning_ffpa.parallel._shim import raise_recompile_limit  # noqa: E402
-from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, _materialize  # noqa: E402
+from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, materialize  # noqa: E402
 from lightning_ffpa.presets import build_text_config  # noqa: E402
 
 # "ours" rows take the product's defaults, so the benchmark follows them when they change.
@@ -79,9 +78,8 @@ DEFAULT_ROWS = ["sdpa", "seed_gqa", "flex", "ffpa_swap", "ours_nocompile", "ours
 
 # ----------------------------------------------------------------------------- baseline attentions
 def _register_baselines() -> None:
-    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import sdpa_mask
 
     def sdpa_gqa(module, query, key, value, attention_mask, scaling=None, **kwargs):
         """The seed's path: D=512 layers through SDPA enable_gqa (no mask, is_causal); others HF SDPA."""
@@ -90,8 +88,8 @@ def _register_baselines() -> None:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None  # (B, S, H, D)
 
-    AttentionInterface.register("sdpa_gqa", sdpa_gqa)
-    ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa_gqa", sdpa_mask)
+    hf_compat.register_attention("sdpa_gqa", sdpa_gqa)
+    hf_compat.register_mask("sdpa_gqa", sdpa_mask)
 
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -120,18 +118,15 @@ def _register_baselines() -> None:
     def no_mask(*args, **kwargs):
         return None
 
-    AttentionInterface.register("flex_d512", flex)
-    ALL_MASK_ATTENTION_FUNCTIONS.register("flex_d512", no_mask)
+    hf_compat.register_attention("flex_d512", flex)
+    hf_compat.register_mask("flex_d512", no_mask)
 
 
 # ----------------------------------------------------------------------------- helpers
 def _dispatch():
-    try:
-        from lightning_ffpa import attention
+    from lightning_ffpa import attention
 
-        return attention.dispatch_counts, attention.reset_dispatch_counts
-    except (ImportError, AttributeError):
-        return (lambda: {}), (lambda: None)
+    return attention.dispatch_counts, attention.reset_dispatch_counts
 
 
 def measure_bf16_peak(device) -> float:
@@ -165,16 +160,16 @@ def build_model(spec: dict, mesh, layers: int, device, preset: str):
             # An "ffpa" row timed on the sdpa fallback would be a silent mislabel: fail the row instead.
             raise RuntimeError(f"FFPA CuTeDSL unavailable: {kernels.ffpa_unavailable_reason()}")
         register_ffpa()
-    cfg._attn_implementation = "sdpa"
+    hf_compat.set_config_attn_implementation(cfg, "sdpa")
     with torch.device("meta"):
         model = transformers.Gemma4ForCausalLM(cfg)
-    set_attn_implementation(model, spec["attn"])  # the FFPAAttention Callback's own setter
+    hf_compat.set_attn_implementation(model, spec["attn"])  # the FFPAAttention Callback's own setter
     strategy = FSDP2Strategy(activation_checkpointing=spec["ac"], compile=spec["compile"],  # product defaults
                              param_dtype="bf16" if device.type == "cuda" else "fp32")
     parallelize(model, mesh, activation_checkpointing=spec["ac"], compile=spec["compile"],
                 sac_save_mm=spec.get("save_mm", PRODUCT_SAVE_MM),
                 mp_policy=strategy.mp_policy(), reshard_after_forward=True)
-    _materialize(model, device)  # the strategy's meta -> device init (HF _init_weights, real random values)
+    materialize(model, device)  # the strategy's meta -> device init (HF _init_weights, real random values)
     bad = [n for n, p in model.named_parameters() if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]
     if bad:
         raise RuntimeError(f"non-finite weights after init: {bad[:3]}")
@@ -219,7 +214,7 @@ def run_row(name: str, spec: dict, seqs, args, mesh, device, peak: float, rank: 
                 reset_counts()
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                dynamo_stats = torch._dynamo.utils.counters
+                dynamo_stats = torch_compat.dynamo_counters()
                 dynamo_stats.clear()
                 times, losses = [], []
                 graphs_after_warmup = 0
@@ -267,7 +262,7 @@ def run_row(name: str, spec: dict, seqs, args, mesh, device, peak: float, rank: 
         out += [dict(row=name, seq=s, **spec, error=f"build: {type(e).__name__}: {e}"[:800]) for s in seqs]
     finally:
         del model, opt, loss
-        torch._dynamo.reset()  # compiled code holds the model's modules
+        torch.compiler.reset()  # compiled code holds the model's modules
         gc.collect()  # FSDP state <-> module reference cycles: only the cycle collector frees a model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -349,7 +344,7 @@ def main() -> None:
     t_start = time.perf_counter()
     # Per-layer compile with static shapes: 2 layer kinds x 2 seqs x (maybe) per-layer guards can pass
     # dynamo's default recompile limit of 8, which would silently drop layers to eager mid-benchmark.
-    raise_recompile_limit(64)
+    torch_compat.raise_recompile_limit(64)
     for name in args.rows:
         skip = [time.perf_counter() - t_start > args.budget_s]
         torch.distributed.broadcast_object_list(skip, src=0)  # rank-uniform, or dp ranks would hang

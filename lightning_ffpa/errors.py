@@ -26,6 +26,10 @@ class ConfigError(ValueError):
         super().__init__(f"`{option}={value!r}`: {reason}")
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from (missing, truncated, corrupt or incompatible)."""
+
+
 def _debug_requested(argv: list[str]) -> bool:
     return "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 

@@ -33,9 +33,10 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save_file
 
-from lightning_ffpa.checkpoint import _compat
-from lightning_ffpa.errors import ConfigError, console_entry
-from lightning_ffpa.validation import CheckpointError, check_checkpoint
+from lightning_ffpa._compat import torch as torch_compat
+from lightning_ffpa._compat.transformers import text_config
+from lightning_ffpa.errors import CheckpointError, ConfigError, console_entry
+from lightning_ffpa.validation import check_checkpoint
 
 MODULE_PREFIX = "model."  # Gemma4LM keeps the HF model in `self.model`
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> HF model
@@ -61,7 +62,7 @@ class _Source:
         self.path = path
         self.meta = check_checkpoint(path, "ckpt", resume=False, verify_checksums=True)
         if path.is_dir():
-            md = _compat.read_dcp_metadata(str(path))
+            md = torch_compat.read_dcp_metadata(str(path))
             self._dcp_keys = {k.removeprefix("state_dict."): k for k in md.state_dict_metadata
                               if k.startswith("state_dict.")}
             self.specs = {k: (tuple(md.state_dict_metadata[full].size), md.state_dict_metadata[full].properties.dtype)
@@ -77,7 +78,7 @@ class _Source:
     def load(self, keys: list[str]) -> dict[str, torch.Tensor]:
         if not self.path.is_dir():
             return {k: self._state[k] for k in keys}
-        loaded = _compat.load_dcp_keys(str(self.path), {self._dcp_keys[k] for k in keys})
+        loaded = torch_compat.load_dcp_keys(str(self.path), {self._dcp_keys[k] for k in keys})
         flat = dict(_flatten(loaded))
         return {k: flat[self._dcp_keys[k]] for k in keys}
 
@@ -190,7 +191,7 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     source = _Source(Path(ckpt))
     hparams = source.hparams
     config = model_config(hparams, config_dir)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     lora = hparams.get("lora")
     tied = bool(getattr(text, "tie_word_embeddings", False))
     plan = _plan(sorted(source.specs), tied=tied, merge=merge_lora)
@@ -286,7 +287,7 @@ def save_hf_sharded(model: torch.nn.Module, out_dir: str | Path, *, max_shard_si
     # global shapes: the same split on every rank
     split = _split({n: (tuple(t.shape), t.dtype) for n, t in state.items()}, max_shard_size, "max_shard_size")
     index = {n: i for i, names in enumerate(split.filename_to_tensors.values(), 1) for n in names}
-    writer = _compat.hf_storage_writer(str(out), fqn_to_index_mapping=index, save_distributed=True,
+    writer = torch_compat.hf_storage_writer(str(out), fqn_to_index_mapping=index, save_distributed=True,
                                        enable_consolidation=True)
     dcp.save(state, storage_writer=writer)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0

@@ -26,12 +26,15 @@ from transformers import (
     PreTrainedModel,
 )
 
-from lightning_ffpa.errors import ConfigError
+from lightning_ffpa._compat.transformers import attention_names, from_config, text_config  # noqa: F401 - text_config re-exported
+from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.lora import apply_lora, lora_hparam
 from lightning_ffpa.presets import build_text_config, check_overrides, check_preset_overrides, config_fields
 
 # HF names plus ours; anything else registered in transformers' AttentionInterface is accepted too.
 KNOWN_ATTN = ("sdpa", "eager", "flex_attention", "ffpa")
+# Hyper-parameters that define the architecture: a checkpoint trained with other values cannot be resumed.
+ARCHITECTURE_HPARAMS = ("pretrained", "preset", "config_overrides", "model_class", "lora")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 _MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemma4ForConditionalGeneration}
 
@@ -42,8 +45,6 @@ _ADAPTER_KEY = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector
 
 
 def _registered_attn() -> set[str]:
-    from lightning_ffpa.attention._hf_shim import attention_names
-
     return set(KNOWN_ATTN) | attention_names()
 
 
@@ -53,10 +54,6 @@ def resolve_dtype(dtype: str) -> torch.dtype:
         bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if bf16 else torch.float32
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
-
-
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def canonical_option(key: str, value: Any) -> Any:
@@ -165,7 +162,7 @@ class HFModule(L.LightningModule):
             model = cls.from_pretrained(hp.pretrained, config=self.config, dtype=dtype, attn_implementation=attn)
         else:
             with torch.device(device or "cpu"):
-                model = cls._from_config(self.config, dtype=dtype, attn_implementation=attn)
+                model = from_config(cls, self.config, dtype=dtype, attn_implementation=attn)
         if requested == "ffpa":
             from lightning_ffpa.attention import register_ffpa
 
@@ -246,7 +243,6 @@ class HFModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse (before any weight is loaded) a checkpoint whose architecture options differ from this module's."""
-        from lightning_ffpa.validation import check_hparams_match
 
         check_hparams_match(checkpoint.get("hyper_parameters"), self, "ckpt_path")
 
@@ -274,3 +270,15 @@ def check_options_match_checkpoint(given: Any, saved: dict[str, Any] | None, ckp
         also = f" (also differ: {', '.join('model.' + k for k, _, _ in diffs[1:])})" if len(diffs) > 1 else ""
         raise ConfigError(f"model.{key}", now, f"differs from `ckpt_path={ckpt_path}`, which has {was!r} and would "
                                                f"replace it silently; {fix}{also}")
+
+
+def check_hparams_match(saved: dict[str, Any] | None, model: Any, option: str = "ckpt_path") -> None:
+    """Refuse to resume a checkpoint whose architecture hyper-parameters differ from this run's `model.*`."""
+    current = getattr(model, "hparams", None)
+    if not saved or current is None:
+        return
+    for key, was, now in differing_options(saved, dict(current), ARCHITECTURE_HPARAMS)[:1]:
+        raise CheckpointError(
+            f"`{option}` was trained with `model.{key}={was!r}` but this run has "
+            f"`model.{key}={now!r}`; the weights would not fit"
+        )

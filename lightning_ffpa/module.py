@@ -15,6 +15,7 @@ from torch import nn
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from lightning_ffpa.attention.documents import check_packing, packed_inputs
+from lightning_ffpa.cp import cp_group_info, cp_loss_reduce, shard_batch
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.hf_module import (  # noqa: F401 - re-exported: `from lightning_ffpa.module import resolve_dtype`
     _MODEL_CLASSES,
@@ -27,7 +28,6 @@ from lightning_ffpa.hidden_states import causal_lm_hidden_states
 from lightning_ffpa.lora import LoraSpec, lora_hparam
 from lightning_ffpa.loss import linear_cross_entropy
 from lightning_ffpa.metrics import TokenPerplexity
-from lightning_ffpa.parallel.context_parallel import cp_group_info, cp_loss_reduce, shard_batch
 
 
 def check_range(option: str, value: float, *, gt: float | None = None, ge: float | None = None,

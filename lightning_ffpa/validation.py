@@ -23,17 +23,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ffpa.checkpoint import _compat
+from lightning_ffpa._compat import lightning as lightning_compat
+from lightning_ffpa._compat import torch as torch_compat
+from lightning_ffpa._compat.transformers import from_config, text_config
 from lightning_ffpa.checkpoint.paths import root_checkpoint_dirs
+from lightning_ffpa.errors import CheckpointError
+from lightning_ffpa.hf_module import ARCHITECTURE_HPARAMS, check_hparams_match  # noqa: F401 - re-exported
 
-# Hyper-parameters that define the architecture: a checkpoint trained with other values cannot be resumed.
-ARCHITECTURE_HPARAMS = ("pretrained", "preset", "config_overrides", "model_class", "lora")
 # LightningCLI option: take the model options from an explicit checkpoint file even where they differ.
 RESUME_SWITCH = "resume_model_from_checkpoint"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from (missing, truncated, corrupt or incompatible)."""
 
 
 def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path", *, resume: bool = True,
@@ -84,7 +82,7 @@ def _check_dcp_folder(path: Path, option: str) -> dict[str, Any]:
         raise CheckpointError(f"`{option}={str(path)!r}` is a directory without `.metadata`; "
                               "it is not a distributed (DCP) checkpoint")
     try:
-        metadata = _compat.read_dcp_metadata(str(path))
+        metadata = torch_compat.read_dcp_metadata(str(path))
     except Exception as err:  # noqa: BLE001
         raise CheckpointError(f"`{option}={str(path)!r}`: unreadable `.metadata` ({err})") from err
     needed: dict[str, int] = {}
@@ -97,7 +95,7 @@ def _check_dcp_folder(path: Path, option: str) -> dict[str, Any]:
         if shard.stat().st_size < size:
             raise CheckpointError(f"`{option}={str(path)!r}`: shard {name!r} is truncated "
                                   f"({shard.stat().st_size} of {size} bytes)")
-    meta_file = path / _compat.lightning_dcp_meta_filename()
+    meta_file = path / lightning_compat.lightning_dcp_meta_filename()
     if not meta_file.is_file():
         return {}
     try:
@@ -125,20 +123,6 @@ def check_no_dangling_last(trainer: Any, option: str = "ckpt_path") -> None:
                                       f"did not complete; pass a complete checkpoint explicitly ({hint})")
 
 
-def check_hparams_match(saved: dict[str, Any] | None, model: Any, option: str = "ckpt_path") -> None:
-    """Refuse to resume a checkpoint whose architecture hyper-parameters differ from this run's `model.*`."""
-    from lightning_ffpa.hf_module import differing_options
-
-    current = getattr(model, "hparams", None)
-    if not saved or current is None:
-        return
-    for key, was, now in differing_options(saved, dict(current), ARCHITECTURE_HPARAMS)[:1]:
-        raise CheckpointError(
-            f"`{option}` was trained with `model.{key}={was!r}` but this run has "
-            f"`model.{key}={now!r}`; the weights would not fit"
-        )
-
-
 def check_lora_targets(model: Any, option: str = "model.lora.target_modules") -> None:
     """Every entry of the LoRA `target_modules` must name at least one Linear/Embedding of the model."""
     spec = (getattr(model, "hparams", None) or {}).get("lora")
@@ -163,7 +147,7 @@ def _adaptable_module_names(model: Any) -> list[str]:
     from lightning_ffpa.module import _MODEL_CLASSES
 
     with torch.device("meta"):  # names only: no memory, no init
-        hf = _MODEL_CLASSES[getattr(model, "model_class_name", "causal_lm")]._from_config(model.config)
+        hf = from_config(_MODEL_CLASSES[getattr(model, "model_class_name", "causal_lm")], model.config)
     return [n for n, m in hf.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
 
 
@@ -177,7 +161,7 @@ def check_data_fits_model(model: Any, datamodule: Any) -> None:
     config = getattr(model, "config", None)
     if data_vocab is None or config is None:
         return
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     if data_vocab > text.vocab_size:
         raise ValueError(f"`data.vocab_size={data_vocab}` exceeds the model's vocab_size={text.vocab_size}; "
                          "token ids would index past the embedding")
@@ -197,7 +181,7 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
     if world % cp:
         raise ValueError(f"`context_parallel_size={cp}` does not divide world size {world} "
                          f"(trainer.devices x trainer.num_nodes)")
-    dp = getattr(strategy, "_data_parallel_size", "auto")  # the constructor argument, before the mesh exists
+    dp = lightning_compat.requested_data_parallel_size(strategy)  # the constructor argument, before the mesh exists
     if isinstance(dp, int) and dp * cp != world:
         raise ValueError(f"`data_parallel_size={dp}` x `context_parallel_size={cp}` = {dp * cp} != world size "
                          f"{world} (trainer.devices x trainer.num_nodes)")
@@ -222,10 +206,8 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
 
 
 def _attention_callbacks(trainer: Any) -> list[Any]:
-    try:
-        from lightning_ffpa.callbacks.attention import FFPAAttention
-    except ImportError:  # built without the attention callback
-        return []
+    from lightning_ffpa.callbacks.attention import FFPAAttention
+
     return [cb for cb in trainer.callbacks if isinstance(cb, FFPAAttention)]
 
 
@@ -239,7 +221,7 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
     check_parallel_layout(trainer, model, datamodule)
     check_data_fits_model(model, datamodule)
     check_lora_targets(model)
-    resolved = _compat.resolve_ckpt_path(trainer, ckpt_path)
+    resolved = lightning_compat.resolve_ckpt_path(trainer, ckpt_path)
     if resolved is None:
         if ckpt_path == "last":
             check_no_dangling_last(trainer)

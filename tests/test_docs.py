@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of scripts, not part of the installed package
-from benchmarks import plots, report  # noqa: E402
+from benchmarks import plots, report, results_io  # noqa: E402
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -103,7 +103,7 @@ def test_headline_numbers_match_their_json():
     readme = (ROOT / "README.md").read_text()
     block = readme[readme.index(report.BEGIN):readme.index(report.END)]
     lines = [ln for ln in block.splitlines() if ln.startswith("- **")]
-    recorded = [r for r in report.load_results() if any(k in r[1]["summary"] for k in report.HEADLINES)]
+    recorded = [r for r in results_io.load_results() if any(k in r[1]["summary"] for k in report.HEADLINES)]
     assert bool(lines) == bool(recorded)
     row_specs = {report.row_ref(m, metric): (m, metric, fmt) for _, m, metric, _, fmt in report.ROW_HEADLINES}
     for line in lines:
@@ -119,7 +119,7 @@ def test_headline_numbers_match_their_json():
 
 
 def test_plots_exist_for_every_plottable_result():
-    for path, rec in report.load_results():
+    for path, rec in results_io.load_results():
         if plots.can_plot(rec):
             assert (plots.IMG_DIR / f"{rec['benchmark']}.png").exists(), f"run `python -m benchmarks.plots` ({path.name})"
 
@@ -138,7 +138,7 @@ def test_report_renders_every_benchmark_kind(tmp_path):
         {"benchmark": "context_parallel", "rows": [{"row": "model_ffpa_ring_cp2", "tokens_per_s": 5.0}],
          "summary": {"cp2_vs_cp1_loss_max_abs_diff": 1e-6}},
     ]
-    results = [(report.RESULTS_DIR / f"{r['benchmark']}.json", r) for r in recs]
+    results = [(results_io.RESULTS_DIR / f"{r['benchmark']}.json", r) for r in recs]
     page = report.render_benchmarks_md(results, {r["benchmark"] for r in recs})
     assert "OutOfResources \\| shared memory" in page  # a failing row is shown with its error, pipes escaped
     assert "**1.20x tokens/s**" in page and "ours_mfu_8k" in page  # None summary: in the table, not a headline

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from lightning_ffpa.attention import _hf_shim, counters, kernels, masks
+from lightning_ffpa import saved_ops
+from lightning_ffpa._compat import transformers as hf_compat
+from lightning_ffpa.attention import counters, kernels, masks
 from lightning_ffpa.attention.documents import PackedDocuments
 from lightning_ffpa.attention.flex import flex_forward
 
@@ -86,12 +88,13 @@ def register_ffpa(head_dims: tuple[int, ...] = (512,), context_parallel_size: in
     if context_parallel_size != 1:
         raise ValueError(f"`context_parallel_size={context_parallel_size}`: the direct 'ffpa' backend runs "
                          f"only without context parallelism; {CP_ROUTE}")
-    _hf_shim.check_version()
+    hf_compat.check_version()
     _config.head_dims = tuple(int(d) for d in head_dims)
     _config.context_parallel_size = context_parallel_size
-    _hf_shim.register_attention(NAME, ffpa_attention_forward)
-    _hf_shim.register_mask(NAME, ffpa_mask)
+    hf_compat.register_attention(NAME, ffpa_attention_forward)
+    hf_compat.register_mask(NAME, ffpa_mask)
     kernels.register_flop_formulas()
+    saved_ops.register(kernels.forward_ops())  # SAC saves the FFPA forwards (its policy knows no kernels)
 
 
 # --------------------------------------------------------------------------- mask function
@@ -101,7 +104,7 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
               mask_function=None, attention_mask: Tensor | None = None, local_size: int | None = None,
               allow_is_causal_skip: bool = True, device: torch.device | str = "cpu", **kwargs):
     """HF mask function: BlockMask for sliding/non-plain-causal layers, 2D bool padding mask or None otherwise."""
-    padding = _hf_shim.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    padding = hf_compat.prepare_padding_mask(attention_mask, kv_length, kv_offset)
     plain_causal = local_size is None and allow_is_causal_skip and mask_function is not None
     aligned = isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset + q_length == kv_offset + kv_length
     if plain_causal and aligned:
@@ -202,7 +205,7 @@ def _documents(query: Tensor, attention_mask, kwargs: dict) -> PackedDocuments |
     if docs is None and not padded:  # with a padding mask HF does not read resets as packing (left padding)
         docs = _documents_from_positions(kwargs.get("position_ids"), query.shape[0])
     if docs is None:
-        packed_kw = [k for k in _hf_shim.PACKED_KWARGS if kwargs.get(k) is not None]
+        packed_kw = [k for k in hf_compat.PACKED_KWARGS if kwargs.get(k) is not None]
         if packed_kw:
             raise RuntimeError(f"the 'ffpa' attention backend takes packed-sequence boundaries from `documents=` or "
                                f"from position_ids that restart per document, not from kwargs {packed_kw}: "
@@ -295,9 +298,9 @@ def _documents_forward(module, query: Tensor, key: Tensor, value: Tensor, docs: 
 def _varlen(q: Tensor, k: Tensor, v: Tensor, padding: Tensor, scale: float, causal: bool) -> Tensor:
     """unpad -> FFPA varlen -> pad, on ``[B,S,H,D]`` tensors."""
     batch, q_len = q.shape[0], q.shape[1]
-    q_u, k_u, v_u, idx_q, (cu_q, cu_k), (max_q, max_k) = _hf_shim.unpad(q, k, v, padding, q_len)
+    q_u, k_u, v_u, idx_q, (cu_q, cu_k), (max_q, max_k) = hf_compat.unpad(q, k, v, padding, q_len)
     out = kernels.ffpa_varlen_attention(q_u, k_u, v_u, cu_q, cu_k, max_q, max_k, scale, causal)
-    return _hf_shim.pad(out, idx_q, batch, q_len)
+    return hf_compat.pad(out, idx_q, batch, q_len)
 
 
 # --------------------------------------------------------------------------- fallbacks

@@ -29,6 +29,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from lightning_ffpa._compat.torch import in_backward
+
 __all__ = ["count", "counts", "on_first", "reset"]
 
 GROUPS = ("path", "reason", "kernel")
@@ -37,14 +39,8 @@ _counts: dict[str, Counter] = {g: Counter() for g in GROUPS}
 _first_hooks: dict[str, Callable[[str], None]] = {}
 
 
-def _in_backward() -> bool:
-    """True while autograd's engine runs a backward: the forward being run is an AC recompute."""
-    # torch.utils.checkpoint uses the same private check (-1 outside a backward graph task).
-    return torch._C._current_graph_task_id() != -1
-
-
 def _record(group: str, name: str) -> None:
-    if _in_backward():
+    if in_backward():  # an AC recompute: the call was counted in forward
         return
     bucket = _counts[group]
     bucket[name] += 1

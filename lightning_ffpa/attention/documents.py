@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from lightning_ffpa.attention import _hf_shim, masks
+from lightning_ffpa._compat import transformers as hf_compat
+from lightning_ffpa.attention import masks
 from lightning_ffpa.errors import ConfigError
 
 __all__ = ["POSITION_IDS_IMPLEMENTATIONS", "PackedDocuments", "check_packing", "packed_inputs"]
@@ -114,7 +115,8 @@ def packed_inputs(batch: dict[str, Tensor], attn_implementation: str | Any) -> d
     if document_ids is None:
         return {}
     if not isinstance(attn_implementation, str):
-        attn_implementation = _hf_shim.model_attention(attn_implementation)
+        config = getattr(attn_implementation, "config", None)
+        attn_implementation = None if config is None else hf_compat.config_attn_implementation(config)
     check_packing(attn_implementation, True)
     attention_mask = batch.get("attention_mask")
     if attn_implementation == "ffpa":

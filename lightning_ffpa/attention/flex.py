@@ -14,6 +14,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from lightning_ffpa._compat import torch as torch_compat
+
 # Candidate option sets for large head dims, best-first by the last recorded H200 run
 # (benchmarks/attention.py times all of them and reports the best as the Flex baseline).
 # Backward tiles keep BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0 (torch's bwd config rule).
@@ -59,25 +61,14 @@ def flex_forward(query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMas
         # Eager on CPU is the unfused reference path: fine for tests, never used for speed.
         return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                               kernel_options=options)
-    if _dispatch_mode_active():
+    if torch_compat.dispatch_mode_active():
         # An eager activation-checkpoint region (SAC's caching mode, or its replay during backward) or a
         # user's TorchDispatchMode: dynamo cannot trace a dispatch mode (gb0008), so the compiled kernel
         # runs with the modes set aside. SAC then does not see this call and replays it in backward like
         # any PREFER_RECOMPUTE op; the FFPA forwards stay must-save.
-        with _without_dispatch_modes():
+        with torch_compat.without_dispatch_modes():
             return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                                     kernel_options=options)
     return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                             kernel_options=options)
 
-
-def _dispatch_mode_active() -> bool:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return _get_current_dispatch_mode() is not None
-
-
-def _without_dispatch_modes():
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    return _disable_current_modes()

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from lightning_ffpa._compat.torch import assume_constant_result
 from lightning_ffpa.attention import counters
 
 # importing registers torch.ops.lightning_ffpa.ref_* (the CPU reference of the contract)
@@ -80,7 +81,7 @@ def _ffpa_import() -> tuple[object | None, str]:
 
 
 # A per-process constant: dynamo must not trace the import (it graph-breaks compiled layers otherwise).
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def ffpa_available() -> bool:
     """Whether the FFPA CuTeDSL ops are importable in this process."""
     return _ffpa_import()[0] is not None
@@ -91,7 +92,7 @@ def ffpa_unavailable_reason() -> str:
     return _ffpa_import()[1]
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _device_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in CUTE_ARCH_MAJORS
 

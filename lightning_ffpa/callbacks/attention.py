@@ -2,12 +2,13 @@
 
 Owns choosing and installing the backend on the HF model and reporting which kernels ran. The
 kernels, the "ffpa" HF backend, its mask function and the dispatch counters live in
-`lightning_ffpa.attention`; the CP ring lives in `lightning_ffpa.attention.ring`.
+`lightning_ffpa.attention`; the CP ring lives in `lightning_ffpa.cp.ring`.
 
 - CP = 1: register "ffpa" and set it on the model (full layers at head_dim 512 go to FFPA, sliding
   layers to Flex through the registered mask function).
 - CP > 1: keep "sdpa" for HF and install the ring hook over the mesh's "context_parallel" dim.
-Works with any strategy: without a device mesh, CP is 1.
+When FFPA kernels will run, their forward ops are declared to the SAC policy (`lightning_ffpa.saved_ops`) in
+`setup()`, before the strategy wraps the layers. Works with any strategy: without a device mesh, CP is 1.
 """
 
 from __future__ import annotations
@@ -17,22 +18,13 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
 
-__all__ = ["FFPAAttention", "find_hf_model", "context_parallel_size", "set_attn_implementation"]
+from lightning_ffpa import attention, saved_ops
+from lightning_ffpa._compat import lightning as lightning_compat
+from lightning_ffpa._compat.transformers import find_hf_model, set_attn_implementation
+from lightning_ffpa.attention import kernels
 
-
-def find_hf_model(pl_module: nn.Module) -> nn.Module | None:
-    """`pl_module.model` if it is an HF PreTrainedModel, else the outermost PreTrainedModel submodule."""
-    from transformers import PreTrainedModel
-
-    inner = getattr(pl_module, "model", None)
-    if isinstance(inner, PreTrainedModel):
-        return inner
-    for module in pl_module.modules():  # pre-order: outermost first
-        if isinstance(module, PreTrainedModel):
-            return module
-    return None
+__all__ = ["FFPAAttention", "context_parallel_size"]
 
 
 def context_parallel_size(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
@@ -40,28 +32,10 @@ def context_parallel_size(trainer: pl.Trainer, pl_module: pl.LightningModule) ->
     size = getattr(trainer.strategy, "context_parallel_size", None)
     if isinstance(size, int):
         return size
-    mesh = getattr(pl_module, "_device_mesh", None)  # `pl_module.device_mesh` without the property's checks
+    mesh = lightning_compat.module_device_mesh(pl_module)
     if mesh is not None and "context_parallel" in (mesh.mesh_dim_names or ()):
         return mesh["context_parallel"].size()
     return 1
-
-
-def _backend():
-    """The attention package, checked for the interface this Callback uses."""
-    from lightning_ffpa import attention
-
-    missing = [n for n in ("register_ffpa", "dispatch_counts", "reset_dispatch_counts") if not hasattr(attention, n)]
-    if missing:
-        raise ImportError(f"lightning_ffpa.attention lacks {missing}: the FFPA backend is not installed in this build")
-    return attention
-
-
-def set_attn_implementation(model: nn.Module, name: str) -> None:
-    """Set the HF attention implementation on `model` (and its sub-configs)."""
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:
-        model.config._attn_implementation = name
 
 
 class FFPAAttention(Callback):
@@ -85,10 +59,13 @@ class FFPAAttention(Callback):
     # -- install ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Read the CP size and register the backend; configure the model if it already exists."""
-        attention = _backend()
         self.cp_size = context_parallel_size(trainer, pl_module)
         if self.cp_size == 1 and self.attn_implementation == "ffpa":
             attention.register_ffpa()
+        elif self.cp_size > 1:
+            # The ring is installed once the model exists, possibly after the strategy has wrapped the layers
+            # for SAC (the policy is built then): hand SAC the ring's kernel forwards now.
+            saved_ops.register(kernels.forward_ops())
         attention.reset_dispatch_counts()
         self._install(trainer, pl_module, required=False)
 
@@ -103,8 +80,8 @@ class FFPAAttention(Callback):
         if self.cp_size > 1:
             set_attn_implementation(model, "sdpa")  # install_ring then routes every layer to its ring function
             # Sharding the batch (and passing `ring_layout`) is the LightningModule's part, see
-            # lightning_ffpa.parallel.context_parallel.shard_batch.
-            from lightning_ffpa.attention.ring import install_ring
+            # lightning_ffpa.cp.shard_batch.
+            from lightning_ffpa.cp.ring import install_ring
 
             self.ring = install_ring(model, trainer.strategy.device_mesh["context_parallel"])
         else:
@@ -128,14 +105,14 @@ class FFPAAttention(Callback):
                            batch_idx: int) -> None:
         n = self.log_every_n_steps
         if n and trainer.global_step % n == 0:
-            counts = _backend().dispatch_counts()
+            counts = attention.dispatch_counts()
             if counts:
                 pl_module.log_dict({f"attention/{k}": float(v) for k, v in counts.items()},
                                    on_step=True, on_epoch=False, rank_zero_only=True)
 
     def summary(self) -> str:
         """One line: which attention kernels ran and how often (this rank)."""
-        counts = dict(_backend().dispatch_counts())
+        counts = dict(attention.dispatch_counts())
         counts.update({f"ring-{k}": v for k, v in (getattr(self.ring, "stats", None) or {}).items()})
         ran = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "no attention calls counted"
         mode = f"ring CP={self.cp_size}" if self.cp_size > 1 else f"attn_implementation={self.attn_implementation}"

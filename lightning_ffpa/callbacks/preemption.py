@@ -20,6 +20,8 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_ffpa._compat import lightning as lightning_compat
+
 
 class DeferredRequeue(pl.Callback):
     """Run Lightning's SLURM auto-requeue handler at the next step boundary instead of mid-step."""
@@ -36,7 +38,7 @@ class DeferredRequeue(pl.Callback):
         self.num_deferred = 0  # signals handled at a step boundary
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        env = trainer._accelerator_connector.cluster_environment
+        env = lightning_compat.cluster_environment(trainer)
         if not (isinstance(env, SLURMEnvironment) and env.auto_requeue):
             return
         self._signum = env.requeue_signal

@@ -19,6 +19,8 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import ThroughputMonitor
 from torch import nn
 
+from lightning_ffpa._compat import lightning as lightning_compat
+
 __all__ = ["TokenThroughput", "BF16_PEAK_FLOPS", "peak_bf16_flops", "count_real_tokens", "train_flops_per_batch"]
 
 # Dense bf16 tensor-core peaks (no sparsity) from the vendor data sheets, by device-name substring.
@@ -76,7 +78,7 @@ def _keys_per_query(seq: int, window: int | None, causal: bool) -> float:
 
 def train_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> float:
     """Model FLOPs of one training step (fwd + bwd) of an HF decoder CausalLM on a (B, S) batch."""
-    from lightning_ffpa.parallel.fsdp import find_decoder_layers
+    from lightning_ffpa._compat.transformers import find_decoder_layers
 
     found = find_decoder_layers(model)
     if found is None:
@@ -141,17 +143,14 @@ class TokenThroughput(ThroughputMonitor):
 
         if any(isinstance(cb, FFPAAttention) and cb.log_every_n_steps for cb in trainer.callbacks):
             self.log_attention_dispatch = False  # one writer per metric key
-        try:  # FLOP formulas for the FFPA ops, for anyone using measure_flops on this model
-            from lightning_ffpa.attention.kernels import register_flop_formulas
-        except ImportError:
-            pass
-        else:
-            register_flop_formulas()
+        from lightning_ffpa.attention.kernels import register_flop_formulas
+
+        register_flop_formulas()  # FLOP formulas for the FFPA ops, for anyone using measure_flops on this model
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if self._auto_flops:
-            from lightning_ffpa.callbacks.attention import find_hf_model
+            from lightning_ffpa._compat.transformers import find_hf_model
 
             model = find_hf_model(pl_module) or pl_module
             pl_module.flops_per_batch = train_flops_per_batch(model, *_batch_shape(batch))
@@ -159,17 +158,14 @@ class TokenThroughput(ThroughputMonitor):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if not trainer._logger_connector.should_update_logs:
+        if not lightning_compat.should_update_logs(trainer):
             return
         metrics: dict[str, float] = {}
         if trainer.strategy.root_device.type == "cuda":
             metrics["device/peak_memory_gb"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device) / 2**30
         if self.log_attention_dispatch:
-            try:
-                from lightning_ffpa.attention import dispatch_counts
-            except ImportError:
-                dispatch_counts = None
-            if dispatch_counts is not None:
-                metrics.update({f"attention/{k}": float(v) for k, v in dispatch_counts().items()})
+            from lightning_ffpa.attention import dispatch_counts
+
+            metrics.update({f"attention/{k}": float(v) for k, v in dispatch_counts().items()})
         if metrics:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)

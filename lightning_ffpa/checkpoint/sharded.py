@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_ffpa.checkpoint import _compat
+from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa.checkpoint.atomic import (
     SPACE_MARGIN,
     checkpoint_bytes,
@@ -75,7 +75,7 @@ class ShardedCheckpointWriter:
         if strategy.global_rank == 0:  # an older `path` stays until publish: it is the last good checkpoint
             discard(tmp)
             tmp.mkdir(parents=True)
-            torch.save(checkpoint, tmp / _compat.lightning_dcp_meta_filename())  # loops, hparams, callbacks
+            torch.save(checkpoint, tmp / lightning_compat.lightning_dcp_meta_filename())  # loops, hparams, callbacks
         strategy.barrier("ffpa_dcp_partial_ready")
         import torch.distributed.checkpoint as dcp
 

@@ -17,15 +17,16 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_ffpa._compat import lightning as lightning_compat
+
 
 def loaded_loops_state(trainer: Any) -> dict[str, Any] | None:
     """The `loops` part of the checkpoint the trainer is restoring (before it restores its loops), or None."""
     # Lightning keeps the loaded dict on its private checkpoint connector between restoring the modules
     # (which calls `LightningDataModule.load_state_dict`) and restoring the loops; there is no public hook
     # that sees the whole checkpoint from a datamodule.
-    connector = getattr(trainer, "_checkpoint_connector", None)
-    checkpoint = getattr(connector, "_loaded_checkpoint", None)
-    return checkpoint.get("loops") if isinstance(checkpoint, dict) else None
+    checkpoint = lightning_compat.loaded_checkpoint(trainer)
+    return None if checkpoint is None else checkpoint.get("loops")
 
 
 def saved_after_fit_end(fit_loop: dict[str, Any]) -> bool:

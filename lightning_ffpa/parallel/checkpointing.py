@@ -1,10 +1,12 @@
 """Activation checkpointing for decoder layers: full, or selective (SAC) with an FFPA-aware save policy.
 
-Owns the op lists, the policy and the layer wrapper. Which layers get wrapped is `fsdp.parallelize`'s job.
+Owns the op lists, the policy and the layer wrapper. Which layers get wrapped is `fsdp.parallelize`'s job;
+which custom attention kernels exist is the attention package's: it declares their forwards in
+`lightning_ffpa.saved_ops` when it is installed, so this package imports nothing from `lightning_ffpa.attention`.
 
 The save policy (selective mode):
-- MUST_SAVE attention forwards (the FFPA custom ops, the flex_attention HOP, the SDPA fused ops), so a
-  layer's attention runs once per step, and reduce-scatter (never redo communication);
+- MUST_SAVE attention forwards (the registered custom ops such as FFPA's, the flex_attention HOP, the SDPA
+  fused ops), so a layer's attention runs once per step, and reduce-scatter (never redo communication);
 - matmuls by a documented rule (`save_mm`):
   - `"high_k"` (default): save a matmul iff its reduction dim K is larger than the layer's width
     (the residual-stream width, read from the layer). Saving an (M, N) output costs M*N elements and
@@ -31,7 +33,8 @@ from typing import Literal
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from lightning_ffpa.parallel._shim import checkpoint_wrapper
+from lightning_ffpa import saved_ops
+from lightning_ffpa._compat.torch import HigherOrderOperator, OpOverload, OpOverloadPacket, checkpoint_wrapper
 
 __all__ = ["default_save_ops", "resolve_op", "sac_policy", "sac_context_fn", "apply_activation_checkpointing",
            "layer_width", "mm_reduction_dim", "SAVE_MM_RULES"]
@@ -50,18 +53,9 @@ _SDPA_FORWARDS = (
 _MM_OPS = ("mm", "addmm", "_grouped_mm")
 
 
-def _ffpa_forward_ops() -> tuple:
-    """The FFPA forward OpOverloads that exist in this process (attention package owns the list)."""
-    try:
-        from lightning_ffpa.attention.kernels import FFPA_FORWARD_OPS
-    except ImportError:
-        return ()
-    return tuple(FFPA_FORWARD_OPS)
-
-
 def default_save_ops() -> set:
-    """FFPA forwards, the flex_attention HOP, SDPA fused forwards and reduce-scatter."""
-    ops: set = set(_ffpa_forward_ops())
+    """Declared custom forwards (FFPA, `saved_ops`), the flex_attention HOP, SDPA fused forwards, reduce-scatter."""
+    ops: set = set(saved_ops.registered())
     ops.add(torch.ops.higher_order.flex_attention)
     for name in _SDPA_FORWARDS:
         packet = getattr(torch.ops.aten, name, None)
@@ -87,9 +81,9 @@ def resolve_op(name: str):
     except (AttributeError, RuntimeError) as e:
         raise ValueError(f"`sac_extra_save_ops` entry {name!r} is not a registered torch op "
                          f"(is the library that defines it imported?)") from e
-    if isinstance(obj, torch._ops.OpOverloadPacket):
+    if isinstance(obj, OpOverloadPacket):
         obj = obj.default  # "aten.mm" means its default overload
-    if not isinstance(obj, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+    if not isinstance(obj, (OpOverload, HigherOrderOperator)):
         raise ValueError(f"`sac_extra_save_ops` entry {name!r} resolved to {obj!r}, not an op overload")
     return obj
 

@@ -1,8 +1,8 @@
 """`parallelize`: the public recipe that turns an HF decoder model into an FSDP2 (+AC, +compile) model.
 
-Owns the order of the wrapping steps and how decoder layers are found. It does not build the mesh
-(the strategy does) and does not pick attention kernels (the attention Callback does). Any
-LightningModule can call it from `configure_model` with `self.device_mesh`.
+Owns the order of the wrapping steps. It does not build the mesh (the strategy does), find the decoder
+layers (`lightning_ffpa._compat.transformers.find_decoder_layers`) or pick attention kernels (the attention
+Callback does). Any LightningModule can call it from `configure_model` with `self.device_mesh`.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
+from lightning_ffpa._compat.torch import (
+    allow_checkpoint_side_effects_under_compile,
+    flatten_mesh,
+    raise_recompile_limit,
+)
+from lightning_ffpa._compat.transformers import find_decoder_layers
 from lightning_ffpa.hidden_states import (
     HIDDEN_STATES_METHOD,
     causal_lm_hidden_states,  # re-exported: `lightning_ffpa.parallel.causal_lm_hidden_states`
     install_hidden_states_method,
-)
-from lightning_ffpa.parallel._shim import (
-    allow_checkpoint_side_effects_under_compile,
-    flatten_mesh,
-    raise_recompile_limit,
 )
 from lightning_ffpa.parallel.checkpointing import (
     ACMode,
@@ -37,21 +38,6 @@ from lightning_ffpa.parallel.checkpointing import (
 __all__ = ["parallelize", "find_decoder_layers", "causal_lm_hidden_states", "FSDP_MESH_NAME"]
 
 FSDP_MESH_NAME = "dp_cp"
-
-
-def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, str] | None:
-    """The (parent ModuleList owner, attribute) holding the decoder layers: HF `*.model.layers` or `*.layers`."""
-    for candidate in (getattr(model, "model", None), model):
-        layers = getattr(candidate, "layers", None)
-        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-            return candidate, "layers"
-    # Fallback for wrappers (e.g. a multimodal model): the first ModuleList named "layers" whose
-    # entries are decoder layers (HF marks them GradientCheckpointingLayer).
-    for _, module in model.named_modules():
-        layers = getattr(module, "layers", None)
-        if isinstance(layers, nn.ModuleList) and any(type(m).__name__.endswith("DecoderLayer") for m in layers):
-            return module, "layers"
-    return None
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpointing: ACMode = "none",

@@ -15,23 +15,22 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
+from lightning_ffpa._compat import lightning as lightning_compat
+from lightning_ffpa._compat import transformers as hf_compat
 from lightning_ffpa.checkpoint.atomic import AtomicCheckpointIO
 from lightning_ffpa.checkpoint.sharded import ShardedCheckpointWriter
 from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, sac_context_fn
-from lightning_ffpa.parallel.fsdp import find_decoder_layers, parallelize
+from lightning_ffpa.parallel.fsdp import parallelize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FSDP2Strategy", "MESH_DIM_NAMES"]
+__all__ = ["FSDP2Strategy", "MESH_DIM_NAMES", "materialize"]
 
 MESH_DIM_NAMES = ("data_parallel", "context_parallel")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -47,35 +46,25 @@ def _dtype(name: str | None, option: str) -> torch.dtype | None:
 
 
 def _find_parallelize_target(module: nn.Module, required: bool = True) -> nn.Module | None:
-    """The HF model inside a LightningModule: `module.model` if it has decoder layers, else the first
-    transformers PreTrainedModel among the submodules."""
-    inner = getattr(module, "model", None)
-    if isinstance(inner, nn.Module) and find_decoder_layers(inner) is not None:
-        return inner
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        PreTrainedModel = ()  # noqa: N806
-    for sub in module.modules():
-        if PreTrainedModel and isinstance(sub, PreTrainedModel) and find_decoder_layers(sub) is not None:
-            return sub
-    if not required:
-        return None
+    """The HF model inside a LightningModule that `parallelize` shards (see `find_hf_model`)."""
+    target = hf_compat.find_hf_model(module, with_decoder_layers=True)
+    if target is not None or not required:
+        return target
     raise TypeError(
         f"FSDP2Strategy found no decoder model in {type(module).__name__}: set `self.model` to an HF model, "
         "or call `lightning_ffpa.parallel.parallelize(...)` yourself in `configure_model()`"
     )
 
 
-def _materialize(model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device) -> None:
     """Allocate and initialise meta-device weights after sharding (each rank only its shard)."""
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return
-    init_weights = getattr(model, "_init_weights", None)
+    init_weights = hf_compat.init_weights_fn(model)
     if init_weights is None:
-        _materialize_distributed_module(model, device)  # Lightning's reset_parameters() path
+        lightning_compat.materialize_distributed_module(model, device)  # Lightning's reset_parameters() path
         return
-    # HF models: `_init_weights` also rebuilds non-persistent buffers (rotary inv_freq, embed scale).
+    # HF models: their initialiser also rebuilds non-persistent buffers (rotary inv_freq, embed scale).
     model.to_empty(device=device)
     with torch.no_grad():
         for sub in model.modules():
@@ -164,7 +153,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         cp = self._context_parallel_size
         if world_size % cp != 0:
             raise ValueError(f"`context_parallel_size={cp}` does not divide world size {world_size}")
-        dp = world_size // cp if self._data_parallel_size == "auto" else self._data_parallel_size
+        requested = lightning_compat.requested_data_parallel_size(self)
+        dp = world_size // cp if requested == "auto" else requested
         if dp * cp != world_size:
             raise ValueError(f"`data_parallel_size={dp}` x `context_parallel_size={cp}` = {dp * cp} "
                              f"!= world size {world_size}")
@@ -175,13 +165,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         # Not ModelParallelStrategy.setup_environment: that one builds a dp x tp mesh.
         # Check sizes before the process group exists (the world size is known from the devices).
         dp, cp = self._resolve_sizes(self.num_nodes * self.num_processes)
-        self._setup_distributed()
-        self._data_parallel_size = dp
+        lightning_compat.setup_distributed(self)
         from torch.distributed.device_mesh import init_device_mesh
 
-        self._device_mesh = init_device_mesh(self.root_device.type, (dp, cp), mesh_dim_names=MESH_DIM_NAMES)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh  # `self.device_mesh` in configure_model
+        mesh = init_device_mesh(self.root_device.type, (dp, cp), mesh_dim_names=MESH_DIM_NAMES)
+        lightning_compat.set_device_mesh(self, mesh)  # also `self.device_mesh` in configure_model
 
     @property
     @override
@@ -228,8 +217,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         if not already_sharded:
             self.parallelize_module(target)
         if target is not None:
-            _materialize(target, self.root_device)
-        _materialize_distributed_module(self.model, self.root_device)  # anything else still on meta
+            materialize(target, self.root_device)
+        lightning_compat.materialize_distributed_module(self.model, self.root_device)  # anything else still on meta
         # Pretrained weights go in after materialisation, shard by shard (the module knows its checkpoint).
         load = getattr(self.lightning_module, "load_sharded_weights", None)
         if callable(load):
@@ -241,7 +230,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            lightning_compat.optimizers_to_device(self.optimizers, self.root_device)
 
     @property
     def checkpoint_io(self):
@@ -276,8 +265,3 @@ class FSDP2Strategy(ModelParallelStrategy):
             self._dcp_writer.wait()  # the last background save is on disk before the process may exit
         finally:
             super().teardown()
-
-    @property
-    def mesh(self) -> DeviceMesh:
-        """Alias of `device_mesh`."""
-        return self.device_mesh

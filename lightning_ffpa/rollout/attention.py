@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from lightning_ffpa.rollout.compat import register_attention
+from lightning_ffpa._compat.transformers import register_attention
 
 ATTENTION_NAME = "lightning_ffpa_paged"
 

@@ -51,8 +51,8 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
+from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa.errors import ConfigError
-from lightning_ffpa.rollout import compat
 from lightning_ffpa.rollout.attention import StepContext, dense_reference, kernel_options
 from lightning_ffpa.rollout.kv_cache import PagedKVCache
 from lightning_ffpa.rollout.masks import (
@@ -157,7 +157,7 @@ class RolloutEngine:
         if cfg.attention == "dense":
             self.flex, self.attention_path = dense_reference, "dense_reference"
         elif self.on_cuda and cfg.compile_flex:
-            compat.raise_recompile_limit()
+            torch_compat.raise_recompile_limit()
             self.flex, self.attention_path = torch.compile(flex_attention, dynamic=False), "flex_compiled"
         if cfg.compile_decode and not self.on_cuda:
             raise ConfigError("engine.compile_decode", True, "needs CUDA (the CPU path runs eagerly)")
@@ -165,7 +165,7 @@ class RolloutEngine:
             kernel_options(head_dim, True, self.dtype, page_size=cfg.page_size)
         self._step, self.decode_path = self._decode_step, "eager"
         if self.on_cuda if cfg.compile_decode is None else cfg.compile_decode:
-            compat.raise_recompile_limit()
+            torch_compat.raise_recompile_limit()
             self._step, self.decode_path = torch.compile(self._decode_step, dynamic=False), "compiled"
         self.buckets = _buckets(cfg.max_batch_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}

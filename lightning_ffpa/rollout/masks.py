@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from lightning_ffpa.rollout.compat import block_mask_from_kv_blocks
+from lightning_ffpa._compat.torch import block_mask_from_kv_blocks
 
 PREFILL_BLOCK = 128  # packed prefill is padded to a multiple of this (flex's default sparse block)
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from lightning_ffpa.rollout import compat
+from lightning_ffpa._compat import transformers as hf_compat
 from lightning_ffpa.rollout.attention import ATTENTION_NAME, StepContext
 from lightning_ffpa.rollout.kv_cache import LayerSpec, PagedKVCache
 
@@ -36,9 +36,9 @@ class DecoderWalker:
         self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * n)
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.per_layer_dim = getattr(self.base, "hidden_size_per_layer_input", 0) or 0
-        self.rotary_by_type = compat.rotary_takes_layer_type(self.base.rotary_emb)
-        params = compat.decoder_layer_params(self.base.layers[0])
-        self._cache_kw = compat.cache_kwarg(params)
+        self.rotary_by_type = hf_compat.rotary_takes_layer_type(self.base.rotary_emb)
+        params = hf_compat.decoder_layer_params(self.base.layers[0])
+        self._cache_kw = hf_compat.cache_kwarg(params)
         self._shared_kw = "shared_kv_states" in params
         self._per_layer_kw = "per_layer_input" in params
         self.specs = [self._spec(layer) for layer in self.base.layers]
@@ -60,12 +60,12 @@ class DecoderWalker:
     def paged_attention(self):
         """Route the model's attention modules to the paged flex function while inside."""
         cfg = self.config
-        saved = cfg._attn_implementation
-        cfg._attn_implementation = ATTENTION_NAME
+        saved = hf_compat.config_attn_implementation(cfg)
+        hf_compat.set_config_attn_implementation(cfg, ATTENTION_NAME)
         try:
             yield
         finally:
-            cfg._attn_implementation = saved
+            hf_compat.set_config_attn_implementation(cfg, saved)
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: StepContext,
                cache: PagedKVCache, logits_index: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,8 +12,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import lightning_ffpa.attention as attention
+from lightning_ffpa._compat.transformers import find_hf_model
 from lightning_ffpa.callbacks import FFPAAttention, TokenThroughput
-from lightning_ffpa.callbacks.attention import context_parallel_size, find_hf_model
+from lightning_ffpa.callbacks.attention import context_parallel_size
 from lightning_ffpa.presets import build_text_config
 
 
@@ -120,10 +121,10 @@ def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatc
     import types
 
     calls = []
-    fake_ring = types.ModuleType("lightning_ffpa.attention.ring")
+    fake_ring = types.ModuleType("lightning_ffpa.cp.ring")
     fake_ring.install_ring = lambda model, cp_mesh: calls.append((model, cp_mesh)) or SimpleNamespace(
         stats={"block_dense": 3})
-    monkeypatch.setitem(sys.modules, "lightning_ffpa.attention.ring", fake_ring)
+    monkeypatch.setitem(sys.modules, "lightning_ffpa.cp.ring", fake_ring)
     module = _Wrapper()
     module.configure_model()
     cp_mesh = object()

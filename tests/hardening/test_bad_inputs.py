@@ -64,7 +64,7 @@ def _dcp_copy(src: Path, dst: Path) -> Path:
     """The same state in Lightning's DCP folder layout (tensors via DCP, the rest in meta.pt)."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_ffpa.checkpoint._compat import lightning_dcp_meta_filename
+    from lightning_ffpa._compat.lightning import lightning_dcp_meta_filename
 
     state = torch.load(src, map_location="cpu", weights_only=True)
     dcp.save({"state_dict": state.pop("state_dict")}, checkpoint_id=str(dst), no_dist=True)

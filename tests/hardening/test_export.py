@@ -56,7 +56,7 @@ def trained_lora(tmp_path_factory):
 def _dcp_folder(ckpt, dst):
     import torch.distributed.checkpoint as dcp
 
-    from lightning_ffpa.checkpoint._compat import lightning_dcp_meta_filename
+    from lightning_ffpa._compat.lightning import lightning_dcp_meta_filename
 
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     dcp.save({"state_dict": state.pop("state_dict")}, checkpoint_id=str(dst), no_dist=True)
@@ -80,8 +80,8 @@ def test_ckpt_export_loads_with_from_pretrained_and_matches_logits(trained, tmp_
 def test_dcp_folder_export_is_streamed_and_equals_ckpt_export(trained, tmp_path, monkeypatch, record_property):
     lm, ckpt = trained
     loads = []
-    real = export_mod._compat.load_dcp_keys
-    monkeypatch.setattr(export_mod._compat, "load_dcp_keys", lambda p, keys: (loads.append(len(keys)), real(p, keys))[1])
+    real = export_mod.torch_compat.load_dcp_keys
+    monkeypatch.setattr(export_mod.torch_compat, "load_dcp_keys", lambda p, keys: (loads.append(len(keys)), real(p, keys))[1])
     a = export(ckpt, tmp_path / "from_ckpt", max_shard_size="1MB")
     b = export(_dcp_folder(ckpt, tmp_path / "dcp"), tmp_path / "from_dcp", max_shard_size="1MB")
     record_property("hardening", "export")

@@ -9,9 +9,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_ffpa.attention import kernels
-from lightning_ffpa.attention.ring import RingAttention
-from lightning_ffpa.parallel.context_parallel import shard_batch, shard_index, unshard
-from tests.attention.test_ring import _documents, reference
+from lightning_ffpa.cp import shard_batch, shard_index, unshard
+from lightning_ffpa.cp.ring import RingAttention
+from tests.cp.test_ring import _documents, reference
 
 pytestmark = pytest.mark.gpu
 

@@ -3,7 +3,7 @@
 Owns: fetching the K/V a window needs from neighbouring chunks (and returning their gradients), the per-batch
 mask (same document, causal, ``0 <= q - k < window``; HF Gemma4's sliding rule), and the local attention call:
 ``flex_attention`` on CUDA, masked fp32 math on CPU (torch's Flex has no CPU backward).
-Does not own: the full-attention ring (``ring.py``) or sharding (``parallel/context_parallel.py``).
+Does not own: the full-attention ring (``ring.py``), sharding (``sharding.py``) or the process group (``group.py``).
 
 Halo (h = window - 1 keys before a chunk are all a query can see outside it; chunk length C):
 - h <= C: rank r's head chunk r needs the tail of chunk r-1 (rank r-1's head chunk); its tail chunk 2cp-1-r
@@ -16,17 +16,14 @@ Halo (h = window - 1 keys before a chunk are all a query can see outside it; chu
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_ffpa.attention.flex import flex_forward
-from lightning_ffpa.parallel.context_parallel import RingLayout
-
-if TYPE_CHECKING:
-    from lightning_ffpa.attention.ring import RingGroup
+from lightning_ffpa.cp.group import RingGroup
+from lightning_ffpa.cp.layout import RingLayout
 
 
 def _swap_with_neighbours(ring, to_next: Tensor, from_next: Tensor, to_prev: Tensor, from_prev: Tensor) -> None:

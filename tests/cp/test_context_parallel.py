@@ -11,13 +11,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from lightning_ffpa.attention import kernels
-from lightning_ffpa.parallel.context_parallel import (
-    IGNORE_INDEX,
-    cp_loss_reduce,
-    normalize_document_ids,
-    shard_batch,
-    shard_index,
-)
+from lightning_ffpa.cp import IGNORE_INDEX, cp_loss_reduce, shard_batch, shard_index
+from lightning_ffpa.cp.layout import normalize_document_ids
 
 
 def _entry(rank, fn, world, port):
@@ -113,7 +108,7 @@ def _loss(logits, labels):
 def _parity_worker(rank, world):
     from transformers import Gemma4ForCausalLM
 
-    from lightning_ffpa.attention.ring import install_ring
+    from lightning_ffpa.cp.ring import install_ring
     from lightning_ffpa.presets import build_text_config
 
     for preset in ("tiny", "tiny-moe"):

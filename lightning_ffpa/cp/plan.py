@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_ffpa.parallel.context_parallel import RingLayout
+from lightning_ffpa.cp.layout import RingLayout
 
 
 @dataclass

@@ -5,7 +5,7 @@ positions, returning its log-sum-exp, and that block's backward. Flex exposes no
 external (globally merged) log-sum-exp, so ``bwd`` recomputes the block forward under autograd and
 back-propagates the block's share of the merged output: ``o = sum_i w_i o_i`` with ``w_i = exp(lse_i - lse)``
 gives ``d o_i = w_i do`` and ``d lse_i = w_i <do, o_i - o>``. That extra forward is part of the baseline's cost.
-Does not own: the ring itself (``ring.py``) or the kernel options (``flex.py``).
+Does not own: the ring itself (``ring.py``) or the kernel options (``lightning_ffpa.attention.flex``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_ffpa.attention.flex import kernel_options
-from lightning_ffpa.attention.ring_plan import Block
+from lightning_ffpa.cp.plan import Block
 
 
 def block_mask_mod(blk: Block):

@@ -2,13 +2,14 @@
 
 Owns: the ``"ffpa_ring"`` Hugging Face attention function, the ring autograd Function (K/V chunks travel around
 the CP group with P2P, partial results merge by log-sum-exp, dK/dV travel back to their owners in backward),
-and ``install_ring``. Does not own: batch sharding / loss (``parallel/context_parallel.py``), the per-step block
-plan (``ring_plan.py``), the sliding-window halo (``ring_sliding.py``), or the kernels (``kernels.py``).
+and ``install_ring``. Does not own: batch sharding / loss (``sharding.py``, ``loss.py``), the process group
+(``group.py``), the per-step block plan (``plan.py``), the sliding-window halo (``sliding.py``), or the kernels
+(``lightning_ffpa.attention.kernels``).
 
 Interface::
 
     ring = install_ring(model, cp_mesh_or_group)   # called by the attention Callback when CP > 1
-    shard = shard_batch(batch, cp_rank, cp_size)   # see parallel/context_parallel.py
+    shard = shard_batch(batch, cp_rank, cp_size)   # see cp/sharding.py
     model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], ring_layout=shard["ring_layout"])
     ring.stats                                     # counts of dense / varlen / empty blocks, sliding paths
 
@@ -27,37 +28,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_ffpa import saved_ops
+from lightning_ffpa._compat import transformers as hf_compat
 from lightning_ffpa.attention import kernels
-from lightning_ffpa.attention.ring_plan import Block, ring_plan
-from lightning_ffpa.parallel.context_parallel import RingLayout, cp_group_info
+from lightning_ffpa.cp.group import RingGroup, cp_group_info
+from lightning_ffpa.cp.layout import RingLayout
+from lightning_ffpa.cp.plan import Block, ring_plan
+from lightning_ffpa.cp.sliding import sliding_attention
 
 ATTN_NAME = "ffpa_ring"
-
-
-class RingGroup:
-    """The CP process group plus the global ranks of this rank's ring neighbours."""
-
-    def __init__(self, group: dist.ProcessGroup | None):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size) if group is not None else (
-            (self.rank + 1) % self.size)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size) if group is not None else (
-            (self.rank - 1) % self.size)
-
-    def global_rank(self, group_rank: int) -> int:
-        """Global rank of `group_rank` in the CP group."""
-        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
-
-    def shift(self, send: Tensor, tag: int = 0) -> tuple[Tensor, list]:
-        """Start sending `send` to the next rank and receiving the previous rank's tensor; wait() the works."""
-        if self.size == 1:  # a ring of one: the tensor is already home
-            return send, []
-        recv = torch.empty_like(send)
-        ops = [dist.P2POp(dist.isend, send.contiguous(), self.next, self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
-        return recv, dist.batch_isend_irecv(ops)
 
 
 def _wait(works: list) -> None:
@@ -197,7 +176,7 @@ class RingAttention:
         if block_ops == "ffpa":
             self.ops = BlockOps()
         elif block_ops == "flex":
-            from lightning_ffpa.attention.ring_flex import FlexBlockOps
+            from lightning_ffpa.cp.flex_blocks import FlexBlockOps
 
             self.ops = FlexBlockOps()
         else:
@@ -215,8 +194,6 @@ class RingAttention:
 
     def sliding(self, q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: float, window: int) -> Tensor:
         """Causal sliding-window attention (q - k < window) over the shards, via neighbour halos."""
-        from lightning_ffpa.attention.ring_sliding import sliding_attention
-
         self._check(layout, q)
         return sliding_attention(q, k, v, layout, self.ring, scale, window, self.sliding_backend, self.stats)
 
@@ -272,9 +249,6 @@ def install_ring(model: torch.nn.Module, cp_mesh_or_group: Any, block_ops: str =
     `block_ops` picks the full-layer block kernel ("ffpa", or "flex" as a baseline); `sliding_backend` the
     sliding-layer path ("flex"/"sdpa"; default by device). Returns the handle whose `stats` count what ran.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     group = cp_group_info(cp_mesh_or_group)[0]
     modules = _attention_modules(model)
     if not modules:
@@ -283,10 +257,11 @@ def install_ring(model: torch.nn.Module, cp_mesh_or_group: Any, block_ops: str =
         if not m.is_causal:
             raise NotImplementedError(f"ring attention supports causal layers only (layer {m.layer_idx} is not)")
     handle = RingAttention(group, block_ops=block_ops, sliding_backend=sliding_backend)
-    AttentionInterface.register(ATTN_NAME, ring_attention_forward)
+    saved_ops.register(kernels.forward_ops())  # for layers wrapped by SAC after this call
+    hf_compat.register_attention(ATTN_NAME, ring_attention_forward)
     # The mask function returns None for every layer on purpose: the ring builds document/causal/window masks
     # from ring_layout itself, and HF builds no (sequence-local, hence wrong) masks.
-    AttentionMaskInterface.register(ATTN_NAME, no_hf_mask)
+    hf_compat.register_mask(ATTN_NAME, no_hf_mask)
     for m in modules:
         m._ffpa_ring = handle  # plain attribute: the handle is not a submodule and holds no parameters
     # Attention layers read their own `config` (the text config); the model's config may be a wrapper around
@@ -294,5 +269,5 @@ def install_ring(model: torch.nn.Module, cp_mesh_or_group: Any, block_ops: str =
     configs = {id(c): c for c in [getattr(model, "config", None), *(getattr(m, "config", None) for m in modules)]
                if c is not None}
     for cfg in configs.values():
-        cfg._attn_implementation = ATTN_NAME
+        hf_compat.set_config_attn_implementation(cfg, ATTN_NAME)
     return handle

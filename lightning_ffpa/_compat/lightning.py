@@ -1,0 +1,104 @@
+"""Private Lightning surfaces (checked on lightning 2.6): trainer connectors, strategy internals, fabric helpers.
+
+Owns every read or write of a Lightning name or attribute that starts with `_`. Does not own what the
+callers do with them: the strategy, Callbacks and checks import these so a Lightning upgrade breaks one file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "cluster_environment",
+    "lightning_dcp_meta_filename",
+    "loaded_checkpoint",
+    "materialize_distributed_module",
+    "module_device_mesh",
+    "optimizers_to_device",
+    "requested_data_parallel_size",
+    "resolve_ckpt_path",
+    "set_device_mesh",
+    "setup_distributed",
+    "should_update_logs",
+]
+
+
+# --------------------------------------------------------------------------- fabric helpers
+
+
+def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:
+    """Allocate meta-device parameters on `device` and call `reset_parameters()` (Lightning's own path)."""
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    _materialize_distributed_module(module, device)
+
+
+def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
+    """Move every optimizer's state tensors to `device`."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+# --------------------------------------------------------------------------- ModelParallelStrategy internals
+
+
+def setup_distributed(strategy: Any) -> None:
+    """Start the process group the way ModelParallelStrategy does (backend, timeout, env)."""
+    strategy._setup_distributed()
+
+
+def set_device_mesh(strategy: Any, mesh: Any) -> None:
+    """Install `mesh` as the strategy's `device_mesh` and the LightningModule's (`self.device_mesh` in
+    `configure_model`), as ModelParallelStrategy.setup_environment does with its own dp x tp mesh."""
+    strategy._device_mesh = mesh
+    if strategy.lightning_module is not None:
+        strategy.lightning_module._device_mesh = mesh
+
+
+def requested_data_parallel_size(strategy: Any) -> Any:
+    """The `data_parallel_size` a ModelParallelStrategy was constructed with ("auto" or an int)."""
+    return getattr(strategy, "_data_parallel_size", "auto")
+
+
+def module_device_mesh(pl_module: Any) -> Any:
+    """The LightningModule's device mesh, or None (`pl_module.device_mesh` without the property's checks)."""
+    return getattr(pl_module, "_device_mesh", None)
+
+
+# --------------------------------------------------------------------------- trainer internals
+
+
+def cluster_environment(trainer: Any) -> Any:
+    """The trainer's ClusterEnvironment (SLURM, torchelastic, ...)."""
+    return trainer._accelerator_connector.cluster_environment
+
+
+def should_update_logs(trainer: Any) -> bool:
+    """Whether the trainer logs at this step (`log_every_n_steps`)."""
+    return trainer._logger_connector.should_update_logs
+
+
+def resolve_ckpt_path(trainer: Any, ckpt_path: str | None) -> str | None:
+    """What `trainer.fit(ckpt_path=...)` will load: resolves "last", "hpc", "best" and SLURM auto-resume."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    connector = trainer._checkpoint_connector
+    return connector._parse_ckpt_path(TrainerFn.FITTING, ckpt_path, model_provided=True, model_connected=False)
+
+
+def lightning_dcp_meta_filename() -> str:
+    """File in a Lightning DCP folder that holds the non-tensor state (loops, hparams, callbacks)."""
+    from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME
+
+    return _METADATA_FILENAME
+
+
+def loaded_checkpoint(trainer: Any) -> dict[str, Any] | None:
+    """The checkpoint dict the trainer is restoring (between restoring the modules and the loops), or None."""
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    checkpoint = getattr(connector, "_loaded_checkpoint", None)
+    return checkpoint if isinstance(checkpoint, dict) else None

@@ -1,0 +1,158 @@
+"""Private and version-dependent torch surfaces (checked on torch 2.11 and 2.13).
+
+Owns DeviceMesh flattening, the checkpoint wrapper, dynamo config knobs and helpers, op-overload types, the
+autograd graph-task check, `BlockMask.from_kv_blocks` keyword drift and the DCP reader/writer internals.
+Does not own what they are used for: callers import these names so a torch upgrade breaks only this file.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch._dynamo
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.flex_attention import BlockMask
+
+__all__ = [
+    "HigherOrderOperator",
+    "OpOverload",
+    "OpOverloadPacket",
+    "allow_checkpoint_side_effects_under_compile",
+    "assume_constant_result",
+    "block_mask_from_kv_blocks",
+    "checkpoint_wrapper",
+    "dispatch_mode_active",
+    "dynamo_counters",
+    "flatten_mesh",
+    "hf_storage_writer",
+    "in_backward",
+    "load_dcp_keys",
+    "raise_recompile_limit",
+    "read_dcp_metadata",
+    "without_dispatch_modes",
+]
+
+# Mark a per-process constant so dynamo does not trace the call (it graph-breaks compiled layers otherwise).
+assume_constant_result = torch._dynamo.assume_constant_result
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward: a forward run now is an activation-checkpoint recompute."""
+    # torch.utils.checkpoint uses the same private check (-1 outside a backward graph task).
+    return torch._C._current_graph_task_id() != -1
+
+
+def dynamo_counters() -> dict[str, Any]:
+    """dynamo's process-wide event counters (graph breaks, recompiles), keyed by category."""
+    import torch._dynamo.utils
+
+    return torch._dynamo.utils.counters
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """One 1D mesh over all dims of `mesh` (used for FSDP over dp x cp)."""
+    if mesh.ndim == 1:
+        return mesh
+    # DeviceMesh._flatten is private (torch >= 2.6) but is what torchtitan uses for dp_shard_cp.
+    if not hasattr(mesh, "_flatten"):
+        raise RuntimeError(f"torch {torch.__version__} has no DeviceMesh._flatten; need torch >= 2.6")
+    return mesh[tuple(mesh.mesh_dim_names)]._flatten(name)
+
+
+def checkpoint_wrapper(module: torch.nn.Module, **checkpoint_kwargs) -> torch.nn.Module:
+    """Wrap `module` in non-reentrant activation checkpointing (torch's private wrapper module)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as _wrap
+
+    return _wrap(module, **checkpoint_kwargs)
+
+
+# --------------------------------------------------------------------------- dynamo config
+
+
+def allow_checkpoint_side_effects_under_compile() -> bool:
+    """Let dynamo compile checkpointed layers whose forward mutates a dict captured from outside.
+
+    The SAC policy's per-invocation op counter is such a dict; without this flag dynamo graph-breaks the
+    whole checkpoint region back to eager ("HOP: Unsafe side effect", graph-break site gb0067). The
+    mutation only matters in forward, so not replaying it in the recompute is correct here.
+    Returns False on torch versions without the flag.
+    """
+    if not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return False
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    return True
+
+
+def raise_recompile_limit(limit: int = 64) -> None:
+    """Let dynamo keep `limit` graphs per code object (the config was renamed across torch versions).
+
+    Past the limit dynamo silently runs a frame eagerly; Gemma4's layer variants (sliding/full, KV-shared)
+    times a few sequence lengths pass the default of 8.
+    """
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), limit))
+
+
+# --------------------------------------------------------------------------- flex attention
+
+# Read once at import: a compiled decode step traces `block_mask_from_kv_blocks`, and a plain module
+# constant keeps inspect/functools.cache out of the traced code.
+_HAS_COMPUTE_Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+
+
+def block_mask_from_kv_blocks(*args: Any, compute_q_blocks: bool = True, **kwargs: Any) -> BlockMask:
+    """`BlockMask.from_kv_blocks`, dropping `compute_q_blocks` on torch versions without it."""
+    if _HAS_COMPUTE_Q_BLOCKS:
+        kwargs["compute_q_blocks"] = compute_q_blocks
+    return BlockMask.from_kv_blocks(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- distributed checkpoints
+# torch 2.13 (CPU CI) and 2.11 (GPU image) both have `_load_state_dict_from_keys` and
+# `HuggingFaceStorageWriter`; the writer's keyword arguments changed across releases.
+
+
+def load_dcp_keys(path: str, keys: set[str]) -> dict[str, Any]:
+    """Read only `keys` of a DCP checkpoint into CPU tensors, in this process, without a process group."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    return _load_state_dict_from_keys(keys, checkpoint_id=path)
+
+
+def read_dcp_metadata(path: str) -> Any:
+    """The `Metadata` of a DCP folder (tensor shapes/dtypes per key, and where each chunk is stored)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(path).read_metadata()
+
+
+def hf_storage_writer(path: str, **kwargs: Any) -> Any:
+    """`HuggingFaceStorageWriter(path, **kwargs)`; a keyword this torch version does not take is an error naming it."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    accepted = inspect.signature(HuggingFaceStorageWriter.__init__).parameters
+    dropped = sorted(k for k in kwargs if k not in accepted)
+    if dropped:
+        raise TypeError(f"torch {torch.__version__} HuggingFaceStorageWriter does not accept {dropped}")
+    return HuggingFaceStorageWriter(path, **kwargs)
+
+
+def dispatch_mode_active() -> bool:
+    """True inside a TorchDispatchMode (an eager SAC region, its replay in backward, or a user's mode)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
+
+
+def without_dispatch_modes():
+    """A context that sets the active TorchDispatchModes aside (they come back on exit)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()

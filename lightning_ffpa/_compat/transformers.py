@@ -1,0 +1,186 @@
+"""Private and version-dependent transformers surfaces (checked on 5.17 and 5.24), and the HF model lookups.
+
+Owns: the version floor, attention/mask registration, padded <-> packed conversion, how a decoder layer
+wants its cache arguments, reading and writing `config._attn_implementation`, `_from_config`,
+`_init_weights`, and finding the HF model (and its decoder layers) inside any module. Does not own the
+attention functions or models themselves: callers import these names so an upgrade breaks only this file.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import transformers
+from packaging.version import Version
+from torch import nn
+from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask
+
+# Private helpers, identical in 5.17 and 5.24 (transformers/modeling_flash_attention_utils.py).
+from transformers.modeling_flash_attention_utils import _pad_input, _unpad_input, _upad_input
+
+__all__ = [
+    "MIN_TRANSFORMERS",
+    "PACKED_KWARGS",
+    "attention_names",
+    "cache_kwarg",
+    "check_version",
+    "config_attn_implementation",
+    "decoder_layer_params",
+    "find_decoder_layers",
+    "find_hf_model",
+    "from_config",
+    "init_weights_fn",
+    "pad",
+    "prepare_padding_mask",
+    "register_attention",
+    "register_mask",
+    "rotary_takes_layer_type",
+    "set_attn_implementation",
+    "set_config_attn_implementation",
+    "text_config",
+    "unpad",
+]
+
+MIN_TRANSFORMERS = "5.13"  # SDPA GQA fix for head_dim > 256 (transformers PR #46960)
+
+# FlashAttentionKwargs that carry packed-sequence boundaries (DataCollatorWithFlattening).
+PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k")
+
+
+def check_version() -> None:
+    """Fail early on transformers older than the Gemma4/SDPA fixes the "ffpa" backend relies on."""
+    if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release:
+        raise RuntimeError(f"lightning_ffpa's 'ffpa' attention needs transformers>={MIN_TRANSFORMERS}, "
+                           f"found {transformers.__version__}")
+
+
+# --------------------------------------------------------------------------- attention registry
+
+
+def register_attention(name: str, fn: Callable) -> None:
+    """Register an attention function globally (ALL_ATTENTION_FUNCTIONS)."""
+    AttentionInterface.register(name, fn)
+
+
+def register_mask(name: str, fn: Callable) -> None:
+    """Register a mask function globally (ALL_MASK_ATTENTION_FUNCTIONS); without it every layer gets mask None."""
+    AttentionMaskInterface.register(name, fn)
+
+
+def attention_names() -> set[str]:
+    """Every attention implementation name registered with transformers."""
+    return set(AttentionInterface._global_mapping)
+
+
+def config_attn_implementation(config: PretrainedConfig) -> str | None:
+    """The attention implementation name a config's layers dispatch on."""
+    return config._attn_implementation
+
+
+def set_config_attn_implementation(config: PretrainedConfig, name: str) -> None:
+    """Route the layers reading `config` to attention `name`, without the model-level checks of
+    `set_attn_implementation` (for names registered after the model was built, and for restoring a saved name)."""
+    config._attn_implementation = name
+
+
+def set_attn_implementation(model: nn.Module, name: str) -> None:
+    """Set the HF attention implementation on `model` (and its sub-configs)."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        set_config_attn_implementation(model.config, name)
+
+
+# --------------------------------------------------------------------------- padded <-> packed
+
+
+def unpad(query, key, value, padding_mask, q_len: int):
+    """[B,S,H,D] q/k/v + 2D bool mask -> THD tensors, q indices, (cu_q, cu_k), (max_q, max_k)."""
+    return _upad_input(query, key, value, padding_mask, q_len, _unpad_input)
+
+
+def pad(hidden, indices, batch: int, seqlen: int):
+    """THD -> [B,S,...] with zeros at padded positions."""
+    return _pad_input(hidden, indices, batch, seqlen)
+
+
+# --------------------------------------------------------------------------- decoder-layer signatures
+
+
+def decoder_layer_params(layer: nn.Module) -> frozenset[str]:
+    """Keyword names a decoder layer's forward accepts (follows `functools.wraps` decorators)."""
+    return frozenset(inspect.signature(layer.forward).parameters)
+
+
+def cache_kwarg(params: frozenset[str]) -> str:
+    """transformers >= 5.2x renamed `past_key_values` to `cache` on decoder layers."""
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def rotary_takes_layer_type(rotary: nn.Module) -> bool:
+    """Gemma4 computes RoPE per layer type; Llama/Qwen have one rotary table."""
+    return "layer_type" in inspect.signature(rotary.forward).parameters
+
+
+# --------------------------------------------------------------------------- building models
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The text (decoder) config: `config` itself, or the text part of a multimodal config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def from_config(cls: type[PreTrainedModel], config: PretrainedConfig, **kwargs: Any) -> PreTrainedModel:
+    """A randomly initialised `cls` for `config` (`_from_config`: takes `dtype`/`attn_implementation` and
+    builds on the current default device, which is what meta-device construction needs)."""
+    return cls._from_config(config, **kwargs)
+
+
+def init_weights_fn(model: nn.Module) -> Callable[[nn.Module], None] | None:
+    """The HF per-submodule initialiser (`_init_weights`, which also rebuilds non-persistent buffers such as
+    rotary `inv_freq`), or None for a module that is not an HF model."""
+    return getattr(model, "_init_weights", None)
+
+
+# --------------------------------------------------------------------------- finding the HF model
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, str] | None:
+    """The (parent ModuleList owner, attribute) holding the decoder layers: HF `*.model.layers` or `*.layers`."""
+    for candidate in (getattr(model, "model", None), model):
+        layers = getattr(candidate, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            return candidate, "layers"
+    # Fallback for wrappers (e.g. a multimodal model): the first ModuleList named "layers" whose
+    # entries are decoder layers (HF marks them GradientCheckpointingLayer).
+    for _, module in model.named_modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, nn.ModuleList) and any(type(m).__name__.endswith("DecoderLayer") for m in layers):
+            return module, "layers"
+    return None
+
+
+def _hf_models(module: nn.Module) -> Iterator[PreTrainedModel]:
+    """PreTrainedModel submodules of `module`, outermost first (pre-order)."""
+    return (m for m in module.modules() if isinstance(m, PreTrainedModel))
+
+
+def find_hf_model(module: nn.Module, *, with_decoder_layers: bool = False) -> nn.Module | None:
+    """The HF model inside `module` (a LightningModule, or any wrapper): `module.model` when it qualifies,
+    else the outermost PreTrainedModel submodule that does; None if none does.
+
+    Qualifies: a PreTrainedModel. With `with_decoder_layers` (what FSDP shards): any `module.model` whose
+    decoder layers `find_decoder_layers` finds (so a PEFT wrapper is sharded at its own root), or a
+    PreTrainedModel submodule with decoder layers.
+    """
+    inner = getattr(module, "model", None)
+    if with_decoder_layers:
+        if isinstance(inner, nn.Module) and find_decoder_layers(inner) is not None:
+            return inner
+        return next((m for m in _hf_models(module) if find_decoder_layers(m) is not None), None)
+    if isinstance(inner, PreTrainedModel):
+        return inner
+    return next(_hf_models(module), None)

@@ -115,13 +115,16 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any):
         """The Trainer, with the step progress bar and parameter summary unless the config disables or sets them."""
-        from lightning_ffpa.callbacks.screen import default_callbacks
+        from lightning_ffpa.callbacks.screen import ParameterSummary, default_callbacks
 
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         options = dict(config.get("trainer") or {})
         callbacks = options.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-        kwargs.setdefault("callbacks", callbacks + default_callbacks(options, callbacks))
+        extra = default_callbacks(options, callbacks)
+        kwargs.setdefault("callbacks", callbacks + extra)
+        if any(isinstance(c, ParameterSummary) for c in extra):
+            kwargs.setdefault("enable_model_summary", False)  # ours replaces Lightning's default summary
         try:
             return super().instantiate_trainer(**kwargs)
         except TypeError as err:  # Lightning reports some bad values as TypeError (e.g. `devices=-2`)
@@ -136,6 +139,19 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         with _as_user_errors():
             super().before_fit()
         self._ready()
+
+    def after_fit(self) -> None:
+        """One closing line: the step reached, and where the checkpoints and logs are."""
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        parts = [f"fit finished at step {trainer.global_step}"]
+        ckpt = trainer.checkpoint_callback
+        if ckpt is not None and (ckpt.last_model_path or ckpt.best_model_path):
+            parts.append(f"checkpoint {ckpt.last_model_path or ckpt.best_model_path}")
+        if trainer.loggers and trainer.log_dir:
+            parts.append(f"logs {trainer.log_dir}")
+        print("; ".join(parts), flush=True)
 
     def before_validate(self) -> None:  # noqa: D102
         self._ready()

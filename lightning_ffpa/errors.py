@@ -79,7 +79,7 @@ _NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
 
 def _is_wrapper(err: BaseException) -> bool:
     text = str(err).lstrip()
-    return bool(_KEY.match(text) or _CLASS.match(text) or text.startswith(_UNION))
+    return bool(_KEY.match(text) or _CLASS.match(text) or text.startswith((_UNION, "- ")))
 
 
 def _readable(reason: str) -> str:
@@ -108,11 +108,12 @@ def describe_parse_error(err: BaseException) -> BaseException:
     wrappers (each with a Namespace dump); this walks the cause chain and keeps the option path, the value
     and the innermost reason. A ConfigError raised inside is returned as it is.
     """
-    keys: list[str] = []
-    last_text, owner = None, "this class"
     for e in causes(err):
         if isinstance(e, ConfigError):
             return e
+    keys: list[str] = []
+    last_text, owner = None, "this class"
+    for e in causes(err):
         text = str(e).strip()
         if text == last_text:
             continue  # jsonargparse re-raises the same message as a different type
@@ -130,6 +131,8 @@ def describe_parse_error(err: BaseException) -> BaseException:
             nested = e.__cause__
             if reason or nested is None:
                 return ConfigError(".".join(keys) or "config", value, reason or one_line(e))
+        elif first.startswith("- "):
+            continue  # a list of the alternatives tried; the cause is the first one's error
         elif m := _NOT_ACCEPTED.match(first):
             return ConfigError(".".join([*keys, m.group(1)]), _given_value(err), f"is not an argument of {owner}")
         elif not _is_wrapper(e):
@@ -165,24 +168,29 @@ def describe_constructor_error(err: BaseException) -> BaseException | None:
 
 
 class _HeldStderr:
-    """File descriptor 2 redirected into a temporary file until released (then replayed, or dropped)."""
+    """File descriptor 2 (and `sys.stderr`) redirected into a temporary file until released, then replayed or
+    dropped. Both, because `sys.stderr` need not write to fd 2 (a test's capture), and C code writes to fd 2."""
 
     def __init__(self) -> None:
         sys.stderr.flush()
+        self._sys_stderr = sys.stderr
         self._saved: int | None = os.dup(2)
         self._tmp = tempfile.TemporaryFile()
         os.dup2(self._tmp.fileno(), 2)
+        sys.stderr = open(2, "w", closefd=False, buffering=1, errors="backslashreplace")  # noqa: SIM115
 
     def release(self, replay: bool = True) -> None:
         if self._saved is None:
             return
         sys.stderr.flush()
+        sys.stderr = self._sys_stderr
         os.dup2(self._saved, 2)
         os.close(self._saved)
         self._saved = None
         if replay:
             self._tmp.seek(0)
             data = self._tmp.read()
+            self._sys_stderr.flush()
             while data:
                 data = data[os.write(2, data):]
         self._tmp.close()

@@ -18,10 +18,10 @@ then rank 0 consolidates them file by file.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from lightning_ffpa.checkpoint import _compat
+from lightning_ffpa.errors import ArgumentParser, ConfigError, InputError, console_entry
 from lightning_ffpa.validation import check_checkpoint
 
 MODULE_PREFIX = "model."  # Gemma4LM keeps the HF model in `self.model`
@@ -96,7 +97,7 @@ def model_config(hparams: dict[str, Any], config_dir: str | None = None):
 
     kwargs = {k: v for k, v in hparams.items() if not k.startswith("_")}
     if not kwargs:
-        raise ValueError("the checkpoint has no `hyper_parameters`; pass `--config DIR` (an HF config folder)")
+        raise InputError("the checkpoint has no `hyper_parameters`; pass `--config DIR` (an HF config folder)")
     return Gemma4LM(**kwargs).config  # reads the config only; builds no weights
 
 
@@ -156,7 +157,7 @@ def _shards(plan: dict[str, list[str]], specs: dict[str, tuple], max_bytes: int,
 def _parse_size(text: str) -> int:
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMG]?B)", text.strip().upper())
     if not match:
-        raise ValueError(f"`--max-shard-size={text!r}` must look like 500MB or 5GB")
+        raise ConfigError("--max-shard-size", text, "must look like 500MB or 5GB")
     return int(float(match[1]) * {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}[match[2]])
 
 
@@ -164,7 +165,7 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
            max_shard_size: str = "5GB", config_dir: str | None = None) -> ExportResult:
     """Write the checkpoint's model as an HF folder (and its LoRA adapter in PEFT format, unless merged)."""
     if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"`--dtype={dtype!r}` must be one of {sorted(_DTYPES)}")
+        raise ConfigError("--dtype", dtype, f"must be one of {sorted(_DTYPES)}")
     max_bytes = _parse_size(max_shard_size)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -176,7 +177,7 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     lora = hparams.get("lora")
     plan = _plan(sorted(source.specs), tied=bool(getattr(text, "tie_word_embeddings", False)), merge=merge_lora)
     if merge_lora and not lora:
-        raise ValueError("`--merge-lora` was given but the checkpoint was not trained with `model.lora`")
+        raise ConfigError("--merge-lora", True, "the checkpoint was not trained with `model.lora`")
     scaling = _lora_scaling(lora) if lora else 1.0
     target = _DTYPES[dtype] if dtype else None
 
@@ -278,9 +279,9 @@ def save_hf_sharded(model: torch.nn.Module, out_dir: str | Path, *, max_shard_si
     return out
 
 
-def main(argv: list[str] | None = None) -> ExportResult:
-    """Command line: `python -m lightning_ffpa.export CKPT OUT [...]`."""
-    parser = argparse.ArgumentParser(prog="lightning-ffpa-export", description=__doc__.split("\n\n")[0])
+def run(argv: list[str] | None = None) -> ExportResult:
+    """Command line: `python -m lightning_ffpa.export CKPT OUT [...]`; returns what was written."""
+    parser = ArgumentParser(prog="lightning-ffpa-export", description=__doc__.split("\n\n")[0])
     parser.add_argument("ckpt", help="Lightning checkpoint: a .ckpt file or a DCP folder (FSDP2 ModelCheckpoint)")
     parser.add_argument("out", help="new folder for the HF model (config.json + safetensors)")
     parser.add_argument("--merge-lora", action="store_true", help="merge LoRA into the weights (fp32 math)")
@@ -288,6 +289,12 @@ def main(argv: list[str] | None = None) -> ExportResult:
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 500MB, 5GB")
     parser.add_argument("--config", dest="config_dir", help="HF config folder (default: rebuilt from hparams)")
     args = parser.parse_args(argv)
+    _parse_size(args.max_shard_size)  # checked before the checkpoint is read
+    existing = next(p for p in [Path(args.out), *Path(args.out).absolute().parents] if p.exists())
+    if existing != Path(args.out) and not existing.is_dir():
+        raise ConfigError("out", args.out, f"{str(existing)!r} is a file, not a folder")
+    if args.config_dir is not None and not Path(args.config_dir, "config.json").is_file():
+        raise ConfigError("--config", args.config_dir, "is not an HF config folder (no config.json)")
     result = export(args.ckpt, args.out, merge_lora=args.merge_lora, dtype=args.dtype,
                     max_shard_size=args.max_shard_size, config_dir=args.config_dir)
     print(f"wrote {result.num_tensors} tensors in {len(result.shards)} file(s) to {result.out_dir}"
@@ -296,5 +303,12 @@ def main(argv: list[str] | None = None) -> ExportResult:
     return result
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The `lightning-ffpa-export` console script: exit code 0, or 2 with one `error:` line on a bad input."""
+    from lightning_ffpa.validation import CheckpointError
+
+    return console_entry(run, user_errors=(CheckpointError,), argv=argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,6 +13,8 @@ import shutil
 from importlib.resources import files
 from pathlib import Path
 
+import yaml
+
 from lightning_ffpa.errors import ArgumentParser, ConfigError
 
 SUFFIXES = (".yaml", ".yml")
@@ -49,8 +51,18 @@ def summary(path: Path) -> str:
 
 
 def _resolve(value: str) -> str:
-    if os.path.exists(value) or value.lstrip().startswith(("{", "[")) or "\n" in value:
-        return value  # a path, or an inline YAML/JSON config: jsonargparse reads it
+    if value.lstrip().startswith(("{", "[")) or "\n" in value:
+        return value  # an inline YAML/JSON config: jsonargparse reads it
+    if os.path.isdir(value):
+        raise ConfigError("--config", value, "is a folder; give a YAML file or a recipe name")
+    if os.path.exists(value):
+        try:
+            yaml.safe_load(Path(value).read_text())
+        except yaml.YAMLError as err:
+            where = getattr(err, "problem_mark", None)
+            line = f" (line {where.line + 1})" if where is not None else ""
+            raise ConfigError("--config", value, f"is not valid YAML{line}: {getattr(err, 'problem', err)}") from err
+        return value
     found = find(value)
     if found is not None:
         return str(found)

@@ -79,7 +79,6 @@ class ParameterSummary(ModelSummary):
         from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
 
         columns = [(name, [str(v) for v in values]) for name, values in summary_data if name != "FLOPs"]
-        columns.insert(0, (" ", [str(i) for i in range(len(columns[0][1]) if columns else 0)]))
         widths = [max([len(name), *map(len, values)]) for name, values in columns]
         lines = [" | ".join(f"{name:<{w}}" for (name, _), w in zip(columns, widths))]
         lines.append("-" * len(lines[0]))
@@ -99,7 +98,10 @@ class ParameterSummary(ModelSummary):
 
 
 def default_callbacks(trainer_options: dict[str, Any], callbacks: list[Any]) -> list[Any]:
-    """The screen callbacks to add to `callbacks`: a step progress bar and the summary, unless disabled or given."""
+    """The screen callbacks to add to `callbacks`: a step progress bar and the summary, unless disabled or given.
+
+    With a `ParameterSummary` added, pass `enable_model_summary=False` to the Trainer (it would add its own).
+    """
     extra: list[Any] = []
     if trainer_options.get("enable_progress_bar", True) is not False and not any(
             isinstance(c, ProgressBar) for c in callbacks):

@@ -13,7 +13,7 @@ from transformers import Gemma4ForCausalLM
 
 from lightning_ffpa import export as export_mod
 from lightning_ffpa.data import MockDataModule
-from lightning_ffpa.export import export, main
+from lightning_ffpa.export import export, run
 from lightning_ffpa.module import Gemma4LM
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj", "down_proj"]}
@@ -58,7 +58,7 @@ def _dcp_folder(ckpt, dst):
 @torch.no_grad()
 def test_ckpt_export_loads_with_from_pretrained_and_matches_logits(trained, tmp_path, record_property):
     lm, ckpt = trained
-    result = main([str(ckpt), str(tmp_path / "hf")])
+    result = run([str(ckpt), str(tmp_path / "hf")])
     hf = Gemma4ForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ids = _ids()
     record_property("hardening", "export")

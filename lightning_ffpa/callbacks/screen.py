@@ -76,7 +76,10 @@ class ParameterSummary(ModelSummary):
     def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
                   model_size: float, total_training_modes: dict[str, int], total_flops: int,
                   **summarize_kwargs: Any) -> None:
-        from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
+        from lightning.pytorch.utilities.model_summary import (
+            get_formatted_model_size,
+            get_human_readable_count,
+        )
 
         columns = [(name, [str(v) for v in values]) for name, values in summary_data if name != "FLOPs"]
         widths = [max([len(name), *map(len, values)]) for name, values in columns]

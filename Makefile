@@ -31,4 +31,4 @@ lint: install
 	$(BIN)/ruff check lightning_ffpa tests benchmarks examples
 
 clean:
-	rm -rf runs lightning_logs .pytest_cache
+	rm -rf runs lightning_logs .pytest_cache build dist *.egg-info

@@ -44,6 +44,38 @@ CLASSES: list[tuple[str, str]] = [
 ]
 
 
+# How the `lightning-ffpa` command behaves (lightning_ffpa/cli.py, errors.py, recipes.py).
+COMMAND_LINE = [
+    "## The command line",
+    "",
+    "- **Recipes by name.** `--config` takes a YAML path or the name of a recipe shipped in the package",
+    "  (`--config gemma4_ffpa` or `--config gemma4_ffpa.yaml`; a file of that name in the current folder wins).",
+    "  `lightning-ffpa recipes` lists them; `lightning-ffpa cp NAME DEST` copies one out for editing (DEST is a",
+    "  file or an existing folder; an existing file is kept unless `--force`). The files are the repository's",
+    "  `configs/`, which the package links as `lightning_ffpa/configs/` (one copy).",
+    "- **Exit codes.** `lightning-ffpa` and `lightning-ffpa-export` exit 0 on success and 2 on a bad input. A",
+    "  bad input prints exactly one line, ``error: `option=value`: reason`` (or the component's own wording),",
+    "  and nothing else: what the command printed while checking its input is dropped. Checked before any",
+    "  model is built or file is written: the parser (unknown options, types, choices, class paths, the",
+    "  config file), every constructor's own checks (unwrapped from jsonargparse's Union messages), Trainer",
+    "  options (Lightning's checks, plus ranges Lightning accepts and fails on later, e.g.",
+    "  `accumulate_grad_batches=0`), the pre-flight checks (`ckpt_path`, LoRA targets, layout) and missing",
+    "  or unwritable paths. A disk that fills up is also reported in one line. Bugs keep their traceback",
+    "  (exit 1).",
+    "- **`--debug`** (or `LIGHTNING_FFPA_DEBUG=1`) shows the full traceback for a bad input too, and all the",
+    "  output before it; ranks the command launches inherit it.",
+    "- **In Python:** `lightning_ffpa.cli.build(args, run=True)` builds the same CLI and returns it",
+    "  (`cli.trainer`, `cli.model`); with `run=False` it only parses and instantiates. `cli.main(args)` is the",
+    "  console script (returns the exit code).",
+    "- **The screen.** With `trainer.max_steps` set, the progress bar counts optimizer steps of `max_steps`",
+    "  (`Epoch 0, step 120/300`). The model summary lists layers and parameters without a FLOPs column",
+    "  (Lightning counts FLOPs only with an `example_input_array`, and not through the FFPA and flex ops;",
+    "  `TokenThroughput` logs model FLOPs and MFU). A run ends with one line naming the step it reached,",
+    "  its last checkpoint and its log folder.",
+    "",
+]
+
+
 def _import(path: str) -> type:
     module, _, name = path.rpartition(".")
     return getattr(importlib.import_module(module), name)
@@ -102,6 +134,7 @@ def render_reference() -> str:
         "differs from it is an error naming both values; `--resume_model_from_checkpoint true` takes the",
         "checkpoint's.",
         "",
+        *COMMAND_LINE,
     ]
     for key, path in CLASSES:
         cls = _import(path)

@@ -1,14 +1,55 @@
 """The `lightning-ffpa` command: LightningCLI with fit/validate/test/predict over YAML configs.
 
-It owns argument parsing only; what runs is the LightningModule, DataModule, strategy and callbacks named
-in the config (`class_path` for each), so any Lightning class can be plugged in from YAML.
+Owns argument parsing and the command's contract: `main` (the console script) exits 0 on success and 2 with
+one `error: ...` line on a bad input, found before any model is built or file is written; `build` gives
+the same CLI in-process (tests, notebooks). What runs is the LightningModule, DataModule, strategy and
+callbacks named in the config (`class_path` for each), so any Lightning class can be plugged in from YAML.
+`--config NAME` may name a packaged recipe (`lightning_ffpa.recipes`); `lightning-ffpa recipes` lists them
+and `lightning-ffpa cp NAME DEST` copies one out. Does not own the checks themselves: each component
+validates its own options, `lightning_ffpa.validation` the ones that span components.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
+from argparse import ArgumentError
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
 
+from lightning_ffpa import recipes
+from lightning_ffpa.errors import (
+    ConfigError,
+    InputError,
+    causes,
+    console_entry,
+    describe_constructor_error,
+    describe_parse_error,
+    one_line,
+    release_stderr,
+)
 from lightning_ffpa.validation import PreflightCLIMixin
+
+COMMANDS = ("recipes", "cp")  # handled before LightningCLI, which owns fit/validate/test/predict
+DESCRIPTION = ("Train Hugging Face Gemma4 with Lightning from YAML configs. `--config` takes a file or a "
+               "packaged recipe name (`lightning-ffpa recipes` lists them; `lightning-ffpa cp NAME DEST` copies "
+               "one out for editing). Exit code 0 on success, 2 on a bad input (one `error:` line; add --debug "
+               "for the traceback).")
+
+# Trainer options Lightning accepts but fails on mid-run (e.g. accumulate_grad_batches=0 divides by zero at
+# the first step): the smallest value that works.
+TRAINER_MINIMUMS: dict[str, float] = {
+    "accumulate_grad_batches": 1,
+    "min_steps": 0,
+    "log_every_n_steps": 1,
+    "check_val_every_n_epoch": 1,
+    "num_sanity_val_steps": -1,
+    "gradient_clip_val": 0,
+}
 
 
 def _import_components() -> None:
@@ -17,27 +58,143 @@ def _import_components() -> None:
     import lightning_ffpa.module  # noqa: F401
 
 
+def check_trainer_options(options: dict[str, Any]) -> None:
+    """Range checks for `trainer.*` numbers Lightning does not check itself (ConfigError naming the option)."""
+    for key, low in TRAINER_MINIMUMS.items():
+        value = options.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < low:
+            raise ConfigError(f"trainer.{key}", value, f"must be >= {low}")
+    interval = options.get("val_check_interval")
+    if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
+        raise ConfigError("trainer.val_check_interval", interval,
+                          "must be > 0 (a fraction of the epoch in (0, 1], or a number of batches)")
+
+
+@contextmanager
+def _as_user_errors() -> Iterator[None]:
+    """Re-raise a parse or constructor error as the user's mistake it wraps (one line); bugs pass unchanged."""
+    try:
+        yield
+    except Exception as err:
+        found = describe_parse_error(err) if isinstance(err, ArgumentError) else describe_constructor_error(err)
+        if found is None or found is err:
+            raise
+        if any(found is e for e in causes(err)):
+            raise found from None  # the project's own error, with its own traceback
+        raise found from err
+
+
 class FFPACLI(PreflightCLIMixin, LightningCLI):
-    """LightningCLI with our defaults: subclass mode, config saved next to the logs, pre-flight checks."""
+    """LightningCLI with our defaults: subclass mode, errors as one line, pre-flight checks, honest screen."""
+
+    def __init__(self, *args: Any, on_ready: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        """LightningCLI's arguments, plus `on_ready`: called once the input is accepted, before the subcommand runs."""
+        self._on_ready = on_ready
+        super().__init__(*args, **kwargs)
+
+    def init_parser(self, **kwargs: Any):  # noqa: D102
+        kwargs.setdefault("exit_on_error", False)  # raise, so the console script prints one line (no usage dump)
+        return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: D102
         parser.set_defaults({"trainer.log_every_n_steps": 10})
 
+    def parse_arguments(self, parser, args) -> None:  # noqa: D102
+        with _as_user_errors(), warnings.catch_warnings():
+            # `main` passes the console's argv explicitly (recipe names resolved); that is not a mistake
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+            super().parse_arguments(parser, args)
 
-def main(args: list[str] | None = None) -> FFPACLI:
-    """Entry point for the `lightning-ffpa` console script."""
+    def before_instantiate_classes(self) -> None:  # noqa: D102
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        check_trainer_options(dict(config.get("trainer") or {}))
+
+    def instantiate_classes(self) -> None:  # noqa: D102
+        with _as_user_errors():
+            super().instantiate_classes()
+
+    def instantiate_trainer(self, **kwargs: Any):
+        """The Trainer, with the step progress bar and parameter summary unless the config disables or sets them."""
+        from lightning_ffpa.callbacks.screen import ParameterSummary, default_callbacks
+
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        options = dict(config.get("trainer") or {})
+        callbacks = options.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        extra = default_callbacks(options, callbacks)
+        kwargs.setdefault("callbacks", callbacks + extra)
+        if any(isinstance(c, ParameterSummary) for c in extra):
+            kwargs.setdefault("enable_model_summary", False)  # ours replaces Lightning's default summary
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except TypeError as err:  # Lightning reports some bad values as TypeError (e.g. `devices=-2`)
+            raise InputError(one_line(err)) from err
+
+    def _ready(self) -> None:
+        if self._on_ready is not None:
+            self._on_ready()
+
+    def before_fit(self) -> None:
+        """Pre-flight checks (checkpoint, LoRA targets, vocab, layout) before any model is built."""
+        with _as_user_errors():
+            super().before_fit()
+        self._ready()
+
+    def after_fit(self) -> None:
+        """One closing line: the step reached, and where the checkpoints and logs are."""
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        parts = [f"fit finished at step {trainer.global_step}"]
+        ckpt = trainer.checkpoint_callback
+        if ckpt is not None and (ckpt.last_model_path or ckpt.best_model_path):
+            parts.append(f"checkpoint {ckpt.last_model_path or ckpt.best_model_path}")
+        if trainer.loggers and trainer.log_dir:
+            parts.append(f"logs {trainer.log_dir}")
+        print("; ".join(parts), flush=True)
+
+    def before_validate(self) -> None:  # noqa: D102
+        self._ready()
+
+    def before_test(self) -> None:  # noqa: D102
+        self._ready()
+
+    def before_predict(self) -> None:  # noqa: D102
+        self._ready()
+
+
+def build(args: list[str] | None = None, *, run: bool = True, on_ready: Callable[[], None] | None = None,
+          **cli_kwargs: Any) -> FFPACLI:
+    """The CLI exactly as `lightning-ffpa` builds it; runs the subcommand in `args` unless `run=False`.
+
+    Args:
+        args: Command-line words (default: `sys.argv[1:]`); with `run=False`, no subcommand (`fit`).
+        run: Run the subcommand (True) or only parse and instantiate (False: `cli.model`, `cli.trainer`).
+        on_ready: Called once the input is accepted, before the subcommand runs.
+        cli_kwargs: LightningCLI arguments that replace the project's defaults.
+    """
     _import_components()
-    return FFPACLI(
-        model_class=None,
-        datamodule_class=None,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        seed_everything_default=1234,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        auto_configure_optimizers=False,
+    args = recipes.resolve_config_args(list(sys.argv[1:] if args is None else args))
+    kwargs: dict[str, Any] = dict(
+        model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
+        seed_everything_default=1234, save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False,
+        parser_kwargs={"description": DESCRIPTION},
     )
+    kwargs.update(cli_kwargs)
+    return FFPACLI(args=args, run=run, on_ready=on_ready, **kwargs)
+
+
+def _command(argv: list[str]) -> int:
+    if argv and argv[0] in COMMANDS:
+        return recipes.command(argv)
+    build(argv, on_ready=release_stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `lightning-ffpa` console script: exit code 0 on success, 2 with one `error:` line on a bad input."""
+    return console_entry(_command, user_errors=(MisconfigurationException,), argv=argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,16 +1,24 @@
-"""The project's one user-facing error type, and the console-script wrapper that turns it into one line.
+"""The project's user-facing error types, and the console-script wrapper that turns them into one line.
 
-Owns: `ConfigError(option, value, reason)` (a bad option value, raised before expensive work starts) and
-`console_entry`, which runs a command's body and maps the user's mistakes to `error: <option>=<value>:
-<why>` on stderr with exit code 2. Bugs keep their traceback. `--debug` or `LIGHTNING_FFPA_DEBUG=1` shows
-the traceback for user errors too. Does not own what is checked: each component validates its own options.
+Owns: `ConfigError(option, value, reason)` (a bad option value, raised before expensive work starts),
+`InputError` (a user's mistake reported in a library's or a component's own words), the folding of
+jsonargparse's nested parse errors into one `option=value: reason` line, and `console_entry`, which runs a
+command's body and maps the user's mistakes to `error: <option>=<value>: <why>` on stderr with exit code 2.
+While a command is still checking its input, stderr is held back (`hold_stderr`), so a rejected input prints
+exactly one line; the command releases it (`release_stderr`) when its input is accepted. Bugs keep their
+traceback. `--debug` or `LIGHTNING_FFPA_DEBUG=1` shows the traceback for user errors too.
+Does not own what is checked: each component validates its own options.
 """
 
 from __future__ import annotations
 
+import argparse
+import errno
 import os
+import re
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from typing import Any
 
 EXIT_OK = 0
@@ -30,6 +38,22 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from (missing, truncated, corrupt or incompatible)."""
 
 
+class InputError(ValueError):
+    """A user's mistake found by a library (jsonargparse, Lightning) or a component, kept in its own words."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises `InputError` ("prog: message", one line) instead of printing usage and exiting."""
+
+    def error(self, message: str):  # noqa: D102
+        raise InputError(f"{self.prog}: {message}")
+
+
+# OS errors on paths the user named: their messages carry the path.
+PATH_ERRORS: tuple[type[BaseException], ...] = (
+    FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
 def _debug_requested(argv: list[str]) -> bool:
     return "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
@@ -40,27 +64,198 @@ def one_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
-def console_entry(body: Callable[[list[str]], Any], user_errors: tuple[type[BaseException], ...] = ()) -> int:
+def causes(err: BaseException | None) -> Iterator[BaseException]:
+    """`err`, then what caused it (`__cause__`, else an unsuppressed `__context__`), outermost first."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+
+
+# jsonargparse's wrappers around the real problem, by the first line of their message.
+_KEY = re.compile(r'Parser key "([^"]+)":')
+_CLASS = re.compile(r"Problem with given class_path '([^']+)':")
+_UNION = "Does not validate against any of the Union subtypes"
+_GOT = re.compile(r"\. Got value: (.*)$", re.S)
+_NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
+
+
+def _is_wrapper(err: BaseException) -> bool:
+    text = str(err).lstrip()
+    return bool(_KEY.match(text) or _CLASS.match(text) or text.startswith((_UNION, "- ")))
+
+
+def _readable(reason: str) -> str:
+    """jsonargparse's type words as a user reads them."""
+    reason = re.sub(r"Expected a typing\.Literal\[(.*)\]$", r"expected one of \1", reason.strip())
+    reason = re.sub(r"Expected a <class '(\w+)'>", r"expected \1", reason)
+    return re.sub(r"^Expected a ", "expected ", reason)
+
+
+def _union_reason(text: str) -> tuple[str, str | None]:
+    """One reason from a Union error's bullet list (NoneType dropped, Literal choices merged) and its value."""
+    bullets = [ln.strip()[2:] for ln in text.splitlines() if re.match(r"^\s{0,4}- ", ln)]
+    bullets = [b for b in bullets if b != "Expected a <class 'NoneType'>"]
+    literals = [m.group(1) for b in bullets if (m := re.fullmatch(r"Expected a typing\.Literal\[(.*)\]", b))]
+    given = re.search(r"^\s*Given value: (.*)$", text, re.M)
+    value = given.group(1).strip() if given else None
+    if literals and len(literals) == len(bullets):
+        return "expected one of " + ", ".join(literals), value
+    return "; ".join(_readable(b) for b in bullets if not b.startswith(("Problem with", "Parser key"))), value
+
+
+def describe_parse_error(err: BaseException) -> BaseException:
+    """A jsonargparse parse error as a ConfigError naming the option (`model.init_args.loss_impl`) and value.
+
+    jsonargparse nests the real problem under "Parser key", "Problem with given class_path" and Union
+    wrappers (each with a Namespace dump); this walks the cause chain and keeps the option path, the value
+    and the innermost reason. A ConfigError raised inside is returned as it is.
+    """
+    for e in causes(err):
+        if isinstance(e, ConfigError):
+            return e
+    keys: list[str] = []
+    last_text, owner = None, "this class"
+    for e in causes(err):
+        text = str(e).strip()
+        if text == last_text:
+            continue  # jsonargparse re-raises the same message as a different type
+        last_text = text
+        first = text.splitlines()[0] if text else ""
+        if m := _KEY.match(first):
+            keys.append(m.group(1))
+        elif m := _CLASS.match(first):
+            inner, owner = e.__cause__, m.group(1).rsplit(".", 1)[-1]
+            if inner is None or (not _is_wrapper(inner) and not _NOT_ACCEPTED.match(str(inner))):
+                return ConfigError(".".join([*keys, "class_path"]), m.group(1), one_line(inner or e))
+            keys.append("init_args")
+        elif text.startswith(_UNION):
+            reason, value = _union_reason(text)
+            nested = e.__cause__
+            if reason or nested is None:
+                return ConfigError(".".join(keys) or "config", value, reason or one_line(e))
+        elif first.startswith("- "):
+            continue  # a list of the alternatives tried; the cause is the first one's error
+        elif m := _NOT_ACCEPTED.match(first):
+            return ConfigError(".".join([*keys, m.group(1)]), _given_value(err), f"is not an argument of {owner}")
+        elif not _is_wrapper(e):
+            got = _GOT.search(text)
+            reason = _readable(text[: got.start()] if got else one_line(e))
+            if keys:
+                return ConfigError(".".join(keys), got.group(1).strip() if got else None, reason)
+            return InputError(reason)
+    return InputError(one_line(err))
+
+
+def _given_value(err: BaseException) -> Any:
+    m = re.search(r"NestedArg\(key='[^']*', val=(.*)\)\s*$", str(err), re.M)
+    return m.group(1).strip("'\"") if m else None
+
+
+def describe_constructor_error(err: BaseException) -> BaseException | None:
+    """The user's mistake inside a wrapped constructor error (a ConfigError, ValueError or path OSError).
+
+    Returns None for anything else (a bug), so its traceback is kept.
+    """
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    for e in causes(err):
+        if isinstance(e, ConfigError):
+            return e
+        if _is_wrapper(e):
+            continue
+        if isinstance(e, (ValueError, MisconfigurationException, *PATH_ERRORS)):
+            return e if isinstance(e, InputError) else InputError(one_line(e))
+        return None
+    return None
+
+
+class _HeldStderr:
+    """File descriptor 2 (and `sys.stderr`) redirected into a temporary file until released, then replayed or
+    dropped. Both, because `sys.stderr` need not write to fd 2 (a test's capture), and C code writes to fd 2."""
+
+    def __init__(self) -> None:
+        sys.stderr.flush()
+        self._sys_stderr = sys.stderr
+        self._saved: int | None = os.dup(2)
+        self._tmp = tempfile.TemporaryFile()
+        os.dup2(self._tmp.fileno(), 2)
+        sys.stderr = open(2, "w", closefd=False, buffering=1, errors="backslashreplace")  # noqa: SIM115
+
+    def release(self, replay: bool = True) -> None:
+        if self._saved is None:
+            return
+        sys.stderr.flush()
+        sys.stderr = self._sys_stderr
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._saved = None
+        if replay:
+            self._tmp.seek(0)
+            data = self._tmp.read()
+            self._sys_stderr.flush()
+            while data:
+                data = data[os.write(2, data):]
+        self._tmp.close()
+
+
+_held: _HeldStderr | None = None
+
+
+def hold_stderr() -> None:
+    """Hold back everything written to stderr (logging, warnings, C code) until `release_stderr`."""
+    global _held
+    if _held is None:
+        try:
+            _held = _HeldStderr()
+        except OSError:  # no usable fd 2 (a closed or captured stream): nothing to hold
+            _held = None
+
+
+def release_stderr(replay: bool = True) -> None:
+    """Write the held stderr out (or drop it, `replay=False`) and stop holding. No-op when nothing is held."""
+    global _held
+    if _held is not None:
+        held, _held = _held, None
+        held.release(replay)
+
+
+def console_entry(body: Callable[[list[str]], Any], user_errors: tuple[type[BaseException], ...] = (),
+                  argv: list[str] | None = None, hold: bool = True) -> int:
     """Run `body(argv)` for a console script; return the exit code (0, or 2 for a user's mistake).
 
-    `user_errors` adds exception types (beyond ConfigError and the common OS errors on user paths) that
-    are the user's mistake rather than a bug.
+    `user_errors` adds exception types (beyond ConfigError, InputError, argparse errors and the common OS
+    errors on user paths) that are the user's mistake rather than a bug. With `hold`, stderr is held back
+    until the body calls `release_stderr()` (or returns), so a rejected input prints exactly one line.
+    An int returned by `body` is the exit code.
     """
-    argv = sys.argv[1:]
+    argv = list(sys.argv[1:] if argv is None else argv)
     debug = _debug_requested(argv)
-    argv = [a for a in argv if a != "--debug"]
-    handled = (ConfigError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-               *user_errors)
+    if "--debug" in argv:
+        os.environ[DEBUG_ENV] = "1"  # processes the command starts (e.g. more ranks) show tracebacks too
+        argv = [a for a in argv if a != "--debug"]
+    handled = (ConfigError, InputError, argparse.ArgumentError, *PATH_ERRORS, *user_errors)
+    if hold and not debug:
+        hold_stderr()
     try:
-        body(argv)
+        result = body(argv)
     except handled as err:
         if debug:
+            release_stderr()
             raise
-        print(f"error: {one_line(err)}", file=sys.stderr)
+        line = one_line(describe_parse_error(err) if isinstance(err, argparse.ArgumentError) else err)
+        release_stderr(replay=False)
+        print(f"error: {line}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as err:
-        if err.errno != 28 or debug:  # ENOSPC: no space left on device is the user's disk, not a bug
+        release_stderr()
+        if err.errno != errno.ENOSPC or debug:  # no space left on device is the user's disk, not a bug
             raise
         print(f"error: no space left on device: {err.filename or err}", file=sys.stderr)
         return EXIT_USAGE
-    return EXIT_OK
+    except BaseException:
+        release_stderr()  # a bug or an exit (--help): keep everything it printed
+        raise
+    release_stderr()
+    return result if isinstance(result, int) else EXIT_OK

@@ -1,4 +1,7 @@
-"""The `lightning-ffpa` CLI: every shipped YAML parses, the tiny fit runs, and bad input fails early."""
+"""The `lightning-ffpa` CLI in-process (`cli.build`): shipped YAMLs parse, the tiny fit runs, bad input fails early.
+
+The console scripts themselves (exit codes, one error line, packaged recipes) are tested in tests/cli/.
+"""
 
 import csv
 import json
@@ -7,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ffpa.cli import main
+from lightning_ffpa.cli import build
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -15,7 +18,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_parses(config, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(config), "--print_config"])
+        build(["fit", "--config", str(config), "--print_config"])
     assert exit_info.value.code == 0
     assert "class_path" in capsys.readouterr().out
 
@@ -23,14 +26,14 @@ def test_every_shipped_config_parses(config, capsys):
 def test_dotted_override_reaches_the_module(capsys):
     cfg = CONFIGS[0].parent / "tiny.yaml"
     with pytest.raises(SystemExit):
-        main(["fit", "--config", str(cfg), "--model.init_args.learning_rate", "0.123", "--print_config"])
+        build(["fit", "--config", str(cfg), "--model.init_args.learning_rate", "0.123", "--print_config"])
     assert "learning_rate: 0.123" in capsys.readouterr().out
 
 
 def _fit_tiny(tmp_path, *extra):
     cfg = CONFIGS[0].parent / "tiny.yaml"
     logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path)}}
-    return main([
+    return build([
         "fit", "--config", str(cfg), f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger={logger}",
         "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
         *extra,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from lightning_ffpa.cli import FFPACLI, _import_components, main
+from lightning_ffpa.cli import FFPACLI, build
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -111,11 +111,8 @@ def _expand(args: list[str], subcommand: bool = True) -> list[str]:
 
 def _cli(args: list[str]) -> FFPACLI:
     """Instantiate (not run) the CLI from the sbatch arguments plus `args` (CPU so the Trainer builds here)."""
-    _import_components()
-    return FFPACLI(model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
-                   auto_configure_optimizers=False, run=False,
-                   args=[*_expand(_srun_args(), subcommand=False), "--trainer.accelerator=cpu",
-                         "--trainer.logger=false", *args])
+    return build([*_expand(_srun_args(), subcommand=False), "--trainer.accelerator=cpu", "--trainer.logger=false",
+                  *args], run=False)
 
 
 def test_sbatch_matches_lightning_slurm_rules():
@@ -157,7 +154,7 @@ def test_cli_fits_under_slurm_with_one_task(tmp_path, monkeypatch, request):
     args[args.index("--config") + 1] = str(ROOT / "configs" / "tiny.yaml")  # the sbatch line, CPU-sized
     logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path)}}
     request.addfinalizer(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
-    cli = main([*args, f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger={logger}",
+    cli = build([*args, f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger={logger}",
                 "--trainer.strategy=ddp",  # one process, but the multi-process path (process group from SLURM's variables)
                 "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
                 "--trainer.enable_progress_bar=false", "--data.init_args.batch_size=2",

@@ -173,16 +173,16 @@ DATA_CLASS = "lightning_ffpa.data.MockDataModule"
 
 
 def run_cli(args: list[str]):
-    """`lightning_ffpa.cli.main(args)` in-process, with `PreflightCLIMixin` added if cli.py lacks it."""
+    """`lightning_ffpa.cli.build(args)` in-process, with `PreflightCLIMixin` added if cli.py lacks it."""
     from unittest import mock
 
     from lightning_ffpa import cli
 
     if cli_has_preflight():
-        return cli.main(args)
+        return cli.build(args)
     patched = type("FFPACLI", (PreflightCLIMixin, cli.FFPACLI), {})
     with mock.patch.object(cli, "FFPACLI", patched):
-        return cli.main(args)
+        return cli.build(args)
 
 
 def cli_has_preflight() -> bool:

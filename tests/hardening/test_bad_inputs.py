@@ -16,6 +16,7 @@ import torch
 import yaml
 from _helpers import run_cli, tiny_config, tree_hash, write_config
 
+from lightning_ffpa.errors import ConfigError, InputError
 from lightning_ffpa.module import Gemma4LM
 
 FSDP2 = "lightning_ffpa.parallel.FSDP2Strategy"
@@ -80,8 +81,8 @@ def _strategy(**init_args) -> dict:
     return {"strategy": {"class_path": FSDP2, "init_args": init_args}}
 
 
-# The error must contain this text: P(...) in the parser's message (jsonargparse exits), R(...) in an
-# exception raised by our code or Lightning (the parser must have accepted the input).
+# The error must contain this text: P(...) in the parser's error (raised as a one-line ConfigError/InputError,
+# not a usage dump), R(...) in an exception raised by our code or Lightning (the parser accepted the input).
 def P(text: str) -> tuple[str, str]:
     return ("parse", text)
 
@@ -178,7 +179,8 @@ def test_bad_input_fails_early_by_name_and_keeps_checkpoints(
     record_property("case", case)
     record_property("data_lost", len(changed))
     if kind == "parse":
-        assert isinstance(info.value, SystemExit) and text in err, f"parser did not name {text!r}:\n{err[-2000:]}"
+        assert isinstance(info.value, (ConfigError, InputError)) and text in str(info.value), \
+            f"parser did not name {text!r}: {info.value!r}"
     else:
         assert not isinstance(info.value, SystemExit), f"rejected by the parser instead:\n{err[-2000:]}"
         assert text in str(info.value), f"error does not name {text!r}: {info.value!r}"

@@ -19,11 +19,10 @@ from transformers import Gemma4ForCausalLM
 
 from lightning_ffpa import export as export_mod
 from lightning_ffpa.data import MockDataModule
-from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.export import export, run
 from lightning_ffpa.module import Gemma4LM
 from lightning_ffpa.presets import build_text_config
-from lightning_ffpa.validation import CheckpointError
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj", "down_proj"]}
 

@@ -1,0 +1,115 @@
+"""What a fit shows on the terminal: a progress bar that counts optimizer steps of `max_steps`, and a model
+summary without a FLOPs column it cannot fill.
+
+Owns `StepProgressBar` (tqdm) and `RichStepProgressBar` (rich, Lightning's default when rich is installed):
+with `trainer.max_steps` set, the training bar reads `steps done / max_steps` and the epoch without a total
+(Lightning's reads batches of the epoch and `Epoch 0/-2`, from `max_epochs=-1`). `ParameterSummary` is
+Lightning's ModelSummary without its FLOPs column and total, which are 0 unless the module defines an
+`example_input_array` (and then miss the FFPA and flex attention ops). `default_callbacks` picks them for the
+CLI. Does not own throughput or MFU (`TokenThroughput` logs those as metrics).
+"""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.utilities import rank_zero_info
+
+__all__ = ["ParameterSummary", "RichStepProgressBar", "StepProgressBar", "default_callbacks"]
+
+
+def _description(trainer: pl.Trainer) -> str:
+    if trainer.max_steps > 0:
+        return f"Epoch {trainer.current_epoch}, step"
+    last = trainer.max_epochs - 1 if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
+    return f"Epoch {trainer.current_epoch}" + (f"/{last}" if last is not None else "")  # Lightning's 0-based form
+
+
+class StepProgressBar(TQDMProgressBar):
+    """tqdm progress bar: optimizer steps done of `max_steps` when it is set, else Lightning's batches."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        bar = self.train_progress_bar
+        if trainer.max_steps > 0:
+            bar.reset(total=trainer.max_steps)
+            bar.n = trainer.global_step
+        bar.set_description(_description(trainer))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.max_steps <= 0:
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        step = trainer.global_step
+        if self.is_enabled and (step % self.refresh_rate == 0 or step == trainer.max_steps):
+            self.train_progress_bar.n = step
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))  # also redraws
+
+
+class RichStepProgressBar(RichProgressBar):
+    """rich progress bar: optimizer steps done of `max_steps` when it is set, else Lightning's batches."""
+
+    def _set_train_task(self, trainer: pl.Trainer, **fields: Any) -> None:
+        if self.progress is not None and self.train_progress_bar_id is not None:
+            self.progress.update(self.train_progress_bar_id, **fields)
+            self.refresh()
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        steps = {"total": trainer.max_steps, "completed": trainer.global_step} if trainer.max_steps > 0 else {}
+        self._set_train_task(trainer, description=_description(trainer), **steps)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if trainer.max_steps > 0:
+            self._set_train_task(trainer, completed=trainer.global_step)
+
+
+class ParameterSummary(ModelSummary):
+    """Lightning's ModelSummary (layers, parameters, size, modes) without the FLOPs it does not count."""
+
+    @staticmethod
+    def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
+                  model_size: float, total_training_modes: dict[str, int], total_flops: int,
+                  **summarize_kwargs: Any) -> None:
+        from lightning.pytorch.utilities.model_summary import (
+            get_formatted_model_size,
+            get_human_readable_count,
+        )
+
+        columns = [(name, [str(v) for v in values]) for name, values in summary_data if name != "FLOPs"]
+        widths = [max([len(name), *map(len, values)]) for name, values in columns]
+        lines = [" | ".join(f"{name:<{w}}" for (name, _), w in zip(columns, widths))]
+        lines.append("-" * len(lines[0]))
+        for row in zip(*(values for _, values in columns)):
+            lines.append(" | ".join(f"{v:<{w}}" for v, w in zip(row, widths)))
+        lines.append("-" * len(lines[0]))
+        for value, label in [
+            (get_human_readable_count(trainable_parameters), "Trainable params"),
+            (get_human_readable_count(total_parameters - trainable_parameters), "Non-trainable params"),
+            (get_human_readable_count(total_parameters), "Total params"),
+            (get_formatted_model_size(model_size), "Total estimated model params size (MB)"),
+            (total_training_modes["train"], "Modules in train mode"),
+            (total_training_modes["eval"], "Modules in eval mode"),
+        ]:
+            lines.append(f"{value!s:<10} {label}")
+        rank_zero_info("\n" + "\n".join(lines))
+
+
+def default_callbacks(trainer_options: dict[str, Any], callbacks: list[Any]) -> list[Any]:
+    """The screen callbacks to add to `callbacks`: a step progress bar and the summary, unless disabled or given.
+
+    With a `ParameterSummary` added, pass `enable_model_summary=False` to the Trainer (it would add its own).
+    """
+    extra: list[Any] = []
+    if trainer_options.get("enable_progress_bar", True) is not False and not any(
+            isinstance(c, ProgressBar) for c in callbacks):
+        extra.append(RichStepProgressBar() if find_spec("rich") else StepProgressBar())
+    if trainer_options.get("enable_model_summary", True) is not False and not any(
+            isinstance(c, ModelSummary) for c in callbacks):
+        extra.append(ParameterSummary())
+    return extra

@@ -1,0 +1,155 @@
+"""The bad-input table, through the installed console scripts: each row exits 2, prints exactly one line
+(`error: ...` naming the option) on stderr and nothing on stdout, and writes no file.
+
+Each row runs `lightning-ffpa` / `lightning-ffpa-export` in a fresh folder holding the tiny configs
+(`fit.yaml` = configs/tiny.yaml at CPU size, `grpo.yaml` = configs/tiny_grpo.yaml) and a few prepared
+files; the folder's tree (names, sizes, mtimes) must be the same after the command. Rows run two at a
+time (each is a real process: most of its time is imports).
+"""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from _console import ROOT, run, snapshot
+
+F = "lightning-ffpa fit --config fit.yaml"
+G = "lightning-ffpa fit --config grpo.yaml"
+E = "lightning-ffpa-export"
+
+# (command line, text the one `error:` line must contain: the option as the user spelled it)
+ROWS = [
+    (f"{F} --trainer.max_stepz=3", "--trainer.max_stepz"),
+    (f"{F} --model.init_args.learning_rat 0.1", "model.init_args.learning_rat"),
+    (f"{F} --trainer.max_steps abc", "trainer.max_steps"),
+    (f"{F} --model.init_args.config_overrides 5", "model.init_args.config_overrides"),
+    (f"{F} stray_word", "stray_word"),
+    ("lightning-ffpa --config fit.yaml", "subcommand"),
+    ("lightning-ffpa fit --config missing.yaml", "--config"),
+    ("lightning-ffpa fit --config emptydir", "--config"),
+    ("lightning-ffpa fit --config bad.yaml", "--config"),
+    (f"{F} --model.class_path no.such.Module", "model.class_path"),
+    (f"{F} --trainer.callbacks+=no.such.Callback", "trainer.callbacks"),
+    (f"{F} --model.init_args.attn_implementation flash9", "attn_implementation"),
+    (f"{F} --model.init_args.loss_impl fast", "model.init_args.loss_impl"),
+    (f"{F} --model.init_args.dtype fp8", "model.init_args.dtype"),
+    (f"{F} --model.init_args.preset gemma4-999b", "preset"),
+    (f"{F} --model.init_args.pretrained /nonexistent/gemma4", "model.pretrained"),
+    (f"{F} --model.init_args.lora '{{r: 2, lora_alpha: 4, target_modules: [nope_proj]}}'", "target_modules"),
+    (f"{F} --trainer.precision fp8", "trainer.precision"),
+    (f"{F} --trainer.accumulate_grad_batches 0", "trainer.accumulate_grad_batches"),
+    (f"{F} --trainer.val_check_interval 0", "trainer.val_check_interval"),
+    (f"{F} --trainer.max_steps -5", "max_steps"),
+    (f"{F} --trainer.devices 0", "devices"),
+    (f"{F} --trainer.accelerator nope", "accelerator"),
+    (f"{F} --ckpt_path /nonexistent/last.ckpt", "ckpt_path"),
+    (f"{F} --ckpt_path garbage.ckpt", "ckpt_path"),
+    (f"{F} --ckpt_path hpc", "ckpt_path"),
+    (f"{F} --data.init_args.train_file /nonexistent/train.txt", "data.train_file"),
+    (f"{F} --data.init_args.tokenizer /nonexistent/tok", "data.tokenizer"),
+    (f"{F} --data.init_args.batch_size 0", "data.batch_size"),
+    ("lightning-ffpa cp no_such_recipe out.yaml", "recipe"),
+    ("lightning-ffpa cp tiny afile", "dest"),
+    (f"{G} --trainer.callbacks.init_args.num_generations 1", "num_generations"),
+    (f"{G} --trainer.callbacks.init_args.reward_funcs=[no_such_module:reward]", "reward_funcs"),
+    (f"{G} --trainer.callbacks.init_args.max_seq_len 4", "max_seq_len"),
+    (f"{G} --trainer.callbacks.init_args.bogus 1", "trainer.callbacks.init_args.bogus"),
+    (f"{G} --model.init_args.beta 0.1", "beta"),
+    (f"{E} /nonexistent/last.ckpt out", "checkpoint"),
+    (f"{E} garbage.ckpt out", "checkpoint"),
+    (f"{E} fake.ckpt afile/sub", "out"),
+    (f"{E} fake.ckpt nonempty", "out_dir"),
+    (f"{E} fake.ckpt out --dtype float64", "--dtype"),
+    (f"{E} fake.ckpt out --max-shard-size lots", "--max-shard-size"),
+    (f"{E} fake.ckpt out --config /nonexistent", "--config"),
+    (f"{E} fake.ckpt out --merge-lora", "--merge-lora"),
+]
+
+# Checks other parts of the project are adding (issue 15); move a row into ROWS once its check is merged.
+PENDING_ROWS = [
+    (f"{F} --model.init_args.warmup_steps -10", "model.init_args.warmup_steps"),  # model: numeric ranges
+    (f"{F} --model.init_args.learning_rate -1", "model.init_args.learning_rate"),  # model: numeric ranges
+    (f"{F} --model.init_args.weight_decay -1", "model.init_args.weight_decay"),  # model: numeric ranges
+    (f"{F} --model.init_args.min_lr_ratio 2", "model.init_args.min_lr_ratio"),  # model: numeric ranges
+    (f"{F} --model.init_args.betas [0.9,1.5]", "model.init_args.betas"),  # model: numeric ranges
+    (f"{F} --model.init_args.loss_chunk_size 0", "model.init_args.loss_chunk_size"),  # model: numeric ranges
+    (f"{F} --model.init_args.lora '{{r: 0}}'", "model.init_args.lora"),  # model: typed LoraConfig, rank >= 1
+    (f"{F} --model.init_args.config_overrides '{{num_hidden_layerz: 2}}'", "num_hidden_layerz"),  # model: keys
+    (f"{F} --data.init_args.max_seq_length 4096", "data.max_seq_length"),  # model: checked in setup, too late
+    (f"{F} --data.init_args.batch_size 100000", "data.batch_size"),  # data: batch larger than the dataset
+    (f"{G} --model.init_args.preset nope", "model.init_args.preset"),  # model: GRPOModule builds like Gemma4LM
+    (f"{G} --model.init_args.dtype fp8", "model.init_args.dtype"),  # model: one dtype parser
+    (f"{G} --model.init_args.lora_rank -1", "lora"),  # model: GRPOModule takes `lora` like Gemma4LM
+    (f"{G} --data.init_args.batch_size 0", "data.batch_size"),  # data: prompt source ranges
+    (f"{G} --data.init_args.prompt_len 0", "data.prompt_len"),  # data: prompt source ranges
+    (f"{G} --data.init_args.vocab_size 1", "data.vocab_size"),  # data: prompt source ranges
+    (f"{G} --trainer.callbacks.init_args.max_new_tokens 0", "max_new_tokens"),  # rollout: GRPO lengths
+    (f"{G} --trainer.callbacks.init_args.page_size 0", "page_size"),  # rollout: engine ranges
+    (f"{G} --trainer.callbacks.init_args.max_seq_len 8", "max_seq_len"),  # rollout: >= prompt + max_new_tokens
+]
+
+
+def _fit_config() -> dict:
+    cfg = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    cfg["trainer"].update(max_steps=2, limit_val_batches=0)
+    cfg["data"]["init_args"].update(batch_size=2, max_seq_length=32)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory) -> Path:
+    """The files every row starts from (copied per row)."""
+    root = tmp_path_factory.mktemp("template")
+    (root / "fit.yaml").write_text(yaml.safe_dump(_fit_config()))
+    shutil.copy(ROOT / "configs" / "tiny_grpo.yaml", root / "grpo.yaml")
+    (root / "bad.yaml").write_text("trainer: [unclosed\n")
+    (root / "garbage.ckpt").write_bytes(b"not a checkpoint\n" * 64)
+    (root / "afile").write_text("a file where a folder is expected\n")
+    (root / "emptydir").mkdir()
+    (root / "nonempty").mkdir()
+    (root / "nonempty" / "keep.txt").write_text("mine\n")
+    # the smallest checkpoint export reads: weights + the hyper-parameters that rebuild the config
+    torch.save({"state_dict": {"model.lm_head.weight": torch.zeros(2, 2)}, "hyper_parameters": {"preset": "tiny"}},
+               root / "fake.ckpt")
+    return root
+
+
+@pytest.fixture(scope="module")
+def results(template, tmp_path_factory) -> dict[str, tuple]:
+    """Every row run once, two at a time: {command: (process, tree before, tree after)}."""
+    def one(i_row):
+        i, (command, _) = i_row
+        cwd = tmp_path_factory.mktemp(f"row{i}")
+        shutil.copytree(template, cwd, dirs_exist_ok=True)
+        before = snapshot(cwd)
+        proc = run(command, cwd, timeout=240)
+        return command, (proc, before, snapshot(cwd))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(one, enumerate(ROWS)))
+
+
+def test_table_is_large_and_unique():
+    commands = [c for c, _ in ROWS + PENDING_ROWS]
+    assert len(ROWS) >= 40 and len(set(commands)) == len(commands)
+    assert {c.split()[0] for c, _ in ROWS} == {"lightning-ffpa", "lightning-ffpa-export"}
+    assert sum(c.startswith(G) for c, _ in ROWS) >= 5  # GRPO options (configs/tiny_grpo.yaml)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("command, option", ROWS, ids=[c.split(maxsplit=1)[-1][:70] for c, _ in ROWS])
+def test_bad_input_exits_2_with_one_line_naming_the_option(results, command, option):
+    proc, before, after = results[command]
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    assert option in lines[0], lines[0]
+    assert proc.stdout == "", proc.stdout[-2000:]
+    written = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not written, f"files written or changed: {written}"

@@ -1,0 +1,61 @@
+"""Every shipped YAML fits 2 steps on CPU through the installed `lightning-ffpa` console script, with tiny
+overrides, in a folder of its own: exit code 0, the closing line, and an honest screen.
+
+`TINY` holds each recipe's overrides in one place: a recipe that changes its options changes its row here.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+from _console import ROOT, run
+
+CPU = "--trainer.accelerator cpu --trainer.devices 1 --trainer.num_nodes 1"
+FSDP2_CPU = ("--trainer.strategy.init_args.param_dtype fp32 --trainer.strategy.init_args.compile false "
+             "--trainer.precision 32-true")
+ROLLOUT_CPU = ("--trainer.callbacks.init_args.max_new_tokens 4 --trainer.callbacks.init_args.num_generations 2 "
+               "--trainer.callbacks.init_args.page_size 8 --trainer.callbacks.init_args.num_pages 32 "
+               "--trainer.callbacks.init_args.max_batch_size 8 --trainer.callbacks.init_args.max_seq_len 16 "
+               "--trainer.callbacks.init_args.max_prefill_tokens 64 --trainer.callbacks.init_args.cuda_graphs false "
+               "--trainer.callbacks.init_args.compile_decode false --trainer.callbacks.init_args.attention dense")
+
+# recipe -> the overrides that make it a 2-step CPU fit (each recipe also gets --trainer.max_steps 2)
+TINY: dict[str, str] = {
+    "tiny": "--data.init_args.batch_size 2 --data.init_args.max_seq_length 32 --trainer.limit_val_batches 0",
+    "tiny_fsdp2": "--data.init_args.batch_size 2 --data.init_args.seq_length 32",
+    "tiny_grpo": "",
+    "gemma4_ffpa": (f"{CPU} {FSDP2_CPU} --model.init_args.preset tiny --model.init_args.max_seq_length 32 "
+                    "--data.init_args.vocab_size 512 --data.init_args.seq_length 32 --data.init_args.batch_size 2 "
+                    "--data.init_args.num_samples 8"),
+    "gemma4_grpo": (f"{CPU} --trainer.precision 32-true --model.init_args.preset tiny --model.init_args.dtype float32 "
+                    f"{ROLLOUT_CPU} --data.init_args.prompt_len 4 --data.init_args.vocab_size 512 "
+                    "--data.init_args.batch_size 2 --data.init_args.num_random_prompts 8"),
+}
+SHIPPED = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+
+
+def test_every_shipped_recipe_has_tiny_overrides():
+    assert sorted(TINY) == SHIPPED
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("recipe", SHIPPED)
+def test_shipped_recipe_fits_two_steps_through_the_console_script(recipe, tmp_path):
+    """By recipe name, from a folder outside the repository; the run's files land in that folder."""
+    proc = run(["lightning-ffpa", "fit", "--config", recipe, "--trainer.max_steps", "2",
+                *shlex.split(TINY[recipe])], tmp_path, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("fit finished at step 2"), proc.stdout[-2000:]
+    screen = proc.stdout + proc.stderr
+    assert "FLOPs" not in screen  # the summary shows no count it did not make
+    assert "/-2" not in screen  # no bogus epoch total
+    if "--trainer.enable_progress_bar false" not in TINY[recipe]:
+        assert re.search(r"Epoch 0, step\b.*\b2/2\b", screen), screen[-2000:]  # steps done of max_steps
+    for kind in ("checkpoint", "logs"):  # the closing line names where the run's files are; they exist
+        named = re.search(rf"\b{kind} ([^;]+)", last)
+        if named:
+            assert (tmp_path / named.group(1)).exists(), last

@@ -1,0 +1,108 @@
+"""`console_entry` and the folding of jsonargparse's nested errors into one line, in-process."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+
+import pytest
+
+from lightning_ffpa import cli
+from lightning_ffpa.errors import DEBUG_ENV, ConfigError, InputError, console_entry, describe_parse_error
+
+
+def _raises(exc):
+    def body(argv):
+        raise exc
+    return body
+
+
+def test_config_error_is_one_line_and_exit_2(capfd):
+    assert console_entry(_raises(ConfigError("model.lora.r", 0, "must be >= 1")), argv=[]) == 2
+    out, err = capfd.readouterr()
+    assert out == "" and err == "error: `model.lora.r=0`: must be >= 1\n"
+
+
+def test_output_before_a_user_error_is_dropped_and_kept_on_success(capfd):
+    def noisy(fail):
+        def body(argv):
+            print("warning from a library", file=sys.stderr, flush=True)
+            os.write(2, b"C-level line\n")
+            if fail:
+                raise FileNotFoundError("`data.train_file='x'` does not exist")
+            return 0
+        return body
+
+    assert console_entry(noisy(True), argv=[]) == 2
+    assert capfd.readouterr().err == "error: `data.train_file='x'` does not exist\n"
+    assert console_entry(noisy(False), argv=[]) == 0
+    assert capfd.readouterr().err == "warning from a library\nC-level line\n"
+
+
+def test_bugs_keep_their_traceback_and_their_output(capfd):
+    def body(argv):
+        print("context", file=sys.stderr, flush=True)
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):
+        console_entry(body, argv=[])
+    assert "context" in capfd.readouterr().err
+
+
+def test_debug_flag_and_env_show_the_traceback(monkeypatch):
+    monkeypatch.setenv(DEBUG_ENV, "0")  # restored (unset) after the test, though --debug sets it
+    seen = []
+    with pytest.raises(ConfigError):
+        console_entry(lambda argv: (seen.append(argv), _raises(ConfigError("a", 1, "b"))(argv)), argv=["x", "--debug"])
+    assert seen == [["x"]] and os.environ[DEBUG_ENV] == "1"  # child processes inherit it
+    with pytest.raises(InputError):
+        console_entry(_raises(InputError("bad")), argv=[])
+
+
+def test_disk_full_is_a_user_error(capfd):
+    err = OSError(errno.ENOSPC, "No space left on device", "/ckpt/last.ckpt")
+    assert console_entry(_raises(err), argv=[]) == 2
+    assert capfd.readouterr().err == "error: no space left on device: /ckpt/last.ckpt\n"
+
+
+def test_body_int_is_the_exit_code():
+    assert console_entry(lambda argv: 0, argv=[]) == 0
+    assert console_entry(lambda argv: None, argv=[]) == 0
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--trainer.max_steps", "abc"], "`trainer.max_steps='abc'`: expected int"),
+    (["--model.init_args.loss_impl", "fast"], "`model.init_args.loss_impl='fast'`: expected one of 'plain', "),
+    (["--model.init_args.nope", "1"], "`model.init_args.nope='1'`: is not an argument of Gemma4LM"),
+    (["--model.class_path", "no.such.Module"], "`model.class_path='no.such.Module'`: No module named 'no'"),
+    (["--trainer.precision", "17"], "`trainer.precision='17'`: expected one of 64, 32, 16, 'transformer-engine'"),
+    (["--trainer.callbacks+=no.such.Callback"], "`trainer.callbacks.class_path='no.such.Callback'`"),
+])
+def test_parse_errors_fold_to_the_option_value_and_reason(args, line):
+    with pytest.raises(ConfigError) as info:
+        cli.build(["fit", "--config", "tiny", *args])
+    assert str(info.value).startswith(line) and "\n" not in str(info.value)
+    assert "Namespace(" not in str(info.value) and "Union" not in str(info.value)
+
+
+def test_constructor_errors_arrive_unwrapped():
+    with pytest.raises(InputError) as info:
+        cli.build(["--config", "tiny", "--model.init_args.attn_implementation", "flash9"], run=False)
+    assert str(info.value).startswith("model.attn_implementation='flash9' is unknown")
+
+
+def test_describe_keeps_a_config_error_raised_inside():
+    inner = ConfigError("model.lora.r", 0, "must be >= 1")
+    outer = ValueError("Does not validate against any of the Union subtypes\nErrors:\n  - x")
+    outer.__cause__ = inner
+    assert describe_parse_error(outer) is inner
+
+
+def test_trainer_ranges_lightning_does_not_check():
+    with pytest.raises(ConfigError, match="trainer.accumulate_grad_batches=0"):
+        cli.check_trainer_options({"accumulate_grad_batches": 0})
+    with pytest.raises(ConfigError, match="trainer.val_check_interval=0"):
+        cli.check_trainer_options({"val_check_interval": 0})
+    cli.check_trainer_options({"accumulate_grad_batches": 1, "val_check_interval": 0.5, "gradient_clip_val": None,
+                               "num_sanity_val_steps": -1})

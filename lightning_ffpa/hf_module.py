@@ -41,6 +41,8 @@ _MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemm
 
 # peft's names inside a wrapped model: infixes on base weights, and the adapter weights themselves.
 _PEFT_INFIX = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+# torch.compile and activation checkpointing wrap each decoder layer (`parallelize`).
+_WRAPPER_INFIX = re.compile(r"(_orig_mod|_checkpoint_wrapped_module)\.")
 _ADAPTER_KEY = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
 
 
@@ -224,6 +226,7 @@ class HFModule(L.LightningModule):
             for key in self.hf_model.state_dict():
                 if _ADAPTER_KEY.search(key):
                     continue
+                key = _WRAPPER_INFIX.sub("", key)  # DCP's state-dict helpers name parameters without wrappers
                 source = _PEFT_INFIX.sub("", key)
                 if source in ref:
                     full[key] = ref[source]

@@ -44,7 +44,9 @@ def kernel_options(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict[s
 
 @functools.cache
 def _compiled_flex():
-    return torch.compile(flex_attention)
+    # Static shapes: with automatic dynamic shapes inductor finds no flex template for a symbolic sequence
+    # length at small head dims (NoValidChoicesError on an H200, torch 2.11); a shape recompiles instead.
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def flex_forward(query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMask, scale: float,

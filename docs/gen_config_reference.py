@@ -63,7 +63,7 @@ COMMAND_LINE = [
     "  or unwritable paths. A disk that fills up is also reported in one line. Bugs keep their traceback",
     "  (exit 1).",
     "- **`--debug`** (or `LIGHTNING_FFPA_DEBUG=1`) shows the full traceback for a bad input too, and all the",
-    "  output before it; ranks the command launches inherit it.",
+    "  output before it (exit code still 2); ranks the command launches inherit it.",
     "- **In Python:** `lightning_ffpa.cli.build(args, run=True)` builds the same CLI and returns it",
     "  (`cli.trainer`, `cli.model`); with `run=False` it only parses and instantiates. `cli.main(args)` is the",
     "  console script (returns the exit code).",

@@ -6,7 +6,8 @@ jsonargparse's nested parse errors into one `option=value: reason` line, and `co
 command's body and maps the user's mistakes to `error: <option>=<value>: <why>` on stderr with exit code 2.
 While a command is still checking its input, stderr is held back (`hold_stderr`), so a rejected input prints
 exactly one line; the command releases it (`release_stderr`) when its input is accepted. Bugs keep their
-traceback. `--debug` or `LIGHTNING_FFPA_DEBUG=1` shows the traceback for user errors too.
+traceback. `--debug` or `LIGHTNING_FFPA_DEBUG=1` shows the traceback (and all output) for user errors too,
+still with exit code 2.
 Does not own what is checked: each component validates its own options.
 """
 
@@ -18,6 +19,7 @@ import os
 import re
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -241,11 +243,10 @@ def console_entry(body: Callable[[list[str]], Any], user_errors: tuple[type[Base
     try:
         result = body(argv)
     except handled as err:
-        if debug:
-            release_stderr()
-            raise
         line = one_line(describe_parse_error(err) if isinstance(err, argparse.ArgumentError) else err)
-        release_stderr(replay=False)
+        release_stderr(replay=debug)
+        if debug:
+            traceback.print_exc()
         print(f"error: {line}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as err:

@@ -59,3 +59,9 @@ def test_shipped_recipe_fits_two_steps_through_the_console_script(recipe, tmp_pa
         named = re.search(rf"\b{kind} ([^;]+)", last)
         if named:
             assert (tmp_path / named.group(1)).exists(), last
+    if recipe == "tiny":  # and the export console script turns that checkpoint into an HF folder, exit 0
+        ckpt = re.search(r"\bcheckpoint ([^;]+)", last).group(1)
+        exported = run(["lightning-ffpa-export", ckpt, "hf"], tmp_path, timeout=240)
+        assert exported.returncode == 0, exported.stderr[-3000:]
+        assert exported.stdout.strip().splitlines()[-1].startswith("wrote "), exported.stdout
+        assert (tmp_path / "hf" / "config.json").is_file()

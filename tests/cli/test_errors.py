@@ -50,14 +50,16 @@ def test_bugs_keep_their_traceback_and_their_output(capfd):
     assert "context" in capfd.readouterr().err
 
 
-def test_debug_flag_and_env_show_the_traceback(monkeypatch):
+def test_debug_flag_and_env_show_the_traceback(monkeypatch, capfd):
     monkeypatch.setenv(DEBUG_ENV, "0")  # restored (unset) after the test, though --debug sets it
     seen = []
-    with pytest.raises(ConfigError):
-        console_entry(lambda argv: (seen.append(argv), _raises(ConfigError("a", 1, "b"))(argv)), argv=["x", "--debug"])
+    body = _raises(ConfigError("a", 1, "b"))
+    assert console_entry(lambda argv: (seen.append(argv), body(argv)), argv=["x", "--debug"]) == 2
     assert seen == [["x"]] and os.environ[DEBUG_ENV] == "1"  # child processes inherit it
-    with pytest.raises(InputError):
-        console_entry(_raises(InputError("bad")), argv=[])
+    err = capfd.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.endswith("error: `a=1`: b\n")
+    assert console_entry(_raises(InputError("bad")), argv=[]) == 2  # the env var alone
+    assert "Traceback" in capfd.readouterr().err
 
 
 def test_disk_full_is_a_user_error(capfd):

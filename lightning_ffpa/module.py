@@ -16,6 +16,7 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 
 from lightning_ffpa.attention.documents import check_packing, packed_inputs
 from lightning_ffpa.cp import cp_group_info, cp_loss_reduce, shard_batch
+from lightning_ffpa.dtypes import DtypeOrAuto
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.hf_module import (  # noqa: F401 - re-exported: `from lightning_ffpa.module import resolve_dtype`
     _MODEL_CLASSES,
@@ -71,7 +72,7 @@ class Gemma4LM(HFModule):
         config_overrides: dict[str, Any] | None = None,
         model_class: Literal["causal_lm", "conditional_generation"] = "causal_lm",
         attn_implementation: str = "sdpa",
-        dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
+        dtype: DtypeOrAuto = "auto",
         lora: LoraSpec | None = None,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.1,

@@ -24,6 +24,7 @@ from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat import transformers as hf_compat
 from lightning_ffpa.checkpoint.atomic import AtomicCheckpointIO
 from lightning_ffpa.checkpoint.sharded import ShardedCheckpointWriter
+from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, sac_context_fn
 from lightning_ffpa.parallel.fsdp import parallelize
 
@@ -33,16 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["FSDP2Strategy", "MESH_DIM_NAMES", "materialize"]
 
 MESH_DIM_NAMES = ("data_parallel", "context_parallel")
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-           "fp16": torch.float16, "float16": torch.float16}
-
-
-def _dtype(name: str | None, option: str) -> torch.dtype | None:
-    if name is None:
-        return None
-    if name not in _DTYPES:
-        raise ValueError(f"`{option}={name!r}` is not one of {sorted(_DTYPES)} or null")
-    return _DTYPES[name]
 
 
 def _find_parallelize_target(module: nn.Module, required: bool = True) -> nn.Module | None:
@@ -132,8 +123,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             sac_context_fn(self.sac_extra_save_ops, sac_save_mm)  # resolves op names: typos fail here
         elif self.sac_extra_save_ops:
             raise ValueError("`sac_extra_save_ops` needs `activation_checkpointing='selective'`")
-        self.param_dtype = _dtype(param_dtype, "param_dtype")
-        self.reduce_dtype = _dtype(reduce_dtype, "reduce_dtype")
+        self.param_dtype = parse_dtype("param_dtype", param_dtype, allow_auto=False, allow_none=True)
+        self.reduce_dtype = parse_dtype("reduce_dtype", reduce_dtype, allow_auto=False, allow_none=True)
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.compile = compile

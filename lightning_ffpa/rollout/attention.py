@@ -29,6 +29,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from lightning_ffpa._compat.transformers import register_attention
+from lightning_ffpa.dtypes import parse_dtype
 
 ATTENTION_NAME = "lightning_ffpa_paged"
 
@@ -145,10 +146,8 @@ def load_kernel_options(path: str | Path) -> list[dict[str, Any]]:
     if not isinstance(entries, list):
         raise ValueError(f"{path}: expected a list of kernel-option entries or a rollout_attention result")
     parsed = []
-    for e in entries:
-        dtype = getattr(torch, str(e.get("dtype", "bfloat16")), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{path}: unknown dtype {e.get('dtype')!r} in {e}")
+    for i, e in enumerate(entries):
+        dtype = parse_dtype(f"{path}[{i}].dtype", e.get("dtype", "bfloat16"), allow_auto=False)
         decode = bool(e["decode"])
         parsed.append((int(e["head_dim"]), decode, validate_kernel_options(e["options"], decode), dtype))
     for head_dim, decode, options, dtype in parsed:

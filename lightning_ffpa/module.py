@@ -27,7 +27,7 @@ from lightning_ffpa.hf_module import (  # noqa: F401 - re-exported: `from lightn
 )
 from lightning_ffpa.hidden_states import causal_lm_hidden_states
 from lightning_ffpa.lora import LoraSpec, lora_hparam
-from lightning_ffpa.loss import linear_cross_entropy
+from lightning_ffpa.loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_ffpa.metrics import TokenPerplexity
 
 
@@ -154,8 +154,8 @@ class Gemma4LM(HFModule):
             inputs.update(packed_inputs(batch, self.hf_model))
             labels = batch["labels"]
             # Shift by appending an ignored target, so both paths score position i against token i+1.
-            labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
-        n_tokens = (labels != -100).sum()
+            labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+        n_tokens = (labels != IGNORE_INDEX).sum()
         nll_sum = self._nll_sum(inputs, labels, n_tokens)
         if cp is not None:
             return cp_loss_reduce(nll_sum, n_tokens, group), n_tokens
@@ -165,7 +165,7 @@ class Gemma4LM(HFModule):
         if self.hparams.loss_impl == "plain":
             logits = self.model(use_cache=False, **inputs).logits  # HF applies the final softcap
             return nn.functional.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             )
         # Pass the module given to `parallelize` (the FSDP root), so its hooks gather lm_head too.
         hidden = causal_lm_hidden_states(self.model, use_cache=False, **inputs)

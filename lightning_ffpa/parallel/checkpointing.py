@@ -36,10 +36,11 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from lightning_ffpa import saved_ops
 from lightning_ffpa._compat.torch import HigherOrderOperator, OpOverload, OpOverloadPacket, checkpoint_wrapper
 
-__all__ = ["default_save_ops", "resolve_op", "sac_policy", "sac_context_fn", "apply_activation_checkpointing",
+__all__ = ["AC_MODES", "check_ac_mode", "default_save_ops", "resolve_op", "sac_policy", "sac_context_fn", "apply_activation_checkpointing",
            "layer_width", "mm_reduction_dim", "SAVE_MM_RULES"]
 
 ACMode = Literal["none", "full", "selective"]
+AC_MODES = ("none", "full", "selective")
 SaveMM = Literal["high_k", "every_other", "all", "none"]
 SAVE_MM_RULES = ("high_k", "every_other", "all", "none")
 
@@ -148,8 +149,15 @@ def sac_context_fn(extra_save_ops: list[str] | tuple[str, ...] = (), save_mm: Sa
     return context_fn
 
 
+def check_ac_mode(mode: str) -> None:
+    """Raise unless `mode` is one of AC_MODES (the `activation_checkpointing` option)."""
+    if mode not in AC_MODES:
+        raise ValueError(f"`activation_checkpointing={mode!r}` is not one of {', '.join(map(repr, AC_MODES))}")
+
+
 def apply_activation_checkpointing(layer: torch.nn.Module, mode: ACMode, context_fn=None) -> torch.nn.Module:
     """Return `layer` wrapped for `mode` ("none" returns it unchanged)."""
+    check_ac_mode(mode)
     if mode == "none":
         return layer
     if mode == "full":
@@ -159,4 +167,3 @@ def apply_activation_checkpointing(layer: torch.nn.Module, mode: ACMode, context
         if hasattr(context_fn, "for_layer"):  # ours: bind the per-layer width the "high_k" rule needs
             context_fn = context_fn.for_layer(layer)
         return checkpoint_wrapper(layer, context_fn=context_fn)
-    raise ValueError(f"`activation_checkpointing={mode!r}` is not one of 'none', 'full', 'selective'")

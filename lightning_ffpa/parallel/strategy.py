@@ -25,7 +25,7 @@ from lightning_ffpa._compat import transformers as hf_compat
 from lightning_ffpa.checkpoint.atomic import AtomicCheckpointIO
 from lightning_ffpa.checkpoint.sharded import ShardedCheckpointWriter
 from lightning_ffpa.dtypes import parse_dtype
-from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, sac_context_fn
+from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, check_ac_mode, sac_context_fn
 from lightning_ffpa.parallel.fsdp import parallelize
 
 if TYPE_CHECKING:
@@ -112,9 +112,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             raise ValueError(f"`data_parallel_size={data_parallel_size!r}` must be 'auto' or a positive int")
         if not (isinstance(context_parallel_size, int) and context_parallel_size >= 1):
             raise ValueError(f"`context_parallel_size={context_parallel_size!r}` must be a positive int")
-        if activation_checkpointing not in ("none", "full", "selective"):
-            raise ValueError(f"`activation_checkpointing={activation_checkpointing!r}` is not one of "
-                             "'none', 'full', 'selective'")
+        check_ac_mode(activation_checkpointing)
         self._context_parallel_size = context_parallel_size
         self.activation_checkpointing = activation_checkpointing
         self.sac_extra_save_ops = list(sac_extra_save_ops or [])

@@ -67,11 +67,6 @@ class PagedKVCache:
         self._index: torch.Tensor | None = None
         self._decode = False
 
-    @property
-    def num_bytes(self) -> int:
-        """Bytes held by all pools."""
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
-
     def layer_bytes_per_token(self, layer_idx: int) -> int:
         """K+V bytes one cached token costs in `layer_idx` (0 for shared layers)."""
         if layer_idx not in self.k:

@@ -48,8 +48,8 @@ def build_adamw(model: nn.Module, lr: float, weight_decay: float = 0.1,
 
     Why fused: torch picks the foreach implementation by default, whose step allocates a parameter-sized
     temporary (`_foreach_sqrt(exp_avg_sq)`) and makes ~7 passes over params/grads/states. With fp32
-    master weights that temporary is 4 bytes/param: on the 4.3B-param benchmark slice it *is* the step's
-    peak (16 GiB above params + grads + Adam states). The fused kernel updates each element in one pass
+    master weights that temporary is 4 bytes/param: on the benchmark slice it *is* the step's peak
+    (benchmarks/results/train_throughput_memory.json, `peak_above_start_gb`). The fused kernel updates each element in one pass
     with no temporary, and DTensor (FSDP2) parameters support it. Elsewhere (CPU offload, CPU tests)
     torch's default stays.
     """

@@ -12,10 +12,9 @@ The save policy (selective mode):
     (the residual-stream width, read from the layer). Saving an (M, N) output costs M*N elements and
     spares 2*M*N*K recompute FLOPs, so K is the FLOPs bought per saved byte: the projections back into
     the residual stream (o_proj, down_proj: K = heads*head_dim, intermediate) are worth the most, and
-    q/k/v/gate/up (K = width) are recomputed. On the Gemma4-31B shapes at seq 8192 it saves 168 MiB of
-    matmul outputs per layer against `"every_other"`'s 452-484 MiB, for 8% more matmul recompute
-    (benchmarks/sac_accounting.py, benchmarks/results/sac_accounting.json). At full depth (60 layers)
-    that is ~19 GiB of activations per GPU instead of ~37 GiB, which FSDP does not shard;
+    q/k/v/gate/up (K = width) are recomputed. On the Gemma4-31B shapes it saves fewer matmul bytes per
+    layer than `"every_other"` for a little more recompute (benchmarks/sac_accounting.py counts both,
+    benchmarks/results/sac_accounting.json); these activations are what FSDP does not shard;
   - `"every_other"`: the 2nd, 4th, ... mm of one layer invocation (torchtitan's counting trade-off);
   - `"all"` saves every matmul, `"none"` none;
 - everything else (norms, rope, activations, casts) is recomputed: cheap elementwise work.

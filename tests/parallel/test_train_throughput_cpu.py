@@ -1,4 +1,4 @@
-"""CPU smoke of benchmarks/train_throughput.py: the rows the lead runs on H200 build, train and report."""
+"""CPU smoke of benchmarks/train_throughput.py: the rows it runs on the GPU build, train and report."""
 
 import json
 import os

@@ -39,6 +39,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results_io import write_result  # noqa: E402
+from lightning_ffpa.dtypes import parse_dtype  # noqa: E402
 from lightning_ffpa.rollout import attention as attn  # noqa: E402
 from lightning_ffpa.rollout.masks import decode_block_mask, logical_block_mask  # noqa: E402
 from lightning_ffpa.rollout.page_table import PageTable  # noqa: E402
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     args.contexts = [int(c) for c in str(args.contexts).split(",")]
     args.compile = args.device == "cuda"  # the engine compiles flex on CUDA and runs it eagerly on CPU
-    dtype = getattr(torch, args.dtype)
+    dtype = parse_dtype("--dtype", args.dtype, allow_auto=False)
     kinds = [k for k in (TINY if args.tiny else GEMMA4_31B) if k.name in args.kinds.split(",")]
     if not kinds:
         raise ValueError(f"`--kinds={args.kinds}` names none of sliding, full")

@@ -6,13 +6,13 @@ strategy's recipe) on a (dp, 1) mesh, bf16 params / fp32 reduce, AdamW step, bat
 
 Rows (seq 4k and 8k each):
   1 sdpa          HF SDPA (transformers >= 5.13), full AC, plain HF loss: what a Lightning user gets today
-  2 seed_gqa      the seed's baseline: D=512 layers through SDPA enable_gqa (MATH path), else as row 1
+  2 seed_gqa      D=512 layers through SDPA enable_gqa (MATH path), else as row 1
   3 flex          Flex for all layers with D=512-safe kernel options, else as row 1
   4 ffpa_swap     "ffpa" attention swapped in only, else as row 1 (the kernel effect alone)
   5 ours          ffpa + selective AC + per-layer compile + chunked fused linear CE, with the product's
                   defaults for everything else: FSDP2Strategy's `sac_save_mm` and `build_adamw` (fused AdamW)
   5b ours_nocompile  row 5 without compile (so a compile failure still leaves a measurement)
-  ours_every_other   row 5b with SAC's previous matmul rule (`every_other`), to A/B the "high_k" default
+  ours_every_other   row 5b with SAC's `every_other` matmul rule (torchtitan's), to A/B the "high_k" default
   (opt-in) ours_all_mm / ours_sac_all_mm   row 5b / 5 with SAC saving every matmul
   (opt-in) ours_foreach   row 5b with the baseline rows' optimizer (plain AdamW), to isolate the optimizer
 
@@ -82,7 +82,7 @@ def _register_baselines() -> None:
     from transformers.masking_utils import sdpa_mask
 
     def sdpa_gqa(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        """The seed's path: D=512 layers through SDPA enable_gqa (no mask, is_causal); others HF SDPA."""
+        """D=512 layers through SDPA enable_gqa (no mask, is_causal); others HF SDPA."""
         if module.head_dim != 512:
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)

@@ -28,20 +28,21 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa._compat.transformers import text_config
+from lightning_ffpa.dtypes import DtypeName, parse_dtype
+from lightning_ffpa.dtypes import choices as dtype_choices
 from lightning_ffpa.errors import CheckpointError, ConfigError, console_entry
 from lightning_ffpa.validation import check_checkpoint
 
 MODULE_PREFIX = "model."  # Gemma4LM keeps the HF model in `self.model`
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> HF model
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -183,8 +184,7 @@ def check_config_matches(config, hparams: dict[str, Any], shapes: dict[str, tupl
 def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, dtype: str | None = None,
            max_shard_size: str = "5GB", config_dir: str | None = None) -> ExportResult:
     """Write the checkpoint's model as an HF folder (and its LoRA adapter in PEFT format, unless merged)."""
-    if dtype is not None and dtype not in _DTYPES:
-        raise ConfigError("--dtype", dtype, f"must be one of {sorted(_DTYPES)}")
+    target = parse_dtype("--dtype", dtype, allow_auto=False, allow_none=True)  # checked before any file is written
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"`out_dir={str(out)!r}` exists and is not empty; choose a new folder")
@@ -200,7 +200,6 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     check_config_matches(config, hparams, {hf: source.specs[src[0]][0] for hf, src in plan.base.items()}, tied,
                          *(("--config", config_dir) if config_dir else ("ckpt", str(ckpt))))
     scaling = _lora_scaling(lora) if lora else 1.0
-    target = _DTYPES[dtype] if dtype else None
     split = _split({hf: (source.specs[src[0]][0], target or source.specs[src[0]][1]) for hf, src in plan.base.items()},
                    max_shard_size, "--max_shard_size")
 
@@ -303,7 +302,7 @@ def save_hf_sharded(model: torch.nn.Module, out_dir: str | Path, *, max_shard_si
 
 
 def command(ckpt: str, out: str, merge_lora: bool = False,
-            dtype: Literal["float32", "bfloat16", "float16"] | None = None, max_shard_size: str = "5GB",
+            dtype: DtypeName | None = None, max_shard_size: str = "5GB",
             config: str | None = None) -> ExportResult:
     """Export a Lightning checkpoint (a .ckpt file or a DCP folder) to a Hugging Face model folder.
 
@@ -360,7 +359,7 @@ def run(argv: list[str]) -> ExportResult:
     except ArgumentError as err:
         key = re.match(r'Parser key "(\w+)"', str(err))
         if key:  # jsonargparse's type errors run over many lines; name the option and its allowed values
-            hint = f"must be one of {sorted(_DTYPES)}" if key[1] == "dtype" else f"is not a valid {key[1]}"
+            hint = f"must be one of {dtype_choices(allow_auto=False)}" if key[1] == "dtype" else f"is not a valid {key[1]}"
             raise ConfigError(f"--{key[1]}", _value(argv, f"--{key[1]}"), hint) from err
         raise ConfigError("lightning-ffpa-export", " ".join(argv), str(err).splitlines()[0]) from err
     return command(**{k: args[k] for k in ("ckpt", "out", "merge_lora", "dtype", "max_shard_size", "config")})

@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from lightning_ffpa._compat.transformers import attention_names, from_config, text_config  # noqa: F401 - text_config re-exported
+from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.lora import apply_lora, lora_hparam
 from lightning_ffpa.presets import build_text_config, check_overrides, check_preset_overrides, config_fields
@@ -35,7 +36,6 @@ from lightning_ffpa.presets import build_text_config, check_overrides, check_pre
 KNOWN_ATTN = ("sdpa", "eager", "flex_attention", "ffpa")
 # Hyper-parameters that define the architecture: a checkpoint trained with other values cannot be resumed.
 ARCHITECTURE_HPARAMS = ("pretrained", "preset", "config_overrides", "model_class", "lora")
-DTYPES = ("auto", "bfloat16", "float16", "float32")
 _MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemma4ForConditionalGeneration}
 
 
@@ -51,11 +51,8 @@ def _registered_attn() -> set[str]:
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:
-    """'auto' is bf16 where the device supports it (CUDA with bf16), else fp32."""
-    if dtype == "auto":
-        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16 else torch.float32
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    """The torch dtype of the `model.dtype` option ('auto' is bf16 where the device supports it, else fp32)."""
+    return parse_dtype("model.dtype", dtype)
 
 
 def canonical_option(key: str, value: Any) -> Any:
@@ -99,8 +96,7 @@ class HFModule(L.LightningModule):
         attn = hp.get("attn_implementation", "sdpa")
         if attn not in _registered_attn():
             raise ConfigError("model.attn_implementation", attn, f"is unknown; choose one of {sorted(_registered_attn())}")
-        if hp.get("dtype", "auto") not in DTYPES:
-            raise ConfigError("model.dtype", hp.get("dtype"), f"must be one of {list(DTYPES)}")
+        parse_dtype("model.dtype", hp.get("dtype", "auto"))
         if self.model_class_name not in _MODEL_CLASSES:
             raise ConfigError("model.model_class", self.model_class_name, f"must be one of {sorted(_MODEL_CLASSES)}")
         self.config = self._load_config()

@@ -19,11 +19,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+# Labels with this value take no loss (torch's and HF's convention); the one definition the package uses.
+IGNORE_INDEX = -100
+
 __all__ = ["linear_cross_entropy", "plain_causal_lm_loss"]
 
 
 def plain_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, softcap: float | None = None,
-                         ignore_index: int = -100) -> torch.Tensor:
+                         ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Reference: softcap the logits in fp32 and take the mean CE over non-ignored (already shifted) labels."""
     logits = logits.float()
     if softcap is not None:
@@ -108,7 +111,7 @@ def _liger_loss(hidden, weight, labels, softcap, ignore_index):
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                         softcap: float | None = None, chunk_size: int = 4096, ignore_index: int = -100,
+                         softcap: float | None = None, chunk_size: int = 4096, ignore_index: int = IGNORE_INDEX,
                          impl: Literal["chunked", "liger"] = "chunked",
                          compile: bool | None = None) -> torch.Tensor:
     """Mean CE of softcap(hidden @ weight.T) over non-ignored labels, without full fp32 logits.

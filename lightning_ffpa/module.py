@@ -16,6 +16,7 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 
 from lightning_ffpa.attention.documents import check_packing, packed_inputs
 from lightning_ffpa.cp import cp_group_info, cp_loss_reduce, shard_batch
+from lightning_ffpa.dtypes import DtypeOrAuto
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.hf_module import (  # noqa: F401 - re-exported: `from lightning_ffpa.module import resolve_dtype`
     _MODEL_CLASSES,
@@ -26,7 +27,7 @@ from lightning_ffpa.hf_module import (  # noqa: F401 - re-exported: `from lightn
 )
 from lightning_ffpa.hidden_states import causal_lm_hidden_states
 from lightning_ffpa.lora import LoraSpec, lora_hparam
-from lightning_ffpa.loss import linear_cross_entropy
+from lightning_ffpa.loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_ffpa.metrics import TokenPerplexity
 
 
@@ -47,8 +48,8 @@ def build_adamw(model: nn.Module, lr: float, weight_decay: float = 0.1,
 
     Why fused: torch picks the foreach implementation by default, whose step allocates a parameter-sized
     temporary (`_foreach_sqrt(exp_avg_sq)`) and makes ~7 passes over params/grads/states. With fp32
-    master weights that temporary is 4 bytes/param: on the 4.3B-param benchmark slice it *is* the step's
-    peak (16 GiB above params + grads + Adam states). The fused kernel updates each element in one pass
+    master weights that temporary is 4 bytes/param: on the benchmark slice it *is* the step's peak
+    (benchmarks/results/train_throughput_memory.json, `peak_above_start_gb`). The fused kernel updates each element in one pass
     with no temporary, and DTensor (FSDP2) parameters support it. Elsewhere (CPU offload, CPU tests)
     torch's default stays.
     """
@@ -71,7 +72,7 @@ class Gemma4LM(HFModule):
         config_overrides: dict[str, Any] | None = None,
         model_class: Literal["causal_lm", "conditional_generation"] = "causal_lm",
         attn_implementation: str = "sdpa",
-        dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
+        dtype: DtypeOrAuto = "auto",
         lora: LoraSpec | None = None,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.1,
@@ -153,8 +154,8 @@ class Gemma4LM(HFModule):
             inputs.update(packed_inputs(batch, self.hf_model))
             labels = batch["labels"]
             # Shift by appending an ignored target, so both paths score position i against token i+1.
-            labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
-        n_tokens = (labels != -100).sum()
+            labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+        n_tokens = (labels != IGNORE_INDEX).sum()
         nll_sum = self._nll_sum(inputs, labels, n_tokens)
         if cp is not None:
             return cp_loss_reduce(nll_sum, n_tokens, group), n_tokens
@@ -164,7 +165,7 @@ class Gemma4LM(HFModule):
         if self.hparams.loss_impl == "plain":
             logits = self.model(use_cache=False, **inputs).logits  # HF applies the final softcap
             return nn.functional.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             )
         # Pass the module given to `parallelize` (the FSDP root), so its hooks gather lm_head too.
         hidden = causal_lm_hidden_states(self.model, use_cache=False, **inputs)

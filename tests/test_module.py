@@ -98,7 +98,7 @@ def test_bad_input_names_the_option(kwargs, option):
         ({"lora": {"r": 0}}, "model.lora.r"),
         ({"lora": {"r": 4, "lora_alpha": 0}}, "model.lora.lora_alpha"),
         ({"lora": {"r": 4, "lora_dropout": 1.0}}, "model.lora.lora_dropout"),
-        ({"dtype": "bf16"}, "model.dtype"),
+        ({"dtype": "bf17"}, "model.dtype"),
     ],
 )
 def test_out_of_range_options_are_config_errors(kwargs, option):

@@ -50,8 +50,6 @@ class FFPABackendConfig:
     """Head dims routed to FFPA (Gemma4 full-attention layers use 512)."""
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
     """Activation dtypes routed to the CuTeDSL kernel (the CPU reference takes any float dtype)."""
-    context_parallel_size: int = 1
-    """Must be 1: the direct backend refuses CP > 1 (that is the ring's job)."""
 
 
 _config = FFPABackendConfig()
@@ -83,14 +81,13 @@ def config() -> FFPABackendConfig:
     return _config
 
 
-def register_ffpa(head_dims: tuple[int, ...] = (512,), context_parallel_size: int = 1) -> None:
-    """Register "ffpa" in transformers' attention and mask interfaces (idempotent; updates the config)."""
-    if context_parallel_size != 1:
-        raise ValueError(f"`context_parallel_size={context_parallel_size}`: the direct 'ffpa' backend runs "
-                         f"only without context parallelism; {CP_ROUTE}")
+def register_ffpa(head_dims: tuple[int, ...] = (512,)) -> None:
+    """Register "ffpa" in transformers' attention and mask interfaces (idempotent; updates the config).
+
+    The direct backend runs without context parallelism; CP > 1 goes through the FFPA ring (`lightning_ffpa.cp`).
+    """
     hf_compat.check_version()
     _config.head_dims = tuple(int(d) for d in head_dims)
-    _config.context_parallel_size = context_parallel_size
     hf_compat.register_attention(NAME, ffpa_attention_forward)
     hf_compat.register_mask(NAME, ffpa_mask)
     kernels.register_flop_formulas()
@@ -197,7 +194,7 @@ def _documents_from_positions(position_ids: Tensor | None, batch: int) -> Packed
 
 def _documents(query: Tensor, attention_mask, kwargs: dict) -> PackedDocuments | None:
     """The packed documents of this call (or None); raises where document boundaries cannot be honoured."""
-    if _config.context_parallel_size != 1 or type(query).__name__ == "DTensor":
+    if type(query).__name__ == "DTensor":  # sharded over a CP mesh: the ring's job, not this backend's
         raise RuntimeError(f"the direct 'ffpa' attention backend cannot run under context parallelism; {CP_ROUTE}")
     docs = kwargs.get("documents")
     padded = (attention_mask is not None and not isinstance(attention_mask, BlockMask)) or getattr(

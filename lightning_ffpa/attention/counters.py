@@ -15,7 +15,7 @@ How it is taken:
   op with no outputs that is marked side-effectful, so dynamo neither graph-breaks nor guards on
   counter values, DCE keeps it, and its Python body runs once per real forward at runtime.
   A Python ``+= 1`` here would instead become a trace-time constant that dynamo guards on, which
-  recompiles the layer on every call (the 20x slowdown of the compiled row on the H200), and
+  recompiles the layer on every call, and
   ``warnings.warn`` would graph-break; ``reorderable_logging_functions`` calls are silently dropped
   inside the checkpoint higher-order op, so they are no alternative.
   (A CUDA-graph replay would skip the op's Python body; compiled layers here do not use CUDA graphs.)

@@ -1,9 +1,8 @@
-"""Flex attention as the sliding-window path and fallback: kernel options per head_dim, compiled on GPU.
+"""Flex attention as the sliding-window path and fallback of training: the one compiled flex callable.
 
-Flex's default Triton options fail at head_dim 512 on an H200: the forward default (BLOCK_M=64,
-BLOCK_N=32, 3 stages) needs ~256 KB of shared memory against a 227 KB limit. Single-stage tiles of
-32-64 fit (DESIGN.md). This file owns those options and the one compiled flex callable; it does
-not decide when flex runs (``backend.py`` does).
+Owns how flex is called (compiled on CUDA with the training kernel options, eager elsewhere, outside dispatch
+modes). Does not own the kernel options (`lightning_ffpa.flex_options`, one table with the rollout engine's)
+nor when flex runs (``backend.py`` decides).
 """
 
 from __future__ import annotations
@@ -15,31 +14,15 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from lightning_ffpa._compat import torch as torch_compat
+from lightning_ffpa.flex_options import LARGE_HEAD_DIM_CANDIDATES, flex_kernel_options
 
-# Candidate option sets for large head dims, best-first by the last recorded H200 run
-# (benchmarks/attention.py times all of them and reports the best as the Flex baseline).
-# Backward tiles keep BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0 (torch's bwd config rule).
-LARGE_HEAD_DIM_CANDIDATES: tuple[dict[str, int], ...] = (
-    {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 32, "fwd_num_stages": 1, "fwd_num_warps": 4,
-     "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
-     "bwd_num_stages": 1, "bwd_num_warps": 4},
-    {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 1, "fwd_num_warps": 8,
-     "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
-     "bwd_num_stages": 1, "bwd_num_warps": 8},
-    {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 32, "fwd_num_stages": 1, "fwd_num_warps": 4,
-     "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32, "bwd_BLOCK_N2": 32,
-     "bwd_num_stages": 1, "bwd_num_warps": 4},
-)
+__all__ = ["LARGE_HEAD_DIM_CANDIDATES", "flex_forward", "kernel_options"]  # candidates: benchmarks/attention.py
 
 
 def kernel_options(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int] | None:
-    """Flex kernel options that fit H200 shared memory for this head_dim (None: torch's defaults)."""
-    if head_dim <= 256:
-        return None  # torch's per-arch defaults cover these
-    opts = dict(LARGE_HEAD_DIM_CANDIDATES[0])
-    if dtype == torch.float32:  # twice the bytes per element: halve the tiles
-        opts.update({k: max(16, v // 2) for k, v in opts.items() if "BLOCK" in k})
-    return opts
+    """Flex training options (forward + backward) that fit H200 shared memory for this head_dim (None: torch's
+    defaults); the table is `lightning_ffpa.flex_options`."""
+    return flex_kernel_options(head_dim, "train", dtype)
 
 
 @functools.cache

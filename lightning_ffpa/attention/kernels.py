@@ -289,13 +289,6 @@ def forward_ops() -> tuple:
     return tuple(ops)
 
 
-def __getattr__(name: str):
-    # FFPA_FORWARD_OPS is computed on first access so importing this module never imports ffpa_attn.
-    if name == "FFPA_FORWARD_OPS":
-        return forward_ops()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _dense_flops(q: Tensor, k: Tensor) -> int:
     # Same convention as torch's SDPA formula (no causal discount), so MFU compares across backends.
     b, sq, hq, d = q.shape

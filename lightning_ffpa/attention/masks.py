@@ -1,8 +1,9 @@
 """Mask mods (index functions ``(b, h, q, kv) -> bool``) and BlockMask / dense-mask builders.
 
 Factories return named closures so BlockMasks and logs say what they hold. This file owns mask
-*construction* only; which layer gets which mask is decided by the "ffpa" mask function in
-``backend.py``, and the ring code reuses these mods with document ids.
+*construction* only, for the training backend (``backend.py`` decides which layer gets which mask) and the
+rollout engine (``rollout/masks.py`` builds its logical per-layer-kind masks from ``generate_causal``). The
+ring's per-block document-causal mod works on global positions and lives with it (``cp/flex_blocks.py``).
 """
 
 from __future__ import annotations
@@ -21,23 +22,27 @@ def _named(fn: MaskMod, name: str) -> MaskMod:
     return fn
 
 
-def generate_causal(q_len: int | None = None, kv_len: int | None = None) -> MaskMod:
-    """Causal mask, bottom-right aligned when q_len and kv_len differ (query i sees kv <= i + kv_len - q_len)."""
+def generate_causal(q_len: int | None = None, kv_len: int | None = None, *, window: int | None = None) -> MaskMod:
+    """Causal mask, bottom-right aligned when q_len and kv_len differ (query i sees kv <= i + kv_len - q_len);
+    with `window`, only the last `window` keys including the query's own (HF Gemma's sliding convention)."""
     shift = 0 if q_len is None or kv_len is None else kv_len - q_len
+    suffix = f"_shift{shift}" if shift else ""
+    if window is None:
 
-    def causal(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx + shift
+        def causal(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + shift
 
-    return _named(causal, f"causal_shift{shift}" if shift else "causal")
+        return _named(causal, f"causal{suffix}")
+
+    def sliding_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + shift) & (q_idx + shift - kv_idx < window)
+
+    return _named(sliding_window, f"sliding_window_{window}{suffix}")
 
 
 def generate_sliding_window(window: int) -> MaskMod:
     """Causal sliding window of `window` keys including the query's own (HF Gemma convention)."""
-
-    def sliding_window(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
-
-    return _named(sliding_window, f"sliding_window_{window}")
+    return generate_causal(window=window)
 
 
 def generate_padding(padding_mask: Tensor) -> MaskMod:

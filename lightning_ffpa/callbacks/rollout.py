@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
+from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.rl.batch import build_grpo_batch, repeat_groups
 from lightning_ffpa.rl.rewards import check_reward_funcs, total_reward
@@ -27,7 +28,6 @@ from lightning_ffpa.rollout.lora_sync import LoraSync
 from lightning_ffpa.rollout.sampler import SamplingParams
 
 OPTION = "RolloutCallback"  # how errors spell this Callback's options: `RolloutCallback.sampling.top_p`
-INFERENCE_DTYPES = ("bfloat16", "float16", "float32")  # torch's names: `getattr(torch, name)` is the parser
 
 
 class RolloutCallback(L.Callback):
@@ -37,7 +37,7 @@ class RolloutCallback(L.Callback):
                  sampling: SamplingParams | None = None, num_generations: int = 4, verify_no_drift: bool = False,
                  eos_token_ids: list[int] | None = None, tokenizer: str | None = None, model_attr: str = "model",
                  pad_token_id: int = 0,
-                 inference_dtype: Literal["bfloat16", "float16", "float32"] | None = None) -> None:
+                 inference_dtype: DtypeName | None = None) -> None:
         """
         Args:
             reward_funcs: TRL-signature reward functions, summed; in YAML dotted import paths
@@ -61,7 +61,8 @@ class RolloutCallback(L.Callback):
         self._check_options(reward_funcs, num_generations, eos_token_ids, pad_token_id, inference_dtype)
         self.reward_funcs = list(reward_funcs)
         self.num_generations = num_generations
-        self.inference_dtype = None if inference_dtype is None else getattr(torch, inference_dtype)
+        self.inference_dtype = parse_dtype(f"{OPTION}.inference_dtype", inference_dtype, allow_auto=False,
+                                           allow_none=True)
         self.verify_no_drift, self.eos_token_ids = verify_no_drift, eos_token_ids
         self.tokenizer_name, self.model_attr, self.pad_token_id = tokenizer, model_attr, pad_token_id
         self.engine: RolloutEngine | None = None
@@ -88,9 +89,7 @@ class RolloutCallback(L.Callback):
                 raise ConfigError(f"{OPTION}.eos_token_ids", eos_token_ids, "token ids must be >= 0")
         if pad_token_id < 0:
             raise ConfigError(f"{OPTION}.pad_token_id", pad_token_id, "must be >= 0")
-        if inference_dtype is not None and inference_dtype not in INFERENCE_DTYPES:
-            raise ConfigError(f"{OPTION}.inference_dtype", inference_dtype,
-                              f"must be one of {list(INFERENCE_DTYPES)} or null")
+        parse_dtype(f"{OPTION}.inference_dtype", inference_dtype, allow_auto=False, allow_none=True)
 
     def check_lengths(self, prompt_len: int, where: str = "") -> None:
         """Raise unless a prompt of `prompt_len` tokens plus `sampling.max_new_tokens` fits the engine's

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from torch import nn
 
 from lightning_ffpa._compat import lightning as lightning_compat
+from lightning_ffpa.loss import IGNORE_INDEX
 
 __all__ = ["TokenThroughput", "BF16_PEAK_FLOPS", "peak_bf16_flops", "count_real_tokens", "train_flops_per_batch"]
 
@@ -45,7 +46,7 @@ def peak_bf16_flops(device: torch.device) -> float | None:
     return get_available_flops(device, torch.bfloat16)
 
 
-def count_real_tokens(batch: Any, ignore_index: int = -100) -> int:
+def count_real_tokens(batch: Any, ignore_index: int = IGNORE_INDEX) -> int:
     """Tokens that carry a loss: labels != ignore_index, else attention_mask sum, else input_ids numel."""
     if isinstance(batch, dict):
         if batch.get("labels") is not None:
@@ -109,7 +110,7 @@ class TokenThroughput(ThroughputMonitor):
     """ThroughputMonitor counting real tokens per rank, model FLOPs, peak memory and attention dispatch."""
 
     def __init__(self, window_size: int = 20, peak_flops: float | None = None,
-                 count: Literal["real", "padded"] = "real", ignore_index: int = -100,
+                 count: Literal["real", "padded"] = "real", ignore_index: int = IGNORE_INDEX,
                  log_attention_dispatch: bool = True) -> None:
         """Configure the monitor.
 

@@ -29,10 +29,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_ffpa.cp.layout import RingLayout, check_seq_len, normalize_document_ids, shard_index
+from lightning_ffpa.loss import IGNORE_INDEX
 
-__all__ = ["IGNORE_INDEX", "shard_batch", "unshard"]
-
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "shard_batch", "unshard"]  # IGNORE_INDEX re-exported: `lightning_ffpa.cp` has it
 
 
 def shard_batch(batch: dict[str, Tensor], cp_rank: int, cp_size: int) -> dict[str, Any]:

@@ -17,10 +17,10 @@ from typing import Any
 
 from lightning_ffpa.data.sources import Record, read_records
 from lightning_ffpa.data.tokenizer import format_plain_chat
+from lightning_ffpa.loss import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "Document", "Record", "TokenizeStats", "read_records", "tokenize_records"]
 
-IGNORE_INDEX = -100
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 

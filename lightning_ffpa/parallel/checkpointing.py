@@ -12,10 +12,9 @@ The save policy (selective mode):
     (the residual-stream width, read from the layer). Saving an (M, N) output costs M*N elements and
     spares 2*M*N*K recompute FLOPs, so K is the FLOPs bought per saved byte: the projections back into
     the residual stream (o_proj, down_proj: K = heads*head_dim, intermediate) are worth the most, and
-    q/k/v/gate/up (K = width) are recomputed. On the Gemma4-31B shapes at seq 8192 it saves 168 MiB of
-    matmul outputs per layer against `"every_other"`'s 452-484 MiB, for 8% more matmul recompute
-    (benchmarks/sac_accounting.py, benchmarks/results/sac_accounting.json). At full depth (60 layers)
-    that is ~19 GiB of activations per GPU instead of ~37 GiB, which FSDP does not shard;
+    q/k/v/gate/up (K = width) are recomputed. On the Gemma4-31B shapes it saves fewer matmul bytes per
+    layer than `"every_other"` for a little more recompute (benchmarks/sac_accounting.py counts both,
+    benchmarks/results/sac_accounting.json); these activations are what FSDP does not shard;
   - `"every_other"`: the 2nd, 4th, ... mm of one layer invocation (torchtitan's counting trade-off);
   - `"all"` saves every matmul, `"none"` none;
 - everything else (norms, rope, activations, casts) is recomputed: cheap elementwise work.
@@ -36,10 +35,11 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from lightning_ffpa import saved_ops
 from lightning_ffpa._compat.torch import HigherOrderOperator, OpOverload, OpOverloadPacket, checkpoint_wrapper
 
-__all__ = ["default_save_ops", "resolve_op", "sac_policy", "sac_context_fn", "apply_activation_checkpointing",
+__all__ = ["AC_MODES", "check_ac_mode", "default_save_ops", "resolve_op", "sac_policy", "sac_context_fn", "apply_activation_checkpointing",
            "layer_width", "mm_reduction_dim", "SAVE_MM_RULES"]
 
 ACMode = Literal["none", "full", "selective"]
+AC_MODES = ("none", "full", "selective")
 SaveMM = Literal["high_k", "every_other", "all", "none"]
 SAVE_MM_RULES = ("high_k", "every_other", "all", "none")
 
@@ -148,8 +148,15 @@ def sac_context_fn(extra_save_ops: list[str] | tuple[str, ...] = (), save_mm: Sa
     return context_fn
 
 
+def check_ac_mode(mode: str) -> None:
+    """Raise unless `mode` is one of AC_MODES (the `activation_checkpointing` option)."""
+    if mode not in AC_MODES:
+        raise ValueError(f"`activation_checkpointing={mode!r}` is not one of {', '.join(map(repr, AC_MODES))}")
+
+
 def apply_activation_checkpointing(layer: torch.nn.Module, mode: ACMode, context_fn=None) -> torch.nn.Module:
     """Return `layer` wrapped for `mode` ("none" returns it unchanged)."""
+    check_ac_mode(mode)
     if mode == "none":
         return layer
     if mode == "full":
@@ -159,4 +166,3 @@ def apply_activation_checkpointing(layer: torch.nn.Module, mode: ACMode, context
         if hasattr(context_fn, "for_layer"):  # ours: bind the per-layer width the "high_k" rule needs
             context_fn = context_fn.for_layer(layer)
         return checkpoint_wrapper(layer, context_fn=context_fn)
-    raise ValueError(f"`activation_checkpointing={mode!r}` is not one of 'none', 'full', 'selective'")

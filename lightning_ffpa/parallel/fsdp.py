@@ -32,6 +32,7 @@ from lightning_ffpa.parallel.checkpointing import (
     ACMode,
     SaveMM,
     apply_activation_checkpointing,
+    check_ac_mode,
     sac_context_fn,
 )
 
@@ -50,10 +51,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
     `mesh=None` applies AC and compile only (single process without a process group).
     """
     # Validate and resolve op names first: a typo must fail before any wrapping.
+    check_ac_mode(activation_checkpointing)
     context_fn = sac_context_fn(sac_extra_save_ops, sac_save_mm) if activation_checkpointing == "selective" else None
-    if activation_checkpointing not in ("none", "full", "selective"):
-        raise ValueError(f"`activation_checkpointing={activation_checkpointing!r}` is not one of "
-                         "'none', 'full', 'selective'")
     found = find_decoder_layers(model)
     if found is None:
         raise ValueError(f"parallelize found no decoder layers (`.model.layers` / `.layers`) in {type(model).__name__}")

@@ -24,7 +24,8 @@ from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat import transformers as hf_compat
 from lightning_ffpa.checkpoint.atomic import AtomicCheckpointIO
 from lightning_ffpa.checkpoint.sharded import ShardedCheckpointWriter
-from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, sac_context_fn
+from lightning_ffpa.dtypes import parse_dtype
+from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, check_ac_mode, sac_context_fn
 from lightning_ffpa.parallel.fsdp import parallelize
 
 if TYPE_CHECKING:
@@ -33,16 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["FSDP2Strategy", "MESH_DIM_NAMES", "materialize"]
 
 MESH_DIM_NAMES = ("data_parallel", "context_parallel")
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-           "fp16": torch.float16, "float16": torch.float16}
-
-
-def _dtype(name: str | None, option: str) -> torch.dtype | None:
-    if name is None:
-        return None
-    if name not in _DTYPES:
-        raise ValueError(f"`{option}={name!r}` is not one of {sorted(_DTYPES)} or null")
-    return _DTYPES[name]
 
 
 def _find_parallelize_target(module: nn.Module, required: bool = True) -> nn.Module | None:
@@ -104,8 +95,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             reshard_after_forward: Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2).
             cpu_offload: Keep sharded parameters, gradients and optimizer state on CPU.
             compile: torch.compile each decoder layer (after AC wrapping, before FSDP); null = on for CUDA,
-                off elsewhere. On the H200 it adds 1.23x at 8k over the eager SAC path with no graph breaks or
-                recompiles (benchmarks/results/train_throughput.json, rows "ours" vs "ours_nocompile").
+                off elsewhere. Its gain over the eager SAC path: benchmarks/results/train_throughput.json,
+                rows "ours" vs "ours_nocompile".
             save_distributed_checkpoint: Save per-rank DCP shards (True) or one full file on rank 0; either is
                 written under a temporary name and renamed when complete (`lightning_ffpa.checkpoint`).
             async_save: Write DCP checkpoints in the background (`torch.distributed.checkpoint.async_save`);
@@ -121,9 +112,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             raise ValueError(f"`data_parallel_size={data_parallel_size!r}` must be 'auto' or a positive int")
         if not (isinstance(context_parallel_size, int) and context_parallel_size >= 1):
             raise ValueError(f"`context_parallel_size={context_parallel_size!r}` must be a positive int")
-        if activation_checkpointing not in ("none", "full", "selective"):
-            raise ValueError(f"`activation_checkpointing={activation_checkpointing!r}` is not one of "
-                             "'none', 'full', 'selective'")
+        check_ac_mode(activation_checkpointing)
         self._context_parallel_size = context_parallel_size
         self.activation_checkpointing = activation_checkpointing
         self.sac_extra_save_ops = list(sac_extra_save_ops or [])
@@ -132,8 +121,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             sac_context_fn(self.sac_extra_save_ops, sac_save_mm)  # resolves op names: typos fail here
         elif self.sac_extra_save_ops:
             raise ValueError("`sac_extra_save_ops` needs `activation_checkpointing='selective'`")
-        self.param_dtype = _dtype(param_dtype, "param_dtype")
-        self.reduce_dtype = _dtype(reduce_dtype, "reduce_dtype")
+        self.param_dtype = parse_dtype("param_dtype", param_dtype, allow_auto=False, allow_none=True)
+        self.reduce_dtype = parse_dtype("reduce_dtype", reduce_dtype, allow_auto=False, allow_none=True)
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.compile = compile

@@ -8,12 +8,13 @@ generate: any LightningModule exposing its HF model as `self.model` can use the 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lightning_ffpa.dtypes import DtypeOrAuto
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.hf_module import HFModule
 from lightning_ffpa.lora import LoraSpec, lora_hparam
@@ -40,7 +41,7 @@ class GRPOModule(HFModule):
         preset: str = "tiny",
         config_overrides: dict[str, Any] | None = None,
         attn_implementation: str = "sdpa",
-        dtype: Literal["auto", "bfloat16", "float16", "float32"] = "float32",
+        dtype: DtypeOrAuto = "float32",
         lora: LoraSpec | None = None,
         learning_rate: float = 1e-5,
         clip_eps: float = 0.2,

@@ -1,7 +1,8 @@
 """The paged flex attention function HF decoder layers call during rollouts, and its kernel options.
 
 Owns: the per-step context the engine passes in place of `attention_mask`, the attention function
-registered as `ATTENTION_NAME`, and the flex kernel options per head_dim. It does not build masks
+registered as `ATTENTION_NAME`, and the override store of flex kernel options (the shipped table is
+`lightning_ffpa.flex_options`, shared with training). It does not build masks
 (`masks.py`) nor write the KV cache (`kv_cache.py`: HF calls `cache.update` before attention).
 
 Kernel options are validated, not assumed: `tests/rollout/test_rollout_kernel_options.py` checks every option
@@ -29,17 +30,11 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from lightning_ffpa._compat.transformers import register_attention
+from lightning_ffpa.dtypes import parse_dtype
+from lightning_ffpa.flex_options import flex_kernel_options
 
 ATTENTION_NAME = "lightning_ffpa_paged"
 
-# Prefill at head_dim 512 (Gemma4 full layers): flex's default tiles at D > 256 are 64x32 (bf16) / 32x16
-# (fp32) with 3 pipeline stages, ~256 KB of shared memory against H200's 227 KB, so we keep the tiles and
-# use one stage. Decode (bf16/fp16): the fastest sets of the H200 sweep, each checked against the dense
-# reference on scrambled pages with padded rows (benchmarks/results/rollout_attention.json): 1.22x flex's
-# default at D=256 and 20x the one-stage set at D=512. USE_TMA gained under 1% there and needs sm90, so it
-# stays out. fp32 decode at D=512 needs BLOCK_N=16 to fit; BLOCK_N is clamped to divide the page size.
-_DECODE_HALF = {256: {"BLOCK_N": 64, "num_stages": 2, "num_warps": 4},
-                512: {"BLOCK_N": 16, "num_stages": 3, "num_warps": 4}}
 UNSAFE_OPTIONS = ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS")
 
 
@@ -65,15 +60,10 @@ def _fit_block_n(options: dict[str, Any] | None, page_size: int | None) -> dict[
 
 def builtin_kernel_options(head_dim: int, decode: bool, dtype: torch.dtype = torch.bfloat16,
                            page_size: int | None = None) -> dict[str, Any] | None:
-    """The shipped flex kernel options for one head_dim, phase and dtype (None: flex's defaults)."""
-    wide = dtype == torch.float32
-    if decode and not wide and head_dim in _DECODE_HALF:
-        return _fit_block_n(dict(_DECODE_HALF[head_dim]), page_size)
-    if head_dim <= 256:
-        return None
-    if decode:
-        return _fit_block_n({"num_stages": 1, "BLOCK_N": 16}, page_size) if wide else {"num_stages": 1}
-    return {"BLOCK_M": 32 if wide else 64, "BLOCK_N": 16 if wide else 32, "num_stages": 1, "num_warps": 4}
+    """The shipped flex kernel options for one head_dim, phase and dtype (`lightning_ffpa.flex_options`), with
+    BLOCK_N fitted to the page size for decode (None: flex's defaults)."""
+    options = flex_kernel_options(head_dim, "decode" if decode else "prefill", dtype)
+    return _fit_block_n(options, page_size) if decode else options
 
 
 def kernel_options(head_dim: int, decode: bool, dtype: torch.dtype = torch.bfloat16,
@@ -145,10 +135,8 @@ def load_kernel_options(path: str | Path) -> list[dict[str, Any]]:
     if not isinstance(entries, list):
         raise ValueError(f"{path}: expected a list of kernel-option entries or a rollout_attention result")
     parsed = []
-    for e in entries:
-        dtype = getattr(torch, str(e.get("dtype", "bfloat16")), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{path}: unknown dtype {e.get('dtype')!r} in {e}")
+    for i, e in enumerate(entries):
+        dtype = parse_dtype(f"{path}[{i}].dtype", e.get("dtype", "bfloat16"), allow_auto=False)
         decode = bool(e["decode"])
         parsed.append((int(e["head_dim"]), decode, validate_kernel_options(e["options"], decode), dtype))
     for head_dim, decode, options, dtype in parsed:

@@ -28,8 +28,8 @@ A graph replay removes launch overhead but not the cost of each small kernel (HF
 layer in eager: norms in fp32, RoPE, residuals); compiling fuses them. The step traces as one graph
 (`test_engine_pipeline.py` checks that on CPU with dynamo's eager backend). The KV writes go through a
 custom op under compile so inductor keeps them in place instead of copying every pool each layer
-(`kv_cache.py`; `test_kv_write.py` checks the generated code). On by default on CUDA: 1.3x the
-graphed eager step at batch 64 on an H200 (`benchmarks/results/rollout.json`). The price is one compile
+(`kv_cache.py`; `test_kv_write.py` checks the generated code). On by default on CUDA; its gain over the
+graphed eager step is in `benchmarks/results/rollout.json`. The price is one compile
 per batch bucket at capture, logged with its time and counted in `stats["capture_s"]`.
 
 Sliding-window pages are not freed early. One page table serves every layer, and Gemma4's full layers
@@ -92,7 +92,7 @@ class EngineConfig:
     """"flex", or "dense" (SDPA over the same mask mods: a CPU reference path for fast tiny runs)."""
     compile_decode: bool | None = None
     """torch.compile the whole decode step (layers, masks, sampler) before capture, fusing the small ops.
-    None: on for CUDA, off on CPU (which runs eagerly). 1.3x the graphed eager step at batch 64 on an H200."""
+    None: on for CUDA, off on CPU (which runs eagerly). Measured gain: `benchmarks/results/rollout.json`."""
     pipeline: bool = True
     """Queue each decode step before reading back the previous one (stops are seen one step late)."""
 

@@ -6,8 +6,8 @@ by the engine (`begin`, from the page table); this file never allocates pages. K
 
 Under torch.compile the write goes through the custom op `lightning_ffpa::kv_write`. A plain
 `index_copy_` into a graph input is functionalized into an out-of-place copy: inductor then rewrites
-the whole pool every layer every step (on the H200 that made the compiled decode step slower than the
-uncompiled one). A custom op that declares the mutation is re-inplaced by inductor into one in-place
+the whole pool every layer every step (which can make the compiled decode step slower than the uncompiled
+one). A custom op that declares the mutation is re-inplaced by inductor into one in-place
 call; `tests/rollout/test_kv_write.py` checks the generated code allocates no pool-sized buffer.
 Eager runs call `index_copy_` directly (same kernel, no custom-op dispatch).
 """
@@ -66,11 +66,6 @@ class PagedKVCache:
         self.shared_layers: dict[int, Any] = {}  # older Gemma4 shares KV through the cache object
         self._index: torch.Tensor | None = None
         self._decode = False
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes held by all pools."""
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
     def layer_bytes_per_token(self, layer_idx: int) -> int:
         """K+V bytes one cached token costs in `layer_idx` (0 for shared layers)."""

@@ -16,27 +16,14 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from lightning_ffpa._compat.torch import block_mask_from_kv_blocks
+from lightning_ffpa.attention.masks import generate_causal
 
 PREFILL_BLOCK = 128  # packed prefill is padded to a multiple of this (flex's default sparse block)
 
 
-def generate_causal(window: int | None):
-    """Logical causal mask, optionally limited to the last `window` positions (HF's convention)."""
-
-    def causal(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx
-
-    def sliding_causal(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
-
-    fn = causal if window is None else sliding_causal
-    fn.__name__ = "causal" if window is None else f"sliding_causal_{window}"
-    return fn
-
-
 def logical_block_mask(max_seq_len: int, page_size: int, window: int | None, device) -> BlockMask:
     """The one logical mask per layer kind that every decode step slices."""
-    return create_block_mask(generate_causal(window), B=None, H=None, Q_LEN=max_seq_len, KV_LEN=max_seq_len,
+    return create_block_mask(generate_causal(window=window), B=None, H=None, Q_LEN=max_seq_len, KV_LEN=max_seq_len,
                              BLOCK_SIZE=page_size, device=device)
 
 

@@ -133,10 +133,10 @@ def test_registered_forward_ops_are_saved(mode, per_layer):
 
 def test_ffpa_reference_op_runs_once_per_full_layer():
     from lightning_ffpa import attention
-    from lightning_ffpa.attention.kernels import FFPA_FORWARD_OPS
+    from lightning_ffpa.attention.kernels import forward_ops
 
     attention.register_ffpa()
-    ref_ops = {op for op in FFPA_FORWARD_OPS if "lightning_ffpa" in str(op)}
+    ref_ops = {op for op in forward_ops() if "lightning_ffpa" in str(op)}
     n_full = build_text_config("tiny").layer_types.count("full_attention")
     for mode, per_layer in (("selective", 1), ("full", 2)):
         model = _tiny("ffpa")

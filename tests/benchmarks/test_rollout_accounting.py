@@ -8,9 +8,9 @@ from transformers import Gemma4ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is a folder of scripts
 from benchmarks.rollout import kv_bytes_per_step  # noqa: E402
+from lightning_ffpa.attention.masks import generate_causal  # noqa: E402
 from lightning_ffpa.presets import build_text_config  # noqa: E402
 from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from lightning_ffpa.rollout.masks import generate_causal  # noqa: E402
 
 
 def test_kv_bytes_needed_and_read_per_step():
@@ -21,7 +21,7 @@ def test_kv_bytes_needed_and_read_per_step():
     need, read = kv_bytes_per_step(eng, plen, new)
     expect = 0
     for i, spec in enumerate(eng.walker.specs):
-        mask_mod = generate_causal(spec.window)
+        mask_mod = generate_causal(window=spec.window)
         kv = torch.arange(64)
         for p in range(plen, plen + new - 1):
             expect += eng.cache.layer_bytes_per_token(i) * int(mask_mod(0, 0, torch.tensor(p), kv).sum())

@@ -100,8 +100,8 @@ class RolloutCallback(L.Callback):
         """Check options against the data and the module, before the model is built."""
         longest = _longest_prompt(trainer.datamodule)
         if longest is None:
-            rank_zero_info("RolloutCallback: the datamodule holds no `dataset` of `prompt_ids` rows; prompt "
-                           "lengths against `engine.max_seq_len` are checked per batch instead")
+            rank_zero_info("RolloutCallback: the datamodule has no `max_prompt_length()`; prompt lengths "
+                           "against `engine.max_seq_len` are checked per batch instead")
         else:
             self.check_lengths(longest, " (the longest prompt of the datamodule)")
         temperature = getattr(pl_module, "hparams", {}).get("temperature")
@@ -191,12 +191,7 @@ class RolloutCallback(L.Callback):
 
 
 def _longest_prompt(datamodule: Any) -> int | None:
-    """Length of the longest `prompt_ids` row of `datamodule.dataset` (a map-style dataset of dict rows, as
-    PromptDataModule builds in `setup`); None when the datamodule has no such dataset."""
-    dataset = getattr(datamodule, "dataset", None)
-    if dataset is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
-        return None
-    first = dataset[0]
-    if not isinstance(first, dict) or "prompt_ids" not in first:
-        return None
-    return max(len(dataset[i]["prompt_ids"]) for i in range(len(dataset)))
+    """Length of the longest prompt of the datamodule (`max_prompt_length()`, as PromptDataModule has after
+    `setup`); None when it cannot tell."""
+    measure = getattr(datamodule, "max_prompt_length", None)
+    return measure() if callable(measure) else None

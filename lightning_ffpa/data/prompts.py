@@ -154,6 +154,12 @@ class PromptDataModule(SeededDataModule):
             self.dataset_rows = PromptDataset(rows)
         self.check_batch_size(len(self.dataset_rows))
 
+    def max_prompt_length(self) -> int | None:
+        """Token length of the longest prompt once `setup` has run (the rollout Callback checks it), else None."""
+        if self.dataset_rows is None or len(self.dataset_rows) == 0:
+            return None
+        return max(len(row["prompt_ids"]) for row in self.dataset_rows.rows)
+
     def train_dataloader(self) -> DataLoader:
         """Shuffled (seed, epoch) loader over the prompts; resumes mid-epoch like the text data."""
         self.setup()

@@ -1,4 +1,5 @@
-"""Every shipped GRPO YAML parses and instantiates through the project CLI; bad reward paths fail early."""
+"""Every shipped GRPO YAML parses and instantiates through the project CLI (`cli.build`, as the console
+script builds it); bad reward paths fail early."""
 
 import re
 from pathlib import Path
@@ -6,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lightning_ffpa.callbacks.rollout import RolloutCallback
-from lightning_ffpa.cli import FFPACLI
+from lightning_ffpa.cli import build
 from lightning_ffpa.rl.module import GRPOModule
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*grpo*.yaml"))
@@ -14,9 +15,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*grpo*.
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_grpo_config_instantiates(path):
-    cli = FFPACLI(model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
-                  args=["--config", str(path), "--trainer.logger=false", "--trainer.accelerator=cpu"], run=False,
-                  auto_configure_optimizers=False)
+    cli = build(["--config", str(path), "--trainer.logger=false", "--trainer.accelerator=cpu"], run=False)
     assert isinstance(cli.model, GRPOModule)  # built lazily in configure_model: parsing stays cheap
     assert any(isinstance(c, RolloutCallback) for c in cli.trainer.callbacks)
 
@@ -31,7 +30,6 @@ def test_bad_reward_path_names_the_option(tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with pytest.raises(SystemExit) as err:
-        FFPACLI(model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
-                args=["--config", str(path), "--trainer.logger=false"], run=False, auto_configure_optimizers=False)
+        build(["--config", str(path), "--trainer.logger=false"], run=False)
     assert err.value.code == 2
     assert re.search(r'Parser key "reward_funcs".*\n.*my\.rewards\.missing', capsys.readouterr().err)

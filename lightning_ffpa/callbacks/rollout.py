@@ -192,10 +192,12 @@ class RolloutCallback(L.Callback):
 
 
 def _longest_prompt(datamodule: Any) -> int | None:
-    """Length of the longest `prompt_ids` row of `datamodule.dataset` (a map-style dataset of dict rows, as
-    PromptDataModule builds in `setup`); None when the datamodule has no such dataset."""
-    dataset = getattr(datamodule, "dataset", None)
-    if dataset is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
+    """Length of the longest `prompt_ids` row of `datamodule.dataset_rows` (PromptDataModule's, built in
+    `setup`) or `datamodule.dataset` (a map-style dataset of dict rows); None when it has neither."""
+    dataset = getattr(datamodule, "dataset_rows", None)
+    if dataset is None:  # PromptDataModule's `dataset` is the hub dataset's name, not rows
+        dataset = getattr(datamodule, "dataset", None)
+    if dataset is None or isinstance(dataset, str) or not hasattr(dataset, "__len__") or len(dataset) == 0:
         return None
     first = dataset[0]
     if not isinstance(first, dict) or "prompt_ids" not in first:

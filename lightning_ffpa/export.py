@@ -188,6 +188,13 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"`out_dir={str(out)!r}` exists and is not empty; choose a new folder")
+    # the cheap option checks come before the checkpoint is read
+    blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError("out", str(out), f"cannot be created: {str(blocking)!r} is a file, not a folder")
+    if config_dir is not None and not (Path(config_dir) / "config.json").is_file():
+        raise ConfigError("--config", config_dir, "is not a folder with a config.json (an HF config folder)")
+    _split({}, max_shard_size, "--max_shard_size")
     source = _Source(Path(ckpt))
     hparams = source.hparams
     config = model_config(hparams, config_dir)

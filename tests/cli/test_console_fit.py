@@ -15,11 +15,11 @@ from _console import ROOT, run
 CPU = "--trainer.accelerator cpu --trainer.devices 1 --trainer.num_nodes 1"
 FSDP2_CPU = ("--trainer.strategy.init_args.param_dtype fp32 --trainer.strategy.init_args.compile false "
              "--trainer.precision 32-true")
-ROLLOUT_CPU = ("--trainer.callbacks.init_args.max_new_tokens 4 --trainer.callbacks.init_args.num_generations 2 "
-               "--trainer.callbacks.init_args.page_size 8 --trainer.callbacks.init_args.num_pages 32 "
-               "--trainer.callbacks.init_args.max_batch_size 8 --trainer.callbacks.init_args.max_seq_len 16 "
-               "--trainer.callbacks.init_args.max_prefill_tokens 64 --trainer.callbacks.init_args.cuda_graphs false "
-               "--trainer.callbacks.init_args.compile_decode false --trainer.callbacks.init_args.attention dense")
+ROLLOUT_CPU = ("--trainer.callbacks.init_args.num_generations 2 "
+               "--trainer.callbacks.init_args.sampling '{max_new_tokens: 4}' "
+               "--trainer.callbacks.init_args.engine '{page_size: 8, num_pages: 32, max_batch_size: 8, "
+               "max_seq_len: 16, max_prefill_tokens: 64, cuda_graphs: false, compile_decode: false, "
+               "attention: dense}' --trainer.callbacks.init_args.inference_dtype float32")
 
 # recipe -> the overrides that make it a 2-step CPU fit (each recipe also gets --trainer.max_steps 2)
 TINY: dict[str, str] = {
@@ -30,6 +30,7 @@ TINY: dict[str, str] = {
                     "--data.init_args.vocab_size 512 --data.init_args.seq_length 32 --data.init_args.batch_size 2 "
                     "--data.init_args.num_samples 8"),
     "gemma4_grpo": (f"{CPU} --trainer.precision 32-true --model.init_args.preset tiny --model.init_args.dtype float32 "
+                    "--model.init_args.config_overrides '{num_hidden_layers: 2}' --model.init_args.learning_rate 1e-3 "
                     f"{ROLLOUT_CPU} --data.init_args.prompt_len 4 --data.init_args.vocab_size 512 "
                     "--data.init_args.batch_size 2 --data.init_args.num_random_prompts 8"),
 }

@@ -29,7 +29,7 @@ from transformers import (
 from lightning_ffpa._compat.transformers import attention_names, from_config, text_config  # noqa: F401 - text_config re-exported
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.errors import CheckpointError, ConfigError
-from lightning_ffpa.lora import apply_lora, lora_hparam
+from lightning_ffpa.lora import apply_lora, lora_hparam, unwrap_peft
 from lightning_ffpa.presets import build_text_config, check_overrides, check_preset_overrides, config_fields
 
 # HF names plus ours; anything else registered in transformers' AttentionInterface is accepted too.
@@ -237,8 +237,7 @@ class HFModule(L.LightningModule):
     @property
     def hf_model(self) -> PreTrainedModel:
         """The underlying HF model (peft wrapper removed)."""
-        model = self.model
-        return model.get_base_model() if hasattr(model, "get_base_model") else model
+        return unwrap_peft(self.model)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse (before any weight is loaded) a checkpoint whose architecture options differ from this module's."""

@@ -1,6 +1,6 @@
 """Final hidden states of an HF causal LM for the fused loss: find the CausalLM, run its decoder.
 
-Owns: unwrapping peft (`PeftModel.model` is the whole `*ForCausalLM`, not its decoder), the root-level
+Owns: finding the CausalLM (`PeftModel.model` is the whole `*ForCausalLM`, not its decoder), the root-level
 `forward_hidden_states` method that `parallelize` registers as an FSDP2 forward method, and
 `causal_lm_hidden_states`, which the loss path calls. Does not own the loss math (`loss.py`) or sharding
 (`parallel/fsdp.py` installs and registers the method; this file only defines it).
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from lightning_ffpa.lora import unwrap_peft
 
 __all__ = ["HIDDEN_STATES_METHOD", "find_causal_lm", "install_hidden_states_method", "causal_lm_hidden_states"]
 
@@ -22,7 +24,7 @@ def find_causal_lm(model: nn.Module) -> nn.Module | None:
     Why not `model.model`: peft forwards attribute lookups through its wrappers, so on a `PeftModel`
     `.model` is the whole CausalLM (whose output has no `last_hidden_state`), not its decoder.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrap_peft(model)
     decoder = base._modules.get("model")  # a real child, not an attribute peft forwards
     if isinstance(decoder, nn.Module) and isinstance(getattr(base, "lm_head", None), nn.Module):
         return base

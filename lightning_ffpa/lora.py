@@ -3,8 +3,10 @@
 Owns the typed LoRA options (a subset of peft's `LoraConfig` fields, so LightningCLI/jsonargparse type and
 document them: `--model.init_args.lora '{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}'` or
 `--model.init_args.lora.r 16`), their range checks, the plain dict form kept in `hparams` and checkpoints
-(`torch.load(weights_only=True)` cannot unpickle a dataclass), and `apply_lora`. Does not own which modules
-exist (validation.py checks that `target_modules` match) or merging adapters (export.py).
+(`torch.load(weights_only=True)` cannot unpickle a dataclass), `apply_lora`, `unwrap_peft` (the HF model inside a
+peft wrapper), and the peft naming and merge rule shared by export and the rollout weight sync (`PEFT_PREFIX`,
+`hf_name`, `merged_weight`). Does not own which modules exist (validation.py checks that `target_modules`
+match) or reading/writing checkpoints (export.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch import nn
 
 from lightning_ffpa.errors import ConfigError
 
-__all__ = ["LoraSpec", "lora_hparam", "apply_lora"]
+__all__ = ["LoraSpec", "lora_hparam", "apply_lora", "unwrap_peft"]
 
 
 @dataclass
@@ -95,3 +97,8 @@ def apply_lora(model: nn.Module, lora: dict[str, Any], option: str = "model.lora
         return get_peft_model(model, LoraConfig(**spec))
     except ValueError as err:
         raise ConfigError(f"{option}.target_modules", spec.get("target_modules"), str(err)) from err
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The model inside a peft wrapper (`PeftModel.get_base_model()`), or `model` itself when it is not wrapped."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -21,6 +21,7 @@ from torchmetrics import MeanMetric
 
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.lora import unwrap_peft
 from lightning_ffpa.rl.batch import build_grpo_batch, repeat_groups
 from lightning_ffpa.rl.rewards import check_reward_funcs, total_reward
 from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
@@ -114,7 +115,7 @@ class RolloutCallback(L.Callback):
     # ---- build ------------------------------------------------------------------------------------
     def _build(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         train = getattr(pl_module, self.model_attr)
-        base = train.get_base_model() if hasattr(train, "get_base_model") else train
+        base = unwrap_peft(train)
         compute = getattr(trainer.strategy, "param_dtype", None)
         dtype = self.inference_dtype or compute or next(base.parameters()).dtype
         device = pl_module.device

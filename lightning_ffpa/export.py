@@ -38,10 +38,10 @@ from lightning_ffpa._compat.transformers import text_config
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.dtypes import choices as dtype_choices
 from lightning_ffpa.errors import CheckpointError, ConfigError, console_entry
+from lightning_ffpa.lora import PEFT_PREFIX, hf_name, merged_weight
 from lightning_ffpa.validation import check_checkpoint
 
 MODULE_PREFIX = "model."  # Gemma4LM keeps the HF model in `self.model`
-PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> HF model
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
 
 
@@ -133,7 +133,7 @@ def _plan(names: list[str], tied: bool, merge: bool) -> _Plan:
                 loras.setdefault(module, {})[match["ab"]] = name
                 adapter[f"{match['module']}.lora_{match['ab']}.weight"] = name  # PEFT drops the adapter name
                 continue
-            inner = inner[len(PEFT_PREFIX):].replace(".base_layer.", ".")
+            inner = hf_name(inner)
         elif "lora_" in inner:
             raise ValueError(f"unexpected LoRA tensor outside a PEFT model: {name}")
         base[inner] = [name]
@@ -222,7 +222,7 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
             weight = loaded[srcs[0]]
             if len(srcs) == 3:  # merge in fp32, then back to the weight's dtype
                 a, b = loaded[srcs[1]].float(), loaded[srcs[2]].float()
-                weight = (weight.float() + scaling * (b @ a)).to(weight.dtype)
+                weight = merged_weight(weight.float(), a, b, scaling).to(weight.dtype)
                 merged.append(hf)
             weight = weight.to(target) if target is not None else weight
             tensors[hf] = weight.contiguous().clone()  # safetensors needs owned, non-shared storage

@@ -16,11 +16,14 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from lightning_ffpa.errors import ConfigError
 
-__all__ = ["LoraSpec", "lora_hparam", "apply_lora", "unwrap_peft"]
+__all__ = ["LoraSpec", "lora_hparam", "apply_lora", "unwrap_peft", "PEFT_PREFIX", "hf_name", "merged_weight"]
+
+PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> HF model
 
 
 @dataclass
@@ -102,3 +105,14 @@ def apply_lora(model: nn.Module, lora: dict[str, Any], option: str = "model.lora
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The model inside a peft wrapper (`PeftModel.get_base_model()`), or `model` itself when it is not wrapped."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def hf_name(train_name: str) -> str:
+    """The HF name of a peft-wrapped model's tensor: without `PEFT_PREFIX` and peft's `.base_layer` level."""
+    return train_name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """W0 + scaling * B @ A (A: (r, in), B: (out, r)) in the inputs' dtype; written into `out` when given."""
+    return torch.addmm(base, b, a, alpha=scaling, out=out)

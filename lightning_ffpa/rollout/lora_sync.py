@@ -1,7 +1,7 @@
 """Weight sync from the training model into the rollout engine's inference copy, without drift.
 
-Owns the name mapping (peft/HF training names -> inference names) and the in-place refresh
-W = W0 + s * B @ A (`addmm(out=W)`), where W0 is the training model's frozen base weight: the base is
+Owns the name mapping (training names -> inference names: wrapper levels removed, then `lora.hf_name`) and the
+in-place refresh W = W0 + s * B @ A (`lora.merged_weight(out=W)`), where W0 is the training model's frozen base weight: the base is
 only ever read, so it cannot drift, and in-place writes keep captured CUDA graphs valid.
 Under FSDP2 each parameter is gathered with `full_tensor()` one at a time and freed right after, so no
 second full copy stays resident. It does not run generation.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-_PEFT_PREFIX = "base_model.model."
+from lightning_ffpa.lora import hf_name, merged_weight
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -30,10 +30,10 @@ _WRAPPER_SEGMENTS = ("._checkpoint_wrapped_module", "._orig_mod")
 
 
 def _infer_name(train_name: str) -> str:
-    name = train_name[len(_PEFT_PREFIX):] if train_name.startswith(_PEFT_PREFIX) else train_name
+    name = train_name
     for segment in _WRAPPER_SEGMENTS:
         name = name.replace(segment, "")
-    return name.replace(".base_layer.", ".")
+    return hf_name(name)
 
 
 @dataclass
@@ -88,7 +88,7 @@ class LoraSync:
             w0 = _full(pair.base).to(pair.target.dtype)
             a = _full(pair.a).to(pair.target.dtype)
             b = _full(pair.b).to(pair.target.dtype)
-            torch.addmm(w0, b, a, alpha=pair.scale, out=pair.target)
+            merged_weight(w0, a, b, pair.scale, out=pair.target)
             del w0, a, b  # gathered shards die here; nothing extra stays resident
         if full or self.trains_base:
             for target, src in self.copies:

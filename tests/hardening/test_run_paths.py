@@ -12,7 +12,7 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_ffpa.checkpoint import _compat
+from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa.checkpoint.paths import root_checkpoint_dirs
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
@@ -39,4 +39,4 @@ def test_last_is_found_under_default_root_dir_by_the_next_run(tmp_path):
     torch.save({"global_step": 1}, folder / "last.ckpt")
     second = trainer()  # a new logger version: Lightning alone would look in version_1/checkpoints
     root_checkpoint_dirs(second)
-    assert Path(_compat.resolve_ckpt_path(second, "last")) == (folder / "last.ckpt").resolve()
+    assert Path(lightning_compat.resolve_ckpt_path(second, "last")) == (folder / "last.ckpt").resolve()

@@ -135,6 +135,8 @@ def describe_parse_error(err: BaseException) -> BaseException:
         elif text.startswith(_UNION):
             reason, value = _union_reason(text)
             nested = e.__cause__
+            if nested is not None and _CLASS.match(str(nested).strip()):
+                continue  # an alternative got as far as its class (a callback in a list): its error is the user's
             if reason or nested is None:
                 return ConfigError(".".join(keys) or "config", value, reason or one_line(e))
         elif first.startswith("- "):

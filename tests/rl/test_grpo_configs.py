@@ -19,8 +19,6 @@ def test_grpo_config_instantiates(path):
     assert any(isinstance(c, RolloutCallback) for c in cli.trainer.callbacks)
 
 
-@pytest.mark.xfail(strict=True, reason="cli bug: a bad callback init arg from YAML is reported as the "
-                   "trainer.callbacks union failure ('Not a valid subclass of Callback'), not by its key")
 def test_bad_reward_path_names_the_option(tmp_path):
     """A dotted path that does not import fails while parsing, as one ConfigError naming the option and
     the path."""

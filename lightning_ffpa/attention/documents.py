@@ -82,20 +82,18 @@ class PackedDocuments:
 
     def block_mask(self, window: int | None, device: torch.device) -> BlockMask:
         """The Flex mask for a layer with this window (None: full causal), built once per batch."""
-        key = ("block", window, str(device))
-        if key not in self._masks:
-            b, s = self.shape
-            self._masks[key] = masks.build_block_mask(self.mask_mod(window), b, s, s, device)
-        return self._masks[key]
+        return self._cached(masks.build_block_mask, window, device)
 
     def dense_mask(self, window: int | None, device: torch.device) -> Tensor:
         """The same mask as a bool tensor (B, 1, S, S) for the SDPA/eager fallbacks, built once per batch."""
-        key = ("dense", window, str(device))
+        return self._cached(masks.dense_mask, window, device)
+
+    def _cached(self, build, window: int | None, device: torch.device):
+        key = (build.__name__, window, str(device))
         if key not in self._masks:
             b, s = self.shape
-            self._masks[key] = masks.dense_mask(self.mask_mod(window), b, s, s, device)
+            self._masks[key] = build(self.mask_mod(window), b, s, s, device)
         return self._masks[key]
-
 
 def check_packing(attn_implementation: str, pack: bool) -> None:
     """Raise ConfigError when packed rows meet an attention that would let their documents see each other."""

@@ -96,15 +96,20 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
-    for name in args.only:
+    for name in args.only:  # rewritten after every row: a call cut short keeps the rows it finished
         rows.append(fit(name, Path(args.logs), args.timeout))
         print(f"{name}: exit {rows[-1]['exit_code']} in {rows[-1]['wall_s']} s", flush=True)
-    summary = {f"{r['row']}_exit_code": r["exit_code"] for r in rows}
+        write_result("fit_recipes", rows, summarize(rows, complete=len(rows) == len(args.only)), out=args.out)
+
+
+def summarize(rows: list[dict], complete: bool) -> dict:
+    summary: dict = {"complete": complete}
+    summary.update({f"{r['row']}_exit_code": r["exit_code"] for r in rows})
     for r in rows:
         for k, v in r["metrics"].items():
             if "peak_memory" in k or "tokens_per_sec" in k:
                 summary[f"{r['row']}:{k}"] = v
-    write_result("fit_recipes", rows, summary, out=args.out)
+    return summary
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ checkpoint's. Does not own training (`Gemma4LM` in module.py, `GRPOModule` in rl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -159,7 +160,9 @@ class HFModule(L.LightningModule):
         if hp.get("pretrained") is not None and device != "meta":
             model = cls.from_pretrained(hp.pretrained, config=self.config, dtype=dtype, attn_implementation=attn)
         else:
-            with torch.device(device or "cpu"):
+            # No device given: the ambient one (Lightning's `configure_model` runs under the root device, so a
+            # one-GPU fit initialises on the GPU instead of spending minutes on CPU init and a copy).
+            with torch.device(device) if device is not None else contextlib.nullcontext():
                 model = from_config(cls, self.config, dtype=dtype, attn_implementation=attn)
         if requested == "ffpa":
             from lightning_ffpa.attention import register_ffpa

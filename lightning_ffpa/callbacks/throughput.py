@@ -148,16 +148,15 @@ class TokenThroughput(ThroughputMonitor):
 
         register_flop_formulas()  # FLOP formulas for the FFPA ops, for anyone using measure_flops on this model
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        # FLOPs from the batch as trained: a RolloutCallback listed after this one fills `input_ids` in its
+        # own batch-start hook (it stays last in the list, where command-line `init_args` overrides land).
         if self._auto_flops:
             from lightning_ffpa._compat.transformers import find_hf_model
 
             model = find_hf_model(pl_module) or pl_module
             pl_module.flops_per_batch = train_flops_per_batch(model, *_batch_shape(batch))
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if not lightning_compat.should_update_logs(trainer):
             return

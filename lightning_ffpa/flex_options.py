@@ -3,7 +3,8 @@
 Flex's default Triton tiles at head_dim > 256 (64x32 for bf16, 3 pipeline stages) need more shared memory
 than an H200 has (DESIGN.md), so large head dims keep the tiles and run one stage; fp32 halves the tiles
 (twice the bytes per element). The phases:
-- `train`: the forward and backward of a training step (`fwd_*` / `bwd_*` keys, `attention/flex.py`, the ring);
+- `train`: the forward and backward of a training step (`fwd_*` / `bwd_*` keys, `attention/flex.py`, the ring),
+  always on the main Triton kernel (`BACKEND`);
 - `prefill` / `decode`: the paged rollout engine (`rollout/attention.py`, which also fits BLOCK_N to the page
   size and applies user overrides).
 Decode sets at 256 and 512 are the fastest of the sweep in `benchmarks/rollout_attention.py` (its result file:
@@ -47,6 +48,9 @@ _DECODE_HALF = {256: {"BLOCK_N": 64, "num_stages": 2, "num_warps": 4},
                 512: {"BLOCK_N": 16, "num_stages": 3, "num_warps": 4}}
 
 
+_TRAIN_BACKEND = {"BACKEND": "TRITON"}
+
+
 def _halve_blocks(options: dict[str, int]) -> dict[str, int]:
     return {k: max(16, v // 2) if "BLOCK" in k else v for k, v in options.items()}
 
@@ -58,11 +62,15 @@ def flex_kernel_options(head_dim: int, phase: Phase, dtype: torch.dtype = torch.
     wide = dtype == torch.float32
     if phase == "decode" and not wide and head_dim in _DECODE_HALF:
         return dict(_DECODE_HALF[head_dim])
+    if phase == "train":
+        # Training always takes the main Triton kernel: for queries under 128 tokens AUTO picks the decode
+        # kernel, which found no valid config at a 77-token document on an H200 (NoValidChoicesError, torch 2.11).
+        if head_dim <= _DEFAULTS_FIT:
+            return dict(_TRAIN_BACKEND)
+        train = dict(LARGE_HEAD_DIM_CANDIDATES[0])
+        return {**_TRAIN_BACKEND, **(_halve_blocks(train) if wide else train)}
     if head_dim <= _DEFAULTS_FIT:
         return None
     if phase == "decode":  # one stage fits; fp32 also needs BLOCK_N=16
         return {"num_stages": 1, "BLOCK_N": 16} if wide else {"num_stages": 1}
-    if phase == "prefill":
-        return _halve_blocks(_LARGE_FORWARD) if wide else dict(_LARGE_FORWARD)
-    train = dict(LARGE_HEAD_DIM_CANDIDATES[0])
-    return _halve_blocks(train) if wide else train
+    return _halve_blocks(_LARGE_FORWARD) if wide else dict(_LARGE_FORWARD)

@@ -8,6 +8,7 @@ nor when flex runs (``backend.py`` decides).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,9 +20,9 @@ from lightning_ffpa.flex_options import LARGE_HEAD_DIM_CANDIDATES, flex_kernel_o
 __all__ = ["LARGE_HEAD_DIM_CANDIDATES", "flex_forward", "kernel_options"]  # candidates: benchmarks/attention.py
 
 
-def kernel_options(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int] | None:
-    """Flex training options (forward + backward) that fit H200 shared memory for this head_dim (None: torch's
-    defaults); the table is `lightning_ffpa.flex_options`."""
+def kernel_options(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """Flex training options (forward + backward): the main Triton kernel, with tiles that fit H200 shared
+    memory at this head_dim; the table is `lightning_ffpa.flex_options`."""
     return flex_kernel_options(head_dim, "train", dtype)
 
 

@@ -39,13 +39,16 @@ from benchmarks.results_io import write_result  # noqa: E402
 LORA = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 
 
-def fit_config(root: Path, log: Path, args, *, hang_at: int | None, checkpoints: bool) -> Path:
-    """The shipped recipe with the benchmark's overrides (one GPU, reduced depth, short run)."""
+def fit_config(root: Path, log: Path, args, *, hang_at: int | None, checkpoints: bool, name: str) -> Path:
+    """The shipped recipe with the benchmark's overrides (one GPU, reduced depth, short run), as `name`.yaml."""
     cfg = yaml.safe_load((REPO / "configs" / "gemma4_ffpa.yaml").read_text())
     t = cfg["trainer"]
     t.update(devices=1, max_steps=args.steps, default_root_dir=str(root), logger=False, log_every_n_steps=1,
              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     t["strategy"]["init_args"]["compile"] = args.compile
+    if args.smoke:  # the script's own CPU check: the tiny preset in fp32, same rows and comparisons
+        t.update(accelerator="cpu")
+        t["strategy"]["init_args"].update(param_dtype="fp32")
     kept = [c for c in t["callbacks"] if not c["class_path"].endswith(("ModelCheckpoint", "LearningRateMonitor"))]
     if checkpoints:
         kept.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
@@ -60,10 +63,12 @@ def fit_config(root: Path, log: Path, args, *, hang_at: int | None, checkpoints:
         "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "vocab_size": args.vocab})
     if args.variant == "lora":
         m["lora"] = dict(LORA)
-        m["dtype"] = "bfloat16"
+        m["dtype"] = "float32" if args.smoke else "bfloat16"
+    if args.smoke:
+        m.update(preset="tiny", max_seq_length=args.seq)
     d = cfg["data"]["init_args"]
     d.update(seq_length=args.seq, num_samples=args.samples, vocab_size=args.vocab)
-    return h.write_config(root / f"{log.stem}.yaml", cfg)
+    return h.write_config(root / f"{name}.yaml", cfg)
 
 
 def console(config: Path, *extra: str, log: Path) -> subprocess.Popen:
@@ -76,6 +81,13 @@ def console(config: Path, *extra: str, log: Path) -> subprocess.Popen:
     return proc
 
 
+def keep(args, name: str) -> Path:
+    """Where one process's output goes: `--logs` (kept after the run, so a failed row can be read)."""
+    folder = Path(args.logs)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"resume_{args.variant}_{name}.log"
+
+
 def curve(log: Path) -> dict[int, float]:
     return {step: float.fromhex(loss) for step, (loss, _) in h.read_steps(log).items()}
 
@@ -85,7 +97,7 @@ def uninterrupted(work: Path, args, name: str) -> dict:
     root.mkdir()
     log = root / "steps.log"
     t0 = time.monotonic()
-    proc = console(fit_config(root, log, args, hang_at=None, checkpoints=False), log=root / "out.log")
+    proc = console(fit_config(root, log, args, hang_at=None, checkpoints=False, name="fit"), log=keep(args, name))
     h.wait_ok(proc, timeout=args.timeout)
     return {"row": name, "curve": curve(log), "wall_s": round(time.monotonic() - t0, 1)}
 
@@ -94,8 +106,8 @@ def interrupted(work: Path, args, how: str) -> dict:
     root = work / how
     root.mkdir()
     log = root / "steps.log"
-    config = fit_config(root, log, args, hang_at=args.stop_at, checkpoints=True)
-    proc = console(config, log=root / "out.log")
+    config = fit_config(root, log, args, hang_at=args.stop_at, checkpoints=True, name="fit")
+    proc = console(config, log=keep(args, how))
     h.wait_for_line(log, "hang", proc, timeout=args.timeout)
     if how == "kill9":
         rc = h.kill9(proc)
@@ -104,7 +116,9 @@ def interrupted(work: Path, args, how: str) -> dict:
         rc = proc.wait(timeout=120)
     before = curve(log)
     last = sorted(p.name for p in (root / "ckpt").iterdir()) if (root / "ckpt").exists() else []
-    resume = console(config, "--ckpt_path", "last", log=root / "resume.log")
+    # The same run without the planted hang (it would stop the resumed run at the same step again).
+    config = fit_config(root, log, args, hang_at=None, checkpoints=True, name="resume")
+    resume = console(config, "--ckpt_path", "last", log=keep(args, f"{how}_resume"))
     h.wait_ok(resume, timeout=args.timeout)
     after = curve(log)  # the recorder appends; resumed steps overwrite the stopped run's entries
     shutil.rmtree(root / "ckpt", ignore_errors=True)  # checkpoints are GBs: free the disk for the next row
@@ -129,6 +143,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--timeout", type=float, default=400)
+    p.add_argument("--logs", default=tempfile.gettempdir(), help="folder for each process's output")
+    p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny preset, fp32")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="resume_") as tmp:

@@ -18,11 +18,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_ffpa import recipes
 from lightning_ffpa.errors import (
+    EXIT_TERMINATED,
     ConfigError,
     InputError,
     causes,
@@ -87,8 +90,9 @@ def _as_user_errors() -> Iterator[None]:
 class FFPACLI(PreflightCLIMixin, LightningCLI):
     """LightningCLI with our defaults: subclass mode, errors as one line, pre-flight checks, honest screen."""
 
-    def __init__(self, *args: Any, on_ready: Callable[[], None] | None = None, **kwargs: Any) -> None:
-        """LightningCLI's arguments, plus `on_ready`: called once the input is accepted, before the subcommand runs."""
+    def __init__(self, *args: Any, on_ready: Callable[[L.Trainer], None] | None = None, **kwargs: Any) -> None:
+        """LightningCLI's arguments, plus `on_ready(trainer)`: called once the input is accepted, before the
+        subcommand runs."""
         self._on_ready = on_ready
         super().__init__(*args, **kwargs)
 
@@ -132,7 +136,7 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
 
     def _ready(self) -> None:
         if self._on_ready is not None:
-            self._on_ready()
+            self._on_ready(self.trainer)
 
     def before_fit(self) -> None:
         """Pre-flight checks (checkpoint, LoRA targets, vocab, layout) before any model is built."""
@@ -163,7 +167,7 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         self._ready()
 
 
-def build(args: list[str] | None = None, *, run: bool = True, on_ready: Callable[[], None] | None = None,
+def build(args: list[str] | None = None, *, run: bool = True, on_ready: Callable[[L.Trainer], None] | None = None,
           **cli_kwargs: Any) -> FFPACLI:
     """The CLI exactly as `lightning-ffpa` builds it; runs the subcommand in `args` unless `run=False`.
 
@@ -187,8 +191,27 @@ def build(args: list[str] | None = None, *, run: bool = True, on_ready: Callable
 def _command(argv: list[str]) -> int:
     if argv and argv[0] in COMMANDS:
         return recipes.command(argv)
-    build(argv, on_ready=release_stderr)
+    running: list[L.Trainer] = []
+
+    def ready(trainer: L.Trainer) -> None:
+        release_stderr()
+        running.append(trainer)
+
+    try:
+        build(argv, on_ready=ready)
+    except SIGTERMException:  # Lightning ends fit with SystemExit(None) on SIGTERM: exit 0, silently
+        if running and running[-1].is_global_zero:
+            print(_terminated_line(running[-1]), file=sys.stderr, flush=True)
+        return EXIT_TERMINATED
     return 0
+
+
+def _terminated_line(trainer: L.Trainer) -> str:
+    ckpt = trainer.checkpoint_callback
+    last = ckpt.last_model_path if ckpt is not None else ""
+    where = f"; last checkpoint {last}" if last else "; no checkpoint was written"
+    return (f"stopped by SIGTERM at step {trainer.global_step}{where}; "
+            "continue with the same command and --ckpt_path last")
 
 
 def main(argv: list[str] | None = None) -> int:

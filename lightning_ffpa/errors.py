@@ -17,6 +17,7 @@ import argparse
 import errno
 import os
 import re
+import signal
 import sys
 import tempfile
 import traceback
@@ -25,6 +26,7 @@ from typing import Any
 
 EXIT_OK = 0
 EXIT_USAGE = 2
+EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM (143)
 DEBUG_ENV = "LIGHTNING_FFPA_DEBUG"
 
 

@@ -155,7 +155,11 @@ class StepRecorder(pl.Callback):
             return
         if self.hang_at is not None and trainer.global_step + 1 == self.hang_at:
             self._write(f"hang {trainer.global_step + 1}")
-            time.sleep(600)  # gradients computed, weights not yet updated: SIGKILL arrives here
+            # Gradients computed, weights not yet updated: SIGKILL arrives here. SIGTERM ends the wait (Lightning's
+            # handler only sets the flag, and a plain sleep resumes after it); the step completes and fit stops.
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and not trainer.received_sigterm:
+                time.sleep(0.05)
         if self.signal_at is not None and trainer.global_step + 1 == self.signal_at:
             self._write(f"signal {trainer.global_step + 1}")
             os.kill(os.getpid(), signal.SIGUSR1)  # mid-step, like a real preemption notice

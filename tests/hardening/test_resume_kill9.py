@@ -1,4 +1,5 @@
-"""kill -9 in the middle of `fit`, resume from `last`: the loss curve equals an uninterrupted run, bitwise.
+"""kill -9 (or SIGTERM) in the middle of `fit`, resume from `last`: the loss curve equals an uninterrupted run,
+bitwise. SIGTERM also ends the console script with exit 143 and one line saying how to continue.
 
 Tiny fp32 config on CPU, one thread per process. 4 batches per epoch and checkpoints every 3 steps, so the
 checkpoint the resume starts from (step 3) is in the middle of epoch 0 and the resumed run crosses two
@@ -7,6 +8,8 @@ The GPU variant (`-m gpu`) runs the same on one CUDA device and allows 1e-3 on t
 """
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 import torch
@@ -55,6 +58,24 @@ def _kill_and_resume(tmp_path, accelerator):
     assert sorted(killed) == list(range(1, KILL_AT))  # steps 1..4 finished before the kill
     assert sorted(resumed) == list(range(EVERY + 1, MAX_STEPS + 1))  # resumed after the step-3 checkpoint
     return killed, resumed
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_mid_step_exits_143_with_one_line_and_resumes_bitwise(tmp_path, reference_steps):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run_log, resume_log = tmp_path / "run.log", tmp_path / "resume.log"
+    run = start_fit(_config(run_dir, run_log, "cpu", hang_at=KILL_AT))
+    wait_for_line(run_log, "hang", run)
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=60) == 143  # 128 + SIGTERM: a scheduler sees a stopped run, not a finished one
+    last_line = run.log_path.read_text().strip().splitlines()[-1]
+    assert last_line.startswith(f"stopped by SIGTERM at step {KILL_AT}; last checkpoint "), last_line
+    assert last_line.endswith("--ckpt_path last"), last_line
+    wait_ok(start_fit(_config(run_dir, resume_log, "cpu"), "--ckpt_path", "last"))
+    stopped, resumed = read_steps(run_log), read_steps(resume_log)
+    assert sorted(stopped) == list(range(1, KILL_AT + 1))  # the step in flight completed before the stop
+    assert not _lost(reference_steps, stopped, resumed, lambda a, b: a == b)
 
 
 def _lost(reference, killed, resumed, same):

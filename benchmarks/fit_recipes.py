@@ -82,8 +82,9 @@ def fit(name: str, logs: Path, timeout: float) -> dict:
     (logs / f"fit_{name}.log").write_text(" ".join(cmd) + "\n" + "\n".join(lines) + "\n")
     metrics = read_metrics(root)
     shutil.rmtree(root, ignore_errors=True)
-    keep = {k: v for k, v in metrics.items() if any(s in k for s in ("loss", "tokens", "mfu", "memory", "step",
-                                                                     "attention/", "reward"))}
+    # ThroughputMonitor logs tokens as `items` (TokenThroughput's length_fn counts tokens)
+    keep = {k: v for k, v in metrics.items() if any(s in k for s in ("loss", "per_sec", "mfu", "memory", "step",
+                                                                     "attention/", "reward", "rollout/"))}
     return {"row": name, "recipe": f"configs/{recipe}.yaml", "command": " ".join(cmd[len(console_command()):]),
             "exit_code": rc, "wall_s": wall, "last_line": lines[-1] if lines else "", "metrics": keep}
 
@@ -107,8 +108,10 @@ def summarize(rows: list[dict], complete: bool) -> dict:
     summary.update({f"{r['row']}_exit_code": r["exit_code"] for r in rows})
     for r in rows:
         for k, v in r["metrics"].items():
-            if "peak_memory" in k or "tokens_per_sec" in k:
+            if "peak_memory" in k or "mfu" in k:
                 summary[f"{r['row']}:{k}"] = v
+            elif k.endswith("items_per_sec"):
+                summary[f"{r['row']}:{k.replace('items_per_sec', 'tokens_per_sec')}"] = v
     return summary
 
 

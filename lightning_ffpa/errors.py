@@ -14,7 +14,9 @@ Does not own what is checked: each component validates its own options.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
+import importlib
 import os
 import re
 import signal
@@ -80,6 +82,14 @@ def causes(err: BaseException | None) -> Iterator[BaseException]:
 # jsonargparse's wrappers around the real problem, by the first line of their message.
 _KEY = re.compile(r'Parser key "([^"]+)":')
 _CLASS = re.compile(r"Problem with given class_path '([^']+)':")
+
+
+def _is_dataclass_path(path: str) -> bool:
+    module, _, name = path.rpartition(".")
+    try:
+        return dataclasses.is_dataclass(getattr(importlib.import_module(module), name))
+    except (ImportError, AttributeError, ValueError):
+        return False
 _UNION = "Does not validate against any of the Union subtypes"
 _GOT = re.compile(r"\. Got value: (.*)$", re.S)
 _NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
@@ -133,7 +143,8 @@ def describe_parse_error(err: BaseException) -> BaseException:
             inner, owner = e.__cause__, m.group(1).rsplit(".", 1)[-1]
             if inner is None or (not _is_wrapper(inner) and not _NOT_ACCEPTED.match(str(inner))):
                 return ConfigError(".".join([*keys, "class_path"]), m.group(1), one_line(inner or e))
-            keys.append("init_args")
+            if not _is_dataclass_path(m.group(1)):  # users spell a dataclass's fields without `init_args`
+                keys.append("init_args")
         elif text.startswith(_UNION):
             reason, value = _union_reason(text)
             nested = e.__cause__

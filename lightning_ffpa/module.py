@@ -122,10 +122,12 @@ class Gemma4LM(HFModule):
         self.val_ppl = TokenPerplexity()
 
     def setup(self, stage: str) -> None:
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        seq = getattr(dm, "max_seq_length", None)
-        self.check_seq_length(seq, "data.max_seq_length")
-        check_packing(self.hparams.attn_implementation, bool(getattr(dm, "pack", False)))
+        self.check_data(getattr(self.trainer, "datamodule", None) if self._trainer is not None else None)
+
+    def check_data(self, datamodule: Any) -> None:
+        """The data options this model must accept (the CLI's pre-flight runs this before `fit`, then `setup`)."""
+        self.check_seq_length(getattr(datamodule, "max_seq_length", None), "data.max_seq_length")
+        check_packing(self.hparams.attn_implementation, bool(getattr(datamodule, "pack", False)))
 
     # ---- forward and loss -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:

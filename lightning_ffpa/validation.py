@@ -155,6 +155,19 @@ def _suffixes(names: list[str]) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n in names})
 
 
+def check_components(trainer: Any, model: Any, datamodule: Any) -> None:
+    """The checks the components run in their `setup`, run here instead: Lightning calls `setup` after the
+    logger and the config file are written. The model's option checks first (cheap), then the data (it reads
+    the rows the callbacks check against)."""
+    if callable(getattr(model, "check_data", None)):
+        model.check_data(datamodule)
+    if callable(getattr(datamodule, "check_before_fit", None)):
+        datamodule.check_before_fit()
+    for callback in trainer.callbacks:
+        if callable(getattr(callback, "check_before_fit", None)):
+            callback.check_before_fit(trainer, model, datamodule)
+
+
 def check_data_fits_model(model: Any, datamodule: Any) -> None:
     """Token ids the data can produce must exist in the model's vocabulary (else: an index error mid-step)."""
     data_vocab = getattr(datamodule, "vocab_size", None)
@@ -219,6 +232,7 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
     """Run every pre-flight check for `fit`; returns the checkpoint path `fit` will resume from (or None)."""
     root_checkpoint_dirs(trainer)  # before `last` is resolved: it is looked up in these folders
     check_parallel_layout(trainer, model, datamodule)
+    check_components(trainer, model, datamodule)
     check_data_fits_model(model, datamodule)
     check_lora_targets(model)
     resolved = lightning_compat.resolve_ckpt_path(trainer, ckpt_path)

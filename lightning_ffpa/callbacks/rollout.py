@@ -99,7 +99,12 @@ class RolloutCallback(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Check options against the data and the module, before the model is built."""
-        longest = _longest_prompt(trainer.datamodule)
+        self.check_before_fit(trainer, pl_module, trainer.datamodule)
+
+    def check_before_fit(self, trainer: L.Trainer, pl_module: L.LightningModule, datamodule: Any) -> None:
+        """Options against the data's prompts and the module (also run by the CLI's pre-flight, before fit
+        writes any file)."""
+        longest = _longest_prompt(datamodule)
         if longest is None:
             rank_zero_info("RolloutCallback: the datamodule has no `max_prompt_length()`; prompt lengths "
                            "against `engine.max_seq_len` are checked per batch instead")

@@ -57,6 +57,11 @@ class SeededDataModule(pl.LightningDataModule):
             else {"num_replicas": 1, "rank": 0}
         )
 
+    def check_before_fit(self) -> None:
+        """Read the data now (`setup` reads once per process), so the row-count checks fail before `fit`
+        writes any file; Lightning's own `setup` call then repeats only the checks, with the trainer's ranks."""
+        self.setup("fit")
+
     def check_batch_size(self, num_rows: int) -> None:
         """Refuse a batch larger than one data-parallel rank's share of the `num_rows` training rows."""
         replicas = self._replicas()["num_replicas"]

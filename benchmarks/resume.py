@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -144,15 +145,19 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--logs", default=tempfile.gettempdir(), help="folder for each process's output")
+    p.add_argument("--jobs", type=int, default=1, help="rows run at once (each is its own process)")
     p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny preset, fp32")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="resume_") as tmp:
         work = Path(tmp)
-        rows = [uninterrupted(work, args, "uninterrupted"), uninterrupted(work, args, "uninterrupted_repeat")]
+        # Rows are independent processes; --jobs runs them side by side (the spread is then measured under
+        # the same sharing of the GPU as the resumed runs).
+        jobs = [(uninterrupted, "uninterrupted"), (uninterrupted, "uninterrupted_repeat"),
+                (interrupted, "kill9"), (interrupted, "sigterm")]
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            rows = list(pool.map(lambda job: job[0](work, args, job[1]), jobs))
         spread = compare(rows[0]["curve"], rows[1]["curve"])
-        for how in ("kill9", "sigterm"):
-            rows.append(interrupted(work, args, how))
     ref = rows[0]["curve"]
     summary = {"run_to_run_spread": spread}
     for row in rows[2:]:

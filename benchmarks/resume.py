@@ -145,7 +145,9 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--logs", default=tempfile.gettempdir(), help="folder for each process's output")
-    p.add_argument("--jobs", type=int, default=1, help="rows run at once (each is its own process)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="rows run at once (each is its own process); each writes its own checkpoints, so free "
+                        "disk must hold `jobs` runs' checkpoints (full fine-tune: fp32 weights and AdamW states)")
     p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny preset, fp32")
     p.add_argument("--out", default=None)
     args = p.parse_args()

@@ -248,6 +248,9 @@ def measure_row(name: str, seq: int, args, mesh, device, rank: int, flex_options
         if cuda:
             torch.cuda.empty_cache()  # the matmul's blocks must not count in this row's reserved peak
         row["allocated_before_row_gb"] = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
+        if cuda:  # free device memory as the row starts: what other processes (the driver included) hold
+            free, total = torch.cuda.mem_get_info(device)
+            row.update(device_free_gb_at_start=free / 2**30, device_total_gb=total / 2**30)
         model = build_model(spec, mesh, args.layers, device, args.preset)
         if spec.get("patches") == "liger":
             row.update(liger_applied(model))

@@ -53,8 +53,9 @@ def test_rows_run_in_their_own_processes_and_resume_keeps_them(tmp_path):
     assert "not in this result" in result["summary_missing"]["ours_vs_sdpa_defaults_tps_8k"]
     assert len(result["calls"]) == 1
 
-    # A second call resumes the file: the finished rows stay, only the new row runs.
-    again = _drive(out, ["sdpa_defaults", "liger_recipe"], extra=["--resume", str(out)])
+    # A second call resumes the file: the finished rows stay, only the new row runs (driver in this process).
+    tt.main([*_SMOKE, "--rows", "sdpa_defaults", "liger_recipe", "--out", str(out), "--resume", str(out)])
+    again = json.loads(out.read_text())
     assert [r["row"] for r in again["rows"]] == ["sdpa_defaults", "ours_nocompile", "liger_recipe"]
     assert again["rows"][0] == result["rows"][0]
     assert len(again["calls"]) == 2 and again["calls"][1]["rows"] == ["liger_recipe@128"]

@@ -16,11 +16,13 @@ Default rows, each at 8k, 16k and 32k (6 layers: 5 sliding + 1 full):
 Ablations (ours_nocompile, ffpa_defaults, seed_gqa, ...) run when named in --rows.
 MFU is given against the datasheet bf16 peak (`mfu_spec`) and a measured 8192^3 matmul (`mfu_measured_peak`).
 
-Run (one H200):  python benchmarks/train_throughput.py --out $OUT/train_throughput.json --budget-s 540
-Split across calls: --rows/--seqs pick a part; --resume FILE keeps FILE's finished rows (same commit and
-shape) and runs only the missing ones. CPU smoke:
+Run (one H200):  python benchmarks/train_throughput.py --out $OUT/train_throughput.json --budget-s 520
+Rows run seq-major (all of 8k first); a (row, seq) is killed after --row-timeout-s or when --budget-s runs
+out, so a call ends within its budget. Split across calls: --rows/--seqs pick a part, and --resume FILE (an earlier call's
+result) keeps FILE's finished rows, refusing another commit or shape, and runs only what is missing; the
+result lists every call in `calls`. Per-row logs: <out stem>_logs/. CPU smoke:
   python benchmarks/train_throughput.py --cpu --preset tiny --layers 2 --seqs 128 --warmup 1 --steps 1 \
-      --rows sdpa_defaults ours --flex-sweep-seq 128
+      --rows sdpa_defaults ours_nocompile
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=6, help="the last one full attention, the others sliding")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile happens here)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (at least 5 on GPU)")
-    p.add_argument("--budget-s", type=float, default=540.0, help="start no row past this many seconds")
+    p.add_argument("--budget-s", type=float, default=520.0, help="the whole call ends within this many seconds")
     p.add_argument("--row-timeout-s", type=float, default=300.0, help="kill one (row, seq) process after this")
     p.add_argument("--flex-sweep-seq", type=int, default=8192, help="seq at which the Flex option sets are swept")
     p.add_argument("--resume", default=None, help="result JSON of an earlier call: keep its finished rows")
@@ -251,10 +253,10 @@ def resolve(args, name: str, seq: int, rows: list[dict], left: float) -> dict | 
 
 def drive(args) -> None:
     t_start = time.perf_counter()
+    kept, calls = load_resume(args)  # before any row runs or file is written: a bad --resume costs nothing
     out = Path(args.out)
     logs = out.parent / f"{out.stem}_logs"
     logs.mkdir(parents=True, exist_ok=True)
-    kept, calls = load_resume(args)  # before any row runs: a bad --resume costs nothing
     rows = list(kept)
     this_call = dict(command=" ".join([Path(sys.executable).name, *sys.argv]),
                      date=time.strftime("%Y-%m-%d %H:%M:%S"), rows=[])

@@ -1,405 +1,302 @@
-"""End-to-end training throughput of a Gemma4-31B-shaped slice on H200: ours against honest baselines.
+"""End-to-end training throughput of a Gemma4-31B-shaped slice: ours against same-recipe baselines and peers.
 
-Slice: real 31B dims (hidden 5376, 32 heads, 16/4 kv heads, k_eq_v, window 1024, vocab 262144, softcap 30),
-5 sliding + 1 full layer, random weights initialised for real. Every row runs FSDP2 (`parallelize`, the
-strategy's recipe) on a (dp, 1) mesh, bf16 params / fp32 reduce, AdamW step, batch 1 x seq per GPU.
+Owns the run: one process per (row, seq), so no memory or compiled code is carried between rows; per-row
+timeouts and a total `--budget-s`; the result file, rewritten after every row (a run cut short keeps its
+finished rows); the Flex option sweep; the summary. The rows themselves (what each one is, how it is
+built and timed) live in `benchmarks/train_rows.py`.
 
-Rows (seq 4k and 8k each):
-  1 sdpa          HF SDPA (transformers >= 5.13), full AC, plain HF loss: what a Lightning user gets today
-  2 seed_gqa      D=512 layers through SDPA enable_gqa (MATH path), else as row 1
-  3 flex          Flex for all layers with D=512-safe kernel options, else as row 1
-  4 ffpa_swap     "ffpa" attention swapped in only, else as row 1 (the kernel effect alone)
-  5 ours          ffpa + selective AC + per-layer compile + chunked fused linear CE, with the product's
-                  defaults for everything else: FSDP2Strategy's `sac_save_mm` and `build_adamw` (fused AdamW)
-  5b ours_nocompile  row 5 without compile (so a compile failure still leaves a measurement)
-  ours_every_other   row 5b with SAC's `every_other` matmul rule (torchtitan's), to A/B the "high_k" default
-  (opt-in) ours_all_mm / ours_sac_all_mm   row 5b / 5 with SAC saving every matmul
-  (opt-in) ours_foreach   row 5b with the baseline rows' optimizer (plain AdamW), to isolate the optimizer
+Default rows, each at 8k, 16k and 32k (6 layers: 5 sliding + 1 full):
+  sdpa_defaults  HF SDPA, full AC, no compile, HF loss, foreach AdamW (a default Lightning + HF user)
+  sdpa_recipe    sdpa_defaults with ours' recipe: selective AC, per-layer compile, chunked loss, fused AdamW
+  flex_recipe    sdpa_recipe with Flex for all layers; its D=512 kernel options are the best of the sweep rows
+                 `flex_recipe_opt{i}` (one per LARGE_HEAD_DIM_CANDIDATES entry), run at --flex-sweep-seq in the
+                 same run (at that seq flex_recipe is the best sweep row itself, `same_measurement_as`)
+  liger_recipe   sdpa_recipe with liger-kernel's Gemma4 patches in place of our chunked loss
+  ours           the product path: the ffpa backend with the product defaults
+Ablations (ours_nocompile, ffpa_defaults, seed_gqa, ...) run when named in --rows.
+MFU is given against the datasheet bf16 peak (`mfu_spec`) and a measured 8192^3 matmul (`mfu_measured_peak`).
 
-Baseline rows use what a plain Lightning user gets: `torch.optim.AdamW(model.parameters())` (foreach).
-Every row also records where memory goes: one extra untimed step with per-phase peaks (forward+loss,
-backward, optimizer) and the memory allocated before the row was built (a leak from an earlier row
-shows there). `--profile` adds one profiled step to the "ours*" rows: top CUDA kernels and busy/wall.
-
-Run: python benchmarks/train_throughput.py --out $OUT/train_throughput.json [--profile]
-     torchrun --nproc_per_node 2 benchmarks/train_throughput.py --dp 2 --out ...
-     CPU smoke: python benchmarks/train_throughput.py --cpu --preset tiny --layers 4 --seqs 256 --warmup 1 --steps 1
+Run (one H200):  python benchmarks/train_throughput.py --out $OUT/train_throughput.json --budget-s 520
+Rows run seq-major (all of 8k first); a (row, seq) is killed after --row-timeout-s or when --budget-s runs
+out, so a call ends within its budget. Split across calls: --rows/--seqs pick a part, and --resume FILE (an earlier call's
+result) keeps FILE's finished rows, refusing another commit or shape, and runs only what is missing; the
+result lists every call in `calls`. Per-row logs: <out stem>_logs/. CPU smoke:
+  python benchmarks/train_throughput.py --cpu --preset tiny --layers 2 --seqs 128 --warmup 1 --steps 1 \
+      --rows sdpa_defaults ours_nocompile
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import inspect
+import contextlib
+import io
+import json
 import os
+import signal
+import socket
+import subprocess
 import sys
 import time
-import traceback
-import weakref
-from functools import partial
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results_io import write_result  # noqa: E402
-from benchmarks.step_probe import phase_memory, profile_step  # noqa: E402
-from lightning_ffpa._compat import torch as torch_compat  # noqa: E402
-from lightning_ffpa._compat import transformers as hf_compat  # noqa: E402
-from lightning_ffpa.callbacks.throughput import BF16_PEAK_FLOPS, train_flops_per_batch  # noqa: E402
-from lightning_ffpa.loss import linear_cross_entropy  # noqa: E402
-from lightning_ffpa.module import build_adamw  # noqa: E402
-from lightning_ffpa.parallel import FSDP2Strategy, causal_lm_hidden_states, parallelize  # noqa: E402
-from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, materialize  # noqa: E402
-from lightning_ffpa.presets import build_text_config  # noqa: E402
+from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
+from benchmarks.train_rows import DEFAULT_ROWS, PRODUCT_SAVE_MM, ROWS  # noqa: E402
+from lightning_ffpa.errors import ConfigError  # noqa: E402
 
-# "ours" rows take the product's defaults, so the benchmark follows them when they change.
-PRODUCT_SAVE_MM = inspect.signature(FSDP2Strategy).parameters["sac_save_mm"].default
-_BASE = dict(ac="full", compile=False, loss="plain", optim="adamw_default")
-_OURS = dict(attn="ffpa", ac="selective", compile=True, loss="chunked", save_mm=PRODUCT_SAVE_MM, optim="product")
-ROWS = {
-    "sdpa": dict(attn="sdpa", **_BASE),
-    "seed_gqa": dict(attn="sdpa_gqa", **_BASE),
-    "flex": dict(attn="flex_d512", **_BASE),
-    "ffpa_swap": dict(attn="ffpa", **_BASE),
-    "ours": dict(_OURS),
-    "ours_nocompile": dict(_OURS, compile=False),
-    "ours_every_other": dict(_OURS, compile=False, save_mm="every_other"),
-    # Opt-in (--rows): the memory-for-speed end of the SAC knob, and the optimizer on its own.
-    "ours_all_mm": dict(_OURS, compile=False, save_mm="all"),
-    "ours_sac_all_mm": dict(_OURS, save_mm="all"),
-    "ours_foreach": dict(_OURS, compile=False, optim="adamw_default"),
-}
-# Compiled "ours" last: a slow compile can then only cost its own row, never the --budget-s of the others.
-DEFAULT_ROWS = ["sdpa", "seed_gqa", "flex", "ffpa_swap", "ours_nocompile", "ours_every_other", "ours"]
+SWEEP_ROWS = [name for name in ROWS if name.startswith("flex_recipe_opt")]
+_SHAPE_KEYS = ("preset", "layers", "warmup", "steps", "dp")  # a resumed file must match these and the commit
+_SEQ_KEYS = {8192: "8k", 16384: "16k", 32768: "32k"}
 
 
-# ----------------------------------------------------------------------------- baseline attentions
-def _register_baselines() -> None:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import sdpa_mask
-
-    def sdpa_gqa(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        """D=512 layers through SDPA enable_gqa (no mask, is_causal); others HF SDPA."""
-        if module.head_dim != 512:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None  # (B, S, H, D)
-
-    hf_compat.register_attention("sdpa_gqa", sdpa_gqa)
-    hf_compat.register_mask("sdpa_gqa", sdpa_mask)
-
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from lightning_ffpa.attention.flex import flex_forward  # the product's compiled flex + D=512 options
-
-    masks: dict = {}
-
-    def block_mask(seq, window, device):
-        key = (seq, window)
-        if key not in masks:
-            def causal(b, h, q, kv):
-                return q >= kv
-
-            def sliding(b, h, q, kv):
-                return (q >= kv) & (q - kv < window)
-
-            masks[key] = create_block_mask(sliding if window else causal, None, None, seq, seq, device=device)
-        return masks[key]
-
-    def flex(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        """Flex for both layer types with D=512-safe tiles (HF's own flex path fails at D=512)."""
-        bm = block_mask(query.shape[2], getattr(module, "sliding_window", None), query.device)
-        out = flex_forward(query, key, value, bm, scaling)  # (B, H, S, D)
-        return out.transpose(1, 2).contiguous(), None
-
-    def no_mask(*args, **kwargs):
-        return None
-
-    hf_compat.register_attention("flex_d512", flex)
-    hf_compat.register_mask("flex_d512", no_mask)
-
-
-# ----------------------------------------------------------------------------- helpers
-def _dispatch():
-    from lightning_ffpa import attention
-
-    return attention.dispatch_counts, attention.reset_dispatch_counts
-
-
-def measure_bf16_peak(device) -> float:
-    """FLOP/s of an 8192^3 bf16 matmul on this device (the MFU denominator)."""
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    n, t0 = 20, time.perf_counter()
-    for _ in range(n):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * 8192**3 * n / (time.perf_counter() - t0)
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def build_model(spec: dict, mesh, layers: int, device, preset: str):
-    import transformers
-
-    types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
-    cfg = build_text_config(preset, num_hidden_layers=layers, layer_types=types)
-    if spec["attn"] == "ffpa":
-        from lightning_ffpa.attention import kernels, register_ffpa
-
-        if device.type == "cuda" and not kernels.ffpa_available():
-            # An "ffpa" row timed on the sdpa fallback would be a silent mislabel: fail the row instead.
-            raise RuntimeError(f"FFPA CuTeDSL unavailable: {kernels.ffpa_unavailable_reason()}")
-        register_ffpa()
-    hf_compat.set_config_attn_implementation(cfg, "sdpa")
-    with torch.device("meta"):
-        model = transformers.Gemma4ForCausalLM(cfg)
-    hf_compat.set_attn_implementation(model, spec["attn"])  # the FFPAAttention Callback's own setter
-    strategy = FSDP2Strategy(activation_checkpointing=spec["ac"], compile=spec["compile"],  # product defaults
-                             param_dtype="bf16" if device.type == "cuda" else "fp32")
-    parallelize(model, mesh, activation_checkpointing=spec["ac"], compile=spec["compile"],
-                sac_save_mm=spec.get("save_mm", PRODUCT_SAVE_MM),
-                mp_policy=strategy.mp_policy(), reshard_after_forward=True)
-    materialize(model, device)  # the strategy's meta -> device init (HF _init_weights, real random values)
-    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]
-    if bad:
-        raise RuntimeError(f"non-finite weights after init: {bad[:3]}")
-    model.train()
-    return model
-
-
-def build_optimizer(spec: dict, model):
-    """The product's AdamW (`build_adamw`: fused on CUDA) for "ours" rows; a plain user's AdamW otherwise."""
-    if spec["optim"] == "product":
-        return build_adamw(model, lr=1e-5)
-    return torch.optim.AdamW(model.parameters(), lr=1e-5)  # torch's default: foreach on CUDA
-
-
-def loss_fn(spec: dict, model, ids):
-    if spec["loss"] == "plain":
-        return model(input_ids=ids, labels=ids, use_cache=False).loss  # HF: softcap, fp32 CE over full logits
-    hidden = causal_lm_hidden_states(model, input_ids=ids)  # (B, S, H)
-    return linear_cross_entropy(hidden[:, :-1].flatten(0, 1), model.lm_head.weight, ids[:, 1:].flatten(),
-                                softcap=model.config.final_logit_softcapping, chunk_size=4096)
-
-
-def _gib(device) -> float | None:
-    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-
-def run_row(name: str, spec: dict, seqs, args, mesh, device, peak: float, rank: int) -> tuple[list[dict], object]:
-    """Rows for every seq, and a weakref to the row's model (the caller checks it was freed)."""
-    out, model_ref = [], None
-    get_counts, reset_counts = _dispatch()
-    model = opt = loss = None
-    allocated_at_start = _gib(device)
-    try:
-        model = build_model(spec, mesh, args.layers, device, args.preset)
-        model_ref = weakref.ref(model)
-        opt = build_optimizer(spec, model)
-        for seq in seqs:
-            row = dict(row=name, seq=seq, **spec, allocated_before_row_gb=allocated_at_start)
-            try:
-                gen = torch.Generator(device=device).manual_seed(rank)
-                ids = torch.randint(0, model.config.vocab_size, (1, seq), device=device, generator=gen)
-                reset_counts()
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                dynamo_stats = torch_compat.dynamo_counters()
-                dynamo_stats.clear()
-                times, losses = [], []
-                graphs_after_warmup = 0
-                for step in range(args.warmup + args.steps):
-                    if step == args.warmup:
-                        graphs_after_warmup = dynamo_stats["stats"]["unique_graphs"]
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    loss = loss_fn(spec, model, ids)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    _sync(device)
-                    if step >= args.warmup:
-                        times.append(time.perf_counter() - t0)
-                    losses.append(loss.item())
-                    # The graph behind `loss` holds FSDP state -> the whole model: drop it every step.
-                    loss = None
-                step_s = sum(times) / len(times)
-                flops = train_flops_per_batch(model, 1, seq)
-                row.update(step_ms=step_s * 1e3, tokens_per_s_per_gpu=seq / step_s,
-                           peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
-                           mfu=flops / step_s / peak if device.type == "cuda" else None,  # no CPU peak
-                           model_tflops_per_step=flops / 1e12,
-                           first_loss=losses[0], last_loss=losses[-1], dispatch=get_counts(),
-                           # compile health: graph breaks, and graphs compiled during the timed steps
-                           # (non-zero means recompiles inside the timing)
-                           graph_breaks=sum(dynamo_stats["graph_break"].values()),
-                           compiled_graphs=dynamo_stats["stats"]["unique_graphs"],
-                           recompiles_timed=dynamo_stats["stats"]["unique_graphs"] - graphs_after_warmup)
-                # Untimed extra steps: where the memory goes, and (opt-in) where the time goes.
-                row["memory_phases"] = phase_memory(device, partial(loss_fn, spec, model, ids),
-                                                    torch.Tensor.backward, partial(_opt_step, opt))
-                if args.profile and name.startswith("ours"):
-                    row["profile"] = profile_step(device, partial(_train_step, spec, model, opt, ids))
-                if not all(map(lambda v: v == v and abs(v) < 1e4, losses)):
-                    row["error"] = f"non-finite loss {losses}"
-            except Exception as e:  # noqa: BLE001 - one failing row must not kill the run
-                row["error"] = f"{type(e).__name__}: {e}"[:800]
-                traceback.print_exc()
-            loss = None
-            out.append(row)
-    except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        out += [dict(row=name, seq=s, **spec, error=f"build: {type(e).__name__}: {e}"[:800]) for s in seqs]
-    finally:
-        del model, opt, loss
-        torch.compiler.reset()  # compiled code holds the model's modules
-        gc.collect()  # FSDP state <-> module reference cycles: only the cycle collector frees a model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return out, model_ref
-
-
-def _opt_step(opt) -> None:
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def _train_step(spec: dict, model, opt, ids) -> None:
-    loss_fn(spec, model, ids).backward()
-    _opt_step(opt)
-
-
-def _phase_peak(phase: dict) -> str:
-    """GiB peak on CUDA; on CPU (no absolute counter) the MiB above the phase start, as "+NM"."""
-    if "peak_gb" in phase:
-        return f"{phase['peak_gb']:.1f}"
-    return f"+{phase['peak_above_start_gb'] * 1024:.0f}M"
-
-
-def memory_note(rows: list[dict]) -> str | None:
-    """A headline caveat when a row started with memory an earlier row left alive (its peak includes it)."""
-    leaked = max((r.get("allocated_before_row_gb") or 0.0 for r in rows), default=0.0)
-    if leaked < 1.0:
-        return None
-    return (f"peak memory of some rows includes up to {leaked:.1f} GiB an earlier row left alive "
-            "(rows[].allocated_before_row_gb); compare peaks from a run without earlier rows")
-
-
-def _ratio(rows, a, b, key, seq=8192):
-    def get(name):
-        for r in rows:
-            if r["row"] == name and r["seq"] == seq and "error" not in r:
-                return r[key]
-        return None
-
-    x, y = get(a), get(b)
-    return None if x is None or y is None else x / y
-
-
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None, help="result JSON path")
-    p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--out", default=str(RESULTS_DIR / "train_throughput.json"), help="result JSON path")
+    p.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384, 32768])
     p.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
-    p.add_argument("--layers", type=int, default=6, help="5 sliding + 1 full by default")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining rows past this many seconds")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel GPUs (launch with torchrun when > 1)")
+    p.add_argument("--layers", type=int, default=6, help="the last one full attention, the others sliding")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile happens here)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (at least 5 on GPU)")
+    p.add_argument("--budget-s", type=float, default=520.0, help="the whole call ends within this many seconds")
+    p.add_argument("--row-timeout-s", type=float, default=300.0, help="kill one (row, seq) process after this")
+    p.add_argument("--flex-sweep-seq", type=int, default=8192, help="seq at which the Flex option sets are swept")
+    p.add_argument("--resume", default=None, help="result JSON of an earlier call: keep its finished rows")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel GPUs per row (each row runs under torchrun)")
     p.add_argument("--preset", default="gemma4-31b", help="presets.py shape; 'tiny' with --cpu for a smoke run")
     p.add_argument("--cpu", action="store_true", help="smoke-run on CPU (gloo, no timing claims)")
-    p.add_argument("--profile", action="store_true", help="profile one extra step of the ours* rows (top kernels)")
-    args = p.parse_args()
+    p.add_argument("--profile", action="store_true", help="profile one extra step of every row (top kernels)")
+    # One (row, seq) in this process: the driver's child.
+    p.add_argument("--one", default=None, choices=list(ROWS), help=argparse.SUPPRESS)
+    p.add_argument("--seq", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--part-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--flex-options", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not args.cpu and args.steps < 5:
+        raise ConfigError("--steps", args.steps, "a GPU run times at least 5 steps (median, min and max)")
+    if args.layers < 2:
+        raise ConfigError("--layers", args.layers, "needs at least one sliding and one full-attention layer")
+    return args
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != args.dp:
-        raise SystemExit(f"`--dp {args.dp}` needs WORLD_SIZE={args.dp} (torchrun --nproc_per_node {args.dp}); got {world}")
-    rank = int(os.environ.get("RANK", "0"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+
+# ----------------------------------------------------------------------------- child: one (row, seq)
+def run_one(args) -> None:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from benchmarks.train_rows import measure_row
+    from lightning_ffpa._compat import torch as torch_compat
+    from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
     if args.cpu:
         device = torch.device("cpu")
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     else:
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
         torch.distributed.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=MESH_DIM_NAMES)  # the strategy's mesh shape
-    _register_baselines()
-    peak = 1.0 if args.cpu else measure_bf16_peak(device)
-    rows: list[dict] = []
-    t_start = time.perf_counter()
-    # Per-layer compile with static shapes: 2 layer kinds x 2 seqs x (maybe) per-layer guards can pass
-    # dynamo's default recompile limit of 8, which would silently drop layers to eager mid-benchmark.
     torch_compat.raise_recompile_limit(64)
-    for name in args.rows:
-        skip = [time.perf_counter() - t_start > args.budget_s]
-        torch.distributed.broadcast_object_list(skip, src=0)  # rank-uniform, or dp ranks would hang
-        if skip[0]:
-            rows += [dict(row=name, seq=s, **ROWS[name], error=f"skipped: past --budget-s {args.budget_s:.0f}")
-                     for s in args.seqs]
-            continue
-        new_rows, model_ref = run_row(name, ROWS[name], args.seqs, args, mesh, device, peak, rank)
-        gc.collect()
-        if model_ref is not None and model_ref() is not None:  # would inflate the next row's memory
-            for r in new_rows:
-                r["warning"] = "model still alive after the row; later rows' memory includes it"
-        rows += new_rows
-        if rank == 0:
-            print(f"[{time.perf_counter() - t_start:6.0f}s] {name} done", flush=True)
-
-    summary = {
-        "ours_vs_sdpa_tps_8k": _ratio(rows, "ours", "sdpa", "tokens_per_s_per_gpu"),
-        "ours_vs_flex_tps_8k": _ratio(rows, "ours", "flex", "tokens_per_s_per_gpu"),
-        "ours_vs_seed_baseline_tps_8k": _ratio(rows, "ours", "seed_gqa", "tokens_per_s_per_gpu"),
-        "attention_swap_vs_sdpa_tps_8k": _ratio(rows, "ffpa_swap", "sdpa", "tokens_per_s_per_gpu"),
-        "ours_vs_sdpa_peak_mem_8k": _ratio(rows, "ours", "sdpa", "peak_mem_gb"),
-        "ours_mfu_8k": next((r["mfu"] for r in rows if r["row"] == "ours" and r["seq"] == 8192 and "error" not in r),
-                            None),
-        "ours_nocompile_vs_sdpa_tps_8k": _ratio(rows, "ours_nocompile", "sdpa", "tokens_per_s_per_gpu"),
-        "ours_nocompile_vs_sdpa_peak_mem_8k": _ratio(rows, "ours_nocompile", "sdpa", "peak_mem_gb"),
-        "high_k_vs_every_other_tps_8k": _ratio(rows, "ours_nocompile", "ours_every_other", "tokens_per_s_per_gpu"),
-        "high_k_vs_every_other_peak_mem_8k": _ratio(rows, "ours_nocompile", "ours_every_other", "peak_mem_gb"),
-        "ours_sac_save_mm": PRODUCT_SAVE_MM,
-    }
-    note = memory_note(rows)
-    if note:
-        summary["memory_note"] = note
+    row = measure_row(args.one, args.seq, args, mesh, device, rank, flex_options=args.flex_options)
     if rank == 0:
-        print(f"\n{'row':16} {'seq':>5} {'tok/s/gpu':>10} {'step ms':>8} {'peak GB':>8} {'MFU':>6} {'gb/rc':>5} "
-              f"{'fwd/bwd/opt peak GB':>20} {'before':>6}  error")
-        for r in rows:
-            if "error" in r:
-                print(f"{r['row']:16} {r['seq']:>5} {'-':>10} {'-':>8} {'-':>8} {'-':>6} {'-':>5} {'-':>20} {'-':>6}  "
-                      f"{r['error'][:90]}")
-                continue
-            ph = r.get("memory_phases") or {}
-            phases = "/".join(_phase_peak(ph[k]) for k in ("forward_loss", "backward", "optimizer")) if ph else "-"
-            before = r.get("allocated_before_row_gb")
-            print(f"{r['row']:16} {r['seq']:>5} {r['tokens_per_s_per_gpu']:>10.0f} {r['step_ms']:>8.1f} "
-                  f"{r['peak_mem_gb']:>8.1f} {'-' if r['mfu'] is None else format(r['mfu'], '.1%'):>6} "
-                  f"{r['graph_breaks']:>2}/{r['recompiles_timed']:<2} {phases:>20} "
-                  f"{'-' if before is None else f'{before:.1f}':>6}  {r.get('warning', '')}")
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        spec_peak = next((v for k, v in BF16_PEAK_FLOPS.items() if k in name), None)
-        write_result("train_throughput", rows, summary, out=args.out, measured_bf16_peak_tflops=peak / 1e12,
-                     spec_bf16_peak_tflops=spec_peak and spec_peak / 1e12, dp=world, layers=args.layers,
-                     warmup=args.warmup, steps=args.steps, preset=args.preset)
+        Path(args.part_out).write_text(json.dumps(row, default=str))
     torch.distributed.destroy_process_group()
 
 
+# ----------------------------------------------------------------------------- driver
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, name: str, seq: int, flex_options: int | None, logs: Path, timeout: float) -> dict:
+    """Run one (row, seq) in a fresh process (torchrun for --dp > 1); its record, or why it has none."""
+    part, log = logs / f"{name}_{seq}.json", logs / f"{name}_{seq}.log"
+    part.unlink(missing_ok=True)
+    port = _free_port()
+    script = [str(Path(__file__).resolve()), "--one", name, "--seq", str(seq), "--part-out", str(part),
+              "--layers", str(args.layers), "--warmup", str(args.warmup), "--steps", str(args.steps),
+              "--preset", args.preset, "--dp", str(args.dp), *(["--cpu"] if args.cpu else []),
+              *(["--profile"] if args.profile else []),
+              *(["--flex-options", str(flex_options)] if flex_options is not None else [])]
+    launcher = [sys.executable]
+    if args.dp > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(args.dp), "--master_port", str(port)]
+    env = dict(os.environ, MASTER_PORT=str(port))
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        # Own session: a timeout kills the whole group (torchrun's workers, inductor's compile workers).
+        proc = subprocess.Popen([*launcher, *script], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    wall = time.perf_counter() - t0
+    if part.exists():
+        row = json.loads(part.read_text())
+    else:
+        tail = log.read_text(errors="replace").strip().splitlines()[-12:]
+        why = f"killed after the row timeout of {timeout:.0f} s" if rc is None else f"process exit {rc}"
+        row = dict(row=name, seq=seq, **ROWS[name], error=f"{why}; log tail: " + " | ".join(tail)[-1200:])
+    row.update(wall_s=round(wall, 1), log=log.name)
+    return row
+
+
+def best_flex(rows: list[dict], seq: int) -> dict | None:
+    """The fastest finished sweep row at `seq`."""
+    done = [r for r in rows if r["row"] in SWEEP_ROWS and r["seq"] == seq and "error" not in r]
+    return max(done, key=lambda r: r["tokens_per_s_per_gpu"], default=None)
+
+
+def plan(args, finished: set[tuple[str, int]]) -> list[tuple[str, int]]:
+    """(row, seq) pairs to run, seq-major; the Flex sweep goes right before the first row that needs it."""
+    out: list[tuple[str, int]] = []
+    sweep = [(r, args.flex_sweep_seq) for r in SWEEP_ROWS]
+    for seq in args.seqs:
+        for name in args.rows:
+            if ROWS[name].get("flex_options") == "best":
+                out += [s for s in sweep if s not in out]
+            if (name, seq) not in out:
+                out.append((name, seq))
+    return [x for x in out if x not in finished]
+
+
+def _lookup(rows: list[dict], name: str, seq: int) -> tuple[dict | None, str | None]:
+    hit = [r for r in rows if r["row"] == name and r["seq"] == seq]
+    if not hit:
+        return None, f"row {name} at seq {seq} is not in this result"
+    if "error" in hit[-1]:
+        return None, f"row {name} at seq {seq} failed: {hit[-1]['error'][:300]}"
+    return hit[-1], None
+
+
+def summarize(rows: list[dict]) -> tuple[dict, dict]:
+    """The summary keys, and for each null one the reason."""
+    summary, missing = {}, {}
+
+    def ratio(key, a, b, seq):
+        (x, why_x), (y, why_y) = _lookup(rows, a, seq), _lookup(rows, b, seq)
+        summary[key] = x["tokens_per_s_per_gpu"] / y["tokens_per_s_per_gpu"] if x and y else None
+        if summary[key] is None:
+            missing[key] = "; ".join(filter(None, (why_x, why_y)))
+
+    for seq, tag in _SEQ_KEYS.items():
+        ratio(f"ours_vs_sdpa_recipe_tps_{tag}", "ours", "sdpa_recipe", seq)
+        ratio(f"ours_vs_flex_recipe_tps_{tag}", "ours", "flex_recipe", seq)
+    ratio("ours_vs_liger_tps_8k", "ours", "liger_recipe", 8192)
+    ratio("ours_vs_sdpa_defaults_tps_8k", "ours", "sdpa_defaults", 8192)
+    ours16, why = _lookup(rows, "ours", 16384)
+    for key, field in (("ours_mfu_spec_16k", "mfu_spec"), ("ours_mfu_measured_peak_16k", "mfu_measured_peak")):
+        summary[key] = ours16.get(field) if ours16 else None
+        if summary[key] is None:
+            missing[key] = why or f"row ours at seq 16384 has no {field} (no GPU peak on this device)"
+    return summary, missing
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'row':22} {'seq':>6} {'tok/s/gpu':>10} {'step ms med [min,max]':>24} {'alloc/resv GB':>14} "
+          f"{'MFU spec/meas':>14} {'lm_head':>7} {'gb/rc':>5} {'wall s':>6}  error", flush=True)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['row']:22} {r['seq']:>6} {'-':>10} {'-':>24} {'-':>14} {'-':>14} {'-':>7} {'-':>5} "
+                  f"{_fmt(r.get('wall_s'), '.0f'):>6}  {r['error'][:100]}")
+            continue
+        step = f"{r['step_ms_median']:.1f} [{r['step_ms_min']:.1f},{r['step_ms_max']:.1f}]"
+        mem = f"{_fmt(r['peak_mem_allocated_gb'], '.1f')}/{_fmt(r['peak_mem_reserved_gb'], '.1f')}"
+        mfu = f"{_fmt(r['mfu_spec'], '.1%')}/{_fmt(r['mfu_measured_peak'], '.1%')}"
+        print(f"{r['row']:22} {r['seq']:>6} {r['tokens_per_s_per_gpu']:>10.0f} {step:>24} {mem:>14} {mfu:>14} "
+              f"{r['lm_head_flops_share']:>7.1%} {r['graph_breaks']:>2}/{r['recompiles_timed']:<2} "
+              f"{_fmt(r.get('wall_s'), '.0f'):>6}")
+
+
+def load_resume(args) -> tuple[list[dict], list[dict]]:
+    """Finished rows and call records of an earlier result, checked to be the same commit and shape."""
+    from benchmarks.results_io import _commit
+
+    if not args.resume:
+        return [], []
+    path = Path(args.resume)
+    if not path.exists():
+        raise ConfigError("--resume", args.resume, "no such file")
+    old = json.loads(path.read_text())
+    mine = dict(commit=_commit(), **{k: getattr(args, k) for k in _SHAPE_KEYS})
+    diff = {k: (old.get(k), v) for k, v in mine.items() if old.get(k) != v}
+    if diff:
+        raise ConfigError("--resume", args.resume, f"was measured with other settings (theirs, ours): {diff}")
+    calls = old.get("calls") or [{k: old.get(k) for k in ("command", "date", "device")}]
+    return [r for r in old["rows"] if "error" not in r], calls
+
+
+def resolve(args, name: str, seq: int, rows: list[dict], left: float) -> dict | None:
+    """The record of (name, seq) when it needs no process (sweep alias, no sweep, no budget), else None."""
+    best = best_flex(rows, args.flex_sweep_seq) if ROWS[name].get("flex_options") == "best" else None
+    if name == "flex_recipe" and seq == args.flex_sweep_seq and best:
+        # The sweep's best row *is* flex_recipe at this seq: recorded once more under its own name.
+        return dict(best, row="flex_recipe", label=ROWS["flex_recipe"]["label"], same_measurement_as=best["row"])
+    if ROWS[name].get("flex_options") == "best" and best is None:
+        return dict(row=name, seq=seq, **ROWS[name], error="no Flex option set finished the sweep "
+                    f"at seq {args.flex_sweep_seq} (rows {', '.join(SWEEP_ROWS)})")
+    if left < 20:
+        return dict(row=name, seq=seq, **ROWS[name], error=f"skipped: past --budget-s {args.budget_s:.0f}")
+    return None
+
+
+def drive(args) -> None:
+    t_start = time.perf_counter()
+    kept, calls = load_resume(args)  # before any row runs or file is written: a bad --resume costs nothing
+    out = Path(args.out)
+    logs = out.parent / f"{out.stem}_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rows = list(kept)
+    this_call = dict(command=" ".join([Path(sys.executable).name, *sys.argv]),
+                     date=time.strftime("%Y-%m-%d %H:%M:%S"), rows=[])
+
+    def save(quiet: bool = True) -> None:
+        summary, missing = summarize(rows)
+        sweep = best_flex(rows, args.flex_sweep_seq)
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            write_result("train_throughput", rows, summary, out=out, summary_missing=missing,
+                         calls=[*calls, this_call], ours_sac_save_mm=PRODUCT_SAVE_MM,
+                         flex_sweep=dict(seq=args.flex_sweep_seq, best_row=sweep and sweep["row"],
+                                         best_options_index=sweep and sweep["flex_options"]),
+                         budget_s=args.budget_s, row_timeout_s=args.row_timeout_s,
+                         **{k: getattr(args, k) for k in _SHAPE_KEYS})
+
+    for name, seq in plan(args, {(r["row"], r["seq"]) for r in kept}):
+        left = args.budget_s - (time.perf_counter() - t_start)
+        row = resolve(args, name, seq, rows, left)
+        if row is None:
+            best = best_flex(rows, args.flex_sweep_seq) if ROWS[name].get("flex_options") == "best" else None
+            options = best["flex_options"] if best else ROWS[name].get("flex_options")
+            row = launch(args, name, seq, options, logs, min(args.row_timeout_s, left))
+        rows.append(row)
+        this_call["rows"].append(f"{name}@{seq}")
+        save()  # after every row: a call cut short keeps what finished
+        status = row.get("error", f"{row.get('tokens_per_s_per_gpu', 0):.0f} tok/s")[:160]
+        print(f"[{time.perf_counter() - t_start:6.0f}s] {name} seq={seq} pid={row.get('pid')}: {status}", flush=True)
+    print_table(rows)
+    save(quiet=False)  # prints the summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.one:
+        run_one(args)
+    else:
+        drive(args)
+
+
 if __name__ == "__main__":
-    main()
+    from lightning_ffpa.errors import console_entry
+
+    sys.exit(console_entry(main, hold=False))  # a bad option: exit 2 with one line, before any row runs

@@ -1,5 +1,6 @@
-"""CPU smoke of benchmarks/train_throughput.py: the rows it runs on the GPU build, train and report."""
+"""benchmarks/train_throughput.py on CPU: the driver runs each row in its own process, resumes, and summarizes."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,47 +10,120 @@ from pathlib import Path
 import pytest
 
 _ROOT = Path(__file__).resolve().parents[2]
-_SMOKE = ["--cpu", "--preset", "tiny", "--layers", "4", "--seqs", "256", "--warmup", "1", "--steps", "1"]
+sys.path.insert(0, str(_ROOT))
+
+from benchmarks import train_throughput as tt  # noqa: E402
+from lightning_ffpa.errors import ConfigError  # noqa: E402
+
+_SMOKE = ["--cpu", "--preset", "tiny", "--layers", "2", "--seqs", "128", "--warmup", "1", "--steps", "1"]
+_KEYS = {f"ours_vs_{b}_recipe_tps_{k}" for b in ("sdpa", "flex") for k in ("8k", "16k", "32k")} | {
+    "ours_vs_liger_tps_8k", "ours_vs_sdpa_defaults_tps_8k", "ours_mfu_spec_16k", "ours_mfu_measured_peak_16k"}
 
 
-def _run(tmp_path, rows, launcher=(), extra=()):
-    out = tmp_path / "tt.json"
+def _drive(out, rows, launcher=(sys.executable,), extra=()):
     cmd = [*launcher, str(_ROOT / "benchmarks" / "train_throughput.py"), *_SMOKE, "--rows", *rows,
            "--out", str(out), *extra]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 @pytest.mark.timeout(300)
-def test_benchmark_rows_run_on_cpu(tmp_path):
-    result = _run(tmp_path, ["sdpa", "ours_nocompile", "ours_every_other"], launcher=[sys.executable],
-                  extra=["--profile"])
+def test_rows_run_in_their_own_processes_and_resume_keeps_them(tmp_path):
+    out = tmp_path / "tt.json"
+    result = _drive(out, ["sdpa_defaults", "ours_nocompile"], extra=["--profile"])
     rows = {r["row"]: r for r in result["rows"]}
+    assert set(rows) == {"sdpa_defaults", "ours_nocompile"}
     assert not [r["error"] for r in rows.values() if "error" in r]
-    # A model surviving its row would be counted in the next row's memory (the H200 run's +16 GiB).
-    assert not [r["warning"] for r in rows.values() if "warning" in r]
-    assert rows["ours_nocompile"]["save_mm"] == result["summary"]["ours_sac_save_mm"] == "high_k"
-    assert rows["ours_nocompile"]["optim"] == "product" and rows["sdpa"]["optim"] == "adamw_default"
-    assert rows["ours_every_other"]["save_mm"] == "every_other"
-    assert all("memory_phases" in r and "allocated_before_row_gb" in r for r in rows.values())
-    assert rows["ours_nocompile"]["profile"]["wall_ms"] > 0 and "profile" not in rows["sdpa"]
+    assert len({r["pid"] for r in rows.values()} | {os.getpid()}) == 3  # one fresh process per row
     for r in rows.values():
-        assert 0 < r["last_loss"] < 20, r
+        assert r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms_max"]
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(128 / r["step_ms_median"] * 1e3)
+        assert 0 < r["lm_head_flops_share"] < 1 and 0 < r["last_loss"] < 20
+        assert r["mfu_spec"] is None and r["mfu_measured_peak"] is None  # no peak on CPU: no number
+        assert {"peak_mem_allocated_gb", "peak_mem_reserved_gb", "memory_phases", "label", "wall_s"} <= set(r)
+        assert r["profile"]["wall_ms"] > 0
+    assert rows["ours_nocompile"]["optim"] == "product" and rows["sdpa_defaults"]["optim"] == "adamw_default"
+    assert rows["ours_nocompile"]["save_mm"] == result["ours_sac_save_mm"]
+    assert set(result["summary"]) == _KEYS
+    assert all(v is None for v in result["summary"].values())  # no 8k/16k row ran: every key null, with why
+    assert set(result["summary_missing"]) == _KEYS
+    assert "not in this result" in result["summary_missing"]["ours_vs_sdpa_defaults_tps_8k"]
+    assert len(result["calls"]) == 1
+
+    # A second call resumes the file: the finished rows stay, only the new row runs (driver in this process).
+    tt.main([*_SMOKE, "--rows", "sdpa_defaults", "liger_recipe", "--out", str(out), "--resume", str(out)])
+    again = json.loads(out.read_text())
+    assert [r["row"] for r in again["rows"]] == ["sdpa_defaults", "ours_nocompile", "liger_recipe"]
+    assert again["rows"][0] == result["rows"][0]
+    assert len(again["calls"]) == 2 and again["calls"][1]["rows"] == ["liger_recipe@128"]
+    liger = again["rows"][2]
+    if importlib.util.find_spec("liger_kernel") is None:
+        assert liger["error"] == "ModuleNotFoundError: No module named 'liger_kernel'"
+
+
+def _args(*extra):
+    return tt.parse_args([*_SMOKE, *extra])
+
+
+def test_plan_puts_the_flex_sweep_before_the_first_row_that_needs_it():
+    args = _args("--rows", "ours", "flex_recipe", "--seqs", "128", "256", "--flex-sweep-seq", "256")
+    sweep = [(r, 256) for r in tt.SWEEP_ROWS]
+    assert len(sweep) == 3
+    assert tt.plan(args, set()) == [("ours", 128), *sweep, ("flex_recipe", 128), ("ours", 256), ("flex_recipe", 256)]
+    assert tt.plan(args, {("ours", 128), *sweep}) == [("flex_recipe", 128), ("ours", 256), ("flex_recipe", 256)]
+
+
+def test_flex_rows_take_the_sweeps_best_and_alias_it_at_the_sweep_seq():
+    args = _args("--flex-sweep-seq", "256")
+    sweep = [dict(row=f"flex_recipe_opt{i}", seq=256, flex_options=i, tokens_per_s_per_gpu=t)
+             for i, t in enumerate((10.0, 30.0, 20.0))]
+    assert tt.resolve(args, "flex_recipe", 128, [], 600)["error"].startswith("no Flex option set finished")
+    assert tt.resolve(args, "flex_recipe", 128, sweep, 600) is None  # runs, with the best options
+    assert tt.best_flex(sweep, 256)["flex_options"] == 1
+    alias = tt.resolve(args, "flex_recipe", 256, sweep, 600)
+    assert alias["row"] == "flex_recipe" and alias["same_measurement_as"] == "flex_recipe_opt1"
+    assert alias["tokens_per_s_per_gpu"] == 30.0
+    assert tt.resolve(args, "ours", 128, [], 5)["error"].startswith("skipped: past --budget-s")
+
+
+def test_summary_ratios_and_reasons():
+    rows = [dict(row="ours", seq=8192, tokens_per_s_per_gpu=300.0),
+            dict(row="sdpa_recipe", seq=8192, tokens_per_s_per_gpu=200.0),
+            dict(row="liger_recipe", seq=8192, error="ModuleNotFoundError: No module named 'liger_kernel'"),
+            dict(row="ours", seq=16384, tokens_per_s_per_gpu=1.0, mfu_spec=0.5, mfu_measured_peak=0.6)]
+    summary, missing = tt.summarize(rows)
+    assert set(summary) == _KEYS
+    assert summary["ours_vs_sdpa_recipe_tps_8k"] == 1.5 and "ours_vs_sdpa_recipe_tps_8k" not in missing
+    assert summary["ours_vs_liger_tps_8k"] is None
+    assert "failed: ModuleNotFoundError" in missing["ours_vs_liger_tps_8k"]
+    assert (summary["ours_mfu_spec_16k"], summary["ours_mfu_measured_peak_16k"]) == (0.5, 0.6)
+    assert {k for k, v in summary.items() if v is None} == set(missing)
+
+
+def test_resume_refuses_another_shape(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(dict(rows=[], commit="x", preset="tiny", layers=2, warmup=1, steps=1, dp=1)))
+    with pytest.raises(ConfigError, match="--resume"):
+        tt.load_resume(_args("--resume", str(old)))
+
+
+def test_gpu_runs_time_at_least_five_steps():
+    with pytest.raises(ConfigError, match="--steps"):
+        tt.parse_args(["--steps", "3"])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_benchmark_dp2_on_cpu(tmp_path):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547"]
-    result = _run(tmp_path, ["sdpa", "ours_nocompile"], launcher=launcher, extra=["--dp", "2"])
+    result = _drive(tmp_path / "tt.json", ["sdpa_defaults"], extra=["--dp", "2"])
     assert result["dp"] == 2
     assert not [r["error"] for r in result["rows"] if "error" in r]
 
 
 def test_kernel_summary_counts_overlap_once():
-    sys.path.insert(0, str(_ROOT))
     from benchmarks.step_probe import summarize_kernels
 
     events = [("gemm", 0.0, 1000.0), ("gemm", 2000.0, 3000.0), ("elementwise", 500.0, 1500.0), ("x" * 200, 5000.0, 5100.0)]
@@ -64,7 +138,6 @@ def test_cpu_phase_memory_sees_the_foreach_adamw_temporary():
     """The optimizer phase of foreach AdamW peaks one parameter-size above its start; fused does not."""
     import torch
 
-    sys.path.insert(0, str(_ROOT))
     from benchmarks.step_probe import phase_memory
 
     def run(**kw):

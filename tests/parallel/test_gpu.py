@@ -18,7 +18,7 @@ def test_benchmark_rows_run_tiny(tmp_path):
     _require_ffpa()
     out = tmp_path / "tt.json"
     cmd = [sys.executable, str(_ROOT / "benchmarks" / "train_throughput.py"), "--preset", "tiny", "--layers", "4",
-           "--seqs", "512", "--warmup", "1", "--steps", "2", "--out", str(out)]
+           "--seqs", "512", "--warmup", "1", "--steps", "5", "--rows", "ours", "ours_nocompile", "--out", str(out)]
     proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))), capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]

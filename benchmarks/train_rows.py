@@ -1,0 +1,304 @@
+"""The rows of the training-throughput benchmark, and one measurement of one row at one sequence length.
+
+Owns what each row is (attention, activation checkpointing, compile, loss, optimizer, patches), how its model,
+optimizer and loss are built, and how one (row, seq) is timed in the calling process. Does not own processes,
+budgets, result files or the summary: `benchmarks/train_throughput.py` runs every (row, seq) here in a
+process of its own and collects the rows.
+
+Slice: real Gemma4-31B dims (hidden 5376, 32 heads, 16/4 kv heads, k_eq_v, window 1024, vocab 262144,
+softcap 30), `--layers` deep with the last layer full attention, random weights initialised for real. Every
+row runs FSDP2 (`parallelize`, the strategy's recipe) on a (dp, 1) mesh, bf16 params / fp32 reduce, batch 1.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import statistics
+import time
+import traceback
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.step_probe import phase_memory, profile_step
+from lightning_ffpa._compat import torch as torch_compat
+from lightning_ffpa._compat import transformers as hf_compat
+from lightning_ffpa.callbacks.throughput import peak_bf16_flops, train_flops_per_batch
+from lightning_ffpa.flex_options import LARGE_HEAD_DIM_CANDIDATES, flex_kernel_options
+from lightning_ffpa.loss import linear_cross_entropy
+from lightning_ffpa.module import build_adamw
+from lightning_ffpa.parallel import FSDP2Strategy, causal_lm_hidden_states, parallelize
+from lightning_ffpa.parallel.strategy import materialize
+from lightning_ffpa.presets import build_text_config
+
+__all__ = ["DEFAULT_ROWS", "PRODUCT_SAVE_MM", "ROWS", "measure_row"]
+
+# "ours" and the recipe rows take the product's defaults, so the benchmark follows them when they change.
+PRODUCT_SAVE_MM = inspect.signature(FSDP2Strategy).parameters["sac_save_mm"].default
+_DEFAULTS = dict(attn="sdpa", ac="full", compile=False, loss="plain", optim="adamw_default")
+_RECIPE = dict(ac="selective", compile=True, loss="chunked", save_mm=PRODUCT_SAVE_MM, optim="product")
+_SWEEP = {f"flex_recipe_opt{i}": dict(attn="flex", flex_options=i, **_RECIPE,
+                                      label=f"flex_recipe's sweep: D=512 layers on LARGE_HEAD_DIM_CANDIDATES[{i}]")
+          for i in range(len(LARGE_HEAD_DIM_CANDIDATES))}
+# Each label says what differs from the row it is compared with.
+ROWS: dict[str, dict] = {
+    "sdpa_defaults": dict(_DEFAULTS, label="HF SDPA, full AC, no compile, HF loss (full logits), foreach AdamW: "
+                                           "what a default Lightning + HF user gets"),
+    "sdpa_recipe": dict(attn="sdpa", **_RECIPE, label="sdpa_defaults with ours' recipe: selective AC, per-layer "
+                                                      "compile, chunked linear CE, fused AdamW"),
+    **_SWEEP,
+    "flex_recipe": dict(attn="flex", flex_options="best", **_RECIPE,
+                        label="sdpa_recipe with Flex for all layers (D=512 options: the best of the sweep)"),
+    "liger_recipe": dict(attn="sdpa", **dict(_RECIPE, loss="liger"), patches="liger",
+                         label="sdpa_recipe with liger-kernel's Gemma4 patches (RMSNorm, GEGLU MLP, fused linear CE "
+                               "with softcap) in place of our chunked loss"),
+    "ours": dict(attn="ffpa", **_RECIPE, label="sdpa_recipe with the ffpa backend: FFPA for the D=512 layers, "
+                                               "block-sparse Flex for the sliding layers (the product path)"),
+    # Ablations (opt-in through --rows).
+    "liger_recipe_nocompile": dict(attn="sdpa", **dict(_RECIPE, loss="liger", compile=False), patches="liger",
+                                   label="liger_recipe without per-layer compile"),
+    "ffpa_defaults": dict(_DEFAULTS, attn="ffpa", label="sdpa_defaults with the ffpa backend only"),
+    "flex_defaults": dict(_DEFAULTS, attn="flex", flex_options="best",
+                          label="sdpa_defaults with Flex for all layers (the sweep's best D=512 options)"),
+    "seed_gqa": dict(_DEFAULTS, attn="sdpa_gqa", label="sdpa_defaults with D=512 layers on SDPA enable_gqa (MATH)"),
+    "ours_nocompile": dict(attn="ffpa", **dict(_RECIPE, compile=False), label="ours without per-layer compile"),
+    "ours_every_other": dict(attn="ffpa", **dict(_RECIPE, compile=False, save_mm="every_other"),
+                             label="ours_nocompile with SAC's every_other matmul rule"),
+    "ours_all_mm": dict(attn="ffpa", **dict(_RECIPE, compile=False, save_mm="all"),
+                        label="ours_nocompile with SAC saving every matmul"),
+    "ours_sac_all_mm": dict(attn="ffpa", **dict(_RECIPE, save_mm="all"), label="ours with SAC saving every matmul"),
+    "ours_foreach": dict(attn="ffpa", **dict(_RECIPE, compile=False, optim="adamw_default"),
+                         label="ours_nocompile with foreach AdamW"),
+}
+DEFAULT_ROWS = ["ours", "sdpa_recipe", "sdpa_defaults", "liger_recipe", "flex_recipe"]
+
+
+# ----------------------------------------------------------------------------- attentions and patches
+def register_baselines(flex_options: int | None) -> dict | None:
+    """Register "sdpa_gqa" and "flex" with transformers; returns the D=512 flex options "flex" uses."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    from lightning_ffpa.attention.flex import flex_forward  # the product's compiled flex call
+
+    def sdpa_gqa(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        """D=512 layers through SDPA enable_gqa (no mask, is_causal); others HF SDPA."""
+        if module.head_dim != 512:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None  # (B, S, H, D)
+
+    large = None if flex_options is None else {**flex_kernel_options(256, "train"), **LARGE_HEAD_DIM_CANDIDATES[flex_options]}
+    masks: dict = {}
+
+    def block_mask(seq, window, device):
+        if (seq, window) not in masks:
+            def causal(b, h, q, kv):
+                return q >= kv
+
+            def sliding(b, h, q, kv):
+                return (q >= kv) & (q - kv < window)
+
+            masks[seq, window] = create_block_mask(sliding if window else causal, None, None, seq, seq, device=device)
+        return masks[seq, window]
+
+    def flex(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        """Flex for both layer types (HF's own flex path fails at D=512); the swept options at D=512."""
+        bm = block_mask(query.shape[2], getattr(module, "sliding_window", None), query.device)
+        cuda = query.device.type == "cuda"
+        opts = large if cuda and query.shape[-1] > 256 else None  # None: the shipped options (eager on CPU)
+        out = flex_forward(query, key, value, bm, scaling, options=opts)  # (B, H, S, D)
+        return out.transpose(1, 2).contiguous(), None
+
+    def no_mask(*args, **kwargs):
+        return None
+
+    hf_compat.register_attention("sdpa_gqa", sdpa_gqa)
+    hf_compat.register_mask("sdpa_gqa", sdpa_mask)
+    hf_compat.register_attention("flex", flex)
+    hf_compat.register_mask("flex", no_mask)
+    return large
+
+
+def apply_liger() -> dict:
+    """liger-kernel's Gemma4 text patch, applied at class level before the model is built (this process only).
+
+    The installed release must ship `apply_liger_kernel_to_gemma4_text`; its absence or an ImportError fails
+    the row with the exact error (nothing is substituted).
+    """
+    import liger_kernel
+    from liger_kernel.transformers import monkey_patch
+
+    fn = getattr(monkey_patch, "apply_liger_kernel_to_gemma4_text", None)
+    version = getattr(liger_kernel, "__version__", None)
+    if version is None:
+        from importlib.metadata import version as dist_version
+
+        version = dist_version("liger-kernel")
+    if fn is None:
+        raise RuntimeError(f"liger-kernel {version} has no apply_liger_kernel_to_gemma4_text")
+    fn(rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, geglu=True)
+    return dict(liger_version=version, liger_patch="apply_liger_kernel_to_gemma4_text")
+
+
+def liger_applied(model) -> dict:
+    """Which Liger modules and forward the built model really runs (counted, not assumed)."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        name = type(m).__name__
+        if name.startswith("Liger"):
+            counts[name] = counts.get(name, 0) + 1
+    forward = type(model).forward
+    return dict(liger_modules=counts, liger_fused_linear_ce=getattr(forward, "__module__", "").startswith("liger_kernel"))
+
+
+# ----------------------------------------------------------------------------- model, optimizer, loss
+def measure_bf16_peak(device) -> float:
+    """FLOP/s of an 8192^3 bf16 matmul on this device (the measured-peak MFU denominator)."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    n, t0 = 20, time.perf_counter()
+    for _ in range(n):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2 * 8192**3 * n / (time.perf_counter() - t0)
+
+
+def build_model(spec: dict, mesh, layers: int, device, preset: str):
+    import transformers
+
+    types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+    cfg = build_text_config(preset, num_hidden_layers=layers, layer_types=types)
+    if spec["attn"] == "ffpa":
+        from lightning_ffpa.attention import kernels, register_ffpa
+
+        if device.type == "cuda" and not kernels.ffpa_available():
+            # An "ffpa" row timed on the sdpa fallback would be a silent mislabel: fail the row instead.
+            raise RuntimeError(f"FFPA CuTeDSL unavailable: {kernels.ffpa_unavailable_reason()}")
+        register_ffpa()
+    hf_compat.set_config_attn_implementation(cfg, "sdpa")
+    with torch.device("meta"):
+        model = transformers.Gemma4ForCausalLM(cfg)
+    hf_compat.set_attn_implementation(model, spec["attn"])  # the FFPAAttention Callback's own setter
+    strategy = FSDP2Strategy(activation_checkpointing=spec["ac"], compile=spec["compile"],  # product defaults
+                             param_dtype="bf16" if device.type == "cuda" else "fp32")
+    parallelize(model, mesh, activation_checkpointing=spec["ac"], compile=spec["compile"],
+                sac_save_mm=spec.get("save_mm", PRODUCT_SAVE_MM),
+                mp_policy=strategy.mp_policy(), reshard_after_forward=True)
+    materialize(model, device)  # the strategy's meta -> device init (HF _init_weights, real random values)
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]
+    if bad:
+        raise RuntimeError(f"non-finite weights after init: {bad[:3]}")
+    model.train()
+    return model
+
+
+def build_optimizer(spec: dict, model):
+    """The product's AdamW (`build_adamw`: fused on CUDA), or a plain user's AdamW (foreach on CUDA)."""
+    if spec["optim"] == "product":
+        return build_adamw(model, lr=1e-5)
+    return torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+
+def loss_fn(spec: dict, model, ids):
+    if spec["loss"] in ("plain", "liger"):  # HF's forward (liger's patched forward for "liger")
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+    hidden = causal_lm_hidden_states(model, input_ids=ids)  # (B, S, H)
+    return linear_cross_entropy(hidden[:, :-1].flatten(0, 1), model.lm_head.weight, ids[:, 1:].flatten(),
+                                softcap=model.config.final_logit_softcapping, chunk_size=4096)
+
+
+def _step(spec, model, opt, ids) -> float:
+    loss = loss_fn(spec, model, ids)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _opt_step(opt) -> None:
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+# ----------------------------------------------------------------------------- one (row, seq)
+def measure_row(name: str, seq: int, args, mesh, device, rank: int, flex_options: int | None = None) -> dict:
+    """Build row `name`, train `args.warmup` + `args.steps` steps at `seq`, and return its record."""
+    spec = {k: v for k, v in ROWS[name].items()}
+    row = dict(row=name, seq=seq, pid=os.getpid(), **spec)
+    if flex_options is not None:
+        row["flex_options"] = flex_options
+    cuda = device.type == "cuda"
+    try:
+        if spec.get("flex_options") is not None:
+            if flex_options is None:
+                raise RuntimeError("a flex row needs its option set (--flex-options)")
+            row["flex_d512_kernel_options"] = register_baselines(flex_options)
+        else:
+            register_baselines(None)
+        if spec.get("patches") == "liger":
+            row.update(apply_liger())
+        measured_peak = measure_bf16_peak(device) if cuda else None
+        if cuda:
+            torch.cuda.empty_cache()  # the matmul's blocks must not count in this row's reserved peak
+        row["allocated_before_row_gb"] = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
+        if cuda:  # free device memory as the row starts: what other processes (the driver included) hold
+            free, total = torch.cuda.mem_get_info(device)
+            row.update(device_free_gb_at_start=free / 2**30, device_total_gb=total / 2**30)
+        model = build_model(spec, mesh, args.layers, device, args.preset)
+        if spec.get("patches") == "liger":
+            row.update(liger_applied(model))
+        opt = build_optimizer(spec, model)
+        gen = torch.Generator(device=device).manual_seed(rank)
+        ids = torch.randint(0, model.config.vocab_size, (1, seq), device=device, generator=gen)
+        from lightning_ffpa import attention
+
+        dynamo = torch_compat.dynamo_counters()
+        dynamo.clear()
+        losses = [_step(spec, model, opt, ids) for _ in range(args.warmup)]  # compiles here
+        graphs_after_warmup = dynamo["stats"]["unique_graphs"]
+        attention.reset_dispatch_counts()
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            losses.append(_step(spec, model, opt, ids))  # .item() syncs
+            times.append(time.perf_counter() - t0)
+        median = statistics.median(times)
+        flops = train_flops_per_batch(model, 1, seq)
+        spec_peak = peak_bf16_flops(device)
+        row.update(
+            step_ms_median=median * 1e3, step_ms_min=min(times) * 1e3, step_ms_max=max(times) * 1e3,
+            tokens_per_s_per_gpu=seq / median,
+            peak_mem_allocated_gb=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+            peak_mem_reserved_gb=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
+            model_tflops_per_step=flops / 1e12,
+            lm_head_flops_share=6 * model.lm_head.weight.numel() * seq / flops,
+            spec_bf16_peak_tflops=spec_peak and spec_peak / 1e12,
+            measured_bf16_peak_tflops=measured_peak and measured_peak / 1e12,
+            mfu_spec=flops / median / spec_peak if spec_peak else None,  # of the datasheet bf16 peak
+            mfu_measured_peak=flops / median / measured_peak if measured_peak else None,  # of the 8192^3 matmul
+            first_loss=losses[0], last_loss=losses[-1], dispatch=attention.dispatch_counts(),
+            # compile health: graph breaks, and graphs compiled during the timed steps (recompiles in timing)
+            graph_breaks=sum(dynamo["graph_break"].values()),
+            compiled_graphs=dynamo["stats"]["unique_graphs"],
+            recompiles_timed=dynamo["stats"]["unique_graphs"] - graphs_after_warmup)
+        # Untimed extra steps: where the memory goes, and (opt-in) where the time goes.
+        row["memory_phases"] = phase_memory(device, partial(loss_fn, spec, model, ids), torch.Tensor.backward,
+                                            partial(_opt_step, opt))
+        if args.profile:
+            row["profile"] = profile_step(device, partial(_step, spec, model, opt, ids))
+        if not all(v == v and abs(v) < 1e4 for v in losses):
+            row["error"] = f"non-finite loss {losses}"
+    except Exception as e:  # noqa: BLE001 - the row records its error; the driver goes on with the next row
+        traceback.print_exc()
+        row["error"] = f"{type(e).__name__}: {e}"[:1500]
+    return row

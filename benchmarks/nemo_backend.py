@@ -289,6 +289,8 @@ def main() -> None:
     p.add_argument("--nemo-sliding", default="flex", choices=["flex", "sdpa"],
                    help="NeMo's config switch for its sliding layers (flex is its default)")
     p.add_argument("--budget-s", type=float, default=540.0, help="skip rows that would start past this")
+    p.add_argument("--append", action="store_true",
+                   help="keep the --out file's rows of the parts not run now (op and step fit in separate calls)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, our reference op (no timing claims)")
     p.add_argument("--child-row", help=argparse.SUPPRESS)
     p.add_argument("--child-seq", type=int, help=argparse.SUPPRESS)
@@ -305,6 +307,14 @@ def main() -> None:
     shape = SMOKE_SHAPE if args.smoke else GPU_SHAPE
     rows: list[dict] = []
     extra = {"op_shape": {k: str(v) for k, v in shape.items()}, "scale": SCALE, "smoke": args.smoke}
+    if args.append and args.out and Path(args.out).is_file():
+        earlier = json.loads(Path(args.out).read_text())
+        if earlier.get("benchmark") != "nemo_backend" or earlier.get("smoke") != args.smoke:
+            p.error(f"`--append --out {args.out}`: not a nemo_backend result of the same mode (smoke={args.smoke})")
+        now = set().union(*({"op": {"op", "numerics"}, "step": {"step"}}[part] for part in args.parts))
+        rows = [r for r in earlier["rows"] if r.get("part") not in now]
+        extra["earlier_runs"] = earlier.get("earlier_runs", []) + [  # whose rows were kept, recorded here
+            {k: earlier.get(k) for k in ("command", "commit", "date", "device")}]
 
     def record(row: dict) -> None:
         rows.append(row)

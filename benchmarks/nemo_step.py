@@ -25,6 +25,9 @@ from benchmarks import nemo_wheel
 from lightning_ffpa.attention import backend, kernels
 
 STEP_ROWS = ("ours", "nemo")
+LABELS = {"ours": "train_throughput's 'ours' recipe, attention = lightning_ffpa 'ffpa' (sliding layers: our Flex path)",
+          "nemo": "the same recipe, attention = NeMo-Automodel's ffpa_attention_forward + ffpa_mask from its wheel "
+                  "(sliding layers: NeMo's {sliding} route)"}
 ENTRY = Path(__file__).resolve().parent / "nemo_backend.py"
 
 
@@ -47,7 +50,8 @@ def step_child(args) -> dict:
 
     name, seq = args.child_row, args.child_seq
     spec = _step_spec(name, args.smoke)
-    row = {"part": "step", "row": name, "seq": seq, **spec, "layers": args.layers, "preset": args.preset}
+    row = {"part": "step", "row": name, "seq": seq, **spec, "layers": args.layers, "preset": args.preset,
+           "label": LABELS[name].format(sliding=args.nemo_sliding)}
     device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)

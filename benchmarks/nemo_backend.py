@@ -330,6 +330,7 @@ def main() -> None:
     nemo_wheel.register(nemo)
     backend.register_ffpa()
     extra["ours_active_kernel"] = kernels.active_kernel()
+    extra["nemo_cp_ring"] = nemo_wheel.probe_cp_ring(args.nemo_wheel)  # in the parent: step rows never import it
     forced = kernels.force_kernel("reference") if args.smoke else contextlib.nullcontext()
     with forced:
         for seq in args.seqs if "op" in args.parts else []:
@@ -345,7 +346,6 @@ def main() -> None:
                     record(numerics_row(nemo, seq, layout, shape, device))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    extra["nemo_cp_ring"] = nemo_wheel.probe_cp_ring(args.nemo_wheel)
     for row in step_rows(args, deadline) if "step" in args.parts else []:
         record(row)
     if not rows:

@@ -56,11 +56,11 @@ def peaks(device: str) -> dict[str, float]:
 def bandwidths(device: str, gb: float) -> dict[str, Any]:
     """Copy (read + write) and read bandwidth in bytes/s, best of 10 each, and the datasheet figure."""
     n = int(gb * 2**30) // 2
-    a = torch.ones(n, dtype=torch.bfloat16, device=device)
-    b = torch.empty_like(a)
-    copy = min(timed(lambda: b.copy_(a), device)[1] for _ in range(10))
-    read = min(timed(lambda: a.sum(dtype=torch.float32), device)[1] for _ in range(10))
-    del a, b
+    src = torch.ones(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    copy = min(timed(lambda: dst.copy_(src), device)[1] for _ in range(10))
+    read = min(timed(lambda: src.sum(dtype=torch.float32), device)[1] for _ in range(10))
+    src = dst = None  # freed before the model is built
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     sheet = next((v for k, v in DATASHEET_BYTES_PER_S.items() if k in name), None)
     return {"copy_bytes_per_s": 2 * n * 2 / copy, "read_bytes_per_s": n * 2 / read,

@@ -64,47 +64,43 @@ def run_hf_static(model, prompts: list[list[int]], new: int, mode: str, device: 
 
 def reference_check(model, prompts: list[list[int]], outputs: list[list[int]], logprobs: list[list[float]],
                     tokens: int, device: str, greedy: bool) -> dict[str, Any]:
-    """Engine vs HF on `prompts` (one at a time, eager, dynamic cache).
+    """Engine vs HF on `prompts` (HF eager, dynamic cache).
 
-    Greedy: HF greedy `generate` for `tokens` new tokens; per prompt the first position where the two differ
-    (None: all equal), the position-wise match rate over all tokens, and HF's logit gap between its token and the
-    engine's at the first divergence (prefixes agree up to there, so a small gap is a near-tie that bf16 rounding
+    Greedy: HF greedy `generate` of all prompts at once for `tokens` new tokens; per prompt the first position
+    where the two differ (None: all equal), the position-wise match rate over all tokens, and HF's logit gap
+    between its token and the engine's at the first divergence (prefixes agree up to there, so a small gap is a near-tie that bf16 rounding
     can flip). Both modes: an HF forward over prompt + the engine's tokens gives the logprob of each engine token,
     compared with the logprob the engine recorded (temperature 1.0 in both modes).
     """
+    n = min([tokens, *map(len, outputs)])
     first_div: list[int | None] = []
     gaps: list[float | None] = []
-    equal = total = 0
-    lp_diff_max, lp_diff_sum, lp_n = 0.0, 0.0, 0
-    for prompt, out, lps in zip(prompts, outputs, logprobs):
-        n = min(tokens, len(out))
-        ids = torch.tensor([prompt], device=device)
-        if greedy:
-            gen = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                                 output_logits=True, return_dict_in_generate=True)
-            ref = gen.sequences[0, len(prompt):].tolist()
+    equal = 0
+    if greedy:  # one batched call: the prompts share a length, so no padding enters the reference
+        gen = model.generate(torch.tensor(prompts, device=device), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        for i, out in enumerate(outputs):
+            ref = gen.sequences[i, len(prompts[i]):].tolist()
             same = [a == b for a, b in zip(ref, out[:n])]
             equal += sum(same)
-            total += n
-            pos = next((i for i, s in enumerate(same) if not s), None)
+            pos = next((j for j, s in enumerate(same) if not s), None)
             first_div.append(pos)
-            if pos is None:
-                gaps.append(None)
-            else:
-                step = gen.logits[pos][0].float()
-                gaps.append(float(step[ref[pos]] - step[out[pos]]))
-            del gen
-        with torch.no_grad():
+            step = gen.logits[pos][i].float() if pos is not None else None
+            gaps.append(None if step is None else float(step[ref[pos]] - step[out[pos]]))
+        del gen
+    lp_diff_max, lp_diff_sum = 0.0, 0.0
+    for prompt, out, lps in zip(prompts, outputs, logprobs):
+        with torch.no_grad():  # one prompt at a time: a 262k-vocab fp32 logit row per token adds up
             full = torch.tensor([prompt + out[:n]], device=device)
             logits = model(input_ids=full, use_cache=False).logits[0, len(prompt) - 1:len(prompt) - 1 + n].float()
             hf_lp = torch.log_softmax(logits, -1).gather(1, full[0, len(prompt):, None])[:, 0].cpu()
         diff = (hf_lp - torch.tensor(lps[:n])).abs()
         lp_diff_max = max(lp_diff_max, float(diff.max()))
         lp_diff_sum += float(diff.sum())
-        lp_n += n
         del logits, full
-    res: dict[str, Any] = {"prompts": len(prompts), "tokens": tokens,
-                           "logprob_max_abs_diff": lp_diff_max, "logprob_mean_abs_diff": lp_diff_sum / max(lp_n, 1)}
+    total = n * len(prompts)
+    res: dict[str, Any] = {"prompts": len(prompts), "tokens": n,
+                           "logprob_max_abs_diff": lp_diff_max, "logprob_mean_abs_diff": lp_diff_sum / max(total, 1)}
     if greedy:
         res.update({"token_match_rate": equal / max(total, 1),
                     "exact_prompts": sum(d is None for d in first_div),

@@ -67,3 +67,25 @@ def test_row_timeout_and_budget(tmp_path):
                     lambda done: seen.append(len(done)))
     assert rows[0]["error"].startswith("timeout") and rows[0]["process"]["rc"] == -9
     assert "skipped" in rows[1] and seen == [1, 2]  # the result is rewritten after every row
+
+
+def test_reference_check_finds_a_divergence():
+    """The check can fail: an engine output with one token changed diverges there, and only after it."""
+    import torch
+
+    from benchmarks.rollout_hf import reference_check
+    from benchmarks.rollout_rows import build_model, prompts_for
+
+    torch.manual_seed(0)
+    model, cfg = build_model(2, "tiny", "cpu")
+    prompts = prompts_for(2, 6, cfg.vocab_size)
+    ref = model.generate(torch.tensor(prompts), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                         output_scores=True, return_dict_in_generate=True)
+    outs = [ref.sequences[i, 6:].tolist() for i in range(2)]
+    lps = [torch.stack([torch.log_softmax(s[i].float(), -1)[t] for s, t in zip(ref.scores, o)]).tolist()
+           for i, o in enumerate(outs)]
+    outs[1][3] = (outs[1][3] + 1) % cfg.vocab_size  # the "engine" picks another token at position 3
+    res = reference_check(model, prompts, outs, lps, 8, "cpu", greedy=True)
+    assert res["first_divergence"] == [None, 3] and res["exact_prompts"] == 1
+    assert res["token_match_rate"] < 1 and res["divergence_logit_gap"][1] > 0  # HF preferred its own token
+    assert res["logprob_max_abs_diff"] > 1e-3  # the changed token's logprob is not the one recorded

@@ -1,498 +1,249 @@
-"""Rollout benchmark on one GPU: paged flex engine vs HF generate (static cache) and HF continuous batching.
+"""Rollout benchmark on one GPU: paged flex engine vs HF generate, each row in its own process.
 
-Model: Gemma4-31B shapes (hidden 5376, 32 heads, 16/4 kv heads, head_dim 256/512, k_eq_v, vocab 262k) at
-reduced depth (`--layers`, default 12 = 10 sliding + 2 full), random weights initialised with normal_(0.02).
-Prompts: random 256-token prompts; greedy; `--new-tokens` (default 512) without EOS.
-HF baselines: `generate` with a static cache, eager (`hf_generate_static`) and with the decoding forward
-compiled, HF's own default for static caches on CUDA (`hf_generate_static_compiled`); `vs_hf_generate_*`
-divides by the faster of the two measured. Continuous batching (`generate_batch`) is tried and its error
-recorded when it fails.
-Roofline: per decode step, bytes read = all weights (lm_head included, embedding rows excluded) + the
-K and V each row needs (its positions so far, capped at the window on sliding layers; Gemma4's
-k_eq_v layers still store V = v_norm(k) apart from K = rope(k_norm(k)), so both count), averaged
-exactly over the decode positions, over the copy bandwidth (read + write) measured in this run.
-That is the bytes a step must read, not what flex happens to read: whole pages are read, so
-`kv_bytes_read_paged` (page-granular) is also reported, and it does not enter the fraction.
-Decode mostly reads, so the fraction against a measured read bandwidth (a bf16 sum,
-`roofline_fraction_read_bw`) is reported too; the target uses the copy bandwidth.
+Model: Gemma4-31B shapes (hidden 5376, 32 heads, 16/4 kv heads, head_dim 256/512, k_eq_v, vocab 262k) at full
+depth by default (`--layers 60`); `--layers 12` (10 sliding + 2 full) is the reduced-depth ablation. Random
+weights (normal_(0.02)), random `--prompt-len` prompts (the same ids for every row of a batch size), `--new-tokens`
+without EOS. Modes: greedy, and sampling at temperature 1.0, top-p 1.0, top-k off (`--modes`), at `--batches`.
 
-Rows `ours_paged_flex` run the engine's defaults: on CUDA the whole decode step is compiled before
-capture (`EngineConfig.compile_decode=None`), fusing the small ops. Rows `ours_paged_flex_eager_step`
-(`--eager-step-batches`, default 64) rerun a batch with `compile_decode=False`, the graphed eager step.
+Rows (`--rows`, one process each, launched by this driver; the result file is rewritten after every row):
+`ours_paged_flex` (the engine's defaults: compiled decode step, CUDA graphs), `ours_paged_flex_eager_step`
+(ablation: `compile_decode=False`), `hf_generate_static` (HF `generate`, static cache, eager),
+`hf_generate_static_compiled` (HF's own CUDA default for static caches: compiled decoding forward; slow to
+compile at full depth, so it is left out of the default rows and is run in a call of its own), and
+`hf_continuous_batching`. A sampled row's name ends in `_sampled`. `vs_hf_generate_*` divides by the faster HF
+static-cache row measured; when no compiled row ran or it failed, `hf_baseline_*` and `depth_note` say
+"eager only".
 
-`--profile` records a few decode steps of the largest batch with torch.profiler: the top CUDA
-kernels and GPU-busy vs wall time per step go into that row's `profile`.
+Correctness: each engine row runs HF on its first `--check-prompts` prompts for `--check-tokens` tokens:
+greedy rows record the token match rate, first-divergence positions and HF's logit gap there; all rows record
+the engine's logprobs against an HF forward over the engine's tokens (`hf_check`).
 
-    python benchmarks/rollout.py --batches 8,64 --hf-batches 8,64 --out $OUT/rollout.json
-    python benchmarks/rollout.py --batches 8,64,256 --hf-batches 8,64 --profile --out $OUT/rollout.json
+Roofline (see `rollout_rows.py`): `roofline_fraction` divides by the copy bandwidth measured in the row's own
+process; `roofline_fraction_datasheet` by the datasheet HBM figure; both bandwidths are in every row.
 
-`--kernel-options PATH` installs flex kernel-option overrides first (`load_kernel_options`: a JSON list, or
-the result of `benchmarks/rollout_attention.py`, whose summary holds the fastest valid decode options);
-the overrides in force are recorded in the summary.
+    python benchmarks/rollout.py --out $OUT/rollout.json                       # full depth, ours + HF eager
+    python benchmarks/rollout.py --rows hf_generate_static_compiled --modes greedy --batches 64 --out $OUT/c.json
+    python benchmarks/rollout.py --merge a.json c.json --out rollout.json       # one file, summary recomputed
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import logging
+import json
+import os
+import statistics
 import sys
-import time
-import traceback
 from pathlib import Path
-
-import torch
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results_io import write_result  # noqa: E402
-from lightning_ffpa._compat import transformers as hf_compat  # noqa: E402
-from lightning_ffpa.presets import build_text_config  # noqa: E402
+from benchmarks.row_process import run_rows  # noqa: E402
 
-DEVICE = "cuda"
-
-
-def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
+ROWS_SCRIPT = Path(__file__).resolve().parent / "rollout_rows.py"
+KINDS = ("ours_paged_flex", "ours_paged_flex_eager_step", "hf_generate_static", "hf_generate_static_compiled",
+         "hf_continuous_batching")
+FULL_DEPTH = 60
 
 
-def _peak_gb() -> float:
-    return torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan")
+def label(kind: str, mode: str) -> str:
+    return kind + ("_sampled" if mode == "sample" else "")
 
 
-def _reset_peak() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+def build_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One spec per (batch, row kind, mode), engine rows first within a batch; `--only` filters by label[@batch]."""
+    kinds = [k for k in args.rows.split(",") if k]
+    modes = [m for m in args.modes.split(",") if m]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    only = {o for o in (args.only or "").split(",") if o}
+    common = {k: getattr(args, k) for k in ("layers", "prompt_len", "new_tokens", "preset", "device", "page_size",
+                                            "bandwidth_gb", "kernel_options")}
+    specs = []
+    for bs in batches:
+        for kind in kinds:
+            for mode in modes:
+                name = label(kind, mode)
+                if only and name not in only and f"{name}@{bs}" not in only:
+                    continue
+                spec = {"name": name, "kind": kind, "mode": mode, "batch": bs, **common,
+                        "pipeline": not args.no_pipeline}
+                if kind.startswith("ours"):
+                    spec.update(check_prompts=min(args.check_prompts, bs), check_tokens=args.check_tokens,
+                                do_profile=args.profile and name == "ours_paged_flex" and bs == max(batches),
+                                do_lora_refresh=mode == "greedy" and kind == "ours_paged_flex"
+                                and bs in {int(b) for b in args.lora_refresh_batches.split(",") if b})
+                specs.append(spec)
+    return specs
 
 
-def _free() -> None:
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
+def _row(rows: list[dict], name: str, bs: int) -> dict:
+    return next((r for r in rows if r.get("name") == name and r.get("batch") == bs and "tokens_per_s" in r), {})
 
 
-def copy_bandwidth(gb: float = 4.0) -> float:
-    """Device copy bandwidth in bytes/s (read + write), best of 10."""
-    n = int(gb * 2**30) // 2
-    a = torch.empty(n, dtype=torch.bfloat16, device=DEVICE)
-    b = torch.empty_like(a)
-    best = float("inf")
-    for _ in range(10):
-        _sync()
-        t = time.perf_counter()
-        b.copy_(a)
-        _sync()
-        best = min(best, time.perf_counter() - t)
-    del a, b
-    return 2 * n * 2 / best
+def hf_baseline(rows: list[dict], bs: int, mode: str) -> tuple[float | None, str]:
+    """The faster HF static-cache row at `bs` in `mode`, and what it was: "eager and compiled" or "eager only (...)"."""
+    eager, comp = (_row(rows, label(k, mode), bs) for k in ("hf_generate_static", "hf_generate_static_compiled"))
+    if comp:
+        best = max(v["tokens_per_s"] for v in (eager, comp) if v)
+        return best, "eager and compiled, the faster" if eager else "compiled only (eager HF row not run)"
+    failed = next((r for r in rows if r.get("name") == label("hf_generate_static_compiled", mode)
+                   and r.get("batch") == bs), None)
+    why = "compiled HF row not run" if failed is None else \
+        f"compiled HF row failed: {failed.get('error') or failed.get('skipped', '')}"[:160]
+    return (eager.get("tokens_per_s"), f"eager only ({why})") if eager else (None, "no HF row")
 
 
-def read_bandwidth(gb: float = 4.0) -> float:
-    """Device read bandwidth in bytes/s (a sum over `gb` of bf16), best of 10: decode mostly reads."""
-    a = torch.ones(int(gb * 2**30) // 2, dtype=torch.bfloat16, device=DEVICE)
-    best = float("inf")
-    for _ in range(10):
-        _sync()
-        t = time.perf_counter()
-        a.sum(dtype=torch.float32)
-        _sync()
-        best = min(best, time.perf_counter() - t)
-    n = a.numel() * a.element_size()
-    del a
-    return n / best
-
-
-def build_model(layers: int, preset: str = "gemma4-31b"):
-    from transformers import Gemma4ForCausalLM
-
-    cfg = build_text_config(preset, num_hidden_layers=layers)
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(DEVICE):
-            model = Gemma4ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(saved)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 0.02)  # real init: uninitialised memory distorts timing and sampling
-            elif "norm" in name:
-                p.fill_(1.0)
-    model.generation_config.eos_token_id = None
-    return model.eval(), cfg
-
-
-def weight_bytes(model) -> int:
-    emb = model.model.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    tied = model.lm_head.weight.data_ptr() == emb.data_ptr()
-    # the head reads the whole vocab matrix each step; the embedding lookup reads a few rows
-    return total if tied else total - emb.numel() * emb.element_size()
-
-
-def timed(fn):
-    _sync()
-    t = time.perf_counter()
-    out = fn()
-    _sync()
-    return out, time.perf_counter() - t
-
-
-def kv_bytes_per_step(eng, plen: int, new: int) -> tuple[float, float]:
-    """Mean K+V bytes one row needs / flex reads per decode step, over positions plen..plen+new-2.
-
-    Needed: positions 0..p, the last `window` of them on sliding layers. Read: every page the step's
-    block-mask row lists (whole pages, the union over the row's query block), i.e. what the kernel loads.
-    """
-    page = eng.config.page_size
-    need = paged = 0.0
-    positions = range(plen, plen + new - 1)  # decode step k writes position plen + k and attends 0..itself
-    listed = {}
-    for w, mask in eng.logical.items():
-        full = mask.full_kv_num_blocks
-        listed[w] = (mask.kv_num_blocks[0, 0] + (full[0, 0] if full is not None else 0)).tolist()
-    for i, spec in enumerate(eng.walker.specs):
-        per_tok = eng.cache.layer_bytes_per_token(i)
-        for p in positions:
-            lo = 0 if spec.window is None else max(0, p - spec.window + 1)
-            need += per_tok * (p + 1 - lo)
-            paged += per_tok * listed[spec.window][p // page] * page
-    n = max(len(positions), 1)
-    return need / n, paged / n
-
-
-def profile_decode(eng, prompts, sampling, steps: int = 6, skip: int = 4, top: int = 20) -> dict:
-    """Profile decode steps skip+1..skip+steps of one rollout: top CUDA kernels and GPU busy vs wall per step."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    # device events only on CUDA: less host overhead inside the timed window (CPU smoke runs record CPU ops)
-    prof = profile(activities=[ProfilerActivity.CUDA if DEVICE == "cuda" else ProfilerActivity.CPU])
-    decode, count, marks = eng._decode, [0], {}
-
-    def counted(*args, **kwargs):  # starts/stops the profiler around whole decode steps only
-        count[0] += 1
-        if count[0] == skip + 1:
-            _sync()
-            prof.start()
-            marks["t0"] = time.perf_counter()
-        out = decode(*args, **kwargs)
-        if count[0] == skip + steps:
-            _sync()
-            marks["t1"] = time.perf_counter()
-            prof.stop()
-        return out
-
-    eng._decode = counted  # instance attribute shadows the method for this one rollout
-    try:
-        eng.generate(prompts, skip + steps + 2, sampling)
-    finally:
-        del eng._decode
-    kernels: dict[str, list[float]] = {}
-    spans = []
-    for evt in prof.events():
-        if evt.device_type != DeviceType.CUDA:
-            continue
-        start, end = evt.time_range.start, evt.time_range.end
-        spans.append((start, end))
-        k = kernels.setdefault(evt.name[:100], [0, 0.0])
-        k[0] += 1
-        k[1] += (end - start) / 1e3
-    busy_us, last = 0.0, float("-inf")
-    for start, end in sorted(spans):  # union of intervals: overlapping kernels count once
-        if end > last:
-            busy_us += end - max(start, last)
-            last = end
-    wall_ms = (marks["t1"] - marks["t0"]) * 1e3 if "t1" in marks else float("nan")
-    rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"steps": steps, "wall_ms_per_step": wall_ms / steps, "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
-            "num_device_events": len(spans),
-            "top_kernels": [{"name": n, "calls": c, "total_ms": round(t, 4)} for n, (c, t) in rows]}
-
-
-def run_ours(model, cfg, prompts, new, bw, wbytes, page=128, profile=False, pipeline=True, compile_decode=None,
-             read_bw=None):
-    from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
-    from lightning_ffpa.rollout.sampler import SamplingParams
-
-    bs, plen = len(prompts), len(prompts[0])
-    max_len = -(-(plen + new) // page) * page
-    ecfg = EngineConfig(page_size=page, num_pages=bs * (max_len // page) + 2, max_batch_size=bs,
-                        max_seq_len=max_len, max_prefill_tokens=16384, pipeline=pipeline,
-                        compile_decode=compile_decode)
-    eng = RolloutEngine(model, ecfg)
-    greedy = SamplingParams(temperature=0.0)
-    _, t_warm = timed(lambda: eng.generate(prompts, 4, greedy))  # compiles flex, captures the bucket
-    _, t_prefill = timed(lambda: eng.generate(prompts, 1, greedy))
-    _reset_peak()
-    seqs, t_total = timed(lambda: eng.generate(prompts, new, greedy))
-    t_decode = max(t_total - t_prefill, 1e-9)
-    kv_need, kv_paged = kv_bytes_per_step(eng, plen, new)
-    step_bytes = wbytes + bs * kv_need
-    ideal_tps = bs / (step_bytes / bw)
-    decode_tps = bs * (new - 1) / t_decode
-    res = {"tokens_per_s": bs * new / t_total, "decode_tokens_per_s": decode_tps,
-           "roofline_fraction": decode_tps / ideal_tps,
-           "roofline_fraction_read_bw": decode_tps / ideal_tps * bw / read_bw if read_bw else None,
-           "step_bytes": step_bytes, "weight_bytes": wbytes,
-           "kv_bytes_per_step": bs * kv_need, "kv_bytes_read_paged": bs * kv_paged,
-           "decode_step_ms": t_decode / (new - 1) * 1e3, "ideal_step_ms": step_bytes / bw * 1e3,
-           "total_s": t_total, "prefill_s": t_prefill, "warmup_s": t_warm,
-           "peak_mem_gb": _peak_gb(), "graph_replays": eng.stats["graph_replays"],
-           "eager_decodes": eng.stats["eager_decodes"], "syncs": eng.stats["syncs"],
-           "pipeline": ecfg.pipeline, "decode_path": eng.decode_path, "attention_path": eng.attention_path,
-           "tokens_generated": sum(len(s.output) for s in seqs)}
-    if profile:
-        try:
-            res["profile"] = profile_decode(eng, prompts, greedy)
-        except Exception as err:  # noqa: BLE001 - a profiler failure never loses the timed row
-            res["profile"] = {"error": f"{type(err).__name__}: {err}"}
-            traceback.print_exc()
-    return res, eng
-
-
-def run_hf_static(model, prompts, new, compiled=False):
-    """HF `generate` with a static cache. compiled=True is HF's own default for static caches on CUDA (it
-    compiles the decoding forward); False keeps HF eager."""
-    ids = torch.tensor(prompts, device=DEVICE)
-    kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0, disable_compile=not compiled)
-    timed(lambda: model.generate(ids, max_new_tokens=4, **kw))
-    _reset_peak()
-    out, t = timed(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw))
-    return {"tokens_per_s": ids.shape[0] * new / t, "total_s": t,
-            "peak_mem_gb": _peak_gb()}, out[:, ids.shape[1]:]
-
-
-GLOBAL_ACCESS = "allow_global_per_layer_attribute_access"
-
-
-def run_hf_cb(model, prompts, new):
-    from transformers import GenerationConfig
-
-    saved = hf_compat.config_attn_implementation(model.config)
-    # transformers' CB cache reads global kv-head counts, which Gemma4's heterogeneous config refuses
-    # (AmbiguousGlobalPerLayerAttributeError) unless this flag is set; set for this baseline only.
-    old_flag = getattr(model.config, GLOBAL_ACCESS, None)  # None: this transformers has no such guard
-    if old_flag is not None:
-        setattr(model.config, GLOBAL_ACCESS, True)
-    try:
-        errors = []
-        for impl in ("sdpa_paged", "paged|sdpa"):  # transformers 5.17 name, then the newer spelling
-            try:
-                model.set_attn_implementation(impl)
-                break
-            except ValueError as err:
-                errors.append(str(err)[:120])
-        else:
-            raise ValueError(f"no paged SDPA implementation: {errors}")
-        gc_ = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-        model.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(
-            max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0))
-        _reset_peak()
-        with _CBErrors() as cb_errors:
-            out, t = timed(lambda: model.generate_batch(inputs=prompts, generation_config=gc_))
-        made = _count_cb_tokens(out)
-        if made is not None and made != len(prompts) * new:  # CB logs failed requests instead of raising
-            raise RuntimeError(f"continuous batching generated {made} of {len(prompts) * new} tokens: "
-                               f"{cb_errors.first or 'no error logged'}")
-        return {"tokens_per_s": len(prompts) * new / t, "total_s": t, "attn_implementation": impl,
-                GLOBAL_ACCESS: old_flag is not None, "tokens_generated": made,
-                "peak_mem_gb": _peak_gb()}
-    finally:
-        model.set_attn_implementation(saved)
-        if old_flag is not None:
-            setattr(model.config, GLOBAL_ACCESS, old_flag)
-
-
-class _CBErrors(logging.Handler):
-    """Collects the first exception transformers' continuous batching logs (it does not raise)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.first: str | None = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.first is None and record.exc_info and record.exc_info[1] is not None:
-            err = record.exc_info[1]
-            self.first = f"{type(err).__name__}: {str(err)[:300]}"
-
-    def __enter__(self) -> _CBErrors:
-        logging.getLogger("ContinuousBatchingLogger").addHandler(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        logging.getLogger("ContinuousBatchingLogger").removeHandler(self)
-
-
-def _count_cb_tokens(out) -> int | None:
-    try:
-        return sum(len(r.generated_tokens) for r in out.values())
-    except Exception:  # noqa: BLE001 - the result type moved across transformers versions
-        return None
-
-
-def lora_refresh_s(model, inference, reps: int = 3) -> float:
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-
-    from lightning_ffpa.rollout.lora_sync import LoraSync
-
-    train = get_peft_model(copy.deepcopy(model), LoraConfig(
-        r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    sync = LoraSync(train, inference)
-    sync.refresh()
-    best = min(timed(sync.refresh)[1] for _ in range(reps))
-    del train, sync
-    return best
-
-
-def summarize(rows: list[dict], bs: int = 64) -> dict:
-    """Ratios at batch `bs` from the rows alone (so a run cut short can be summarised again, `--summarize`).
-
-    `vs_hf_generate_bs64` divides by the faster HF static-cache variant measured; `hf_ceiling_bs64` is the
-    most any engine could reach over that HF row: decode at 100% of the HBM roofline, prefill free.
-    """
-    def row(name):
-        return next((r for r in rows if r.get("name") == name and r.get("batch") == bs and "tokens_per_s" in r), {})
-
-    ours, eager = row("ours_paged_flex"), row("ours_paged_flex_eager_step")
-    hf = {k: row(f"hf_generate_static{k}").get("tokens_per_s") for k in ("", "_compiled")}
-    hf_best = max((v for v in hf.values() if v), default=None)
-    out = {"roofline_fraction_bs64": ours.get("roofline_fraction")}
-    if eager:
-        out["roofline_fraction_bs64_eager_step"] = eager["roofline_fraction"]
-        out["vs_hf_generate_bs64_eager_step"] = eager["tokens_per_s"] / hf_best if hf_best else None
-    if ours and hf_best:
-        out["vs_hf_generate_bs64"] = ours["tokens_per_s"] / hf_best
-        for k, v in hf.items():
-            if v:
-                out[f"vs_hf_generate_static{k or '_eager'}_bs64"] = ours["tokens_per_s"] / v
-        out["hf_ceiling_bs64"] = bs / (ours["ideal_step_ms"] / 1e3) / hf_best
-    if ours.get("lora_refresh_s") is not None:
-        out["lora_refresh_fraction"] = ours["lora_refresh_s"] / ours["total_s"]
-    prof = next((r["profile"] for r in rows if "profile" in r and "error" not in r["profile"]), None)
+def summarize(rows: list[dict]) -> dict[str, Any]:
+    """Summary from the rows alone (so a run cut short or several merged runs can be summarised again)."""
+    out: dict[str, Any] = {}
+    for bs in sorted({r["batch"] for r in rows if "batch" in r}):
+        for mode, tag in (("greedy", ""), ("sample", "_sampled")):
+            ours = _row(rows, label("ours_paged_flex", mode), bs)
+            if ours:
+                out[f"roofline_fraction{tag}_bs{bs}"] = ours["roofline_fraction"]
+                out[f"roofline_fraction_datasheet{tag}_bs{bs}"] = ours.get("roofline_fraction_datasheet")
+            best, what = hf_baseline(rows, bs, mode)
+            if ours and best:
+                out[f"vs_hf_generate{tag}_bs{bs}"] = ours["tokens_per_s"] / best
+                out[f"hf_baseline{tag}_bs{bs}"] = what
+            check = ours.get("hf_check", {})
+            if "token_match_rate" in check:
+                out[f"greedy_token_match_rate_bs{bs}"] = check["token_match_rate"]
+                out[f"greedy_exact_prompts_bs{bs}"] = f"{check['exact_prompts']} of {check['prompts']}"
+    ours64, eager64 = _row(rows, "ours_paged_flex", 64), _row(rows, "ours_paged_flex_eager_step", 64)
+    for kind, key in (("hf_generate_static", "eager"), ("hf_generate_static_compiled", "compiled")):
+        hf = _row(rows, kind, 64)
+        if ours64 and hf:
+            out[f"vs_hf_generate_static_{key}_bs64"] = ours64["tokens_per_s"] / hf["tokens_per_s"]
+    best64, _ = hf_baseline(rows, 64, "greedy")
+    if ours64 and best64:
+        out["hf_ceiling_bs64"] = 64 / (ours64["ideal_step_ms"] / 1e3) / best64
+    if eager64:
+        out["roofline_fraction_bs64_eager_step"] = eager64["roofline_fraction"]
+    checks = [r["hf_check"] for r in rows if "hf_check" in r]
+    rates = [c["token_match_rate"] for c in checks if "token_match_rate" in c]
+    if rates:
+        out["greedy_token_match_rate_min"] = min(rates)
+    if checks:
+        out["engine_vs_hf_logprob_max_abs_diff"] = max(c["logprob_max_abs_diff"] for c in checks)
+    bws = [r["bandwidth"] for r in rows if "bandwidth" in r]
+    if bws:
+        copy = statistics.median(b["copy_bytes_per_s"] for b in bws)
+        sheet = bws[0].get("datasheet_bytes_per_s")
+        out["copy_bandwidth_bytes_per_s"], out["datasheet_bandwidth_bytes_per_s"] = copy, sheet
+        out["roofline_denominator"] = (
+            f"roofline_fraction_*: measured copy bandwidth (bf16 copy, read + write bytes / s, best of 10, in each "
+            f"row's own process; median {copy / 1e12:.2f} TB/s); roofline_fraction_datasheet_*: the datasheet HBM "
+            f"figure ({'%.2f TB/s' % (sheet / 1e12) if sheet else 'unknown for this device'})")
+    refresh = next((r for r in rows if r.get("lora_refresh_s") is not None), None)
+    if refresh:
+        out["lora_refresh_fraction"] = refresh["lora_refresh_s"] / refresh["total_s"]
+    prof = next((r["profile"] for r in rows if isinstance(r.get("profile"), dict) and "error" not in r["profile"]), None)
     if prof:
         out["profile_gpu_busy_fraction"] = prof["gpu_busy_ms_per_step"] / prof["wall_ms_per_step"]
+    out["depth_note"] = depth_note(rows, out)
+    out["rows_in_own_process"] = all(r.get("process", {}).get("pid") for r in rows if "tokens_per_s" in r)
     return out
 
 
-def resummarize(path: str) -> None:
-    """Recompute the summary of a result file in place (rows untouched; marks a partial run)."""
-    import json
+def depth_note(rows: list[dict], summary: dict[str, Any]) -> str:
+    """What every headline of the file is qualified by: depth, lengths, and which HF baseline the ratios use."""
+    timed = [r for r in rows if "layers" in r]
+    if not timed:
+        return "no rows"
+    layers = sorted({r["layers"] for r in timed})
+    depth = "; ".join(f"{n} of {FULL_DEPTH} layers" + (" (full Gemma4-31B depth)" if n == FULL_DEPTH
+                                                        else " (reduced-depth ablation)") for n in layers)
+    r = timed[0]
+    note = f"{depth}, {r['prompt_len']}-token prompts, {r['new_tokens']} new tokens"
+    baselines = sorted({v for k, v in summary.items() if k.startswith("hf_baseline")})
+    return note + (f"; HF baseline: {', '.join(baselines)}" if baselines else "")
 
-    record = json.loads(Path(path).read_text())
-    partial = record["summary"].get("partial", False)
-    record["summary"] = {**{k: v for k, v in record["summary"].items() if k != "partial"}, **summarize(record["rows"])}
+
+def write(rows: list[dict], out: str | None, partial: bool, **extra: Any) -> Path:
+    summary = summarize(rows)
     if partial:
-        record["summary"]["partial_run"] = "cut short by its time limit; summary recomputed from the saved rows"
-    Path(path).write_text(json.dumps(record, indent=2) + "\n")
+        summary["partial"] = True
+    return write_result("rollout", rows, summary, out=out, **extra)
 
 
-def main() -> None:
+def merge(paths: list[str], out: str) -> None:
+    """One result file from several runs' rows (e.g. the compiled-HF call and the main call); summary recomputed."""
+    rows, sources = [], []
+    for p in paths:
+        record = json.loads(Path(p).read_text())
+        rows += record["rows"]
+        sources.append({"file": Path(p).name, "commit": record.get("commit"), "command": record.get("command")})
+    write(rows, out, partial=False, merged_from=sources)
+
+
+def resummarize(path: str) -> None:
+    """Recompute the summary of a result file in place (rows untouched), recording that it was recomputed."""
+    record = json.loads(Path(path).read_text())
+    record["summary"] = {**summarize(record["rows"]), "summary_recomputed": "by `rollout.py --summarize`"}
+    Path(path).write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--batches", default="8,64", help="8,64,256 also fits one H200 (not default: time)")
-    ap.add_argument("--hf-batches", default="8,64")
+    ap.add_argument("--layers", type=int, default=FULL_DEPTH, help="60 = full depth; 12 = reduced-depth ablation")
+    ap.add_argument("--batches", default="16,64,128")
+    ap.add_argument("--modes", default="greedy,sample", help="greedy and/or sample (temperature 1.0, top-p 1.0)")
+    ap.add_argument("--rows", default="ours_paged_flex,hf_generate_static", help=f"row kinds, of {', '.join(KINDS)}")
+    ap.add_argument("--only", default=None, help="only these labels, e.g. ours_paged_flex@64,hf_generate_static_sampled")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--check-prompts", type=int, default=8, help="prompts each engine row checks against HF (0: off)")
+    ap.add_argument("--check-tokens", type=int, default=128, help="tokens per prompt the check generates with HF")
+    ap.add_argument("--lora-refresh-batches", default="64", help="greedy engine rows that also time a LoRA refresh")
+    ap.add_argument("--profile", action="store_true", help="profile a few decode steps at the largest greedy batch")
+    ap.add_argument("--row-timeout", type=float, default=540.0, help="seconds one row's process may run")
+    ap.add_argument("--budget", type=float, default=570.0, help="seconds for all rows; rows that would start later "
+                                                                "are recorded as skipped")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--logs", default=None, help="per-row logs (default: <out>.logs next to the result file)")
     ap.add_argument("--preset", default="gemma4-31b", help="model shape (tiny: CPU smoke test of this script)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--bandwidth-gb", type=float, default=4.0)
-    ap.add_argument("--profile", action="store_true", help="profile a few decode steps at the largest batch")
-    ap.add_argument("--eager-step-batches", default="64",
-                    help="also run these batches with EngineConfig.compile_decode=False (the graphed eager step)")
-    ap.add_argument("--no-hf-compiled", dest="hf_compiled", action="store_false",
-                    help="skip HF generate with its compiled static-cache forward (HF's CUDA default; slow to compile)")
     ap.add_argument("--no-pipeline", action="store_true", help="read every decode step back before the next")
     ap.add_argument("--kernel-options", default=None,
                     help="JSON of flex kernel-option overrides (e.g. a benchmarks/rollout_attention.py result)")
-    ap.add_argument("--summarize", default=None, metavar="PATH",
-                    help="only recompute the summary of an existing result file (e.g. a run cut short)")
-    args = ap.parse_args()
+    ap.add_argument("--summarize", default=None, metavar="PATH", help="only recompute the summary of a result file")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="PATH", help="merge result files into --out")
+    args = ap.parse_args(argv)
+    bad = [k for k in args.rows.split(",") if k and k not in KINDS]
+    if bad:
+        ap.error(f"--rows: unknown {bad}; choose from {', '.join(KINDS)}")
+    bad = [m for m in args.modes.split(",") if m not in ("greedy", "sample")]
+    if bad:
+        ap.error(f"--modes: unknown {bad}; choose greedy and/or sample")
+    if args.kernel_options:
+        args.kernel_options = str(Path(args.kernel_options).resolve())
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
     if args.summarize:
         return resummarize(args.summarize)
-    from lightning_ffpa.rollout.attention import kernel_option_overrides, load_kernel_options
-
-    if args.kernel_options:  # before any engine exists: captured graphs keep the kernels they were built with
-        load_kernel_options(args.kernel_options)
-    global DEVICE
-    DEVICE = args.device
-    rows, summary = [], {}
-    bw = copy_bandwidth(args.bandwidth_gb)
-    read_bw = read_bandwidth(args.bandwidth_gb)
-    rows.append({"name": "copy_bandwidth", "bytes_per_s": bw, "read_bytes_per_s": read_bw})
-    model, cfg = build_model(args.layers, args.preset)
-    wbytes = weight_bytes(model)
-    g = torch.Generator().manual_seed(0)
-
-    def save_partial() -> None:  # a run cut short by a time limit still leaves its finished rows
-        if args.out:
-            write_result("rollout", rows, {"partial": True}, out=args.out)
-
-    batches = [int(b) for b in args.batches.split(",")]
-    hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
-    eager_batches = [int(b) for b in args.eager_step_batches.split(",") if b]
-    for bs in batches:
-        prompts = torch.randint(2, cfg.vocab_size, (bs, args.prompt_len), generator=g).tolist()
-        eager = [False] if bs in eager_batches else []
-        for compile_decode in (None, *eager):
-            ablation = compile_decode is False
-            name = "ours_paged_flex_eager_step" if ablation else "ours_paged_flex"
-            row = {"name": name, "batch": bs, "layers": args.layers, "new_tokens": args.new_tokens}
-            eng = None
-            try:
-                res, eng = run_ours(model, cfg, prompts, args.new_tokens, bw, wbytes, args.page_size,
-                                    profile=args.profile and bs == max(batches), pipeline=not args.no_pipeline,
-                                    compile_decode=compile_decode, read_bw=read_bw)
-                row.update(res)
-                if not ablation and (bs == 64 or bs == batches[-1]):
-                    try:  # a failure here (e.g. no room for the peft copy at full depth) keeps the timings
-                        row["lora_refresh_s"] = lora_refresh_s(model, eng.model)
-                    except Exception as err:  # noqa: BLE001
-                        row["lora_refresh_error"] = f"{type(err).__name__}: {err}"[:300]
-            except Exception as err:  # noqa: BLE001 - one failing row is recorded, never kills the run
-                row["error"] = f"{type(err).__name__}: {err}"
-                traceback.print_exc()
-            rows.append(row)
-            save_partial()
-            del eng
-            _free()
-        if bs in hf_batches:
-            hf_runs = [("hf_generate_static", run_hf_static)]
-            if args.hf_compiled:
-                hf_runs.append(("hf_generate_static_compiled", lambda *a: run_hf_static(*a, compiled=True)))
-            for name, fn in (*hf_runs, ("hf_continuous_batching", run_hf_cb)):
-                row = {"name": name, "batch": bs, "layers": args.layers, "new_tokens": args.new_tokens}
-                try:
-                    res = fn(model, prompts, args.new_tokens)
-                    res = res[0] if isinstance(res, tuple) else res
-                    row.update(res)
-                except Exception as err:  # noqa: BLE001
-                    row["error"] = f"{type(err).__name__}: {err}"
-                    traceback.print_exc()
-                rows.append(row)
-                save_partial()
-                _free()
-    summary.update(summarize(rows))
-    summary["kernel_option_overrides"] = kernel_option_overrides()
-    summary["depth_note"] = f"{args.layers} of 60 layers, {args.prompt_len}-token prompts, {args.new_tokens} new tokens"
-    write_result("rollout", rows, summary, out=args.out)
-    print(f"{'name':30} {'bs':>4} {'tok/s':>10} {'roofline':>9} {'peak GB':>8}  error")
+    if args.merge:
+        return merge(args.merge, args.out)
+    specs = build_specs(args)
+    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / "rollout.json"
+    logs = Path(args.logs) if args.logs else out.with_suffix(".logs")
+    extra = {"driver_pid": os.getpid()}
+    rows = run_rows(ROWS_SCRIPT, specs, logs, args.row_timeout, args.budget,
+                    lambda done: write(done, str(out), partial=len(done) < len(specs), **extra))
+    if not rows:
+        write(rows, str(out), partial=False, **extra)
+    print(f"{'name':36} {'bs':>4} {'tok/s':>10} {'roofline':>9} {'match':>6} {'peak GB':>8}  error")
     for r in rows:
-        if "batch" in r:
-            print(f"{r['name']:30} {r['batch']:>4} {r.get('tokens_per_s', float('nan')):>10.1f} "
-                  f"{r.get('roofline_fraction', float('nan')):>9.3f} {r.get('peak_mem_gb', float('nan')):>8.1f}  "
-                  f"{r.get('error', '')[:80]}")
-        if "profile" in r and "top_kernels" in r["profile"]:
-            p = r["profile"]
-            print(f"  profile bs{r['batch']}: wall {p['wall_ms_per_step']:.2f} ms/step, "
-                  f"GPU busy {p['gpu_busy_ms_per_step']:.2f} ms/step")
-            for k in p["top_kernels"][:10]:
-                print(f"    {k['total_ms'] / p['steps']:8.3f} ms/step {k['calls'] // p['steps']:>5}x  {k['name'][:70]}")
+        check = r.get("hf_check", {})
+        print(f"{r['name']:36} {r['batch']:>4} {r.get('tokens_per_s', float('nan')):>10.1f} "
+              f"{r.get('roofline_fraction') or float('nan'):>9.3f} {check.get('token_match_rate', float('nan')):>6.3f} "
+              f"{r.get('peak_mem_gb', float('nan')):>8.1f}  {(r.get('error') or r.get('skipped') or '')[:80]}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import torch
 from transformers import Gemma4ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is a folder of scripts
-from benchmarks.rollout import kv_bytes_per_step  # noqa: E402
+from benchmarks.rollout_rows import kv_bytes_per_step  # noqa: E402
 from lightning_ffpa.attention.masks import generate_causal  # noqa: E402
 from lightning_ffpa.presets import build_text_config  # noqa: E402
 from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402

@@ -1,0 +1,228 @@
+"""One row of the rollout benchmark, measured in the process that `benchmarks/rollout.py` started for it.
+
+Owns: building the Gemma4-31B-shaped model with random weights, the bandwidths a roofline divides by
+(measured copy and read bandwidth, and the datasheet figure), the engine row (`ours_paged_flex`: timing,
+roofline bytes, an optional profile and LoRA refresh, and the check against HF from `rollout_hf.py`), and the
+HF rows. Does not own which rows run, processes, budgets or the summary (`rollout.py`, `row_process.py`).
+
+Roofline: per decode step, bytes read = all weights (lm_head included, embedding rows excluded) + the K and V each
+row needs (its positions so far, capped at the window on sliding layers; Gemma4's k_eq_v layers still store
+V = v_norm(k) apart from K = rope(k_norm(k)), so both count), averaged exactly over the decode positions. The
+fraction divides the ideal step time at the measured copy bandwidth (read + write bytes / s, this process) by the
+measured step; `roofline_fraction_datasheet` uses the datasheet HBM figure instead, `roofline_fraction_read_bw` a
+measured read bandwidth (a bf16 sum). Flex reads whole pages: `kv_bytes_read_paged` is reported, not counted.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.rollout_hf import reference_check, run_hf_cb, run_hf_static  # noqa: E402
+from benchmarks.row_process import row_main  # noqa: E402
+from lightning_ffpa.presets import build_text_config  # noqa: E402
+
+# HBM bandwidth from the vendors' datasheets, bytes/s, by a substring of the device name
+DATASHEET_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str):
+    _sync(device)
+    t = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t
+
+
+def peaks(device: str) -> dict[str, float]:
+    """Peak allocated and reserved memory since the last reset (GiB); nothing on CPU."""
+    if device != "cuda":
+        return {}
+    return {"peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
+
+
+def bandwidths(device: str, gb: float) -> dict[str, Any]:
+    """Copy (read + write) and read bandwidth in bytes/s, best of 10 each, and the datasheet figure."""
+    n = int(gb * 2**30) // 2
+    src = torch.ones(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    copy = min(timed(lambda: dst.copy_(src), device)[1] for _ in range(10))
+    read = min(timed(lambda: src.sum(dtype=torch.float32), device)[1] for _ in range(10))
+    src = dst = None  # freed before the model is built
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    sheet = next((v for k, v in DATASHEET_BYTES_PER_S.items() if k in name), None)
+    return {"copy_bytes_per_s": 2 * n * 2 / copy, "read_bytes_per_s": n * 2 / read,
+            "datasheet_bytes_per_s": sheet, "device_name": name}
+
+
+def build_model(layers: int, preset: str, device: str):
+    from transformers import Gemma4ForCausalLM
+
+    cfg = build_text_config(preset, num_hidden_layers=layers)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
+    try:
+        with torch.device(device):
+            model = Gemma4ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(saved)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.02)  # real init: uninitialised memory distorts timing and sampling
+            elif "norm" in name:
+                p.fill_(1.0)
+    model.generation_config.eos_token_id = None
+    return model.eval(), cfg
+
+
+def weight_bytes(model) -> int:
+    emb = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    tied = model.lm_head.weight.data_ptr() == emb.data_ptr()
+    # the head reads the whole vocab matrix each step; the embedding lookup reads a few rows
+    return total if tied else total - emb.numel() * emb.element_size()
+
+
+def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    """The prompts of a batch size: the same in every process, so HF and engine rows see the same ids."""
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(2, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+def kv_bytes_per_step(eng, plen: int, new: int) -> tuple[float, float]:
+    """Mean K+V bytes one row needs / flex reads per decode step, over positions plen..plen+new-2.
+
+    Needed: positions 0..p, the last `window` of them on sliding layers. Read: every page the step's
+    block-mask row lists (whole pages, the union over the row's query block), i.e. what the kernel loads.
+    """
+    page = eng.config.page_size
+    need = paged = 0.0
+    positions = range(plen, plen + new - 1)  # decode step k writes position plen + k and attends 0..itself
+    listed = {}
+    for w, mask in eng.logical.items():
+        full = mask.full_kv_num_blocks
+        listed[w] = (mask.kv_num_blocks[0, 0] + (full[0, 0] if full is not None else 0)).tolist()
+    for i, spec in enumerate(eng.walker.specs):
+        per_tok = eng.cache.layer_bytes_per_token(i)
+        for p in positions:
+            lo = 0 if spec.window is None else max(0, p - spec.window + 1)
+            need += per_tok * (p + 1 - lo)
+            paged += per_tok * listed[spec.window][p // page] * page
+    n = max(len(positions), 1)
+    return need / n, paged / n
+
+
+def run_ours(model, prompts, new: int, bw: dict, wbytes: int, spec: dict, device: str) -> tuple[dict, Any, list]:
+    from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
+    from lightning_ffpa.rollout.sampler import SamplingParams
+
+    bs, plen, page = len(prompts), len(prompts[0]), spec["page_size"]
+    max_len = -(-(plen + new) // page) * page
+    ecfg = EngineConfig(page_size=page, num_pages=bs * (max_len // page) + 2, max_batch_size=bs,
+                        max_seq_len=max_len, max_prefill_tokens=16384, pipeline=spec.get("pipeline", True),
+                        compile_decode=False if spec["kind"].endswith("eager_step") else None)
+    eng = RolloutEngine(model, ecfg)
+    sampling = SamplingParams(temperature=0.0) if spec["mode"] == "greedy" else SamplingParams(temperature=1.0,
+                                                                                               top_p=1.0, top_k=0)
+    _, t_warm = timed(lambda: eng.generate(prompts, 4, sampling), device)  # compiles, captures this sampler's graphs
+    _, t_prefill = timed(lambda: eng.generate(prompts, 1, sampling), device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seqs, t_total = timed(lambda: eng.generate(prompts, new, sampling), device)
+    t_decode = max(t_total - t_prefill, 1e-9)
+    kv_need, kv_paged = kv_bytes_per_step(eng, plen, new)
+    step_bytes = wbytes + bs * kv_need
+    decode_tps = bs * (new - 1) / t_decode
+    frac = decode_tps / (bs / (step_bytes / bw["copy_bytes_per_s"]))
+    sheet = bw["datasheet_bytes_per_s"]
+    res = {"tokens_per_s": bs * new / t_total, "decode_tokens_per_s": decode_tps,
+           "roofline_fraction": frac,
+           "roofline_fraction_datasheet": frac * bw["copy_bytes_per_s"] / sheet if sheet else None,
+           "roofline_fraction_read_bw": frac * bw["copy_bytes_per_s"] / bw["read_bytes_per_s"],
+           "step_bytes": step_bytes, "weight_bytes": wbytes,
+           "kv_bytes_per_step": bs * kv_need, "kv_bytes_read_paged": bs * kv_paged,
+           "decode_step_ms": t_decode / (new - 1) * 1e3, "ideal_step_ms": step_bytes / bw["copy_bytes_per_s"] * 1e3,
+           "total_s": t_total, "prefill_s": t_prefill, "warmup_s": t_warm, **peaks(device),
+           "graph_replays": eng.stats["graph_replays"], "eager_decodes": eng.stats["eager_decodes"],
+           "syncs": eng.stats["syncs"], "preemptions": eng.stats["preemptions"], "pipeline": ecfg.pipeline,
+           "decode_path": eng.decode_path, "attention_path": eng.attention_path,
+           "tokens_generated": sum(len(s.output) for s in seqs)}
+    return res, eng, seqs
+
+
+def lora_refresh_s(model, inference, reps: int = 3) -> float:
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_ffpa.rollout.lora_sync import LoraSync
+
+    train = get_peft_model(copy.deepcopy(model), LoraConfig(
+        r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    sync = LoraSync(train, inference)
+    sync.refresh()
+    return min(timed(sync.refresh, "cpu")[1] for _ in range(reps))
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """Measure the row `spec` names (see `rollout.py` for its keys); returns the row's measured fields."""
+    device = spec["device"]
+    if spec.get("kernel_options"):  # before any engine exists: captured graphs keep the kernels they were built with
+        from lightning_ffpa.rollout.attention import load_kernel_options
+
+        load_kernel_options(spec["kernel_options"])
+    bw = bandwidths(device, spec["bandwidth_gb"])
+    model, cfg = build_model(spec["layers"], spec["preset"], device)
+    prompts = prompts_for(spec["batch"], spec["prompt_len"], cfg.vocab_size)
+    new, kind = spec["new_tokens"], spec["kind"]
+    row: dict[str, Any] = {"bandwidth": bw, "num_params": sum(p.numel() for p in model.parameters())}
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if kind.startswith("ours_paged_flex"):
+        res, eng, seqs = run_ours(model, prompts, new, bw, weight_bytes(model), spec, device)
+        row.update(res)
+        if spec.get("do_profile"):
+            from benchmarks.rollout_profile import profile_decode
+
+            try:  # a profiler failure never loses the timed row
+                row["profile"] = profile_decode(eng, prompts, device)
+            except Exception as err:  # noqa: BLE001
+                row["profile"] = {"error": f"{type(err).__name__}: {err}"}
+                traceback.print_exc()
+        if spec.get("do_lora_refresh"):
+            try:  # no room for the peft copy next to a full-depth model is recorded, the timings kept
+                row["lora_refresh_s"] = lora_refresh_s(model, eng.model)
+            except Exception as err:  # noqa: BLE001
+                row["lora_refresh_error"] = f"{type(err).__name__}: {err}"[:300]
+        del eng
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        k = spec.get("check_prompts", 0)
+        if k:
+            row["hf_check"] = reference_check(model, prompts[:k], [s.output for s in seqs[:k]],
+                                              [s.logprobs for s in seqs[:k]], spec["check_tokens"], device,
+                                              greedy=spec["mode"] == "greedy")
+    elif kind.startswith("hf_generate_static"):
+        row.update(run_hf_static(model, prompts, new, spec["mode"], device, compiled=kind.endswith("compiled")))
+    elif kind == "hf_continuous_batching":
+        row.update(run_hf_cb(model, prompts, new, spec["mode"], device))
+    else:
+        raise ValueError(f"unknown row kind {kind!r}")
+    return row
+
+
+if __name__ == "__main__":
+    row_main(None, measure)

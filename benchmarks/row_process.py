@@ -1,0 +1,116 @@
+"""Runs benchmark rows one process each: no memory, compiled graph or allocator state carries between rows.
+
+Owns the driver loop: launch one child per row spec, bound it by a per-row timeout and the run's total budget
+(the whole process group is killed on timeout, inductor's compile workers included), read the row the child
+wrote, record how the process ended, and hand every finished row to a callback (the scripts rewrite their
+result file there). Does not own what a row measures: each script's own row entry point does that, and it
+writes one JSON object to the path given as `--row-out`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MIN_ROW_S = 20.0  # less time than this left in the budget: the row is skipped, not started and killed
+
+
+def _tail(path: Path, chars: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def run_row(script: Path, spec: dict[str, Any], log: Path, timeout_s: float) -> dict[str, Any]:
+    """Run `script --row SPEC --row-out FILE` in a fresh process; the row it wrote, with process facts added."""
+    out = log.with_suffix(".row.json")
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(script), "--row", json.dumps(spec), "--row-out", str(out)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    with log.open("w") as fh:
+        # a session of its own: a timeout kills the row's whole process group, compile workers included
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc, timed_out = proc.wait(), True
+    row: dict[str, Any] = dict(spec)
+    wrote = out.exists()
+    if wrote:
+        row.update(json.loads(out.read_text()))
+        out.unlink()
+    process = {"rc": rc, "wall_s": round(time.perf_counter() - t0, 2), "timeout_s": round(timeout_s, 1),
+               "log": log.name}
+    row["process"] = {**row.get("process", {}), **process}
+    if timed_out:
+        row["error"] = f"timeout: the row's process was killed after {timeout_s:.0f} s"
+    elif not wrote:
+        row["error"] = f"the row's process exited with rc={rc} without writing its row"
+    if "error" in row:
+        row["log_tail"] = _tail(log)
+    return row
+
+
+def run_rows(script: Path, specs: list[dict[str, Any]], logs: Path, row_timeout_s: float, budget_s: float,
+             on_row: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """Run every spec in its own process, in order, within `budget_s`; `on_row(rows)` after each row."""
+    logs.mkdir(parents=True, exist_ok=True)
+    start, rows = time.perf_counter(), []
+    for i, spec in enumerate(specs):
+        left = budget_s - (time.perf_counter() - start)
+        label = f"{spec.get('name')} batch={spec.get('batch')}"
+        if left < MIN_ROW_S:
+            row = {**spec, "skipped": f"total budget of {budget_s:.0f} s spent before this row started"}
+        else:
+            print(f"[row {i + 1}/{len(specs)}] {label}: own process, limit {min(row_timeout_s, left):.0f} s",
+                  flush=True)
+            row = run_row(script, spec, logs / f"{i:02d}_{_slug(spec)}.log", min(row_timeout_s, left))
+            status = row.get("error", "ok")[:200]
+            print(f"[row {i + 1}/{len(specs)}] {label}: {status} ({row['process']['wall_s']} s)", flush=True)
+        rows.append(row)
+        on_row(rows)
+    return rows
+
+
+def _slug(spec: dict[str, Any]) -> str:
+    parts = [str(spec.get(k)) for k in ("name", "batch") if spec.get(k) is not None]
+    return "_".join(parts).replace("/", "-")
+
+
+def row_main(argv: list[str] | None, measure: Callable[[dict[str, Any]], dict[str, Any]]) -> bool:
+    """Child side: when `--row` is in argv, run `measure(spec)` and write its row to `--row-out`; True if so.
+
+    An exception inside `measure` is recorded as the row's error (with the traceback's last lines), so the
+    driver tells a failing row from a killed process.
+    """
+    import argparse
+    import traceback
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "--row" not in argv:
+        return False
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--row", required=True)
+    ap.add_argument("--row-out", required=True)
+    args = ap.parse_args(argv)
+    spec = json.loads(args.row)
+    row: dict[str, Any] = {"process": {"pid": os.getpid(), "parent_pid": os.getppid()}}
+    try:
+        row.update(measure(spec))
+    except Exception as err:  # noqa: BLE001 - the row records the failure; the driver goes on
+        row["error"] = f"{type(err).__name__}: {err}"[:600]
+        row["traceback_tail"] = traceback.format_exc()[-1500:]
+        traceback.print_exc()
+    Path(args.row_out).write_text(json.dumps(row, default=str) + "\n")
+    return True

@@ -1,0 +1,43 @@
+"""CPU smoke of benchmarks/grpo_vs_trl.py: both rows in their own processes, per-step phases that add up, and
+the TRL row either measured (trl installed) or carrying its ImportError."""
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is a folder of scripts
+from benchmarks import grpo_vs_trl  # noqa: E402
+
+
+@pytest.mark.timeout(120)
+def test_smoke_rows_phases_and_trl_row(tmp_path):
+    out = tmp_path / "grpo.json"
+    grpo_vs_trl.main(["--smoke", "--out", str(out)])
+    record = json.loads(out.read_text())
+    rows = {r["name"]: r for r in record["rows"]}
+    assert list(rows) == ["ours_grpo", "trl_grpo"]
+    pids = {r["process"]["pid"] for r in rows.values()}
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert {r["process"]["parent_pid"] for r in rows.values()} == {os.getpid()}
+    ours = rows["ours_grpo"]
+    assert "error" not in ours, ours
+    assert len(ours["per_step"]) == 3 and ours["timed_steps"] == 2  # 3 steps, 1 warm-up
+    for step in ours["per_step"]:
+        assert step["completion_tokens"] == 2 * 2 * 6  # prompts x group x completion length, no EOS
+        parts = step["refresh_s"] + step["generation_s"] + step["scoring_s"] + step["update_s"]
+        assert parts == pytest.approx(step["wall_s"]) and min(step["generation_s"], step["update_s"]) > 0
+    assert ours["step_s_min"] <= ours["step_s_median"] <= ours["step_s_max"]
+    assert ours["completion_tokens_per_s"] > 0 and ours["engine"]["attention_path"] == "dense_reference"
+    trl = rows["trl_grpo"]
+    summary = record["summary"]
+    if importlib.util.find_spec("trl") is None:
+        assert trl["error"].startswith("ImportError") and "trl_grpo_error" in summary
+        assert "ours_vs_trl_step_speedup" not in summary
+    else:
+        assert "error" not in trl and trl["completion_tokens_per_step"] == 24
+        assert summary["ours_vs_trl_step_speedup"] > 0 and "ours_vs_trl_generation_speedup" in summary
+    assert "2 of 60 layers" in summary["model_slice"] and "partial" not in summary

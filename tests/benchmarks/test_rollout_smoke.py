@@ -1,0 +1,91 @@
+"""CPU smoke of benchmarks/rollout.py: tiny model, each row in its own process, greedy and sampled engine rows
+checked against HF, an HF row, the summary keys, a merge, and a row killed by its timeout."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is a folder of scripts
+from benchmarks import rollout  # noqa: E402
+
+TINY = ["--preset", "tiny", "--device", "cpu", "--layers", "2", "--batches", "2", "--prompt-len", "8",
+        "--new-tokens", "12", "--page-size", "4", "--bandwidth-gb", "0.01", "--check-prompts", "2",
+        "--check-tokens", "10"]
+
+
+@pytest.mark.timeout(120)
+def test_rows_run_in_own_processes_with_hf_check(tmp_path):
+    out = tmp_path / "rollout.json"
+    rows = rollout.main([*TINY, "--rows", "ours_paged_flex,hf_generate_static",
+                         "--only", "ours_paged_flex,ours_paged_flex_sampled,hf_generate_static", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert [r["name"] for r in record["rows"]] == ["ours_paged_flex", "ours_paged_flex_sampled", "hf_generate_static"]
+    pids = [r["process"]["pid"] for r in record["rows"]]
+    assert len(set(pids)) == 3 and os.getpid() not in pids  # one fresh process per row
+    assert {r["process"]["parent_pid"] for r in record["rows"]} == {record["driver_pid"]} == {os.getpid()}
+    for r in record["rows"]:
+        assert "error" not in r, r
+        assert r["process"]["rc"] == 0 and r["tokens_per_s"] > 0
+        assert r["bandwidth"]["copy_bytes_per_s"] > 0 and "datasheet_bytes_per_s" in r["bandwidth"]
+    greedy, sampled = record["rows"][0], record["rows"][1]
+    assert greedy["mode"] == "greedy" and sampled["mode"] == "sample"
+    assert greedy["tokens_generated"] == sampled["tokens_generated"] == 2 * 12
+    check = greedy["hf_check"]  # fp32 CPU: the engine's greedy tokens equal HF's
+    assert check["token_match_rate"] == 1.0 and check["first_divergence"] == [None, None]
+    assert check["exact_prompts"] == 2 and check["logprob_max_abs_diff"] < 1e-3
+    assert "token_match_rate" not in sampled["hf_check"] and sampled["hf_check"]["logprob_max_abs_diff"] < 1e-3
+    assert 0 < greedy["roofline_fraction"] and greedy["roofline_fraction_datasheet"] is None  # no CPU datasheet
+    s = record["summary"]
+    assert s["greedy_token_match_rate_bs2"] == 1.0 and s["rows_in_own_process"] and "partial" not in s
+    assert s["vs_hf_generate_bs2"] == pytest.approx(greedy["tokens_per_s"] / record["rows"][2]["tokens_per_s"])
+    assert s["hf_baseline_bs2"] == "eager only (compiled HF row not run)"
+    assert "eager only" in s["depth_note"] and "reduced-depth ablation" in s["depth_note"]
+    assert "measured copy bandwidth" in s["roofline_denominator"] and len(rows) == 3
+    # a compiled-HF row from another run merges in: the label stops saying "eager only"
+    other = tmp_path / "compiled.json"
+    fake = {**record["rows"][2], "name": "hf_generate_static_compiled", "kind": "hf_generate_static_compiled",
+            "tokens_per_s": record["rows"][2]["tokens_per_s"] / 2}
+    rollout.write([fake], str(other), partial=False)
+    merged = tmp_path / "merged.json"
+    rollout.main(["--merge", str(out), str(other), "--out", str(merged)])
+    m = json.loads(merged.read_text())
+    assert len(m["rows"]) == 4 and len(m["merged_from"]) == 2
+    assert m["summary"]["hf_baseline_bs2"] == "eager and compiled, the faster"
+    assert m["summary"]["vs_hf_generate_bs2"] == pytest.approx(s["vs_hf_generate_bs2"])  # the eager row is faster
+
+
+def test_row_timeout_and_budget(tmp_path):
+    from benchmarks.row_process import run_rows
+
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    seen = []
+    rows = run_rows(script, [{"name": "slow", "batch": 1}, {"name": "late", "batch": 1}], tmp_path, 2.0, 21.0,
+                    lambda done: seen.append(len(done)))
+    assert rows[0]["error"].startswith("timeout") and rows[0]["process"]["rc"] == -9
+    assert "skipped" in rows[1] and seen == [1, 2]  # the result is rewritten after every row
+
+
+def test_reference_check_finds_a_divergence():
+    """The check can fail: an engine output with one token changed diverges there, and only after it."""
+    import torch
+
+    from benchmarks.rollout_hf import reference_check
+    from benchmarks.rollout_rows import build_model, prompts_for
+
+    torch.manual_seed(0)
+    model, cfg = build_model(2, "tiny", "cpu")
+    prompts = prompts_for(2, 6, cfg.vocab_size)
+    ref = model.generate(torch.tensor(prompts), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                         output_scores=True, return_dict_in_generate=True)
+    outs = [ref.sequences[i, 6:].tolist() for i in range(2)]
+    lps = [torch.stack([torch.log_softmax(s[i].float(), -1)[t] for s, t in zip(ref.scores, o)]).tolist()
+           for i, o in enumerate(outs)]
+    outs[1][3] = (outs[1][3] + 1) % cfg.vocab_size  # the "engine" picks another token at position 3
+    res = reference_check(model, prompts, outs, lps, 8, "cpu", greedy=True)
+    assert res["first_divergence"] == [None, 3] and res["exact_prompts"] == 1
+    assert res["token_match_rate"] < 1 and res["divergence_logit_gap"][1] > 0  # HF preferred its own token
+    assert res["logprob_max_abs_diff"] > 1e-3  # the changed token's logprob is not the one recorded

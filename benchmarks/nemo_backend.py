@@ -11,7 +11,7 @@ called as HF calls them: the backend's mask function builds the mask once, then 
         ``--warmup``. Numerics: max |diff| of out/dq/dk/dv between the two and each against an fp32 reference
         (the project's reference math, one head at a time). Which path ran is recorded per row (our dispatch and
         kernel counters; NeMo's own once-per-reason fallback log).
-- step: the 6-layer 31B slice with ours' training recipe from ``train_throughput.py`` (its ``ROWS["ours"]``,
+- step: the 6-layer 31B slice with ours' training recipe from ``train_rows.py`` (its ``ROWS["ours"]``,
         ``build_model``, ``build_optimizer``, ``loss_fn``), attention ours vs NeMo's; one process per row.
         The SAC must-save set holds the FFPA forward ops in both rows (both backends call the same
         ``torch.ops.ffpa_attn`` kernels), so only the HF attention function differs; NeMo's sliding layers take

@@ -2,7 +2,7 @@
 
 Owns building and timing one training-step row in a child process (``step_child``) and running every
 (row, seq) as its own process (``step_rows``). The model, optimizer, loss and the recipe itself come from
-``train_throughput.py`` (``ROWS["ours"]``, ``build_model``, ``build_optimizer``, ``loss_fn``); the only change in
+``train_rows.py`` (``ROWS["ours"]``, ``build_model``, ``build_optimizer``, ``loss_fn``); the only change in
 the "nemo" row is the HF attention name. Does not own the op-level rows, the summary or the CLI
 (``nemo_backend.py``), nor loading NeMo's file (``nemo_wheel.py``).
 """
@@ -32,7 +32,7 @@ ENTRY = Path(__file__).resolve().parent / "nemo_backend.py"
 
 
 def _step_spec(name: str, smoke: bool) -> dict:
-    from benchmarks.train_throughput import ROWS
+    from benchmarks.train_rows import ROWS
 
     spec = dict(ROWS["ours"], attn="ffpa" if name == "ours" else nemo_wheel.REGISTERED_NAME)
     if smoke:
@@ -42,7 +42,7 @@ def _step_spec(name: str, smoke: bool) -> dict:
 
 def step_child(args) -> dict:
     """One step row in this process: build, warm up, time `--steps` optimizer steps; returns the row."""
-    from benchmarks import train_throughput as tt
+    from benchmarks import train_rows as tt
     from benchmarks.nemo_backend import fell_back, path_record, reset_paths, time_ms
     from lightning_ffpa import saved_ops
     from lightning_ffpa._compat import torch as torch_compat

@@ -33,6 +33,15 @@ def _commit() -> str:
         return os.environ.get("LIGHTNING_FFPA_COMMIT", "unknown")
 
 
+def _script_doc() -> str | None:
+    import ast
+
+    script = Path(sys.argv[0])
+    if script.suffix != ".py" or not script.exists():
+        return None
+    return ast.get_docstring(ast.parse(script.read_text()))
+
+
 def device_name() -> str:
     import torch
 
@@ -51,6 +60,7 @@ def write_result(benchmark: str, rows: list[dict[str, Any]], summary: dict[str, 
         "date": _dt.date.today().isoformat(),
         "device": device_name(),
         "versions": {m: _version(m) for m in ("torch", "transformers", "ffpa_attn", "lightning", "triton")},
+        "script_doc": _script_doc(),  # what the rows meant when they ran, for docs rendered after the script changes
         "rows": rows,
         "summary": summary,
         **extra,

@@ -14,6 +14,7 @@ final move is a copy, and a disk that fills during that copy leaves a truncated 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -115,6 +116,21 @@ def free_bytes(directory: str | os.PathLike) -> int:
     return shutil.disk_usage(path).free
 
 
+# torch's zip writer reports a failed OS write (a full disk among them) as a RuntimeError with one of these.
+_WRITER_FAILED = ("unexpected pos", "failed writing")
+NEARLY_FULL = 256 * 2**20  # below this many free bytes, a failed write is taken as a full disk
+
+
+def out_of_space(err: BaseException, directory: str | os.PathLike) -> bool:
+    """Whether `err`, raised while writing under `directory`, means the disk is full: ENOSPC itself, or torch's
+    writer failing while the filesystem is (nearly) full. Ask before the partial files are removed."""
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return True
+    text = str(err)
+    return (isinstance(err, RuntimeError) and any(s in text for s in _WRITER_FAILED)
+            and free_bytes(directory) < NEARLY_FULL)
+
+
 def _gib(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
@@ -161,6 +177,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             publish(tmp, final)
-        except BaseException:
+        except BaseException as err:
+            full = out_of_space(err, final.parent)
             discard(tmp)
+            if full and not isinstance(err, OSError):
+                raise OSError(errno.ENOSPC, f"no space left on device while writing {final.name}", str(final)) from err
             raise

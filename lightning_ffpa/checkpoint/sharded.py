@@ -31,6 +31,7 @@ from lightning_ffpa.checkpoint.atomic import (
     checkpoint_bytes,
     discard,
     free_bytes,
+    out_of_space,
     partial_path,
     publish,
     space_error,
@@ -83,9 +84,9 @@ class ShardedCheckpointWriter:
             try:
                 dcp.save(state, checkpoint_id=str(tmp))
             except BaseException as err:
+                full = _disk_full(err, tmp)
                 if strategy.global_rank == 0:
                     discard(tmp)
-                full = _disk_full(err)
                 if full is not None:
                     raise full from err
                 raise
@@ -113,7 +114,7 @@ class ShardedCheckpointWriter:
                 publish(tmp, path)
                 self.num_saved += 1
             except BaseException as err:  # noqa: BLE001 - re-raised on the training thread by `wait`
-                self._error = _disk_full(err) or err
+                self._error = _disk_full(err, tmp) or err
                 discard(tmp)
                 retired = []  # keep the checkpoints it would have replaced
             finally:
@@ -172,14 +173,15 @@ class ShardedCheckpointWriter:
         _remove(path)
 
 
-def _disk_full(err: BaseException) -> OSError | None:
-    """DCP reports every rank's failure inside one CheckpointException; surface a full disk as ENOSPC (one line)."""
+def _disk_full(err: BaseException, folder: Path) -> OSError | None:
+    """DCP reports every rank's failure inside one CheckpointException; surface a full disk as ENOSPC (one line).
+    Call before `folder` (the partial checkpoint) is removed: that frees the space the check looks at."""
     failures = getattr(err, "failures", None) or {}
     for rank, failure in sorted(failures.items()):
         failure = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback summary)
-        if isinstance(failure, OSError) and failure.errno == errno.ENOSPC:
+        if isinstance(failure, BaseException) and out_of_space(failure, folder):
             return OSError(errno.ENOSPC, f"no space left on device while rank {rank} wrote its shard",
-                           failure.filename)
+                           getattr(failure, "filename", None) or str(folder))
     return None
 
 

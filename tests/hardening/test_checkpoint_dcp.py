@@ -94,3 +94,16 @@ def test_async_dcp_save_on_one_gpu_with_nccl(tmp_path):
     end = weights_hash(module)
     _, _, start = fit(4, ckpt_path="last")
     assert start.hash == end
+
+
+@pytest.mark.parametrize("free, full", [(2**20, True), (2**40, False)], ids=["full", "not-full"])
+def test_a_rank_whose_torch_writer_failed_on_a_full_disk_is_reported_as_no_space(tmp_path, monkeypatch, free, full):
+    """DCP wraps each rank's failure; torch's zip-writer RuntimeError on a (nearly) full disk becomes ENOSPC."""
+    from lightning_ffpa.checkpoint import atomic, sharded
+
+    class Failed(Exception):  # DCP's CheckpointException carries {rank: (exception, traceback summary)}
+        failures = {1: (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), "tb")}
+
+    monkeypatch.setattr(atomic, "free_bytes", lambda d: free)
+    got = sharded._disk_full(Failed(), tmp_path)
+    assert (got is not None and got.errno == 28 and "rank 1" in str(got)) if full else got is None

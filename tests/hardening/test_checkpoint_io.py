@@ -64,6 +64,25 @@ def test_failure_mid_save_leaves_no_file_and_keeps_last(tmp_path, monkeypatch, r
     assert torch.load(last, weights_only=True)["global_step"] == 2
 
 
+_ZIP_WRITER_FAILED = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"  # seen on an H200
+
+
+@pytest.mark.parametrize("free, expected", [(2**20, OSError), (2**40, RuntimeError)], ids=["full", "not-full"])
+def test_torch_writer_failure_on_a_full_disk_is_reported_as_no_space(tmp_path, monkeypatch, free, expected):
+    """torch's zip writer reports a failed OS write as a RuntimeError; on a (nearly) full disk that is ENOSPC
+    (one line from the CLI), otherwise the writer's own error stands. No partial file either way."""
+    def fails(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 part")
+        raise RuntimeError(_ZIP_WRITER_FAILED)
+
+    monkeypatch.setattr(atomic_mod.torch, "save", fails)
+    monkeypatch.setattr(atomic_mod, "free_bytes", lambda d: free)
+    with pytest.raises(expected) as err:
+        AtomicCheckpointIO().save_checkpoint({"x": torch.zeros(4)}, tmp_path / "a.ckpt")
+    assert (err.value.errno == 28) if expected is OSError else "unexpected pos" in str(err.value)
+    assert _names(tmp_path) == []
+
+
 def test_replacing_a_file_is_atomic_and_leaves_no_partial(tmp_path):
     io = AtomicCheckpointIO()
     path = tmp_path / "a" / "last.ckpt"

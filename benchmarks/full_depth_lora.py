@@ -1,35 +1,33 @@
 """Full-depth LoRA on one GPU, the way people fine-tune Gemma4-31B: ours (the product path) against HF + PEFT and Unsloth.
 
-Owns the rows below, the run (one process per (row, seq) through `benchmarks/row_process.py`, a per-row timeout
-and a total `--budget-s`, the result rewritten after every row, `--resume` of an earlier call's file), the
-LoRA FLOP count and the summary. The Unsloth row lives in `benchmarks/unsloth_row.py`.
+Owns the rows below, the run (one process per (row, seq) through `benchmarks/row_process.py`, a per-row timeout,
+a total `--budget-s`, the result rewritten after every row, `--resume` of an earlier call's file), the LoRA FLOP
+count and the summary. The Unsloth row lives in `benchmarks/unsloth_row.py`.
 
-Rows, each at --seqs (8k and 16k), batch 1, all 60 layers of the gemma4-31b preset (random weights initialised
-for real), LoRA r=16 (lora_alpha 32) on every linear layer of the decoder, bf16 base weights:
+Rows, each at --seqs (8k, 16k), batch 1, all 60 layers of the gemma4-31b preset (random weights initialised for
+real), LoRA r=16 (lora_alpha 32) on every linear layer of the decoder, bf16 base weights:
   ours_lora            `configs/gemma4_ffpa.yaml` built by `lightning_ffpa.cli.build(..., run=False)` with one-GPU
-                       overrides (devices 1, max_steps, a tmp run dir, CSV logger, `model.dtype bfloat16`, the LoRA),
-                       the CLI's pre-flight, then `trainer.fit`: Gemma4LM + FSDP2Strategy + the recipe's callbacks.
-  hf_peft_sdpa_recipe  the same model and LoRA through HF + PEFT (`get_peft_model`), SDPA for every layer, with
-                       ours' recipe: FSDP2 `parallelize` on one GPU, selective AC, per-layer compile, chunked linear
-                       CE, fused AdamW, grad clip 1.0 (train_rows' `sdpa_recipe` with a LoRA wrap).
-  unsloth_lora         the same LoRA through Unsloth's FastModel (see unsloth_row.py); what was tried and the exact
-                       error when it cannot run.
-Timing: per-step wall time, CUDA-synchronised, after --warmup steps (compile happens there): median, min and
-max of --steps steps; peak allocated and reserved memory over the timed steps. MFU counts LoRA FLOPs (frozen
-weights get no weight-gradient matmul: 4 x frozen matmul params x tokens, 6 x adapter params x tokens, plus
-attention fwd + bwd) against the datasheet bf16 peak (989 TFLOP/s on H200).
+                       overrides (devices 1, max_steps, a tmp run dir, CSV logger, no checkpointing, `model.dtype
+                       bfloat16`, the LoRA), the CLI's pre-flight, then `trainer.fit`.
+  hf_peft_sdpa_recipe  the same model and LoRA through HF + PEFT (`get_peft_model`), SDPA for every layer, ours'
+                       recipe: FSDP2 `parallelize` on one GPU, selective AC, per-layer compile, chunked linear CE,
+                       fused AdamW, clip 1.0 (train_rows' `sdpa_recipe` with a LoRA wrap).
+  unsloth_lora         the same LoRA through Unsloth's FastModel; what was tried and the exact error if it cannot run.
+Timing: per-step wall time, CUDA-synchronised, after --warmup steps (compile happens there): median, min, max of
+--steps steps; peak allocated and reserved memory over the timed steps. MFU counts LoRA FLOPs (frozen weights get
+no weight-gradient matmul: 4 x frozen matmul params x tokens, 6 x adapter params x tokens, attention fwd + bwd)
+against the datasheet bf16 peak (989 TFLOP/s on H200).
 
-Why 60 layers fit one H200 (computed by building the model on meta: `static_memory` in every row records it):
-the base is 30.70e9 params x 2 bytes (bf16) = 57.2 GiB. LoRA r=16 on all linear layers adds 122.4e6 params,
-which peft keeps in fp32; with their gradients and two AdamW moments that is 16 bytes each = 1.8 GiB. Frozen
-weights need no gradient and no optimizer state (a full fine-tune would need 16 bytes for each of the 30.7e9
-params, 457 GiB), so ~59 GiB is static and the rest of the 141 GiB holds activations (selective AC) and the
-bf16 layers FSDP2 gathers one at a time.
+Why 60 layers fit one H200 (each row's `static_memory` counts it on the built model): the base is 30.70e9 params x
+2 bytes (bf16) = 57.2 GiB. LoRA r=16 on all linear layers adds 122.4e6 params, which peft keeps in fp32: with
+their gradients and two AdamW moments, 16 bytes each = 1.8 GiB. Frozen weights have no gradient or optimizer
+state (a full fine-tune would need 16 bytes for each of the 30.7e9 params, 457 GiB), so ~59 GiB is static and the
+rest of the 141 GiB holds activations (selective AC) and the bf16 layer FSDP2 gathers at a time.
 
 One H200, one call per seq (each well under 10 minutes):
-  python benchmarks/full_depth_lora.py --seqs 8192 --out $OUT/full_depth_lora.json
-  python benchmarks/full_depth_lora.py --seqs 16384 --resume FILE --out $OUT/full_depth_lora.json
-CPU smoke (tiny preset, 2 layers, fp32, seq 64, compile off):
+  python benchmarks/full_depth_lora.py --rows ours_lora hf_peft_sdpa_recipe --seqs 8192 --out $OUT/full_depth_lora.json
+  python benchmarks/full_depth_lora.py --rows ours_lora hf_peft_sdpa_recipe --seqs 16384 --resume FILE --out ...
+CPU smoke (tiny preset, 2 layers, fp32, seq 64, compile off, the FFPA op's CPU reference):
   python benchmarks/full_depth_lora.py --smoke --rows ours_lora hf_peft_sdpa_recipe --out /tmp/fdl.json
 """
 
@@ -121,9 +119,9 @@ def static_memory(model) -> dict[str, Any]:
             trainable_bytes += p.numel() * (p.element_size() * 2 + 8)  # weight + grad + two fp32 moments
         else:
             base += p.numel()
-    base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     return dict(params_by_dtype=by_dtype, frozen_params=base, trainable_params=trainable,
-                frozen_gib=base_bytes / 2**30, trainable_with_adamw_gib=trainable_bytes / 2**30)
+                frozen_gib=frozen_bytes / 2**30, trainable_with_adamw_gib=trainable_bytes / 2**30)
 
 
 def step_stats(times: list[float], seq: int, flops: float, device) -> dict[str, Any]:
@@ -143,10 +141,8 @@ def step_stats(times: list[float], seq: int, flops: float, device) -> dict[str, 
 
 
 def _sync(device) -> None:
-    import torch
-
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        __import__("torch").cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------- row: ours (the product path)
@@ -267,19 +263,16 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    if cuda:
-        torch.cuda.set_device(device)
     torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
                                          **({"device_id": device} if cuda else {}))
     mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=MESH_DIM_NAMES)
     torch_compat.raise_recompile_limit(64)
     cfg = build_text_config(spec["preset"], **config_overrides(spec))
-    dtype = getattr(torch, spec["dtype"])
     with torch.device("meta"):
-        model = from_config(transformers.Gemma4ForCausalLM, cfg, dtype=dtype, attn_implementation="sdpa")
+        model = from_config(transformers.Gemma4ForCausalLM, cfg, dtype=getattr(torch, spec["dtype"]),
+                            attn_implementation="sdpa")
     model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA))
-    compile_layers = not spec["smoke"]
-    mp = FSDP2Strategy(param_dtype="bf16" if cuda else "fp32").mp_policy()
+    compile_layers, mp = not spec["smoke"], FSDP2Strategy(param_dtype="bf16" if cuda else "fp32").mp_policy()
     parallelize(model, mesh, activation_checkpointing="selective", compile=compile_layers, sac_save_mm=PRODUCT_SAVE_MM,
                 mp_policy=mp, reshard_after_forward=True)
     materialize(model, device)
@@ -292,9 +285,7 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
     opt = build_adamw(model, lr=1e-5)
     trainable = [p for p in model.parameters() if p.requires_grad]
     ids = torch.randint(0, cfg.vocab_size, (1, spec["seq"]), device=device, generator=torch.Generator(device).manual_seed(0))
-    recipe = dict(loss="chunked")
-    losses, times = [], []
-    dynamo = torch_compat.dynamo_counters()
+    losses, times, dynamo = [], [], torch_compat.dynamo_counters()
     dynamo.clear()
     for i in range(spec["warmup"] + spec["steps"]):
         if i == spec["warmup"]:
@@ -304,7 +295,7 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        loss = loss_fn(recipe, model, ids)
+        loss = loss_fn(dict(loss="chunked"), model, ids)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
@@ -348,23 +339,18 @@ def _lookup(rows: list[dict], name: str, seq: int) -> tuple[dict | None, str | N
 def summarize(rows: list[dict]) -> tuple[dict, dict]:
     """The summary keys, and for each null one the reason."""
     summary, missing = {}, {}
-
-    def put(key: str, value, why: str | None) -> None:
-        summary[key] = value
-        if value is None:
-            missing[key] = why
-
+    short = {"ours_lora": "ours", "hf_peft_sdpa_recipe": "sdpa_recipe", "unsloth_lora": "unsloth"}
     for seq, tag in _SEQ_TAGS.items():
-        ours, why_ours = _lookup(rows, "ours_lora", seq)
-        for peer, short in (("hf_peft_sdpa_recipe", "sdpa_recipe"), ("unsloth_lora", "unsloth")):
-            other, why_other = _lookup(rows, peer, seq)
-            why = "; ".join(filter(None, (why_ours, why_other)))
-            put(f"full_depth_lora_ours_vs_{short}_tps_{tag}",
-                ours["tokens_per_s"] / other["tokens_per_s"] if ours and other else None, why)
-        for name, short in (("ours_lora", "ours"), ("hf_peft_sdpa_recipe", "sdpa_recipe"), ("unsloth_lora", "unsloth")):
-            row, why = _lookup(rows, name, seq)
-            value = row.get("peak_mem_allocated_gb") if row else None
-            put(f"full_depth_lora_peak_mem_gb_{short}_{tag}", value, why or f"row {name} recorded no device memory")
+        found = {name: _lookup(rows, name, seq) for name in short}
+        (ours, why_ours) = found["ours_lora"]
+        for peer in ("hf_peft_sdpa_recipe", "unsloth_lora"):
+            (other, why_other), key = found[peer], f"full_depth_lora_ours_vs_{short[peer]}_tps_{tag}"
+            summary[key] = ours["tokens_per_s"] / other["tokens_per_s"] if ours and other else None
+            missing.update({key: "; ".join(filter(None, (why_ours, why_other)))} if summary[key] is None else {})
+        for name, (row, why) in found.items():
+            key = f"full_depth_lora_peak_mem_gb_{short[name]}_{tag}"
+            summary[key] = row.get("peak_mem_allocated_gb") if row else None
+            missing.update({key: why or f"row {name} recorded no device memory"} if summary[key] is None else {})
     return summary, missing
 
 

@@ -76,7 +76,8 @@ def measure_unsloth(spec: dict[str, Any]) -> dict[str, Any]:
         tried.append(dict(step=step, ok=True, s=round(time.perf_counter() - t0, 1)))
         return value
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory; no hub look-ups
+    os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")  # its usage ping downloads from the hub
     os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", tempfile.mkdtemp(prefix="unsloth_compiled_"))
     try:
         unsloth = attempt("import unsloth", lambda: __import__("unsloth"))

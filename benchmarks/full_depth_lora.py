@@ -1,0 +1,402 @@
+"""Full-depth LoRA on one GPU, the way people fine-tune Gemma4-31B: ours (the product path) against HF + PEFT and Unsloth.
+
+Owns the rows below, the run (one process per (row, seq) through `benchmarks/row_process.py`, a per-row timeout,
+a total `--budget-s`, the result rewritten after every row, `--resume` of an earlier call's file), the LoRA FLOP
+count and the summary. The Unsloth row lives in `benchmarks/unsloth_row.py`.
+
+Rows, each at --seqs (8k, 16k), batch 1, all 60 layers of the gemma4-31b preset (random weights initialised for
+real), LoRA r=16 (lora_alpha 32) on every linear layer of the decoder, bf16 base weights:
+  ours_lora            `configs/gemma4_ffpa.yaml` built by `lightning_ffpa.cli.build(..., run=False)` with one-GPU
+                       overrides (devices 1, max_steps, a tmp run dir, CSV logger, no checkpointing, `model.dtype
+                       bfloat16`, the LoRA), the CLI's pre-flight, then `trainer.fit`.
+  hf_peft_sdpa_recipe  the same model and LoRA through HF + PEFT (`get_peft_model`), SDPA for every layer, ours'
+                       recipe: FSDP2 `parallelize` on one GPU, selective AC, per-layer compile, chunked linear CE,
+                       fused AdamW, clip 1.0 (train_rows' `sdpa_recipe` with a LoRA wrap).
+  unsloth_lora         the same LoRA through Unsloth's FastModel; what was tried and the exact error if it cannot run.
+Timing: per-step wall time, CUDA-synchronised, after --warmup steps (compile happens there): median, min, max of
+--steps steps; peak allocated and reserved memory over the timed steps. MFU counts LoRA FLOPs (frozen weights get
+no weight-gradient matmul: 4 x frozen matmul params x tokens, 6 x adapter params x tokens, attention fwd + bwd)
+against the datasheet bf16 peak (989 TFLOP/s on H200).
+
+Why 60 layers fit one H200 (each row's `static_memory` counts it on the built model): the base is 30.70e9 params x
+2 bytes (bf16) = 57.2 GiB. LoRA r=16 on all linear layers adds 122.4e6 params, which peft keeps in fp32: with
+their gradients and two AdamW moments, 16 bytes each = 1.8 GiB. Frozen weights have no gradient or optimizer
+state (a full fine-tune would need 16 bytes for each of the 30.7e9 params, 457 GiB), so ~59 GiB is static and the
+rest of the 141 GiB holds activations (selective AC) and the bf16 layer FSDP2 gathers at a time.
+
+One H200, one call per seq (each well under 10 minutes):
+  python benchmarks/full_depth_lora.py --rows ours_lora hf_peft_sdpa_recipe --seqs 8192 --out $OUT/full_depth_lora.json
+  python benchmarks/full_depth_lora.py --rows ours_lora hf_peft_sdpa_recipe --seqs 16384 --resume FILE --out ...
+CPU smoke (tiny preset, 2 layers, fp32, seq 64, compile off, the FFPA op's CPU reference):
+  python benchmarks/full_depth_lora.py --smoke --rows ours_lora hf_peft_sdpa_recipe --out /tmp/fdl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.results_io import RESULTS_DIR, _commit, write_result  # noqa: E402
+from benchmarks.row_process import row_main, run_rows  # noqa: E402
+from lightning_ffpa.errors import ConfigError  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gemma4_ffpa.yaml"
+LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
+ROWS = {
+    "ours_lora": "configs/gemma4_ffpa.yaml through lightning_ffpa.cli.build + trainer.fit (Gemma4LM, FSDP2Strategy, "
+                 "FFPAAttention: FFPA for the D=512 layers, block-sparse Flex for the sliding layers)",
+    "hf_peft_sdpa_recipe": "HF Gemma4ForCausalLM + peft get_peft_model, SDPA for all layers, ours' recipe (FSDP2 on "
+                           "one GPU, selective AC, per-layer compile, chunked linear CE, fused AdamW, clip 1.0)",
+    "unsloth_lora": "Unsloth FastModel.from_pretrained + FastModel.get_peft_model (its gradient checkpointing, its "
+                    "compiled Gemma4 forward and loss), fused AdamW, clip 1.0",
+}
+_SEQ_TAGS = {8192: "8k", 16384: "16k"}
+_SHAPE_KEYS = ("preset", "layers", "warmup", "steps", "smoke")  # a resumed file must match these and the commit
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(RESULTS_DIR / "full_depth_lora.json"), help="result JSON path")
+    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--seqs", type=int, nargs="+", default=None, help="default 8192 16384 (64 with --smoke)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile happens here)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (at least 5 on GPU)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="the whole call ends within this many seconds")
+    p.add_argument("--row-timeout-s", type=float, default=330.0, help="kill one (row, seq) process after this")
+    p.add_argument("--resume", default=None, help="result JSON of an earlier call: keep its finished rows")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny preset, 2 layers, fp32, compile off")
+    args = p.parse_args(argv)
+    args.preset, args.layers = ("tiny", 2) if args.smoke else ("gemma4-31b", None)  # None: the preset's 60
+    args.seqs = args.seqs or ([64] if args.smoke else [8192, 16384])
+    if not args.smoke and args.steps < 5:
+        raise ConfigError("--steps", args.steps, "a GPU run times at least 5 steps (median, min and max)")
+    if args.warmup < 1:
+        raise ConfigError("--warmup", args.warmup, "needs at least one untimed step (compile, optimizer states)")
+    return args
+
+
+# ----------------------------------------------------------------------------- shared by the rows
+def config_overrides(spec: dict[str, Any]) -> dict[str, Any]:
+    """Text-config overrides of the run: none at full depth; two layers (sliding, full) in the smoke run."""
+    if spec["layers"] is None:
+        return {}
+    return dict(num_hidden_layers=spec["layers"],
+                layer_types=["sliding_attention"] * (spec["layers"] - 1) + ["full_attention"])
+
+
+def lora_train_flops(model, seq: int) -> float:
+    """Model FLOPs of one LoRA step: `train_flops_per_batch` less the weight-gradient matmul of frozen weights."""
+    from lightning_ffpa._compat.transformers import find_decoder_layers
+    from lightning_ffpa.callbacks.throughput import train_flops_per_batch
+
+    full = train_flops_per_batch(model, 1, seq)
+    layers = getattr(*find_decoder_layers(model))
+    frozen = sum(p.numel() for layer in layers for p in layer.parameters() if p.dim() == 2 and not p.requires_grad)
+    head = getattr(model, "lm_head", None)
+    if head is not None and not head.weight.requires_grad:
+        frozen += head.weight.numel()
+    return full - 2.0 * frozen * seq
+
+
+def static_memory(model) -> dict[str, Any]:
+    """Parameters by dtype and trainability, and the bytes they and the AdamW states take (counted on the model)."""
+    by_dtype: dict[str, int] = {}
+    base = trainable = trainable_bytes = 0
+    for p in model.parameters():
+        by_dtype[str(p.dtype)] = by_dtype.get(str(p.dtype), 0) + p.numel()
+        if p.requires_grad:
+            trainable += p.numel()
+            trainable_bytes += p.numel() * (p.element_size() * 2 + 8)  # weight + grad + two fp32 moments
+        else:
+            base += p.numel()
+    frozen_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    return dict(params_by_dtype=by_dtype, frozen_params=base, trainable_params=trainable,
+                frozen_gib=frozen_bytes / 2**30, trainable_with_adamw_gib=trainable_bytes / 2**30)
+
+
+def step_stats(times: list[float], seq: int, flops: float, device) -> dict[str, Any]:
+    """Median/min/max step time, tokens/s, peak memory and MFU of the timed steps."""
+    import torch
+
+    from lightning_ffpa.callbacks.throughput import peak_bf16_flops
+
+    cuda = device.type == "cuda"
+    median, peak = statistics.median(times), peak_bf16_flops(device)
+    return dict(timed_steps=len(times), step_ms_median=median * 1e3, step_ms_min=min(times) * 1e3,
+                step_ms_max=max(times) * 1e3, tokens_per_s=seq / median,
+                peak_mem_allocated_gb=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+                peak_mem_reserved_gb=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
+                lora_tflops_per_step=flops / 1e12, spec_bf16_peak_tflops=peak and peak / 1e12,
+                mfu_spec=flops / median / peak if peak else None)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        __import__("torch").cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------- row: ours (the product path)
+def recipe_callbacks(window: int) -> tuple[list[dict], list[str]]:
+    """The recipe's callbacks without checkpointing (a 31B save would take minutes and most of the disk) and
+    with TokenThroughput's window at the timed steps (its own reading, beside ours), and the ones dropped."""
+    import yaml
+
+    listed = yaml.safe_load(CONFIG.read_text())["trainer"]["callbacks"]
+    keep = [c for c in listed if not c["class_path"].endswith("ModelCheckpoint")]
+    for c in keep:
+        if c["class_path"].endswith("TokenThroughput"):
+            c["init_args"] = {**c.get("init_args", {}), "window_size": window}
+    return keep, [c["class_path"] for c in listed if c not in keep]
+
+
+def cli_args(spec: dict[str, Any], root: Path) -> list[str]:
+    """`lightning-ffpa fit` words for this row: the shipped recipe plus one-GPU overrides (no `fit`: run=False)."""
+    seq, smoke = spec["seq"], spec["smoke"]
+    args = ["--config", str(CONFIG), "--trainer.enable_checkpointing", "false",
+            "--trainer.callbacks", json.dumps(recipe_callbacks(spec["steps"])[0]), "--trainer.devices", "1", "--trainer.max_steps", str(spec["warmup"] + spec["steps"]),
+            "--trainer.default_root_dir", str(root), "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+            "--trainer.logger.save_dir", str(root), "--trainer.log_every_n_steps", "1",
+            "--model.init_args.preset", spec["preset"], "--model.init_args.dtype", spec["dtype"],
+            "--model.init_args.lora", json.dumps(LORA), "--model.init_args.max_seq_length", str(seq),
+            "--data.init_args.seq_length", str(seq)]
+    if spec["layers"] is not None:
+        args += ["--model.init_args.config_overrides", json.dumps(config_overrides(spec))]
+    if smoke:
+        args += ["--trainer.accelerator", "cpu", "--trainer.strategy.init_args.compile", "false",
+                 "--trainer.strategy.init_args.param_dtype", "fp32", "--data.init_args.vocab_size", "512"]
+    return args
+
+
+def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
+    import tempfile
+
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from benchmarks.fit_recipes import read_metrics
+    from lightning_ffpa import attention
+    from lightning_ffpa._compat import torch as torch_compat
+    from lightning_ffpa._compat.transformers import find_hf_model
+    from lightning_ffpa.attention import kernels
+    from lightning_ffpa.cli import build
+    from lightning_ffpa.validation import preflight
+
+    class StepClock(Callback):
+        """Wall time between consecutive batch ends (CUDA-synchronised); counters and peaks reset after warm-up."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.losses: list[float] = []
+            self.last: float | None = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            device = trainer.strategy.root_device
+            _sync(device)
+            now = time.perf_counter()
+            self.losses.append(float(outputs["loss"]))
+            if trainer.global_step > spec["warmup"]:
+                self.times.append(now - self.last)
+            elif trainer.global_step == spec["warmup"]:  # the last warm-up step: count from here
+                attention.reset_dispatch_counts()
+                self.graphs_after_warmup = torch_compat.dynamo_counters()["stats"]["unique_graphs"]
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+            self.last = time.perf_counter()
+
+    root = Path(tempfile.mkdtemp(prefix="fdl_ours_"))
+    words = cli_args(spec, root)
+    cli = build(words, run=False)
+    clock = StepClock()
+    cli.trainer.callbacks.append(clock)
+    preflight(cli.trainer, cli.model, cli.datamodule, None)  # what `lightning-ffpa fit` checks before fit
+    torch_compat.dynamo_counters().clear()
+    # CPU smoke: the real dispatch over the CPU reference of the FFPA op (fp32 would otherwise fall back to sdpa)
+    with kernels.force_kernel("reference") if spec["smoke"] else contextlib.nullcontext():
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    device = cli.trainer.strategy.root_device
+    model = find_hf_model(cli.model)
+    row = dict(built_by="lightning_ffpa.cli.build", cli_args=words, preflight="lightning_ffpa.validation.preflight",
+               strategy=type(cli.trainer.strategy).__qualname__,
+               callbacks=[type(c).__qualname__ for c in cli.trainer.callbacks],
+               dropped_callbacks=recipe_callbacks(spec["steps"])[1], attn_implementation=model.config._attn_implementation,
+               dispatch=attention.dispatch_counts(), kernels=kernels.kernel_counts(),
+               graph_breaks=sum(torch_compat.dynamo_counters()["graph_break"].values()),
+               recompiles_timed=torch_compat.dynamo_counters()["stats"]["unique_graphs"] - clock.graphs_after_warmup,
+               global_step=cli.trainer.global_step, losses=clock.losses, static_memory=static_memory(cli.model),
+               checkpoint_files=sorted(str(f.relative_to(root)) for f in root.rglob("*ckpt*")),
+               # the recipe's TokenThroughput reading (its window may be longer than the run: then none)
+               token_throughput_logged={k: v for k, v in read_metrics(root).items()
+                                        if "per_sec" in k or "mfu" in k or "peak_memory" in k})
+    row.update(step_stats(clock.times, spec["seq"], lora_train_flops(model, spec["seq"]), device))
+    return row
+
+
+# ----------------------------------------------------------------------------- row: HF + PEFT, same recipe
+def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from benchmarks.train_rows import PRODUCT_SAVE_MM, loss_fn
+    from lightning_ffpa import attention
+    from lightning_ffpa._compat import torch as torch_compat
+    from lightning_ffpa._compat.transformers import from_config
+    from lightning_ffpa.module import build_adamw
+    from lightning_ffpa.parallel import FSDP2Strategy, parallelize
+    from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, materialize
+    from lightning_ffpa.presets import build_text_config
+
+    cuda = not spec["smoke"]
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
+                                         **({"device_id": device} if cuda else {}))
+    mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=MESH_DIM_NAMES)
+    torch_compat.raise_recompile_limit(64)
+    cfg = build_text_config(spec["preset"], **config_overrides(spec))
+    with torch.device("meta"):
+        model = from_config(transformers.Gemma4ForCausalLM, cfg, dtype=getattr(torch, spec["dtype"]),
+                            attn_implementation="sdpa")
+    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA))
+    compile_layers, mp = not spec["smoke"], FSDP2Strategy(param_dtype="bf16" if cuda else "fp32").mp_policy()
+    parallelize(model, mesh, activation_checkpointing="selective", compile=compile_layers, sac_save_mm=PRODUCT_SAVE_MM,
+                mp_policy=mp, reshard_after_forward=True)
+    materialize(model, device)
+    with torch.no_grad():  # HF's init touched the adapters too: back to peft's (B = 0), as the product does
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                for adapter in module.lora_A:
+                    module.reset_lora_parameters(adapter, True)
+    model.train()
+    opt = build_adamw(model, lr=1e-5)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ids = torch.randint(0, cfg.vocab_size, (1, spec["seq"]), device=device, generator=torch.Generator(device).manual_seed(0))
+    losses, times, dynamo = [], [], torch_compat.dynamo_counters()
+    dynamo.clear()
+    for i in range(spec["warmup"] + spec["steps"]):
+        if i == spec["warmup"]:
+            graphs_after_warmup = dynamo["stats"]["unique_graphs"]
+            attention.reset_dispatch_counts()
+            _sync(device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        loss = loss_fn(dict(loss="chunked"), model, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # syncs
+        _sync(device)
+        if i >= spec["warmup"]:
+            times.append(time.perf_counter() - t0)
+    hf = model.get_base_model()
+    row = dict(built_by="transformers.Gemma4ForCausalLM + peft.get_peft_model + lightning_ffpa.parallel.parallelize",
+               attn_implementation=hf.config._attn_implementation, dispatch=attention.dispatch_counts(),
+               compile=compile_layers, graph_breaks=sum(dynamo["graph_break"].values()),
+               recompiles_timed=dynamo["stats"]["unique_graphs"] - graphs_after_warmup, losses=losses,
+               static_memory=static_memory(model))
+    row.update(step_stats(times, spec["seq"], lora_train_flops(hf, spec["seq"]), device))
+    torch.distributed.destroy_process_group()
+    return row
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """One (row, seq) in this process: the row's measurement, or an `error` saying why it has none."""
+    if spec["row"] == "unsloth_lora":
+        from benchmarks.unsloth_row import measure_unsloth
+
+        return measure_unsloth(spec)
+    row = (measure_ours if spec["row"] == "ours_lora" else measure_hf_peft)(spec)
+    if not all(v == v and abs(v) < 1e4 for v in row["losses"]):
+        row["error"] = f"non-finite loss {row['losses']}"
+    return row
+
+
+# ----------------------------------------------------------------------------- driver
+def _lookup(rows: list[dict], name: str, seq: int) -> tuple[dict | None, str | None]:
+    hit = [r for r in rows if r["row"] == name and r["seq"] == seq]
+    if not hit:
+        return None, f"row {name} at seq {seq} is not in this result"
+    bad = hit[-1].get("error") or hit[-1].get("skipped")
+    return (None, f"row {name} at seq {seq} has no measurement: {str(bad)[:300]}") if bad else (hit[-1], None)
+
+
+def summarize(rows: list[dict]) -> tuple[dict, dict]:
+    """The summary keys, and for each null one the reason."""
+    summary, missing = {}, {}
+    short = {"ours_lora": "ours", "hf_peft_sdpa_recipe": "sdpa_recipe", "unsloth_lora": "unsloth"}
+    for seq, tag in _SEQ_TAGS.items():
+        found = {name: _lookup(rows, name, seq) for name in short}
+        (ours, why_ours) = found["ours_lora"]
+        for peer in ("hf_peft_sdpa_recipe", "unsloth_lora"):
+            (other, why_other), key = found[peer], f"full_depth_lora_ours_vs_{short[peer]}_tps_{tag}"
+            summary[key] = ours["tokens_per_s"] / other["tokens_per_s"] if ours and other else None
+            missing.update({key: "; ".join(filter(None, (why_ours, why_other)))} if summary[key] is None else {})
+        for name, (row, why) in found.items():
+            key = f"full_depth_lora_peak_mem_gb_{short[name]}_{tag}"
+            summary[key] = row.get("peak_mem_allocated_gb") if row else None
+            missing.update({key: why or f"row {name} recorded no device memory"} if summary[key] is None else {})
+    return summary, missing
+
+
+def load_resume(args) -> tuple[list[dict], list[dict]]:
+    """Finished rows and calls of an earlier result, checked to be the same commit and shape."""
+    if not args.resume:
+        return [], []
+    path = Path(args.resume)
+    if not path.exists():
+        raise ConfigError("--resume", args.resume, "no such file")
+    old = json.loads(path.read_text())
+    mine = dict(commit=_commit(), **{k: getattr(args, k) for k in _SHAPE_KEYS})
+    diff = {k: (old.get(k), v) for k, v in mine.items() if old.get(k) != v}
+    if diff:
+        raise ConfigError("--resume", args.resume, f"was measured with other settings (theirs, ours): {diff}")
+    return [r for r in old["rows"] if not (r.get("error") or r.get("skipped"))], old.get("calls", [])
+
+
+def drive(args) -> None:
+    kept, calls = load_resume(args)  # before any row runs: a bad --resume costs nothing
+    done = {(r["row"], r["seq"]) for r in kept}
+    dtype = "float32" if args.smoke else "bfloat16"
+    specs = [dict(row=name, name=f"{name}_{seq}", seq=seq, preset=args.preset, layers=args.layers, dtype=dtype,
+                  warmup=args.warmup, steps=args.steps, smoke=args.smoke, lora=LORA, label=ROWS[name])
+             for seq in args.seqs for name in args.rows if (name, seq) not in done]
+    out = Path(args.out)
+    this_call = dict(command=" ".join([Path(sys.executable).name, *sys.argv]),
+                     date=time.strftime("%Y-%m-%d %H:%M:%S"), rows=[s["name"] for s in specs])
+
+    def save(rows: list[dict]) -> None:
+        summary, missing = summarize([*kept, *rows])
+        write_result("full_depth_lora", [*kept, *rows], summary, out=out, summary_missing=missing,
+                     calls=[*calls, this_call], budget_s=args.budget_s, row_timeout_s=args.row_timeout_s,
+                     **{k: getattr(args, k) for k in _SHAPE_KEYS})
+
+    save([])
+    run_rows(Path(__file__).resolve(), specs, out.parent / f"{out.stem}_logs", args.row_timeout_s, args.budget_s, save)
+
+
+def main(argv: list[str] | None = None) -> None:
+    if row_main(argv, measure):  # a child: one (row, seq)
+        return
+    drive(parse_args(argv))
+
+
+if __name__ == "__main__":
+    from lightning_ffpa.errors import console_entry
+
+    sys.exit(console_entry(main, hold=False))  # a bad option: exit 2 with one line, before any row runs

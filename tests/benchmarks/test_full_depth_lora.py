@@ -1,0 +1,127 @@
+"""benchmarks/full_depth_lora.py on CPU: rows in their own processes, ours through the CLI build, resume, LoRA FLOPs."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(_ROOT))
+
+from benchmarks import full_depth_lora as fdl  # noqa: E402
+from lightning_ffpa.errors import ConfigError  # noqa: E402
+
+_SMOKE = ["--smoke", "--warmup", "1", "--steps", "2"]
+_KEYS = {f"full_depth_lora_{k}_{t}" for t in ("8k", "16k") for k in (
+    "ours_vs_sdpa_recipe_tps", "ours_vs_unsloth_tps", "peak_mem_gb_ours", "peak_mem_gb_sdpa_recipe",
+    "peak_mem_gb_unsloth")}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fdl") / "fdl.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(_ROOT / "benchmarks" / "full_depth_lora.py"), *_SMOKE,
+           "--rows", "ours_lora", "hf_peft_sdpa_recipe", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_rows_run_in_their_own_processes_and_ours_goes_through_the_cli(smoke_run):
+    _, result = smoke_run
+    rows = {r["row"]: r for r in result["rows"]}
+    assert set(rows) == {"ours_lora", "hf_peft_sdpa_recipe"}
+    assert not [(r.get("error"), r.get("log_tail")) for r in rows.values() if "error" in r]
+    pids = {r["process"]["pid"] for r in rows.values()}
+    assert len(pids) == 2 and os.getpid() not in pids  # one fresh process per row
+    assert {r["process"]["parent_pid"] for r in rows.values()} != {os.getpid()}  # children of the script's driver
+    for r in rows.values():
+        assert r["seq"] == 64 and r["timed_steps"] == 2
+        assert r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms_max"]
+        assert r["tokens_per_s"] == pytest.approx(64 / r["step_ms_median"] * 1e3)
+        assert r["mfu_spec"] is None and r["peak_mem_allocated_gb"] is None  # CPU: no peak, no number
+        assert len(r["losses"]) == 3 and all(0 < v < 20 for v in r["losses"])
+    ours, hf = rows["ours_lora"], rows["hf_peft_sdpa_recipe"]
+    # ours: the shipped recipe built by the CLI, its checks and callbacks, no checkpoint written
+    assert ours["built_by"] == "lightning_ffpa.cli.build" and ours["strategy"] == "FSDP2Strategy"
+    assert ours["cli_args"][:2] == ["--config", str(fdl.CONFIG)]
+    assert {"FFPAAttention", "TokenThroughput", "NonFiniteGuard"} <= set(ours["callbacks"])
+    assert "ModelCheckpoint" not in ours["callbacks"] and ours["checkpoint_files"] == []
+    assert ours["dropped_callbacks"] == ["lightning.pytorch.callbacks.ModelCheckpoint"]
+    assert ours["global_step"] == 3 and ours["attn_implementation"] == "ffpa"
+    # timed steps only: 2 steps x 1 full layer through FFPA (the CPU reference kernel), the sliding layer not
+    assert ours["dispatch"]["ffpa-dense"] == 2 and ours["kernels"]["reference"] == 2
+    assert ours["token_throughput_logged"]["train/device/items_per_sec"] > 0
+    # HF + PEFT: SDPA, no FFPA backend, the same adapters
+    assert hf["attn_implementation"] == "sdpa" and sum(hf["dispatch"].values()) == 0
+    assert ours["static_memory"]["trainable_params"] == hf["static_memory"]["trainable_params"] > 0
+    assert ours["static_memory"]["frozen_params"] == hf["static_memory"]["frozen_params"]
+    assert ours["lora_tflops_per_step"] == pytest.approx(hf["lora_tflops_per_step"])
+    # no 8k/16k row ran: every key null, with why
+    assert set(result["summary"]) == _KEYS and all(v is None for v in result["summary"].values())
+    assert set(result["summary_missing"]) == _KEYS
+    assert "unsloth_lora at seq 8192 is not in this result" in result["summary_missing"][
+        "full_depth_lora_ours_vs_unsloth_tps_8k"]
+
+
+def test_resume_keeps_finished_rows_and_refuses_other_settings(smoke_run, tmp_path):
+    path, result = smoke_run
+    out = tmp_path / "again.json"
+    fdl.main([*_SMOKE, "--rows", "ours_lora", "hf_peft_sdpa_recipe", "--resume", str(path), "--out", str(out)])
+    again = json.loads(out.read_text())
+    assert [r["process"]["pid"] for r in again["rows"]] == [r["process"]["pid"] for r in result["rows"]]
+    assert len(again["calls"]) == 2 and again["calls"][1]["rows"] == []  # nothing left to run
+    with pytest.raises(ConfigError, match="--resume"):
+        fdl.main(["--smoke", "--warmup", "1", "--steps", "3", "--resume", str(path), "--out", str(out)])
+
+
+def test_summary_gives_ratios_and_reasons():
+    rows = [dict(row="ours_lora", seq=8192, tokens_per_s=300.0, peak_mem_allocated_gb=90.0),
+            dict(row="hf_peft_sdpa_recipe", seq=8192, tokens_per_s=200.0, peak_mem_allocated_gb=100.0),
+            dict(row="unsloth_lora", seq=8192, error="import unsloth: ModuleNotFoundError: x")]
+    summary, missing = fdl.summarize(rows)
+    assert summary["full_depth_lora_ours_vs_sdpa_recipe_tps_8k"] == 1.5
+    assert summary["full_depth_lora_peak_mem_gb_sdpa_recipe_8k"] == 100.0
+    assert summary["full_depth_lora_ours_vs_unsloth_tps_8k"] is None
+    assert "ModuleNotFoundError" in missing["full_depth_lora_ours_vs_unsloth_tps_8k"]
+    assert "full_depth_lora_ours_vs_sdpa_recipe_tps_8k" not in missing
+
+
+def test_lora_flops_drop_only_the_frozen_weight_gradients():
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_ffpa.callbacks.throughput import train_flops_per_batch
+    from lightning_ffpa.presets import build_text_config
+
+    cfg = build_text_config("tiny", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    with torch.device("meta"):
+        base = transformers.Gemma4ForCausalLM(cfg)
+    full, seq = train_flops_per_batch(base, 1, 64), 64
+    matmul = sum(p.numel() for layer in base.model.layers for p in layer.parameters() if p.dim() == 2)
+    matmul += base.lm_head.weight.numel()
+    peft = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", **fdl.LORA))
+    adapters = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    # frozen matmuls: forward + input gradient (4 x params x tokens); adapters: 6 x; attention unchanged
+    assert fdl.lora_train_flops(peft.get_base_model(), seq) == full - 2 * matmul * seq + 6 * adapters * seq
+
+
+def test_unsloth_row_records_what_it_tried():
+    from benchmarks.unsloth_row import measure_unsloth
+
+    if importlib.util.find_spec("unsloth") is not None:
+        pytest.skip("unsloth is installed here: the row would train")
+    spec = dict(row="unsloth_lora", seq=64, preset="tiny", layers=2, dtype="float32", warmup=1, steps=2,
+                smoke=True, lora=fdl.LORA)
+    row = measure_unsloth(spec)
+    assert row["error"] == "import unsloth: ModuleNotFoundError: No module named 'unsloth'"
+    assert [t["step"] for t in row["tried"]] == ["import unsloth"] and not row["tried"][0]["ok"]
+    assert row["versions"]["unsloth"] is None and row["versions"]["torch"]

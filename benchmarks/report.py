@@ -38,6 +38,8 @@ HEADLINES: dict[str, tuple[str, str]] = {
     "full_depth_lora_ours_vs_sdpa_recipe_tps_8k": ("Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: "
                                                    "ours (as `lightning-ffpa fit` builds it) vs HF + PEFT with SDPA "
                                                    "and the same recipe", "{:.2f}x tokens/s"),
+    "full_depth_lora_ours_vs_unsloth_tps_8k": ("Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: ours vs "
+                                               "Unsloth", "{:.2f}x tokens/s"),
     "ours_vs_nemo_backend_fwdbwd_8k": ("Gemma4 full-attention layer, 8k tokens, forward+backward: ours vs "
                                        "NeMo-Automodel's FFPA backend", "{:.2f}x"),
     "ours_vs_nemo_backend_step_tps_8k": ("training step, 8k tokens: ours vs NeMo-Automodel's FFPA backend, same "

@@ -46,7 +46,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results_io import RESULTS_DIR, _commit, write_result  # noqa: E402
+from benchmarks import results_io  # noqa: E402
+from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
 from benchmarks.row_process import row_main, run_rows  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
@@ -355,18 +356,8 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
 
 
 def load_resume(args) -> tuple[list[dict], list[dict]]:
-    """Finished rows and calls of an earlier result, checked to be the same commit and shape."""
-    if not args.resume:
-        return [], []
-    path = Path(args.resume)
-    if not path.exists():
-        raise ConfigError("--resume", args.resume, "no such file")
-    old = json.loads(path.read_text())
-    mine = dict(commit=_commit(), **{k: getattr(args, k) for k in _SHAPE_KEYS})
-    diff = {k: (old.get(k), v) for k, v in mine.items() if old.get(k) != v}
-    if diff:
-        raise ConfigError("--resume", args.resume, f"was measured with other settings (theirs, ours): {diff}")
-    return [r for r in old["rows"] if not (r.get("error") or r.get("skipped"))], old.get("calls", [])
+    """Finished rows and call records of an earlier result (`--resume`), same commit and shape."""
+    return results_io.load_resume(args.resume, {k: getattr(args, k) for k in _SHAPE_KEYS})
 
 
 def drive(args) -> None:

@@ -82,3 +82,21 @@ def load_results(results_dir: Path = RESULTS_DIR) -> list[tuple[Path, dict[str, 
             raise ValueError(f"{path}: result file lacks {missing} (write it with benchmarks/results_io.py)")
         out.append((path, record))
     return out
+
+
+def load_resume(path: str | None, shape: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Finished rows and call records of an earlier result that `--resume` continues; refused (one line, before
+    any row runs) unless it was measured at this commit with the same `shape` (the top-level fields)."""
+    from lightning_ffpa.errors import ConfigError
+
+    if not path:
+        return [], []
+    if not Path(path).exists():
+        raise ConfigError("--resume", path, "no such file")
+    old = json.loads(Path(path).read_text())
+    mine = dict(commit=_commit(), **shape)
+    diff = {k: (old.get(k), v) for k, v in mine.items() if old.get(k) != v}
+    if diff:
+        raise ConfigError("--resume", path, f"was measured with other settings (theirs, ours): {diff}")
+    calls = old.get("calls") or [{k: old.get(k) for k in ("command", "date", "device")}]
+    return [r for r in old["rows"] if not (r.get("error") or r.get("skipped"))], calls

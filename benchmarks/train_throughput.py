@@ -41,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
 from benchmarks.train_rows import DEFAULT_ROWS, PRODUCT_SAVE_MM, ROWS  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
@@ -220,21 +221,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def load_resume(args) -> tuple[list[dict], list[dict]]:
-    """Finished rows and call records of an earlier result, checked to be the same commit and shape."""
-    from benchmarks.results_io import _commit
-
-    if not args.resume:
-        return [], []
-    path = Path(args.resume)
-    if not path.exists():
-        raise ConfigError("--resume", args.resume, "no such file")
-    old = json.loads(path.read_text())
-    mine = dict(commit=_commit(), **{k: getattr(args, k) for k in _SHAPE_KEYS})
-    diff = {k: (old.get(k), v) for k, v in mine.items() if old.get(k) != v}
-    if diff:
-        raise ConfigError("--resume", args.resume, f"was measured with other settings (theirs, ours): {diff}")
-    calls = old.get("calls") or [{k: old.get(k) for k in ("command", "date", "device")}]
-    return [r for r in old["rows"] if "error" not in r], calls
+    """Finished rows and call records of an earlier result (`--resume`), same commit and shape."""
+    return results_io.load_resume(args.resume, {k: getattr(args, k) for k in _SHAPE_KEYS})
 
 
 def resolve(args, name: str, seq: int, rows: list[dict], left: float) -> dict | None:

@@ -26,7 +26,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn, device: str):
+def timed(fn, device: str):
+    """`fn()` and its wall seconds, synchronised on CUDA."""
     _sync(device)
     t = time.perf_counter()
     out = fn()
@@ -34,7 +35,8 @@ def _timed(fn, device: str):
     return out, time.perf_counter() - t
 
 
-def _peak(device: str) -> dict[str, float]:
+def peaks(device: str) -> dict[str, float]:
+    """Peak allocated and reserved memory since the last reset (GiB); nothing on CPU."""
     if device != "cuda":
         return {}
     return {"peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
@@ -53,13 +55,13 @@ def run_hf_static(model, prompts: list[list[int]], new: int, mode: str, device: 
     """HF `generate` with a static cache; compiled=True is HF's own default for static caches on CUDA."""
     ids = torch.tensor(prompts, device=device)
     kw = dict(cache_implementation="static", pad_token_id=0, disable_compile=not compiled, **sampling_kwargs(mode))
-    _, t_warm = _timed(lambda: model.generate(ids, max_new_tokens=4, **kw), device)
+    _, t_warm = timed(lambda: model.generate(ids, max_new_tokens=4, **kw), device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    out, t = _timed(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw), device)
+    out, t = timed(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw), device)
     made = out[:, ids.shape[1]:]
     return {"tokens_per_s": ids.shape[0] * new / t, "total_s": t, "warmup_s": t_warm,
-            "tokens_generated": int(made.numel()), **_peak(device)}
+            "tokens_generated": int(made.numel()), **peaks(device)}
 
 
 def reference_check(model, prompts: list[list[int]], outputs: list[list[int]], logprobs: list[list[float]],
@@ -135,14 +137,14 @@ def run_hf_cb(model, prompts: list[list[int]], new: int, mode: str, device: str)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         with _CBErrors() as cb_errors:
-            out, t = _timed(lambda: model.generate_batch(
+            out, t = timed(lambda: model.generate_batch(
                 inputs=prompts, generation_config=GenerationConfig(max_new_tokens=new, **kw)), device)
         made = _count_cb_tokens(out)
         if made is not None and made != len(prompts) * new:  # CB logs failed requests instead of raising
             raise RuntimeError(f"continuous batching generated {made} of {len(prompts) * new} tokens: "
                                f"{cb_errors.first or 'no error logged'}")
         return {"tokens_per_s": len(prompts) * new / t, "total_s": t, "attn_implementation": impl,
-                GLOBAL_ACCESS: old_flag is not None, "tokens_generated": made, **_peak(device)}
+                GLOBAL_ACCESS: old_flag is not None, "tokens_generated": made, **peaks(device)}
     finally:
         model.set_attn_implementation(saved)
         if old_flag is not None:

@@ -16,7 +16,6 @@ measured read bandwidth (a bf16 sum). Flex reads whole pages: `kv_bytes_read_pag
 from __future__ import annotations
 
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.rollout_hf import reference_check, run_hf_cb, run_hf_static  # noqa: E402
+from benchmarks.rollout_hf import peaks, reference_check, run_hf_cb, run_hf_static, timed  # noqa: E402
 from benchmarks.row_process import row_main  # noqa: E402
 from lightning_ffpa.presets import build_text_config  # noqa: E402
 
@@ -32,25 +31,6 @@ from lightning_ffpa.presets import build_text_config  # noqa: E402
 DATASHEET_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device: str):
-    _sync(device)
-    t = time.perf_counter()
-    out = fn()
-    _sync(device)
-    return out, time.perf_counter() - t
-
-
-def peaks(device: str) -> dict[str, float]:
-    """Peak allocated and reserved memory since the last reset (GiB); nothing on CPU."""
-    if device != "cuda":
-        return {}
-    return {"peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
-            "peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
 
 
 def bandwidths(device: str, gb: float) -> dict[str, Any]:

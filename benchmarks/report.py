@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks import report_tables
+from benchmarks.report_tables import CURATED
 from benchmarks.results_io import load_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,10 +164,18 @@ def row_ref(match: dict[str, Any], metric: str) -> str:
     return "rows[" + ", ".join(f"{k}={v}" for k, v in match.items()) + f"].{metric}"
 
 
+def _priority(record: dict[str, Any]) -> int:
+    """Position of the file's first recorded headline key in HEADLINES (same-recipe and peer ratios come first)."""
+    keys = list(HEADLINES)
+    return min((keys.index(k) for k, v in record["summary"].items() if k in HEADLINES and _number(v)),
+               default=len(keys))
+
+
 def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) -> list[str]:
-    """Per result file: a line naming the run, then one bullet per known summary key or row value."""
+    """Per result file, the file whose headline comes first in HEADLINES first: a line naming the run, then one
+    bullet per known summary key or row value."""
     lines = []
-    for path, record in results:
+    for path, record in sorted(results, key=lambda pr: _priority(pr[1])):  # stable: file names break ties
         link = f"[`{path.name}`]({rel(path, link_from)})"
         notes = "".join(f"; {record['summary'][k]}" for k in NOTE_KEYS if isinstance(record["summary"].get(k), str))
         bullets = []
@@ -193,6 +203,40 @@ def render_headline(results: list[tuple[Path, dict[str, Any]]]) -> str:
             f"Regenerate with `python -m benchmarks.report`.\n{END}")
 
 
+def curated(rec: dict[str, Any]) -> bool:
+    """Whether a result file gets a curated table: a benchmark of report_tables.CURATED, not kept as history."""
+    return rec.get("benchmark") in CURATED and "history_note" not in rec.get("summary", {})
+
+
+def _trimmed(lines: list[str]) -> list[str]:
+    while lines and not lines[-1]:
+        lines = lines[:-1]
+    return lines
+
+
+def curated_section(results: list[tuple[Path, dict[str, Any]]], link_from: Path, plotted: set[str]) -> list[str]:
+    """'Curated tables': per curated result file, its provenance line, table(s) and plot."""
+    files = [(p, r) for p, r in results if curated(r)]
+    if not files:
+        return []
+    out = ["## Curated tables", "",
+           "The comparisons to read first, one table per result file. Every column header links the file and names "
+           "the JSON field its cells come from; a ratio is printed only where the file's summary recorded it. "
+           f"{report_tables.DASH} marks a row that failed or was skipped (the note under the table gives the first "
+           "line of its error); an empty cell, a row that was not run; n/a, a field the row did not record "
+           "(e.g. memory on CPU).", ""]
+    for path, rec in files:
+        what, render = CURATED[rec["benchmark"]]
+        link = rel(path, link_from)
+        notes = "".join(f"; {rec['summary'][k]}" for k in NOTE_KEYS if isinstance(rec["summary"].get(k), str))
+        out += [f"### {what}: `{path.stem}`", "",
+                f"[`{rel(path, ROOT)}`]({link}), {rec.get('device', '?')}, {rec.get('date', '?')}, "
+                f"commit `{rec.get('commit', '?')}`{notes}.", "", *_trimmed(render(rec, link)), ""]
+        if path.stem in plotted:
+            out += [f"![{path.stem}](img/{path.stem}.png)", ""]
+    return out
+
+
 def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: set[str]) -> str:
     """docs/benchmarks.md: per result file, its provenance, summary, rows and plot."""
     docs = BENCHMARKS_MD.parent
@@ -206,6 +250,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         "measured in the same run. To record a run, run the benchmark script with `--out` and regenerate this page;",
         "see [How to reproduce](#how-to-reproduce).",
         "",
+        *curated_section(results, docs, plotted),
         "## Headline numbers",
         "",
         *(headline_lines(results, docs) or ["No benchmark has been recorded yet."]),
@@ -231,7 +276,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         out += [f"- {k}: {cell(v)}" for k, v in extras.items()]
         out += ["", f"### {name}: summary ({link})", "",
                 table([{"key": k, "value": v} for k, v in rec["summary"].items()]), ""]
-        if name in plotted:
+        if name in plotted and not curated(rec):  # curated files show their plot beside their table
             out += [f"![{name}](img/{name}.png)", ""]
         out += [f"### {name}: rows ({link})", "", table(rec["rows"]), ""]
     out += [

@@ -244,3 +244,30 @@ def test_training_and_lora_plots_draw(tmp_path):
     for record in (_train_record(), _lora_record()):
         assert plots.can_plot(record)
         assert plots.draw(record, tmp_path).stat().st_size > 0
+
+
+def test_readme_headline_leads_with_same_recipe_and_peer_ratios(tmp_path):
+    """The file with a same-recipe ratio comes before an op-level file; recipe-vs-defaults follows the peers and
+    says what a default Lightning + HF user gains by switching."""
+    train = _train_record()
+    attention = dict(benchmark="attention", rows=[], summary={"ffpa_vs_sdpa_fwd_8k": 4.13})
+    results = [(tmp_path / "attention.json", attention), (tmp_path / "train_throughput.json", train)]
+    bullets = [ln for ln in report.render_headline(results).splitlines() if ln.startswith("- **")]
+    keys = [re.search(r"\(`summary\.(\w+)`\)$", ln).group(1) for ln in bullets]
+    assert keys[:3] == ["ours_vs_sdpa_recipe_tps_8k", "ours_vs_sdpa_recipe_tps_16k", "ours_vs_flex_recipe_tps_8k"]
+    assert keys.index("ours_vs_liger_tps_8k") < keys.index("ours_vs_sdpa_defaults_tps_8k") < keys.index(
+        "ffpa_vs_sdpa_fwd_8k")
+    assert "what a default Lightning + HF user gains by switching" in bullets[keys.index("ours_vs_sdpa_defaults_tps_8k")]
+
+
+def test_committed_result_files_render_without_stray_numbers():
+    """The same check over every recorded result file that gets a curated table (what docs/benchmarks.md shows)."""
+    from benchmarks import results_io
+
+    checked = 0
+    for path, record in results_io.load_results():
+        section = "\n".join(report.curated_section([(path, record)], report.BENCHMARKS_MD.parent, set()))
+        if section:
+            assert stray_numbers(section, record) == [], path.name
+            checked += 1
+    assert checked == sum(report.curated(r) for _, r in results_io.load_results())

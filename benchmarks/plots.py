@@ -42,9 +42,11 @@ def _attention(rec: dict, fig) -> None:
     fig.suptitle(f"Attention at head_dim {shape.get('D', '?')}, {rec.get('device', '')}")
 
 
-def _bars(ax, rows: list[dict], label_key: str, group_key: str, value_key: str, ylabel: str) -> None:
+def _bars(ax, rows: list[dict], label_key: str, group_key: str, value_key: str, ylabel: str,
+          labels: list[str] | None = None) -> None:
     groups = sorted({r[group_key] for r in rows})
-    labels = list(dict.fromkeys(r[label_key] for r in rows))
+    labels = labels or list(dict.fromkeys(r[label_key] for r in rows))
+    labels = [name for name in labels if any(r[label_key] == name for r in rows)]
     width = 0.8 / max(len(groups), 1)
     for gi, g in enumerate(groups):
         vals = {r[label_key]: r[value_key] for r in rows if r[group_key] == g}
@@ -56,14 +58,36 @@ def _bars(ax, rows: list[dict], label_key: str, group_key: str, value_key: str, 
     ax.legend(fontsize=7)
 
 
+def _memory_key(rows: list[dict]) -> str:
+    """Peak allocated memory: `peak_mem_allocated_gb` in rows run one per process, `peak_mem_gb` in older files."""
+    return "peak_mem_allocated_gb" if _ok(rows, "peak_mem_allocated_gb") else "peak_mem_gb"
+
+
+def _seq_rows(rec: dict, fig, tps: str, order: tuple[str, ...], last: tuple[str, ...], title: str) -> None:
+    """Tokens/s per row (the curated table's order) per seq, and peak allocated memory beside it."""
+    from benchmarks.report_tables import ordered
+
+    names = ordered([r["row"] for r in rec["rows"] if "row" in r], order, last)
+    mem = _memory_key(rec["rows"])
+    panels = [(tps, "tokens/s per GPU", "throughput (higher is better)"), (mem, "peak allocated (GiB)", "peak memory")]
+    panels = [p for p in panels if _ok(rec["rows"], p[0])]
+    for i, (key, ylabel, sub) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        _bars(ax, _ok(rec["rows"], key), "row", "seq", key, ylabel, names)
+        ax.set_title(sub)
+    fig.suptitle(f"{title}, {rec.get('device', '')}")
+
+
 def _train_throughput(rec: dict, fig) -> None:
-    ax = fig.add_subplot(1, 2, 1)
-    _bars(ax, _ok(rec["rows"], "tokens_per_s_per_gpu"), "row", "seq", "tokens_per_s_per_gpu", "tokens/s per GPU")
-    ax.set_title("throughput (higher is better)")
-    ax = fig.add_subplot(1, 2, 2)
-    _bars(ax, _ok(rec["rows"], "peak_mem_gb"), "row", "seq", "peak_mem_gb", "peak memory (GiB)")
-    ax.set_title("peak memory")
-    fig.suptitle(f"Training step, {rec.get('device', '')}")
+    from benchmarks.report_tables import TRAIN_ORDER
+
+    _seq_rows(rec, fig, "tokens_per_s_per_gpu", TRAIN_ORDER, ("ours",), "Training step")
+
+
+def _full_depth_lora(rec: dict, fig) -> None:
+    from benchmarks.report_tables import LORA_ORDER
+
+    _seq_rows(rec, fig, "tokens_per_s", LORA_ORDER, (), "Full-depth LoRA step")
 
 
 def _rollout(rec: dict, fig) -> None:
@@ -98,6 +122,7 @@ def _context_parallel(rec: dict, fig) -> None:
 PLOTTERS: dict[str, tuple[Callable[[dict, Any], None], str]] = {
     "attention": (_attention, "ms"),
     "train_throughput": (_train_throughput, "tokens_per_s_per_gpu"),
+    "full_depth_lora": (_full_depth_lora, "tokens_per_s"),
     "rollout": (_rollout, "tokens_per_s"),
     "context_parallel": (_context_parallel, "tokens_per_s"),
 }

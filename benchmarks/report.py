@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks import report_tables
+from benchmarks.report_tables import CURATED
 from benchmarks.results_io import load_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +40,9 @@ HEADLINES: dict[str, tuple[str, str]] = {
     "full_depth_lora_ours_vs_sdpa_recipe_tps_8k": ("Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: "
                                                    "ours (as `lightning-ffpa fit` builds it) vs HF + PEFT with SDPA "
                                                    "and the same recipe", "{:.2f}x tokens/s"),
+    **{f"full_depth_lora_peak_mem_gb_{who}_8k": (f"Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: peak "
+                                                 f"allocated memory of {what}", "{:.1f} GiB")
+       for who, what in (("ours", "ours"), ("sdpa_recipe", "HF + PEFT with SDPA and the same recipe"))},
     "full_depth_lora_ours_vs_unsloth_tps_8k": ("Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: ours vs "
                                                "Unsloth", "{:.2f}x tokens/s"),
     "ours_vs_nemo_backend_fwdbwd_8k": ("Gemma4 full-attention layer, 8k tokens, forward+backward: ours vs "
@@ -48,6 +53,8 @@ HEADLINES: dict[str, tuple[str, str]] = {
                                  "{:.2f}x"),
     "ours_mfu_spec_16k": ("training step, 16k tokens: ours' model FLOPs utilisation of the 989 TFLOP/s bf16 "
                           "datasheet peak", "{:.1%}"),
+    "ours_mfu_measured_peak_16k": ("training step, 16k tokens: the same, of a measured 8192x8192 bf16 matmul's "
+                                   "FLOP/s on the same GPU", "{:.1%}"),
     "ours_vs_sdpa_defaults_tps_8k": ("training step, 8k tokens: what a default Lightning + HF user gains by "
                                      "switching (ours vs HF SDPA, full AC, no compile, HF loss, foreach AdamW)",
                                      "{:.2f}x tokens/s"),
@@ -73,11 +80,18 @@ HEADLINES: dict[str, tuple[str, str]] = {
                     "bf16 peak)", "{:.1%}"),
     "ffpa_ring_vs_flex_ring_tps_16k": ("context parallel, 16k tokens: FFPA ring vs Flex ring", "{:.2f}x tokens/s"),
     "cp2_vs_cp1_loss_max_abs_diff": ("context parallel: loss difference CP=2 vs CP=1", "{:.2e}"),
-    "roofline_fraction_bs64": ("GRPO rollouts, batch 64: decode throughput as a fraction of the HBM roofline",
-                               "{:.1%}"),
+    "roofline_fraction_bs64": ("GRPO rollouts, batch 64, greedy: decode throughput as a fraction of the HBM "
+                               "roofline (denominator: the copy bandwidth measured on the same GPU)", "{:.1%}"),
+    "roofline_fraction_datasheet_bs64": ("the same, of the datasheet HBM bandwidth", "{:.1%}"),
+    "roofline_fraction_sampled_bs64": ("GRPO rollouts, batch 64, sampled (temperature 1.0, top-p 1.0): the same "
+                                       "fraction, of the measured copy bandwidth", "{:.1%}"),
+    "greedy_token_match_rate_bs64": ("GRPO rollouts, batch 64, greedy: the engine's tokens equal to HF's for the "
+                                     "same prompts", "{:.1%}"),
     "vs_hf_generate_bs64": ("GRPO rollouts, batch 64: paged flex engine vs HF `generate` with a static cache "
                             "(the faster of eager and compiled where both ran)",
                             "{:.2f}x tokens/s"),
+    "vs_hf_generate_sampled_bs64": ("GRPO rollouts, batch 64, sampled: paged flex engine vs the faster HF "
+                                    "`generate` row, sampling too", "{:.2f}x tokens/s"),
     "vs_hf_generate_static_eager_bs64": ("GRPO rollouts, batch 64: paged flex engine vs HF `generate`, static cache, "
                                          "eager forward", "{:.2f}x tokens/s"),
     "vs_hf_generate_static_compiled_bs64": ("GRPO rollouts, batch 64: paged flex engine vs HF `generate`, static cache, "
@@ -162,10 +176,18 @@ def row_ref(match: dict[str, Any], metric: str) -> str:
     return "rows[" + ", ".join(f"{k}={v}" for k, v in match.items()) + f"].{metric}"
 
 
+def _priority(record: dict[str, Any]) -> int:
+    """Position of the file's first recorded headline key in HEADLINES (same-recipe and peer ratios come first)."""
+    keys = list(HEADLINES)
+    return min((keys.index(k) for k, v in record["summary"].items() if k in HEADLINES and _number(v)),
+               default=len(keys))
+
+
 def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) -> list[str]:
-    """Per result file: a line naming the run, then one bullet per known summary key or row value."""
+    """Per result file, the file whose headline comes first in HEADLINES first: a line naming the run, then one
+    bullet per known summary key or row value."""
     lines = []
-    for path, record in results:
+    for path, record in sorted(results, key=lambda pr: _priority(pr[1])):  # stable: file names break ties
         link = f"[`{path.name}`]({rel(path, link_from)})"
         notes = "".join(f"; {record['summary'][k]}" for k in NOTE_KEYS if isinstance(record["summary"].get(k), str))
         bullets = []
@@ -193,6 +215,41 @@ def render_headline(results: list[tuple[Path, dict[str, Any]]]) -> str:
             f"Regenerate with `python -m benchmarks.report`.\n{END}")
 
 
+def curated(rec: dict[str, Any]) -> bool:
+    """Whether a result file gets a curated table: a benchmark of report_tables.CURATED, not kept as history."""
+    return rec.get("benchmark") in CURATED and "history_note" not in rec.get("summary", {})
+
+
+def _trimmed(lines: list[str]) -> list[str]:
+    while lines and not lines[-1]:
+        lines = lines[:-1]
+    return lines
+
+
+def curated_section(results: list[tuple[Path, dict[str, Any]]], link_from: Path, plotted: set[str]) -> list[str]:
+    """'Curated tables': per curated result file, its provenance line, table(s) and plot."""
+    order = list(CURATED)
+    files = sorted(((p, r) for p, r in results if curated(r)), key=lambda pr: order.index(pr[1]["benchmark"]))
+    if not files:
+        return []
+    out = ["## Curated tables", "",
+           "The comparisons to read first, one table per result file. Every column header links the file and names "
+           "the JSON field its cells come from; a ratio is printed only where the file's summary recorded it. "
+           f"{report_tables.DASH} marks a row that failed or was skipped (the note under the table gives the first "
+           "line of its error); an empty cell, a row that was not run; n/a, a field the row did not record "
+           "(e.g. memory on CPU).", ""]
+    for path, rec in files:
+        what, render = CURATED[rec["benchmark"]]
+        link = rel(path, link_from)
+        notes = "".join(f"; {rec['summary'][k]}" for k in NOTE_KEYS if isinstance(rec["summary"].get(k), str))
+        out += [f"### {what}: `{path.stem}`", "",
+                f"[`{rel(path, ROOT)}`]({link}), {rec.get('device', '?')}, {rec.get('date', '?')}, "
+                f"commit `{rec.get('commit', '?')}`{notes}.", "", *_trimmed(render(rec, link)), ""]
+        if path.stem in plotted:
+            out += [f"![{path.stem}](img/{path.stem}.png)", ""]
+    return out
+
+
 def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: set[str]) -> str:
     """docs/benchmarks.md: per result file, its provenance, summary, rows and plot."""
     docs = BENCHMARKS_MD.parent
@@ -206,6 +263,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         "measured in the same run. To record a run, run the benchmark script with `--out` and regenerate this page;",
         "see [How to reproduce](#how-to-reproduce).",
         "",
+        *curated_section(results, docs, plotted),
         "## Headline numbers",
         "",
         *(headline_lines(results, docs) or ["No benchmark has been recorded yet."]),
@@ -231,7 +289,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         out += [f"- {k}: {cell(v)}" for k, v in extras.items()]
         out += ["", f"### {name}: summary ({link})", "",
                 table([{"key": k, "value": v} for k, v in rec["summary"].items()]), ""]
-        if name in plotted:
+        if name in plotted and not curated(rec):  # curated files show their plot beside their table
             out += [f"![{name}](img/{name}.png)", ""]
         out += [f"### {name}: rows ({link})", "", table(rec["rows"]), ""]
     out += [

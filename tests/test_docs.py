@@ -121,7 +121,7 @@ def test_headline_numbers_match_their_json():
 def test_plots_exist_for_every_plottable_result():
     for path, rec in results_io.load_results():
         if plots.can_plot(rec):
-            assert (plots.IMG_DIR / f"{rec['benchmark']}.png").exists(), f"run `python -m benchmarks.plots` ({path.name})"
+            assert (plots.IMG_DIR / f"{path.stem}.png").exists(), f"run `python -m benchmarks.plots` ({path.name})"
 
 
 def test_report_renders_every_benchmark_kind(tmp_path):

@@ -1,0 +1,273 @@
+"""benchmarks/report_tables.py: the curated tables render each benchmark's rows in the script's order with their
+labels, link their result file in every column header, show failed rows as "—" with the error's first line, and
+print no number that the result record does not hold.
+
+Records are built here row by row as the scripts write them (their row fields), and their summaries come from the
+scripts' own `summarize`, so a renamed field or summary key fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is a folder of scripts
+from benchmarks import plots, report, report_tables  # noqa: E402
+
+NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?[%x]?")
+
+
+def _train_record() -> dict:
+    from benchmarks.train_rows import ROWS
+    from benchmarks.train_throughput import summarize
+
+    def row(name, seq, tps, alloc, resv, mfu, **extra):
+        return dict(dict(row=name, seq=seq, **ROWS[name]), tokens_per_s_per_gpu=tps, step_ms_median=seq / tps * 1e3,
+                    step_ms_min=seq / tps * 990, step_ms_max=seq / tps * 1020, peak_mem_allocated_gb=alloc,
+                    peak_mem_reserved_gb=resv, mfu_spec=mfu, mfu_measured_peak=mfu * 1.255, **extra)
+
+    rows = [row("ours", 8192, 15282.4, 70.21, 74.5, 0.4153), row("sdpa_recipe", 8192, 10463.2, 66.07, 69.9, 0.2841),
+            row("sdpa_defaults", 8192, 7667.3, 81.43, 88.2, 0.2082),
+            row("liger_recipe", 8192, 11311.9, 63.36, 67.05, 0.3071),
+            row("flex_recipe_opt0", 8192, 9001.5, 77.7, 80.3, 0.2444),
+            dict(row="flex_recipe_opt1", seq=8192, **ROWS["flex_recipe_opt1"],
+                 error="OutOfResources: out of resource: shared memory, Required: 262144, Hardware limit: 232448\n"
+                       "Reducing block sizes or `num_stages` may help."),
+            row("flex_recipe", 8192, 9001.5, 77.7, 80.3, 0.2444, flex_options=0, same_measurement_as="flex_recipe_opt0"),
+            row("ours", 16384, 15418.6, 101.6, 109.0, 0.5017), row("sdpa_recipe", 16384, 7735.1, 99.2, 104.4, 0.2517),
+            dict(row="sdpa_defaults", seq=16384, **ROWS["sdpa_defaults"], error="skipped: past --budget-s 520")]
+    summary, missing = summarize(rows)
+    return dict(benchmark="train_throughput", device="NVIDIA H200 x1", date="2026-12-01", commit="abc1234",
+                rows=rows, summary=summary, summary_missing=missing)
+
+
+def _lora_record() -> dict:
+    from benchmarks.full_depth_lora import ROWS, summarize
+
+    def row(name, seq, tps, alloc):
+        return dict(row=name, seq=seq, label=ROWS[name], timed_steps=5, step_ms_median=seq / tps * 1e3,
+                    step_ms_min=seq / tps * 995, step_ms_max=seq / tps * 1011, tokens_per_s=tps,
+                    peak_mem_allocated_gb=alloc, peak_mem_reserved_gb=alloc + 3.25, mfu_spec=tps / 31000)
+
+    rows = [row("ours_lora", 8192, 4123.7, 96.4), row("hf_peft_sdpa_recipe", 8192, 2577.1, 104.9),
+            dict(row="unsloth_lora", seq=8192, label=ROWS["unsloth_lora"], tried=["pip install unsloth==2026.11.1"],
+                 error="ImportError: Unsloth: Gemma4 is not supported yet (transformers 5.17)")]
+    summary, missing = summarize(rows)
+    return dict(benchmark="full_depth_lora", rows=rows, summary=summary, summary_missing=missing)
+
+
+def _rollout_record() -> dict:
+    from benchmarks.rollout import summarize
+
+    bw = dict(copy_bytes_per_s=4.01e12, read_bytes_per_s=4.33e12, datasheet_bytes_per_s=4.8e12, device_name="H200")
+
+    def row(name, batch, tps, frac, match=None):
+        mode = "sample" if name.endswith("_sampled") else "greedy"
+        r = dict(name=name, kind=name.removesuffix("_sampled"), mode=mode, batch=batch, layers=60, prompt_len=256,
+                 new_tokens=512, bandwidth=bw, tokens_per_s=tps, process={"pid": 7 + batch})
+        if frac is not None:
+            r.update(roofline_fraction=frac, roofline_fraction_datasheet=frac * 4.01 / 4.8, ideal_step_ms=21.3,
+                     peak_mem_gb=101.94, hf_check=dict(prompts=8, tokens=128, logprob_max_abs_diff=0.031))
+            if match is not None:
+                r["hf_check"].update(token_match_rate=match, exact_prompts=6)
+        return r
+
+    rows = [row("ours_paged_flex", 64, 1978.3, 0.8131, 0.9844), row("ours_paged_flex_sampled", 64, 1931.2, 0.7937),
+            row("hf_generate_static", 64, 327.4, None), row("hf_generate_static_sampled", 64, 301.6, None),
+            dict(name="hf_generate_static_compiled", kind="hf_generate_static_compiled", mode="greedy", batch=64,
+                 error="timeout: the row's process was killed after 540 s"),
+            row("ours_paged_flex", 16, 601.8, 0.5518, 1.0)]
+    return dict(benchmark="rollout", rows=rows, summary=summarize(rows))
+
+
+def _grpo_record() -> dict:
+    from benchmarks.grpo_vs_trl import summarize
+
+    def row(name, step, tps, phases):
+        return dict(name=name, layers=12, preset="gemma4-31b", lora_r=16, prompts=2, group=8, prompt_len=128,
+                    completion_len=192, timed_steps=6, step_s_median=step, step_s_min=step * 0.97,
+                    step_s_max=step * 1.08, completion_tokens_per_step=3072, completion_tokens_per_s=tps,
+                    phases_s_median=dict(zip(("refresh_s", "generation_s", "scoring_s", "update_s"), phases)),
+                    peak_mem_gb=33.71, process={"pid": 11})
+
+    rows = [row("ours_grpo", 2.413, 1273.1, (0.052, 1.217, 0.031, 1.113)),
+            row("trl_grpo", 14.86, 206.7, (0.0, 12.94, 0.44, 1.48))]
+    return dict(benchmark="grpo_vs_trl", rows=rows, summary=summarize(rows))
+
+
+def _nemo_record() -> dict:
+    from benchmarks.nemo_backend import summarize
+
+    def op(impl, layout, mode, ms, **extra):
+        return dict(part="op", impl=impl, seq=8192, layout=layout, mode=mode, ms=ms, ms_min=ms * 0.99,
+                    ms_max=ms * 1.02, iters=10, warmup=3, **extra)
+
+    rows = [op("ours", "dense", "fwd", 1.734), op("nemo", "dense", "fwd", 1.812),
+            op("ours", "dense", "fwd+bwd", 6.205), op("nemo", "dense", "fwd+bwd", 7.118),
+            op("ours", "padded", "fwd+bwd", 5.117),
+            op("nemo", "padded", "fwd+bwd", 9.4, fallback="NeMo's backend fell back: {'varlen': 'no cu_seqlens'}"),
+            dict(part="numerics", seq=8192, layout="dense", max_abs_diff={"ours_vs_nemo": {"out": 0.0039}}),
+            dict(part="step", row="ours", seq=8192, label="train_throughput's 'ours' recipe", step_ms=540.2,
+                 step_ms_min=538.7, step_ms_max=544.9, tokens_per_s=15164.8, peak_allocated_gb=70.33),
+            dict(part="step", row="nemo", seq=8192, label="the same recipe, NeMo's backend",
+                 error="RuntimeError: FFPA CuTeDSL unavailable\nTraceback line")]
+    summary, notes = summarize(rows)
+    return dict(benchmark="nemo_backend", rows=rows, summary=summary, summary_notes=notes)
+
+
+RECORDS = {"train_throughput": _train_record, "full_depth_lora": _lora_record, "rollout": _rollout_record,
+           "grpo_vs_trl": _grpo_record, "nemo_backend": _nemo_record}
+
+
+def _render(tmp_path: Path, record: dict) -> tuple[str, str]:
+    """The curated section of one record written to tmp_path, and the link docs/benchmarks.md uses for it."""
+    path = tmp_path / f"{record['benchmark']}.json"
+    path.write_text(json.dumps(record))
+    section = "\n".join(report.curated_section([(path, record)], report.BENCHMARKS_MD.parent, set()))
+    return section, report.rel(path, report.BENCHMARKS_MD.parent)
+
+
+def _leaves(value):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+def stray_numbers(section: str, record: dict) -> list[str]:
+    """Numbers in `section` that are no field of `record` in any of the report's formats. The record's strings
+    (labels, notes) and code spans (field names, error lines) are taken out first; what is left is values."""
+    numbers = [v for v in _leaves(record) if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    allowed = {f.format(v) for v in numbers for f in report_tables.FORMATS.values()}
+    allowed |= {str(v) for v in numbers if isinstance(v, int)}
+    text = re.sub(r"``.+?``|`[^`\n]*`", " ", re.sub(r"\]\([^)]*\)", "]", section))  # code spans, link targets
+    strings = {v for v in _leaves(record) if isinstance(v, str) and not re.fullmatch(r"[\d.,%x]*", v)}
+    for s in sorted(strings, key=len, reverse=True):  # longest first: a label before the words inside it
+        text = text.replace(s.replace("|", "\\|"), " ")
+    return [n for n in NUMBER.findall(text) if n not in allowed]
+
+
+@pytest.mark.parametrize("benchmark", list(RECORDS))
+def test_every_number_printed_is_a_field_of_the_record(tmp_path, benchmark):
+    record = RECORDS[benchmark]()
+    section, _ = _render(tmp_path, record)
+    assert NUMBER.search(section.split("|---|", 1)[-1]), section  # the tables hold values at all
+    assert stray_numbers(section, record) == []
+    assert stray_numbers(section + "\n| 1.23x |", record) == ["1.23x"]  # the check catches a planted ratio
+
+
+@pytest.mark.parametrize("benchmark", list(RECORDS))
+def test_every_column_header_links_the_result_file_and_names_a_field(tmp_path, benchmark):
+    section, link = _render(tmp_path, RECORDS[benchmark]())
+    headers = [ln for ln, nxt in zip(section.splitlines(), section.splitlines()[1:]) if nxt.startswith("|---|")]
+    assert headers
+    for line in headers:
+        cells = [c for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        assert all(re.search(rf"\[`[^`]+`\]\({re.escape(link)}\)", c) for c in cells), line
+
+
+def test_training_rows_follow_the_script_with_labels_ratios_and_failures(tmp_path):
+    from benchmarks.train_rows import ROWS
+
+    record = _train_record()
+    section, _ = _render(tmp_path, record)
+    table = section[section.index("| row"):section.index("Step time")]
+    order = [ln.split("|")[1].strip() for ln in table.splitlines()[2:] if ln.startswith("|")]
+    assert order == ["sdpa_defaults", "sdpa_recipe", "flex_recipe_opt0", "flex_recipe_opt1", "flex_recipe",
+                     "liger_recipe", "ours"]
+    for name in order:
+        assert ROWS[name]["label"] in section  # each row says what differs from its neighbour
+    s = record["summary"]
+    line = next(ln for ln in table.splitlines() if ln.startswith("| sdpa_recipe |"))
+    assert f"| 10,463 | {s['ours_vs_sdpa_recipe_tps_8k']:.2f}x | 7,735 | {s['ours_vs_sdpa_recipe_tps_16k']:.2f}x |" in line
+    assert "`summary.ours_vs_sdpa_defaults_tps_8k, ours_vs_sdpa_recipe_tps_8k" in section
+    # Failed and skipped rows: "—" and a note with the error's first line (not its second).
+    assert "| — (a) |" in next(ln for ln in table.splitlines() if ln.startswith("| sdpa_defaults |"))
+    assert "- (a) `sdpa_defaults` at seq 16384: `skipped: past --budget-s 520`" in section
+    assert "`OutOfResources: out of resource: shared memory, Required: 262144, Hardware limit: 232448`" in section
+    assert "num_stages" not in section
+    assert "is the measurement of `flex_recipe_opt0`" in section  # the sweep alias is named
+    # The detail table: step time spread, both memory peaks and both MFU denominators, labelled.
+    assert "70.2 | 74.5 | 41.5% | 52.1% |" in section
+    for field in ("peak_mem_allocated_gb", "peak_mem_reserved_gb", "mfu_spec", "mfu_measured_peak", "step_ms_median, step_ms_min"):
+        assert f"`{field}" in section
+
+
+def test_rollout_puts_sampled_beside_greedy_and_names_the_roofline_denominator(tmp_path):
+    record = _rollout_record()
+    section, _ = _render(tmp_path, record)
+    line = next(ln for ln in section.splitlines() if ln.startswith("| 64 | ours_paged_flex |"))
+    s = record["summary"]
+    assert line.startswith(f"| 64 | ours_paged_flex | 1,978 | 1,931 | 81.3% | 79.4% | 67.9% | 98.4% | 101.9 | "
+                           f"{s['vs_hf_generate_bs64']:.2f}x | {s['vs_hf_generate_sampled_bs64']:.2f}x |")
+    assert "of measured copy bandwidth" in section and "of datasheet HBM" in section
+    assert f"`summary.roofline_denominator`: {s['roofline_denominator']}" in section
+    compiled = next(ln for ln in section.splitlines() if ln.startswith("| 64 | hf_generate_static_compiled |"))
+    assert "— (a)" in compiled and "killed after 540 s" in section
+    assert section.index("| 16 | ours_paged_flex |") < section.index("| 64 | ours_paged_flex |")
+
+
+def test_lora_grpo_and_nemo_tables(tmp_path):
+    lora, _ = _render(tmp_path, _lora_record())
+    rec = _lora_record()
+    assert f"| 2,577 | {rec['summary']['full_depth_lora_ours_vs_sdpa_recipe_tps_8k']:.2f}x |" in lora
+    assert "Unsloth: Gemma4 is not supported yet" in lora and "| unsloth_lora |" in lora
+    grpo = _grpo_record()
+    text, _ = _render(tmp_path, grpo)
+    assert "| ours_grpo | 2.41 (2.34–2.61) | 1,273 | 0.05 | 1.22 | 0.03 | 1.11 | 33.7 |" in text
+    assert f"| {grpo['summary']['ours_vs_trl_step_speedup']:.2f}x |" in text
+    nemo = _nemo_record()
+    text, _ = _render(tmp_path, nemo)
+    assert f"| 8192 | dense | fwd+bwd | 6.205 | 7.118 | {nemo['summary']['ours_vs_nemo_backend_fwdbwd_dense_8k']:.2f}x |" in text
+    padded = next(ln for ln in text.splitlines() if ln.startswith("| 8192 | padded |"))
+    assert padded.endswith("| 5.117 | 9.400 (a) |  |") and "fell back" in text  # no ratio: the summary has none
+    assert "- (b) step `nemo` at seq 8192: `RuntimeError: FFPA CuTeDSL unavailable`" in text
+
+
+def test_section_only_for_curated_files_that_exist(tmp_path):
+    assert report.curated_section([], report.BENCHMARKS_MD.parent, set()) == []
+    old = dict(_rollout_record(), summary={"history_note": "an earlier state"})
+    attention = dict(benchmark="attention", rows=[{"impl": "ffpa", "ms": 1.0}], summary={})
+    assert report.curated_section([(tmp_path / "a.json", old), (tmp_path / "b.json", attention)],
+                                  report.BENCHMARKS_MD.parent, set()) == []
+
+
+def test_training_and_lora_plots_draw(tmp_path):
+    for record in (_train_record(), _lora_record()):
+        assert plots.can_plot(record)
+        assert plots.draw(record, tmp_path).stat().st_size > 0
+
+
+def test_readme_headline_leads_with_same_recipe_and_peer_ratios(tmp_path):
+    """The file with a same-recipe ratio comes before an op-level file; recipe-vs-defaults follows the peers and
+    says what a default Lightning + HF user gains by switching."""
+    train = _train_record()
+    attention = dict(benchmark="attention", rows=[], summary={"ffpa_vs_sdpa_fwd_8k": 4.13})
+    results = [(tmp_path / "attention.json", attention), (tmp_path / "train_throughput.json", train)]
+    bullets = [ln for ln in report.render_headline(results).splitlines() if ln.startswith("- **")]
+    keys = [re.search(r"\(`summary\.(\w+)`\)$", ln).group(1) for ln in bullets]
+    assert keys[:3] == ["ours_vs_sdpa_recipe_tps_8k", "ours_vs_sdpa_recipe_tps_16k", "ours_vs_flex_recipe_tps_8k"]
+    assert keys.index("ours_vs_liger_tps_8k") < keys.index("ours_vs_sdpa_defaults_tps_8k") < keys.index(
+        "ffpa_vs_sdpa_fwd_8k")
+    assert "what a default Lightning + HF user gains by switching" in bullets[keys.index("ours_vs_sdpa_defaults_tps_8k")]
+
+
+def test_committed_result_files_render_without_stray_numbers():
+    """The same check over every recorded result file that gets a curated table (what docs/benchmarks.md shows)."""
+    from benchmarks import results_io
+
+    checked = 0
+    for path, record in results_io.load_results():
+        section = "\n".join(report.curated_section([(path, record)], report.BENCHMARKS_MD.parent, set()))
+        if section:
+            assert stray_numbers(section, record) == [], path.name
+            checked += 1
+    assert checked == sum(report.curated(r) for _, r in results_io.load_results())

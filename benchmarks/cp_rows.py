@@ -213,6 +213,8 @@ def timed_row(spec: dict, device: torch.device, rank: int, world: int) -> dict[s
     batch = make_batch(spec["seq"], cfg.vocab_size, spec["docs"])
     info: dict[str, Any] = {}
     kernels.reset_kernel_counts()
+    if device.type == "cuda":  # the peak is the steps' (weights, grads, activations), not the fp32 construction
+        torch.cuda.reset_peak_memory_stats(device)
     with attention_setup(spec["row"], model, batch, device, rank, world, info) as (ids, pos, labels, layout):
         losses = [float(loss_step(model, cfg, ids, pos, labels, layout)) for _ in range(spec["warmup"])]
         times = []

@@ -1,231 +1,222 @@
-"""Ring context parallelism on 2 GPUs: FFPA ring vs Flex ring tokens/s at 16k packed, and cp=2 vs cp=1 parity.
+"""Context parallelism on 2 GPUs: FFPA ring vs Flex ring (swept options) vs torch's native context_parallel,
+at 32k and 64k, with loss and gradient parity against an independent CP=1 reference.
 
-Run: ``torchrun --nproc_per_node 2 benchmarks/context_parallel.py --out $OUT/context_parallel.json``
+Owns the run: every row is its own `torchrun --nproc_per_node N` launch (`benchmarks/row_process.py`: per-row
+timeout, total `--budget-s`, the result rewritten after every row), the Flex option sweep (one row per
+LARGE_HEAD_DIM_CANDIDATES entry, the summary takes the best at each seq), and the summary. What each row is
+and how it is measured lives in `benchmarks/cp_rows.py` (its ROWS labels say what differs from `ffpa_ring`);
+the gradient comparison in `benchmarks/cp_parity.py`.
 
-Rows (each one failing is recorded with its error, never kills the run):
-- ``attn_*``: one Gemma4-31B full-attention layer's attention alone (32 q heads, 4 kv heads, D=512), packed
-  documents, forward+backward through the ring: FFPA blocks vs Flex blocks.
-- ``model_*``: a Gemma4-31B-shaped slice (``--layers`` decoder layers: 5 sliding + 1 full, real hidden size
-  and vocabulary, random N(0, 0.02) weights, bf16, no FSDP/optimizer), forward+backward of the token-mean
-  loss. Sliding layers use Flex in both rows (halo); only the full-attention blocks differ.
-- ``parity_cp1``: the same slice, whole sequence on each GPU alone (ring of one), forward loss, against the
-  cp=2 losses. Flex ring rows recompute each block's forward in backward (see lightning_ffpa/cp/flex_blocks.py).
-Summary: ``ffpa_ring_vs_flex_ring_tps_16k`` (model slice), ``ffpa_ring_vs_flex_ring_attn_tps_16k``,
-``cp2_vs_cp1_loss_max_abs_diff``.
+Model: a Gemma4-31B-shaped slice, `--layers` decoder layers (6 = 5 sliding + 1 full; full layers D=512, 32 q /
+4 kv heads, k_eq_v), real hidden size and vocabulary, random weights, bf16, per-layer activation checkpointing
+in every row, forward + backward of the chunked linear CE, no optimizer. `--docs single` (default): one
+document (torch's CP takes no mask); `--docs packed`: packed documents (the native row then records why not).
+Timed rows: `--warmup` steps, then `--steps` timed ones (median, min, max), tokens/s of the CP group, peak
+allocated and reserved memory (the larger rank).
+Parity row (`parity`, at `--parity-seq`): the CP=1 reference is the whole sequence on rank 0 with HF's own
+attention (`--reference-attn`), masks and loss, no ring code; each CP variant's loss and all-reduced gradients
+are compared per parameter group (max abs, and ||g_cp - g_ref|| / ||g_ref||). A second CP=1 reference with
+`--noise-attn` gives the noise floor of two correct implementations in the same dtype.
+
+Summary: `ffpa_ring_vs_flex_ring_tps_{32k,64k}` (against the best sweep row), `ffpa_ring_vs_native_cp_tps_*`,
+`cp2_vs_cp1_loss_max_abs_diff`, `cp2_vs_cp1_grad_max_rel_diff` (worst group over all variants),
+`cp1_noise_floor_*`; a null key's reason is in `summary_missing`.
+
+Run (2 H200s; each call within one 10-minute limit, the second resumes the first's file):
+  python benchmarks/context_parallel.py --seqs 32768 --out $OUT/context_parallel.json --budget-s 540
+  python benchmarks/context_parallel.py --seqs 65536 --no-parity --resume FILE --out $OUT/context_parallel.json
+CPU smoke (2 gloo ranks, tiny preset):  python benchmarks/context_parallel.py --smoke --out /tmp/cp.json
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results_io import write_result  # noqa: E402
-from lightning_ffpa.attention import kernels  # noqa: E402
-from lightning_ffpa.cp import IGNORE_INDEX, cp_loss_reduce, shard_batch  # noqa: E402
-from lightning_ffpa.cp.ring import RingAttention, install_ring  # noqa: E402
+from benchmarks import results_io  # noqa: E402
+from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
+from benchmarks.row_process import row_main, run_rows  # noqa: E402
+from lightning_ffpa.flex_options import LARGE_HEAD_DIM_CANDIDATES  # noqa: E402
+
+SWEEP = [f"flex_ring_opt{i}" for i in range(len(LARGE_HEAD_DIM_CANDIDATES))]
+TIMED = ["ffpa_ring", *SWEEP, "torch_native_cp_sdpa"]
+HEADLINE_SEQS = (32768, 65536)
+PARITY_KEYED = ("ffpa_ring", "flex_ring_opt0", "torch_native_cp_sdpa")  # summary keys per variant
+_SHAPE_KEYS = ("preset", "layers", "dtype", "docs", "ac", "warmup", "steps", "nproc")
 
 
-def packed_batch(seq_len: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """One row of packed documents (lengths 512..4096) with per-document positions; same on every rank."""
-    g = torch.Generator().manual_seed(seed)
-    lengths, total = [], 0
-    while total < seq_len:
-        n = min(int(torch.randint(512, 4097, (1,), generator=g)), seq_len - total)
-        lengths.append(n)
-        total += n
-    docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    ids = torch.randint(0, vocab, (1, seq_len), generator=g)
-    return {"input_ids": ids, "document_ids": docs, "position_ids": pos}
+def tag(seq: int) -> str:
+    """32768 -> '32k'; a length that is not a multiple of 1024 keeps its digits."""
+    return f"{seq // 1024}k" if seq % 1024 == 0 else str(seq)
 
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a gloo smoke run of the script's logic only
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(RESULTS_DIR / "context_parallel.json"), help="result JSON path")
+    p.add_argument("--seqs", type=int, nargs="+", default=list(HEADLINE_SEQS), help="global sequence lengths")
+    p.add_argument("--rows", nargs="+", default=TIMED, choices=TIMED, help="timed rows, each at every seq")
+    p.add_argument("--parity", action=argparse.BooleanOptionalAction, default=True, help="run the parity row first")
+    p.add_argument("--parity-seq", type=int, default=8192, help="sequence length of the parity row")
+    p.add_argument("--parity-variants", nargs="+", default=["ffpa_ring", "flex_ring_opt0", "torch_native_cp_sdpa"],
+                   choices=TIMED, help="CP variants compared with the CP=1 reference")
+    p.add_argument("--reference-attn", default="sdpa", help="HF attn_implementation of the CP=1 reference")
+    p.add_argument("--noise-attn", default="eager", help="HF attn_implementation of the noise-floor reference")
+    p.add_argument("--loss-tol", type=float, default=None, help="parity: max |loss diff| (default by dtype)")
+    p.add_argument("--grad-rel-tol", type=float, default=None, help="parity: max relative L2 gradient diff per group")
+    p.add_argument("--docs", choices=("single", "packed"), default="single", help="one document or packed ones")
+    p.add_argument("--preset", default="gemma4-31b", help="presets.build_text_config preset")
+    p.add_argument("--layers", type=int, default=6, help="decoder layers (the last one full attention)")
+    p.add_argument("--ac", action=argparse.BooleanOptionalAction, default=True, help="per-layer activation ckpt")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per row")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per launch (the CP size)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="the whole call ends within this many seconds")
+    p.add_argument("--row-timeout-s", type=float, default=300.0, help="one launch is killed after this")
+    p.add_argument("--resume", default=None, help="an earlier result of this commit and shape: keep its rows")
+    p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny preset, 2 layers, short sequences, fp32")
+    args = p.parse_args(argv)
+    args.dtype = "float32" if args.smoke else "bfloat16"
+    if args.smoke:
+        args.preset, args.layers = "tiny", 2
+        args.seqs = [s for s in args.seqs if s not in HEADLINE_SEQS] or [256]
+        args.parity_seq = min(args.parity_seq, 128)
+    args.loss_tol = args.loss_tol if args.loss_tol is not None else (1e-4 if args.smoke else 2e-2)
+    args.grad_rel_tol = args.grad_rel_tol if args.grad_rel_tol is not None else (1e-3 if args.smoke else 5e-2)
+    from lightning_ffpa.errors import ConfigError
+
+    for s in [*args.seqs, args.parity_seq]:
+        if s % (2 * args.nproc):
+            raise ConfigError("--seqs/--parity-seq", s, f"must be a multiple of 2 x --nproc = {2 * args.nproc}")
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError("--steps", args.steps, "needs at least one timed step and no negative warmup")
+    return args
 
 
-def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
+def specs(args, done: set[tuple[str, int]]) -> list[dict]:
+    """Row specs in run order: parity first (cheap, and it decides whether the timed rows mean anything)."""
+    base = dict(preset=args.preset, layers=args.layers, dtype=args.dtype, docs=args.docs, ac=args.ac,
+                warmup=args.warmup, steps=args.steps, smoke=args.smoke)
+    out = []
+    for i, v in enumerate(args.parity_variants if args.parity else []):  # the first one also measures the noise floor
+        if (f"parity_{v}", args.parity_seq) not in done:
+            out.append(dict(base, row=f"parity_{v}", name=f"parity_{v}_{args.parity_seq}", seq=args.parity_seq,
+                            variant=v, reference_attn=args.reference_attn, noise_attn=args.noise_attn if i == 0
+                            else None, loss_tol=args.loss_tol, grad_rel_tol=args.grad_rel_tol))
+    out += [dict(base, row=r, name=f"{r}_{s}", seq=s) for s in args.seqs for r in args.rows if (r, s) not in done]
+    return out
 
 
-def timed(fn, warmup: int, iters: int) -> float:
-    """Mean seconds per call after warmup, synchronized across the group."""
-    for _ in range(warmup):
-        fn()
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    _sync()
-    return (time.perf_counter() - t0) / iters
+# ----------------------------------------------------------------------------- summary
+def _row(rows: list[dict], name: str, seq: int) -> tuple[dict | None, str | None]:
+    hit = [r for r in rows if r.get("row") == name and r.get("seq") == seq]
+    if not hit:
+        return None, f"row {name} at seq {seq} is not in this result"
+    bad = hit[-1].get("error") or hit[-1].get("skipped")
+    return (None, f"row {name} at seq {seq} has no measurement: {str(bad)[:300]}") if bad else (hit[-1], None)
 
 
-def attn_row(kind: str, args, rank: int, world: int, group) -> dict:
-    """Attention-only: a 31B full layer (32 q heads, 4 kv heads, D=512) through the ring, fwd+bwd."""
-    s = args.seq_len
-    batch = packed_batch(s, 1000)
-    shard = shard_batch(batch, rank, world)
-    layout = shard["ring_layout"]
-    g = torch.Generator(device=DEVICE).manual_seed(rank)
-    local = s // world
-    mk = lambda h: torch.randn(1, local, h, 512, device=DEVICE, dtype=torch.bfloat16, generator=g)  # noqa: E731
-    hq, hkv = args.attn_heads
-    q, k, v = (t.requires_grad_() for t in (mk(hq), mk(hkv), mk(hkv)))
-    ring = RingAttention(group, block_ops=kind)
-
-    def step():
-        out = ring.full(q, k, v, layout, 512 ** -0.5)  # random q/k: the usual scale keeps logits sane
-        out.backward(torch.ones_like(out))
-
-    sec = timed(step, args.warmup, args.iters)
-    return {"row": f"attn_{kind}_ring_cp{world}", "seq_len": s, "ms": round(sec * 1e3, 3),
-            "tokens_per_s": round(s / sec, 1), "blocks": dict(ring.stats)}
+def best_flex(rows: list[dict], seq: int) -> tuple[dict | None, str | None]:
+    """The fastest finished Flex sweep row at `seq`, or why there is none."""
+    found = [_row(rows, r, seq) for r in SWEEP]
+    done = [r for r, _ in found if r]
+    if not done:
+        return None, "no Flex sweep row finished: " + "; ".join(w for _, w in found if w)
+    return max(done, key=lambda r: r["tokens_per_s"]), None
 
 
-def build_model(args):
-    from transformers import Gemma4ForCausalLM
+def summarize(rows: list[dict], seqs: list[int]) -> tuple[dict, dict]:
+    """Summary keys (null when a row is missing) and the reason for every null."""
+    summary, missing = {}, {}
 
-    from lightning_ffpa.presets import build_text_config
+    def put(key, value, why):
+        summary[key] = value
+        if value is None:
+            missing[key] = why or "not measured"
 
-    cfg = build_text_config(args.preset, num_hidden_layers=args.layers)
-    with torch.device(DEVICE):
-        model = Gemma4ForCausalLM(cfg).to(torch.bfloat16)
-    torch.manual_seed(0)  # same weights on every rank; initialise for real (cuda construction may not)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 0.02)
-            elif "norm" in name or "scalar" in name:
-                p.fill_(1.0)
-            else:
-                p.zero_()
-    return model, cfg
-
-
-def loss_of(model, shard) -> torch.Tensor:
-    out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], ring_layout=shard["ring_layout"])
-    return F.cross_entropy(out.logits.flatten(0, 1).float(), shard["shift_labels"].flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def model_row(kind: str, model, cfg, args, rank: int, world: int, group) -> dict:
-    """Gemma4-31B-shaped slice, fwd+bwd of the global token-mean loss over the CP group."""
-    batch = packed_batch(args.seq_len, cfg.vocab_size)
-    shard = {k: (v.to(DEVICE) if torch.is_tensor(v) else v) for k, v in shard_batch(batch, rank, world).items()}
-    ring = install_ring(model, group, block_ops=kind)
-    losses = []
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss = cp_loss_reduce(loss_of(model, shard), shard["num_tokens"], group)
-        loss.backward()
-        losses.append(loss.item())
-
-    sec = timed(step, args.warmup, args.iters)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
-    return {"row": f"model_{kind}_ring_cp{world}", "layers": args.layers, "seq_len": args.seq_len,
-            "ms": round(sec * 1e3, 2), "tokens_per_s": round(args.seq_len / sec, 1), "loss": losses[0],
-            "peak_mem_gib": round(peak, 2), "stats": dict(ring.stats)}
+    for seq in sorted({*HEADLINE_SEQS, *seqs}):
+        t = tag(seq)
+        ffpa, why_ffpa = _row(rows, "ffpa_ring", seq)
+        flex, why_flex = best_flex(rows, seq)
+        native, why_native = _row(rows, "torch_native_cp_sdpa", seq)
+        ratio = lambda a, b: a["tokens_per_s"] / b["tokens_per_s"] if a and b else None  # noqa: E731
+        put(f"ffpa_ring_vs_flex_ring_tps_{t}", ratio(ffpa, flex), "; ".join(filter(None, (why_ffpa, why_flex))))
+        put(f"flex_ring_best_row_{t}", flex and flex["row"], why_flex)
+        put(f"ffpa_ring_vs_native_cp_tps_{t}", ratio(ffpa, native), "; ".join(filter(None, (why_ffpa, why_native))))
+        put(f"ffpa_ring_tokens_per_s_{t}", ffpa and ffpa["tokens_per_s"], why_ffpa)
+    ran, whys = {}, []
+    for v in PARITY_KEYED:
+        row, why = _row(rows, f"parity_{v}", _parity_seq(rows, v))
+        if row:
+            ran[v] = row
+        else:
+            whys.append(why)
+        put(f"cp2_vs_cp1_grad_max_rel_diff_{v}", row and row["grads"]["max_rel_l2"], why)
+        put(f"cp2_vs_cp1_loss_abs_diff_{v}", row and row["loss_abs_diff"], why)
+    others = [r for r in rows if r.get("row", "").startswith("parity_") and "grads" in r]
+    why = "no parity row finished: " + "; ".join(whys)
+    put("cp2_vs_cp1_loss_max_abs_diff", max((r["loss_abs_diff"] for r in others), default=None), why)
+    put("cp2_vs_cp1_grad_max_rel_diff", max((r["grads"]["max_rel_l2"] for r in others), default=None), why)
+    noise = next((r["noise_floor"] for r in others if r.get("noise_floor")), None)
+    put("cp1_noise_floor_loss_abs_diff", noise and noise["loss_abs_diff"], "no parity row measured the noise floor")
+    put("cp1_noise_floor_grad_max_rel_diff", noise and noise["grads"]["max_rel_l2"],
+        "no parity row measured the noise floor")
+    put("parity_seq", others[0]["seq"] if others else None, why)
+    return summary, missing
 
 
-def parity_row(model, cfg, args, rank: int, world: int) -> dict:
-    """The whole sequence on this GPU alone (a ring of one), forward loss for the cp=2 comparison."""
-    solo = [dist.new_group([r]) for r in range(world)][rank]  # every rank must create every group
-    batch = packed_batch(args.seq_len, cfg.vocab_size)
-    shard = {k: (v.to(DEVICE) if torch.is_tensor(v) else v) for k, v in shard_batch(batch, 0, 1).items()}
-    install_ring(model, solo, block_ops="ffpa")
-    with torch.no_grad():
-        loss = (loss_of(model, shard) / shard["num_tokens"]).item()
-    return {"row": "parity_cp1", "seq_len": args.seq_len, "loss": loss}
+def _parity_seq(rows: list[dict], variant: str) -> int | None:
+    return next((r["seq"] for r in reversed(rows) if r.get("row") == f"parity_{variant}"), None)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None, help="result JSON path (default benchmarks/results/context_parallel.json)")
-    p.add_argument("--seq-len", type=int, default=16384, help="global packed sequence length")
-    p.add_argument("--layers", type=int, default=6, help="decoder layers in the slice (6 = 5 sliding + 1 full)")
-    p.add_argument("--preset", default="gemma4-31b", help="presets.build_text_config preset for the slice")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per row (compiles)")
-    p.add_argument("--iters", type=int, default=4, help="timed steps per row")
-    p.add_argument("--budget-s", type=float, default=270.0, help="skip remaining rows past this wall time")
-    p.add_argument("--attn-heads", type=int, nargs=2, default=(32, 4), help="attention rows: q heads, kv heads")
-    args = p.parse_args()
+def parity_failures(rows: list[dict]) -> dict[str, list[str]]:
+    """Per parity row: why it misses the tolerances ([] = within them), or why it has no result."""
+    return {r["row"]: r.get("failures", [str(r.get("error") or r.get("skipped"))[:300]])
+            for r in rows if r.get("row", "").startswith("parity_")}
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if DEVICE == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
-    group = dist.group.WORLD
-    t_start = time.perf_counter()
-    rows: list[dict] = []
 
-    def run(name, fn):
-        if time.perf_counter() - t_start > args.budget_s:
-            rows.append({"row": name, "skipped": f"time budget {args.budget_s}s spent"})
-            return
-        t0 = time.perf_counter()
-        try:
-            rows.append({**fn(), "wall_s": round(time.perf_counter() - t0, 1)})
-        except Exception as exc:  # noqa: BLE001 - one failing row is recorded, the run goes on
-            traceback.print_exc()
-            rows.append({"row": name, "error": f"{type(exc).__name__}: {exc}"[:500]})
-        gc.collect()
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+# ----------------------------------------------------------------------------- driver and child
+def drive(args) -> None:
+    kept, calls = results_io.load_resume(args.resume, {k: getattr(args, k) for k in _SHAPE_KEYS})
+    todo = specs(args, {(r["row"], r["seq"]) for r in kept})
+    out = Path(args.out)
+    this_call = dict(command=" ".join([Path(sys.executable).name, *sys.argv]),
+                     date=time.strftime("%Y-%m-%d %H:%M:%S"), rows=[s["name"] for s in todo])
 
-    if rank == 0:
-        print(f"kernel: {kernels.active_kernel()} ({kernels.ffpa_unavailable_reason() or 'ffpa ok'})", flush=True)
-    # Order = priority under the time budget: the two summary keys first, attention-only rows last.
-    model, cfg = None, None
-    try:
-        model, cfg = build_model(args)
-    except Exception as exc:  # noqa: BLE001
-        rows.append({"row": "build_model", "error": f"{type(exc).__name__}: {exc}"[:500]})
-    if model is not None:
-        run("model_ffpa", lambda: model_row("ffpa", model, cfg, args, rank, world, group))
-        run("parity_cp1", lambda: parity_row(model, cfg, args, rank, world))
-        run("model_flex", lambda: model_row("flex", model, cfg, args, rank, world, group))
-        model = None
-        gc.collect()
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-    for kind in ("ffpa", "flex"):
-        run(f"attn_{kind}", lambda kind=kind: attn_row(kind, args, rank, world, group))
+    def save(rows: list[dict]) -> None:
+        summary, missing = summarize([*kept, *rows], args.seqs)
+        write_result("context_parallel", [*kept, *rows], summary, out=out, summary_missing=missing,
+                     calls=[*calls, this_call], budget_s=args.budget_s, row_timeout_s=args.row_timeout_s,
+                     parity_failures=parity_failures([*kept, *rows]), labels=_labels(), **{k: getattr(args, k) for k in _SHAPE_KEYS})
 
-    by = {r["row"].rsplit("_cp", 1)[0] if "_ring_" in r["row"] else r["row"]: r for r in rows}
-    ratio = lambda a, b: (round(by[a]["tokens_per_s"] / by[b]["tokens_per_s"], 3)  # noqa: E731
-                          if "tokens_per_s" in by.get(a, {}) and "tokens_per_s" in by.get(b, {}) else None)
-    cp1 = by.get("parity_cp1", {}).get("loss")
-    diffs = [abs(by[k]["loss"] - cp1) for k in ("model_ffpa_ring", "model_flex_ring") if cp1 is not None
-             and "loss" in by.get(k, {})]
-    summary = {
-        "ffpa_ring_vs_flex_ring_tps_16k": ratio("model_ffpa_ring", "model_flex_ring"),
-        "ffpa_ring_vs_flex_ring_attn_tps_16k": ratio("attn_ffpa_ring", "attn_flex_ring"),
-        "cp2_vs_cp1_loss_max_abs_diff": max(diffs) if diffs else None,
-        "kernel": kernels.active_kernel(),
-        "model_slice": None if cfg is None else (
-            f"{args.preset} x {args.layers} layers ({cfg.layer_types.count('sliding_attention')} sliding, "
-            f"{cfg.layer_types.count('full_attention')} full), bf16, fwd+bwd, cp={world}"),
-    }
-    if rank == 0:
-        for r in rows:
-            print({k: r[k] for k in r if k not in ("stats", "blocks")})
-        write_result("context_parallel", rows, summary, out=args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    save([])
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
+    run_rows(Path(__file__).resolve(), todo, out.parent / f"{out.stem}_logs", args.row_timeout_s, args.budget_s,
+             save, launcher=launcher)
+
+
+def _labels() -> dict[str, str]:
+    from benchmarks.cp_rows import ROWS
+
+    return ROWS
+
+
+def _measure(spec: dict) -> dict:
+    from benchmarks.cp_rows import measure
+
+    return measure(spec)
+
+
+def main(argv: list[str] | None = None) -> None:
+    if row_main(argv, _measure):  # a rank of one row's launch
+        return
+    drive(parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    from lightning_ffpa.errors import console_entry
+
+    sys.exit(console_entry(main, hold=False))  # a bad option: exit 2 with one line, before any row runs

@@ -4,7 +4,7 @@ Owns the driver loop: launch one child per row spec, bound it by a per-row timeo
 (the whole process group is killed on timeout, inductor's compile workers included), read the row the child
 wrote, record how the process ended, and hand every finished row to a callback (the scripts rewrite their
 result file there). Does not own what a row measures: each script's own row entry point does that, and it
-writes one JSON object to the path given as `--row-out`.
+writes one JSON object to the path given as `--row-out` (under torchrun, rank 0 of the launch writes it).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +29,16 @@ def _tail(path: Path, chars: int = 1500) -> str:
         return ""
 
 
-def run_row(script: Path, spec: dict[str, Any], log: Path, timeout_s: float) -> dict[str, Any]:
-    """Run `script --row SPEC --row-out FILE` in a fresh process; the row it wrote, with process facts added."""
+def run_row(script: Path, spec: dict[str, Any], log: Path, timeout_s: float,
+            launcher: Sequence[str] = ()) -> dict[str, Any]:
+    """Run `script --row SPEC --row-out FILE` in a fresh process; the row it wrote, with process facts added.
+
+    `launcher`: interpreter arguments before the script, e.g. ``("-m", "torch.distributed.run", "--standalone",
+    "--nproc_per_node", "2")`` for a row that is a multi-rank launch (the timeout kills every rank).
+    """
     out = log.with_suffix(".row.json")
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(script), "--row", json.dumps(spec), "--row-out", str(out)]
+    cmd = [sys.executable, *launcher, str(script), "--row", json.dumps(spec), "--row-out", str(out)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     with log.open("w") as fh:
@@ -63,8 +68,9 @@ def run_row(script: Path, spec: dict[str, Any], log: Path, timeout_s: float) -> 
 
 
 def run_rows(script: Path, specs: list[dict[str, Any]], logs: Path, row_timeout_s: float, budget_s: float,
-             on_row: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
-    """Run every spec in its own process, in order, within `budget_s`; `on_row(rows)` after each row."""
+             on_row: Callable[[list[dict[str, Any]]], None], launcher: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Run every spec in its own process (see `run_row` for `launcher`), in order, within `budget_s`;
+    `on_row(rows)` after each row."""
     logs.mkdir(parents=True, exist_ok=True)
     start, rows = time.perf_counter(), []
     for i, spec in enumerate(specs):
@@ -75,7 +81,7 @@ def run_rows(script: Path, specs: list[dict[str, Any]], logs: Path, row_timeout_
         else:
             print(f"[row {i + 1}/{len(specs)}] {label}: own process, limit {min(row_timeout_s, left):.0f} s",
                   flush=True)
-            row = run_row(script, spec, logs / f"{i:02d}_{_slug(spec)}.log", min(row_timeout_s, left))
+            row = run_row(script, spec, logs / f"{i:02d}_{_slug(spec)}.log", min(row_timeout_s, left), launcher)
             status = row.get("error", "ok")[:200]
             print(f"[row {i + 1}/{len(specs)}] {label}: {status} ({row['process']['wall_s']} s)", flush=True)
         rows.append(row)
@@ -112,5 +118,6 @@ def row_main(argv: list[str] | None, measure: Callable[[dict[str, Any]], dict[st
         row["error"] = f"{type(err).__name__}: {err}"[:600]
         row["traceback_tail"] = traceback.format_exc()[-1500:]
         traceback.print_exc()
-    Path(args.row_out).write_text(json.dumps(row, default=str) + "\n")
+    if int(os.environ.get("RANK", "0")) == 0:  # one launch writes one row; every rank measured it together
+        Path(args.row_out).write_text(json.dumps(row, default=str) + "\n")
     return True

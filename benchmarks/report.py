@@ -78,6 +78,13 @@ HEADLINES: dict[str, tuple[str, str]] = {
     "ours_vs_sdpa_peak_mem_8k": ("training step, 8k tokens: peak memory of the compiled row above vs SDPA", "{:.2f}x"),
     "ours_mfu_8k": ("training step, 8k tokens: model FLOPs utilisation of the compiled row above (of the measured "
                     "bf16 peak)", "{:.1%}"),
+    **{f"ffpa_ring_vs_flex_ring_tps_{k}": (f"context parallel over 2 GPUs, {k} tokens: FFPA ring vs Flex ring (best "
+                                           "options of a sweep in the same run)", "{:.2f}x tokens/s") for k in ("32k", "64k")},
+    **{f"ffpa_ring_vs_native_cp_tps_{k}": (f"context parallel over 2 GPUs, {k} tokens: FFPA ring vs torch's "
+                                           "`context_parallel` over SDPA (full layers)", "{:.2f}x tokens/s")
+       for k in ("32k", "64k")},
+    "cp2_vs_cp1_grad_max_rel_diff": ("context parallel: largest relative gradient difference CP=2 vs an independent "
+                                     "CP=1 reference", "{:.2e}"),
     "ffpa_ring_vs_flex_ring_tps_16k": ("context parallel, 16k tokens: FFPA ring vs Flex ring", "{:.2f}x tokens/s"),
     "cp2_vs_cp1_loss_max_abs_diff": ("context parallel: loss difference CP=2 vs CP=1", "{:.2e}"),
     "roofline_fraction_bs64": ("GRPO rollouts, batch 64, greedy: decode throughput as a fraction of the HBM "
@@ -316,7 +323,8 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         "python benchmarks/rollout_attention.py --out benchmarks/results/rollout_attention.json",
         "python benchmarks/fit_recipes.py --out benchmarks/results/fit_recipes.json   # every shipped YAML, as users run it",
         "python benchmarks/resume.py --variant lora --out benchmarks/results/resume_lora.json",
-        "torchrun --nproc_per_node 2 benchmarks/context_parallel.py --out benchmarks/results/context_parallel.json",
+        "python benchmarks/context_parallel.py --seqs 32768 65536 --out benchmarks/results/context_parallel.json"
+        "   # launches torchrun itself, 2 GPUs",
         "python -m benchmarks.report    # this page, the README headline block, docs/img/*.png",
         "```",
         "",

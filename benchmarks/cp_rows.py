@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ffpa._compat import transformers as hf_compat
 from lightning_ffpa.flex_options import LARGE_HEAD_DIM_CANDIDATES, flex_kernel_options
 
 __all__ = ["ROWS", "measure"]
@@ -61,7 +62,7 @@ def build_model(spec: dict, device: torch.device, attn: str, ac: bool):
     from lightning_ffpa.presets import build_text_config
 
     cfg = build_text_config(spec["preset"], num_hidden_layers=spec["layers"])
-    cfg._attn_implementation = attn
+    hf_compat.set_config_attn_implementation(cfg, attn)
     with torch.device(device):
         model = Gemma4ForCausalLM(cfg).to(getattr(torch, spec["dtype"]))
     torch.manual_seed(0)

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
 from benchmarks.row_process import row_main, run_rows  # noqa: E402
+from lightning_ffpa._compat import transformers as hf_compat  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gemma4_ffpa.yaml"
@@ -229,7 +230,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
     row = dict(built_by="lightning_ffpa.cli.build", cli_args=words, preflight="lightning_ffpa.validation.preflight",
                strategy=type(cli.trainer.strategy).__qualname__,
                callbacks=[type(c).__qualname__ for c in cli.trainer.callbacks],
-               dropped_callbacks=recipe_callbacks(spec["steps"])[1], attn_implementation=model.config._attn_implementation,
+               dropped_callbacks=recipe_callbacks(spec["steps"])[1], attn_implementation=hf_compat.config_attn_implementation(model.config),
                dispatch=attention.dispatch_counts(), kernels=kernels.kernel_counts(),
                graph_breaks=sum(torch_compat.dynamo_counters()["graph_break"].values()),
                recompiles_timed=torch_compat.dynamo_counters()["stats"]["unique_graphs"] - clock.graphs_after_warmup,
@@ -307,7 +308,7 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
     hf = model.get_base_model()
     row = dict(built_by="transformers.Gemma4ForCausalLM + peft.get_peft_model + lightning_ffpa.parallel.parallelize",
-               attn_implementation=hf.config._attn_implementation, dispatch=attention.dispatch_counts(),
+               attn_implementation=hf_compat.config_attn_implementation(hf.config), dispatch=attention.dispatch_counts(),
                compile=compile_layers, graph_breaks=sum(dynamo["graph_break"].values()),
                recompiles_timed=dynamo["stats"]["unique_graphs"] - graphs_after_warmup, losses=losses,
                static_memory=static_memory(model))

@@ -21,6 +21,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from lightning_ffpa._compat import transformers as hf_compat
+
 # What Unsloth 2026.10.x, trl and datasets install beside themselves (their wheel metadata); the row records
 # which are present, so one failed import says what a device image lacks.
 DISTRIBUTIONS = ("unsloth", "unsloth_zoo", "torch", "transformers", "peft", "trl", "accelerate", "datasets",
@@ -113,7 +115,7 @@ def _run(spec: dict[str, Any], row: dict[str, Any], attempt) -> None:
     # `from_pretrained` must have initialised the weights the file lacks: no all-zero or non-finite matrix
     row["matrices_not_initialised"] = sum(1 for p in hf.parameters() if p.dim() == 2 and not p.requires_grad
                                           and (not bool(p.isfinite().all()) or not bool(p.any())))
-    row.update(model_class=type(hf).__qualname__, attn_implementation=getattr(hf.config, "_attn_implementation", None),
+    row.update(model_class=type(hf).__qualname__, attn_implementation=hf_compat.config_attn_implementation(hf.config),
                static_memory=static_memory(model),
                lora_modules=sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A")))
     trainable = [p for p in model.parameters() if p.requires_grad]

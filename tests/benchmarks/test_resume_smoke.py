@@ -14,7 +14,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(300)
 def test_resume_benchmark_rows_run_on_cpu(tmp_path):
     out = tmp_path / "resume.json"
-    cmd = [sys.executable, str(_ROOT / "benchmarks" / "resume.py"), "--smoke", "--variant", "lora", "--steps", "6",
+    cmd = [sys.executable, str(_ROOT / "benchmarks" / "resume.py"), "--smoke", "--jobs", "2", "--variant", "lora", "--steps", "6",
            "--stop-at", "4", "--every", "2", "--seq", "64", "--vocab", "512", "--samples", "12",
            "--logs", str(tmp_path), "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))

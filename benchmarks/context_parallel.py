@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
-from benchmarks.row_process import row_main, run_rows  # noqa: E402
+from benchmarks.row_process import add_run_options, row_main, run_rows  # noqa: E402
 from lightning_ffpa.flex_options import LARGE_HEAD_DIM_CANDIDATES  # noqa: E402
 
 SWEEP = [f"flex_ring_opt{i}" for i in range(len(LARGE_HEAD_DIM_CANDIDATES))]
@@ -71,12 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", default="gemma4-31b", help="presets.build_text_config preset")
     p.add_argument("--layers", type=int, default=6, help="decoder layers (the last one full attention)")
     p.add_argument("--ac", action=argparse.BooleanOptionalAction, default=True, help="per-layer activation ckpt")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per row")
+    add_run_options(p, budget_s=540.0, row_timeout_s=300.0)
     p.add_argument("--nproc", type=int, default=2, help="ranks per launch (the CP size)")
-    p.add_argument("--budget-s", type=float, default=540.0, help="the whole call ends within this many seconds")
-    p.add_argument("--row-timeout-s", type=float, default=300.0, help="one launch is killed after this")
-    p.add_argument("--resume", default=None, help="an earlier result of this commit and shape: keep its rows")
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny preset, 2 layers, short sequences, fp32")
     args = p.parse_args(argv)
     args.dtype = "float32" if args.smoke else "bfloat16"

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
-from benchmarks.row_process import row_main, run_rows  # noqa: E402
+from benchmarks.row_process import add_run_options, row_main, run_rows  # noqa: E402
 from lightning_ffpa._compat import transformers as hf_compat  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
@@ -71,11 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(RESULTS_DIR / "full_depth_lora.json"), help="result JSON path")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="default 8192 16384 (64 with --smoke)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile happens here)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps (at least 5 on GPU)")
-    p.add_argument("--budget-s", type=float, default=540.0, help="the whole call ends within this many seconds")
-    p.add_argument("--row-timeout-s", type=float, default=330.0, help="kill one (row, seq) process after this")
-    p.add_argument("--resume", default=None, help="result JSON of an earlier call: keep its finished rows")
+    add_run_options(p, budget_s=540.0, row_timeout_s=330.0)
     p.add_argument("--smoke", action="store_true", help="CPU: tiny preset, 2 layers, fp32, compile off")
     args = p.parse_args(argv)
     args.preset, args.layers = ("tiny", 2) if args.smoke else ("gemma4-31b", None)  # None: the preset's 60

@@ -22,6 +22,16 @@ from typing import Any
 MIN_ROW_S = 20.0  # less time than this left in the budget: the row is skipped, not started and killed
 
 
+def add_run_options(parser: Any, *, budget_s: float, row_timeout_s: float) -> None:
+    """The options every row-per-process script shares: warm-up and timed steps, the call's time budget, the
+    per-row timeout and `--resume` (so one table fills over several calls)."""
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile happens here)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per row (median, min and max)")
+    parser.add_argument("--budget-s", type=float, default=budget_s, help="the whole call ends within this many seconds")
+    parser.add_argument("--row-timeout-s", type=float, default=row_timeout_s, help="one row's process is killed after this")
+    parser.add_argument("--resume", default=None, help="result JSON of an earlier call: keep its finished rows")
+
+
 def _tail(path: Path, chars: int = 1500) -> str:
     try:
         return path.read_text(errors="replace")[-chars:]

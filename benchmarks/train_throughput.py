@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
+from benchmarks.row_process import add_run_options  # noqa: E402
 from benchmarks.train_rows import DEFAULT_ROWS, PRODUCT_SAVE_MM, ROWS  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
@@ -57,12 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384, 32768])
     p.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
     p.add_argument("--layers", type=int, default=6, help="the last one full attention, the others sliding")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile happens here)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps (at least 5 on GPU)")
-    p.add_argument("--budget-s", type=float, default=520.0, help="the whole call ends within this many seconds")
-    p.add_argument("--row-timeout-s", type=float, default=300.0, help="kill one (row, seq) process after this")
+    add_run_options(p, budget_s=520.0, row_timeout_s=300.0)
     p.add_argument("--flex-sweep-seq", type=int, default=8192, help="seq at which the Flex option sets are swept")
-    p.add_argument("--resume", default=None, help="result JSON of an earlier call: keep its finished rows")
     p.add_argument("--dp", type=int, default=1, help="data-parallel GPUs per row (each row runs under torchrun)")
     p.add_argument("--preset", default="gemma4-31b", help="presets.py shape; 'tiny' with --cpu for a smoke run")
     p.add_argument("--cpu", action="store_true", help="smoke-run on CPU (gloo, no timing claims)")

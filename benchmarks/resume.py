@@ -10,7 +10,9 @@ with full fine-tuning or LoRA. Rows, each its own process:
 A resumed curve passes when every step's loss is within the measured spread of the uninterrupted run
 (or equal). The loss recorder is the hardening tests' `StepRecorder` (tests/hardening/_helpers.py).
 
-    python benchmarks/resume.py --variant full --out benchmarks/results/resume_full.json
+    python benchmarks/resume.py --variant full --steps 7 --every 4 --jobs 2 --out benchmarks/results/resume_full.json
+The full fine-tune writes ~14 GiB per checkpoint (fp32 weights and AdamW states): one save (step 4) per run
+keeps two runs side by side within a 64 GiB disk.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def fit_config(root: Path, log: Path, args, *, hang_at: int | None, checkpoints:
     if checkpoints:
         kept.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                      "init_args": {"dirpath": str(root / "ckpt"), "every_n_train_steps": args.every,
-                                   "save_last": True, "save_top_k": 1}})
+                                   "save_last": "link", "save_top_k": 1}})  # as the shipped recipe
     else:
         t["enable_checkpointing"] = False
     kept.append(h.recorder(log, hang_at=hang_at))
@@ -109,7 +111,11 @@ def interrupted(work: Path, args, how: str) -> dict:
     log = root / "steps.log"
     config = fit_config(root, log, args, hang_at=args.stop_at, checkpoints=True, name="fit")
     proc = console(config, log=keep(args, how))
-    h.wait_for_line(log, "hang", proc, timeout=args.timeout)
+    try:
+        h.wait_for_line(log, "hang", proc, timeout=args.timeout)
+    except TimeoutError:
+        h.kill9(proc)  # a run left alive keeps its checkpoints on the disk the next rows need
+        raise
     if how == "kill9":
         rc = h.kill9(proc)
     else:

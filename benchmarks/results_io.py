@@ -72,6 +72,20 @@ def write_result(benchmark: str, rows: list[dict[str, Any]], summary: dict[str, 
     return path
 
 
+def resummarize(path: str | Path, summarize: Any, by: str) -> dict[str, Any]:
+    """Recompute a result file's summary in place from its rows (untouched), recording that it was recomputed,
+    by which command and commit, and the summary the run itself wrote."""
+    path = Path(path)
+    record = json.loads(path.read_text())
+    before = record["summary"]
+    record["summary"] = {k: v for k, v in summarize(record["rows"]).items()}
+    record["summary_recomputed"] = {"by": by, "commit": _commit(), "date": _dt.date.today().isoformat(),
+                                    "summary_at_run": before.get("summary_at_run", before)}
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(json.dumps(record["summary"], indent=2, default=str))
+    return record["summary"]
+
+
 def load_results(results_dir: Path = RESULTS_DIR) -> list[tuple[Path, dict[str, Any]]]:
     """Every result JSON under `results_dir` (not its subfolders), sorted by file name."""
     out = []

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.results_io import resummarize, write_result  # noqa: E402
 from benchmarks.row_process import run_rows  # noqa: E402
 
 ROWS_SCRIPT = Path(__file__).resolve().parent / "rollout_rows.py"
@@ -177,13 +177,6 @@ def merge(paths: list[str], out: str) -> None:
     write(rows, out, partial=False, merged_from=sources)
 
 
-def resummarize(path: str) -> None:
-    """Recompute the summary of a result file in place (rows untouched), recording that it was recomputed."""
-    record = json.loads(Path(path).read_text())
-    record["summary"] = {**summarize(record["rows"]), "summary_recomputed": "by `rollout.py --summarize`"}
-    Path(path).write_text(json.dumps(record, indent=2, default=str) + "\n")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=FULL_DEPTH, help="60 = full depth; 12 = reduced-depth ablation")
@@ -226,7 +219,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.summarize:
-        return resummarize(args.summarize)
+        return resummarize(args.summarize, summarize, by="rollout.py --summarize")
     if args.merge:
         return merge(args.merge, args.out)
     specs = build_specs(args)

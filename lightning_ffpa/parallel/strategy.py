@@ -95,8 +95,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             reshard_after_forward: Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2).
             cpu_offload: Keep sharded parameters, gradients and optimizer state on CPU.
             compile: torch.compile each decoder layer (after AC wrapping, before FSDP); null = on for CUDA,
-                off elsewhere. Its gain over the eager SAC path: benchmarks/results/train_throughput.json,
-                rows "ours" vs "ours_nocompile".
+                off elsewhere. Its gain over the eager SAC path: `benchmarks/train_throughput.py --rows ours
+                ours_nocompile` (the ablation row is not in the default set).
             save_distributed_checkpoint: Save per-rank DCP shards (True) or one full file on rank 0; either is
                 written under a temporary name and renamed when complete (`lightning_ffpa.checkpoint`).
             async_save: Write DCP checkpoints in the background (`torch.distributed.checkpoint.async_save`);

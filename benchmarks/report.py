@@ -128,6 +128,15 @@ NOTE_KEYS = ("depth_note", "model_slice", "memory_note", "history_note", "partia
 # lists it, the README does not.
 
 
+def script_name(record: dict[str, Any]) -> str:
+    """The script that wrote a result file, from its recorded command (`python benchmarks/X.py ...`); the
+    benchmark name where the command names none (a benchmark can be named for a variant, e.g. resume_full)."""
+    import re
+
+    found = re.search(r"benchmarks/(\w+)\.py|-m benchmarks\.(\w+)", str(record.get("command", "")))
+    return (found.group(1) or found.group(2)) if found else record["benchmark"]
+
+
 def script_doc(benchmark: str) -> str | None:
     """The module docstring of benchmarks/<benchmark>.py: what the rows are, as the script says."""
     import ast
@@ -283,7 +292,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         "",
     ]
     for path, rec in results:
-        name, script = path.stem, rec["benchmark"]  # several result files can come from one script
+        name, script = path.stem, script_name(rec)  # several result files can come from one script
         link = f"[`{rel(path, ROOT)}`]({rel(path, docs)})"
         out += [f"## {name}", "", f"Source: {link}", ""]
         doc = rec.get("script_doc")

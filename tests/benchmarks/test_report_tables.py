@@ -271,3 +271,10 @@ def test_committed_result_files_render_without_stray_numbers():
             assert stray_numbers(section, record) == [], path.name
             checked += 1
     assert checked == sum(report.curated(r) for _, r in results_io.load_results())
+
+
+def test_docs_name_the_script_that_wrote_a_file_named_for_a_variant():
+    rec = dict(benchmark="resume_full", command="python benchmarks/resume.py --variant full --out x/resume_full.json")
+    assert report.script_name(rec) == "resume"
+    assert report.script_name(dict(benchmark="rollout", command="python -m benchmarks.rollout --out y")) == "rollout"
+    assert report.script_name(dict(benchmark="attention")) == "attention"

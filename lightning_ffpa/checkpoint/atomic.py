@@ -33,7 +33,7 @@ __all__ = ["AtomicCheckpointIO", "check_free_space", "checkpoint_bytes", "partia
 PARTIAL_SUFFIX = ".partial"
 # Headroom over the tensor bytes: pickled metadata, DCP's .metadata, filesystem blocks.
 SPACE_MARGIN = 1.05
-DISK_OPTION = "trainer.default_root_dir"
+DISK_OPTION = "ModelCheckpoint.dirpath"  # Lightning fills it from trainer.default_root_dir when unset
 
 
 def partial_path(final: str | os.PathLike) -> Path:
@@ -142,7 +142,8 @@ def space_error(directory: str | os.PathLike, needed: int, free: int) -> ConfigE
     """The one-line error for a checkpoint that will not fit."""
     return ConfigError(DISK_OPTION, str(directory),
                        f"a checkpoint needs about {_gib(needed)} there but only {_gib(free)} is free; free space, "
-                       "keep fewer checkpoints (ModelCheckpoint save_top_k) or choose another directory")
+                       "keep fewer checkpoints (ModelCheckpoint save_top_k) or choose another directory "
+                       "(ModelCheckpoint dirpath, or trainer.default_root_dir when dirpath is unset)")
 
 
 def check_free_space(directory: str | os.PathLike, needed: int) -> None:

@@ -51,7 +51,7 @@ def test_async_saves_complete_and_resume(report, record_property):
 def test_too_small_disk_on_one_rank_is_refused_everywhere_before_writing(report, record_property):
     record_property("hardening", "checkpoint")
     record_property("case", "FSDP2 (2 ranks): one rank's disk too small -> one line, nothing written")
-    assert report["full"].startswith("`trainer.default_root_dir=") and "is free" in report["full"]
+    assert report["full"].startswith("`ModelCheckpoint.dirpath=") and "is free" in report["full"]
     assert "\n" not in report["full"]
     assert report["full_listing"] == {}
 

@@ -101,7 +101,7 @@ def test_disk_preflight_refuses_before_writing(tmp_path, monkeypatch, record_pro
     record_property("hardening", "checkpoint")
     record_property("case", "disk too small for the checkpoint: one line before writing")
     msg = str(err.value)
-    assert msg.startswith("`trainer.default_root_dir=") and "100 bytes is free" in msg and "\n" not in msg
+    assert msg.startswith("`ModelCheckpoint.dirpath=") and "100 bytes is free" in msg and "\n" not in msg
     assert not (tmp_path / "ckpt").exists() or _names(tmp_path / "ckpt") == []
 
 

@@ -56,9 +56,10 @@ ROWS: dict[str, dict] = {
                                "with softcap) in place of our chunked loss"),
     "ours": dict(attn="ffpa", **_RECIPE, label="sdpa_recipe with the ffpa backend: FFPA for the D=512 layers, "
                                                "block-sparse Flex for the sliding layers (the product path)"),
-    # Ablations (opt-in through --rows).
     "liger_recipe_nocompile": dict(attn="sdpa", **dict(_RECIPE, loss="liger", compile=False), patches="liger",
-                                   label="liger_recipe without per-layer compile"),
+                                   label="liger_recipe without per-layer compile (inductor cannot look into "
+                                         "liger's Triton kernels)"),
+    # Ablations (opt-in through --rows).
     "ffpa_defaults": dict(_DEFAULTS, attn="ffpa", label="sdpa_defaults with the ffpa backend only"),
     "flex_defaults": dict(_DEFAULTS, attn="flex", flex_options="best",
                           label="sdpa_defaults with Flex for all layers (the sweep's best D=512 options)"),
@@ -72,7 +73,7 @@ ROWS: dict[str, dict] = {
     "ours_foreach": dict(attn="ffpa", **dict(_RECIPE, compile=False, optim="adamw_default"),
                          label="ours_nocompile with foreach AdamW"),
 }
-DEFAULT_ROWS = ["ours", "sdpa_recipe", "sdpa_defaults", "liger_recipe", "flex_recipe"]
+DEFAULT_ROWS = ["ours", "sdpa_recipe", "sdpa_defaults", "liger_recipe", "liger_recipe_nocompile", "flex_recipe"]
 
 
 # ----------------------------------------------------------------------------- attentions and patches

@@ -22,7 +22,7 @@ demo: install
 	$(BIN)/lightning-ffpa fit --config configs/tiny.yaml
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15   # the slowest tests, for keeping CI short
 
 gpu-test: install
 	$(BIN)/python -m pytest -q -m gpu

@@ -98,6 +98,48 @@ def test_measured_claims_cite_a_result_file(page):
             assert (ROOT / rel).exists(), f"{page.name}: cites missing {rel}"
 
 
+# A measured quantity in prose: "8,905 tok/s", "77.0%", "5.85x", "25.1 GB", "16.9 ms", "31.6 TFLOP".
+MEASURED = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)\s?(x\b|%|ms\b|tok/s|tokens/s|GB\b|GiB\b|TFLOP)")
+
+
+def _numbers(value, out: list[float]) -> list[float]:
+    """Every number in a result record, including numbers inside its strings (labels, notes)."""
+    if isinstance(value, dict):
+        for v in value.values():
+            _numbers(v, out)
+    elif isinstance(value, list):
+        for v in value:
+            _numbers(v, out)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        out.append(float(value))
+    elif isinstance(value, str):
+        out += [float(m) for m in re.findall(r"\d+(?:\.\d+)?", value)]
+    return out
+
+
+def _backed(printed: str, unit: str, numbers: list[float]) -> bool:
+    """Whether `printed` (as the docs round it) is a value of the cited files; a percent may be a fraction."""
+    value = float(printed.replace(",", ""))
+    half = 0.5 * 10 ** -(len(printed.split(".")[1]) if "." in printed else 0)
+    wanted = [(value, half)] + ([(value / 100, half / 100)] if unit == "%" else [])
+    return any(abs(n - v) <= tol + 1e-12 for v, tol in wanted for n in numbers)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name != "benchmarks.md"], ids=lambda p: p.name)
+def test_numbers_beside_a_result_link_are_in_that_result(page):
+    """Hand-written sections that cite result files print only numbers those files hold (rounded as printed):
+    nothing measured elsewhere, estimated or derived by hand. Generated blocks are checked by the report tests."""
+    text = re.sub(r"<!-- BEGIN GENERATED.*?<!-- END GENERATED[^>]*-->", "", page.read_text(), flags=re.S)
+    for section in _sections(text):
+        cited = {rel for rel in RESULT_LINK.findall(section) if (ROOT / rel).exists()}
+        if not cited:
+            continue
+        numbers = [n for rel in cited for n in _numbers(json.loads((ROOT / rel).read_text()), [])]
+        prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", section, flags=re.S))
+        stray = [m.group(0) for m in MEASURED.finditer(prose) if not _backed(m.group(1), m.group(2), numbers)]
+        assert not stray, f"{page.name} / {section.splitlines()[0]!r}: {stray} are in none of {sorted(cited)}"
+
+
 def test_headline_numbers_match_their_json():
     """Each README headline value is the linked file's summary (or row) value, formatted as the report does."""
     readme = (ROOT / "README.md").read_text()

@@ -11,6 +11,7 @@ called from here unless `--no-plots`).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -132,8 +133,6 @@ NOTE_KEYS = ("depth_note", "model_slice", "memory_note", "history_note", "partia
 def script_name(record: dict[str, Any]) -> str:
     """The script that wrote a result file, from its recorded command (`python benchmarks/X.py ...`); the
     benchmark name where the command names none (a benchmark can be named for a variant, e.g. resume_full)."""
-    import re
-
     found = re.search(r"benchmarks/(\w+)\.py|-m benchmarks\.(\w+)", str(record.get("command", "")))
     return (found.group(1) or found.group(2)) if found else record["benchmark"]
 

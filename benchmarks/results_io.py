@@ -78,12 +78,24 @@ def resummarize(path: str | Path, summarize: Any, by: str) -> dict[str, Any]:
     path = Path(path)
     record = json.loads(path.read_text())
     before = record["summary"]
-    record["summary"] = {k: v for k, v in summarize(record["rows"]).items()}
+    record["summary"] = summarize(record["rows"])
     record["summary_recomputed"] = {"by": by, "commit": _commit(), "date": _dt.date.today().isoformat(),
                                     "summary_at_run": before.get("summary_at_run", before)}
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(json.dumps(record["summary"], indent=2, default=str))
     return record["summary"]
+
+
+def leaves(value: Any):
+    """Every leaf of a result record (numbers, strings, None), depth first."""
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from leaves(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from leaves(v)
+    else:
+        yield value
 
 
 def load_results(results_dir: Path = RESULTS_DIR) -> list[tuple[Path, dict[str, Any]]]:

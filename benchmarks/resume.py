@@ -157,18 +157,16 @@ def summarize(rows: list[dict]) -> dict:
     uninterrupted runs alone can under-state it."""
     curves = {r["row"]: {int(k): v for k, v in r["curve"].items()} for r in rows}
     ref = curves["uninterrupted"]
-    stopped = [r for r in rows if "checkpoints_seen" in r]
-    before = {r["row"]: [s for s in sorted(ref) if s <= resumed_from(r)] for r in stopped}
-    spread = max([compare(ref, curves["uninterrupted_repeat"])] +
-                 [compare(ref, curves[name], steps) for name, steps in before.items()])
-    summary: dict = {"run_to_run_spread": spread,
-                     "uninterrupted_pair_max_abs_loss_diff": compare(ref, curves["uninterrupted_repeat"])}
-    for r in stopped:
-        name = r["row"]
-        after = [s for s in sorted(ref) if s > resumed_from(r)]
-        diff = compare(ref, curves[name], after)
-        summary[f"{name}_resumed_from_step"] = resumed_from(r)
-        summary[f"{name}_before_stop_max_abs_loss_diff"] = compare(ref, curves[name], before[name])
+    pair = compare(ref, curves["uninterrupted_repeat"])
+    stopped = {r["row"]: resumed_from(r) for r in rows if "checkpoints_seen" in r}
+    before = {name: compare(ref, curves[name], [s for s in sorted(ref) if s <= step])
+              for name, step in stopped.items()}
+    spread = max([pair, *before.values()])
+    summary: dict = {"run_to_run_spread": spread, "uninterrupted_pair_max_abs_loss_diff": pair}
+    for name, step in stopped.items():
+        diff = compare(ref, curves[name], [s for s in sorted(ref) if s > step])
+        summary[f"{name}_resumed_from_step"] = step
+        summary[f"{name}_before_stop_max_abs_loss_diff"] = before[name]
         summary[f"{name}_max_abs_loss_diff"] = diff
         summary[f"{name}_within_spread"] = diff <= spread
         summary[f"{name}_bitwise"] = compare(ref, curves[name]) == 0.0

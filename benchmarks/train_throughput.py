@@ -190,21 +190,17 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     """The summary keys, and for each null one the reason."""
     summary, missing = {}, {}
 
-    def ratio(key, a, b, seq):
-        (x, why_x), (y, why_y) = _lookup(rows, a, seq), _lookup(rows, b, seq)
+    def ratio(key, ours, baseline):  # each a (row or None, why) pair
+        (x, why_x), (y, why_y) = ours, baseline
         summary[key] = x["tokens_per_s_per_gpu"] / y["tokens_per_s_per_gpu"] if x and y else None
         if summary[key] is None:
             missing[key] = "; ".join(filter(None, (why_x, why_y)))
 
     for seq, tag in _SEQ_KEYS.items():
-        ratio(f"ours_vs_sdpa_recipe_tps_{tag}", "ours", "sdpa_recipe", seq)
-        ratio(f"ours_vs_flex_recipe_tps_{tag}", "ours", "flex_recipe", seq)
-    ours8, why = _lookup(rows, "ours", 8192)
-    liger, why_liger = best_liger(rows, 8192)
-    summary["ours_vs_liger_tps_8k"] = ours8["tokens_per_s_per_gpu"] / liger["tokens_per_s_per_gpu"] if ours8 and liger else None
-    if summary["ours_vs_liger_tps_8k"] is None:
-        missing["ours_vs_liger_tps_8k"] = "; ".join(filter(None, (why, why_liger)))
-    ratio("ours_vs_sdpa_defaults_tps_8k", "ours", "sdpa_defaults", 8192)
+        for base in ("sdpa_recipe", "flex_recipe"):
+            ratio(f"ours_vs_{base}_tps_{tag}", _lookup(rows, "ours", seq), _lookup(rows, base, seq))
+    ratio("ours_vs_liger_tps_8k", _lookup(rows, "ours", 8192), best_liger(rows, 8192))
+    ratio("ours_vs_sdpa_defaults_tps_8k", _lookup(rows, "ours", 8192), _lookup(rows, "sdpa_defaults", 8192))
     ours16, why = _lookup(rows, "ours", 16384)
     for key, field in (("ours_mfu_spec_16k", "mfu_spec"), ("ours_mfu_measured_peak_16k", "mfu_measured_peak")):
         summary[key] = ours16.get(field) if ours16 else None

@@ -102,18 +102,14 @@ def test_measured_claims_cite_a_result_file(page):
 MEASURED = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)\s?(x\b|%|ms\b|tok/s|tokens/s|GB\b|GiB\b|TFLOP)")
 
 
-def _numbers(value, out: list[float]) -> list[float]:
+def _numbers(record: dict) -> list[float]:
     """Every number in a result record, including numbers inside its strings (labels, notes)."""
-    if isinstance(value, dict):
-        for v in value.values():
-            _numbers(v, out)
-    elif isinstance(value, list):
-        for v in value:
-            _numbers(v, out)
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        out.append(float(value))
-    elif isinstance(value, str):
-        out += [float(m) for m in re.findall(r"\d+(?:\.\d+)?", value)]
+    out: list[float] = []
+    for v in results_io.leaves(record):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append(float(v))
+        elif isinstance(v, str):
+            out += [float(m) for m in re.findall(r"\d+(?:\.\d+)?", v)]
     return out
 
 
@@ -134,7 +130,7 @@ def test_numbers_beside_a_result_link_are_in_that_result(page):
         cited = {rel for rel in RESULT_LINK.findall(section) if (ROOT / rel).exists()}
         if not cited:
             continue
-        numbers = [n for rel in cited for n in _numbers(json.loads((ROOT / rel).read_text()), [])]
+        numbers = [n for rel in cited for n in _numbers(json.loads((ROOT / rel).read_text()))]
         prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", section, flags=re.S))
         stray = [m.group(0) for m in MEASURED.finditer(prose) if not _backed(m.group(1), m.group(2), numbers)]
         assert not stray, f"{page.name} / {section.splitlines()[0]!r}: {stray} are in none of {sorted(cited)}"

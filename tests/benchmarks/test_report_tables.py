@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is a folder of scripts
-from benchmarks import plots, report, report_tables  # noqa: E402
+from benchmarks import plots, report, report_tables, results_io  # noqa: E402
 
 NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?[%x]?")
 
@@ -131,25 +131,14 @@ def _render(tmp_path: Path, record: dict) -> tuple[str, str]:
     return section, report.rel(path, report.BENCHMARKS_MD.parent)
 
 
-def _leaves(value):
-    if isinstance(value, dict):
-        for v in value.values():
-            yield from _leaves(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _leaves(v)
-    else:
-        yield value
-
-
 def stray_numbers(section: str, record: dict) -> list[str]:
     """Numbers in `section` that are no field of `record` in any of the report's formats. The record's strings
     (labels, notes) and code spans (field names, error lines) are taken out first; what is left is values."""
-    numbers = [v for v in _leaves(record) if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    numbers = [v for v in results_io.leaves(record) if isinstance(v, (int, float)) and not isinstance(v, bool)]
     allowed = {f.format(v) for v in numbers for f in report_tables.FORMATS.values()}
     allowed |= {str(v) for v in numbers if isinstance(v, int)}
     text = re.sub(r"``.+?``|`[^`\n]*`", " ", re.sub(r"\]\([^)]*\)", "]", section))  # code spans, link targets
-    strings = {v for v in _leaves(record) if isinstance(v, str) and not re.fullmatch(r"[\d.,%x]*", v)}
+    strings = {v for v in results_io.leaves(record) if isinstance(v, str) and not re.fullmatch(r"[\d.,%x]*", v)}
     for s in sorted(strings, key=len, reverse=True):  # longest first: a label before the words inside it
         text = text.replace(s.replace("|", "\\|"), " ")
     return [n for n in NUMBER.findall(text) if n not in allowed]
@@ -262,8 +251,6 @@ def test_readme_headline_leads_with_same_recipe_and_peer_ratios(tmp_path):
 
 def test_committed_result_files_render_without_stray_numbers():
     """The same check over every recorded result file that gets a curated table (what docs/benchmarks.md shows)."""
-    from benchmarks import results_io
-
     checked = 0
     for path, record in results_io.load_results():
         section = "\n".join(report.curated_section([(path, record)], report.BENCHMARKS_MD.parent, set()))

@@ -295,7 +295,7 @@ def measure_row(name: str, seq: int, args, mesh, device, rank: int, flex_options
         # Untimed extra steps: where the memory goes, and (opt-in) where the time goes.
         row["memory_phases"] = phase_memory(device, partial(loss_fn, spec, model, ids), torch.Tensor.backward,
                                             partial(_opt_step, opt))
-        if args.profile:
+        if args.profile is not None:  # the driver passes a bare --profile to the rows it profiles
             row["profile"] = profile_step(device, partial(_step, spec, model, opt, ids))
         if not all(v == v and abs(v) < 1e4 for v in losses):
             row["error"] = f"non-finite loss {losses}"

@@ -65,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=1, help="data-parallel GPUs per row (each row runs under torchrun)")
     p.add_argument("--preset", default="gemma4-31b", help="presets.py shape; 'tiny' with --cpu for a smoke run")
     p.add_argument("--cpu", action="store_true", help="smoke-run on CPU (gloo, no timing claims)")
-    p.add_argument("--profile", action="store_true", help="profile one extra step of every row (top kernels)")
+    p.add_argument("--profile", nargs="*", default=None, choices=list(ROWS), metavar="ROW",
+                   help="profile one extra step (top kernels) of the named rows; no name: every row")
     # One (row, seq) in this process: the driver's child.
     p.add_argument("--one", default=None, choices=list(ROWS), help=argparse.SUPPRESS)
     p.add_argument("--seq", type=int, default=None, help=argparse.SUPPRESS)
@@ -112,6 +113,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def profiled(args, name: str) -> bool:
+    """Whether `--profile` asks for a profiled extra step of row `name`."""
+    return args.profile is not None and (not args.profile or name in args.profile)
+
+
 def launch(args, name: str, seq: int, flex_options: int | None, logs: Path, timeout: float) -> dict:
     """Run one (row, seq) in a fresh process (torchrun for --dp > 1); its record, or why it has none."""
     part, log = logs / f"{name}_{seq}.json", logs / f"{name}_{seq}.log"
@@ -120,7 +126,7 @@ def launch(args, name: str, seq: int, flex_options: int | None, logs: Path, time
     script = [str(Path(__file__).resolve()), "--one", name, "--seq", str(seq), "--part-out", str(part),
               "--layers", str(args.layers), "--warmup", str(args.warmup), "--steps", str(args.steps),
               "--preset", args.preset, "--dp", str(args.dp), *(["--cpu"] if args.cpu else []),
-              *(["--profile"] if args.profile else []),
+              *(["--profile"] if profiled(args, name) else []),
               *(["--flex-options", str(flex_options)] if flex_options is not None else [])]
     launcher = [sys.executable]
     if args.dp > 1:

@@ -229,6 +229,11 @@ def _opt_step(opt) -> None:
 
 
 # ----------------------------------------------------------------------------- one (row, seq)
+def _progress(msg: str) -> None:
+    """One line in the row's log (the driver keeps it), so a row killed by its timeout shows where it was."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
 def measure_row(name: str, seq: int, args, mesh, device, rank: int, flex_options: int | None = None) -> dict:
     """Build row `name`, train `args.warmup` + `args.steps` steps at `seq`, and return its record."""
     spec = {k: v for k, v in ROWS[name].items()}
@@ -252,7 +257,10 @@ def measure_row(name: str, seq: int, args, mesh, device, rank: int, flex_options
         if cuda:  # free device memory as the row starts: what other processes (the driver included) hold
             free, total = torch.cuda.mem_get_info(device)
             row.update(device_free_gb_at_start=free / 2**30, device_total_gb=total / 2**30)
+        t_build = time.perf_counter()
         model = build_model(spec, mesh, args.layers, device, args.preset)
+        row["build_s"] = time.perf_counter() - t_build
+        _progress(f"{name} seq={seq}: model built in {row['build_s']:.1f} s")
         if spec.get("patches") == "liger":
             row.update(liger_applied(model))
         opt = build_optimizer(spec, model)
@@ -262,7 +270,12 @@ def measure_row(name: str, seq: int, args, mesh, device, rank: int, flex_options
 
         dynamo = torch_compat.dynamo_counters()
         dynamo.clear()
-        losses = [_step(spec, model, opt, ids) for _ in range(args.warmup)]  # compiles here
+        losses, row["warmup_step_s"] = [], []
+        for i in range(args.warmup):  # compiles here: each step's time says where a slow or killed row stood
+            t0 = time.perf_counter()
+            losses.append(_step(spec, model, opt, ids))
+            row["warmup_step_s"].append(time.perf_counter() - t0)
+            _progress(f"{name} seq={seq}: warm-up step {i + 1}/{args.warmup} took {row['warmup_step_s'][-1]:.1f} s")
         graphs_after_warmup = dynamo["stats"]["unique_graphs"]
         attention.reset_dispatch_counts()
         if cuda:
@@ -274,6 +287,7 @@ def measure_row(name: str, seq: int, args, mesh, device, rank: int, flex_options
             losses.append(_step(spec, model, opt, ids))  # .item() syncs
             times.append(time.perf_counter() - t0)
         median = statistics.median(times)
+        _progress(f"{name} seq={seq}: {args.steps} timed steps, median {median * 1e3:.1f} ms")
         flops = train_flops_per_batch(model, 1, seq)
         spec_peak = peak_bf16_flops(device)
         row.update(

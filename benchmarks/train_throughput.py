@@ -121,6 +121,10 @@ def profiled(args, name: str) -> bool:
 def launch(args, name: str, seq: int, flex_options: int | None, logs: Path, timeout: float) -> dict:
     """Run one (row, seq) in a fresh process (torchrun for --dp > 1); its record, or why it has none."""
     part, log = logs / f"{name}_{seq}.json", logs / f"{name}_{seq}.log"
+    for again in range(1, 100):  # a re-run keeps the earlier attempt's log (a killed row's only record)
+        if not log.exists():
+            break
+        log = logs / f"{name}_{seq}.{again}.log"
     part.unlink(missing_ok=True)
     port = _free_port()
     script = [str(Path(__file__).resolve()), "--one", name, "--seq", str(seq), "--part-out", str(part),

@@ -60,8 +60,15 @@ def test_rows_run_in_their_own_processes_and_resume_keeps_them(tmp_path):
     assert again["rows"][0] == result["rows"][0]
     assert len(again["calls"]) == 2 and again["calls"][1]["rows"] == ["liger_recipe@128"]
     liger = again["rows"][2]
+    logs = out.parent / f"{out.stem}_logs"
+    assert "1 timed steps, median" in (logs / "sdpa_defaults_128.log").read_text()  # progress, for killed rows
+    assert len(result["rows"][0]["warmup_step_s"]) == 1 and result["rows"][0]["build_s"] > 0
     if importlib.util.find_spec("liger_kernel") is None:
         assert liger["error"] == "ModuleNotFoundError: No module named 'liger_kernel'"
+        # A failed row runs again in the next call; the failed attempt's log stays beside the new one.
+        tt.main([*_SMOKE, "--rows", "liger_recipe", "--out", str(out), "--resume", str(out)])
+        assert {p.name for p in logs.glob("liger_recipe_128*.log")} == {"liger_recipe_128.log",
+                                                                         "liger_recipe_128.1.log"}
 
 
 def _args(*extra):

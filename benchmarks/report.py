@@ -18,6 +18,7 @@ from typing import Any
 
 from benchmarks import report_tables
 from benchmarks.report_tables import CURATED
+from benchmarks.report_targets import render_targets
 from benchmarks.results_io import load_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,10 +227,21 @@ def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) 
     return lines[:-1] if lines else lines
 
 
+def clean_commit(record: dict[str, Any]) -> bool:
+    """Whether the file names the one commit it measured (a hex sha, as results_io writes it)."""
+    return bool(re.fullmatch(r"[0-9a-f]{7,40}", str(record.get("commit", ""))))
+
+
+def current(results: list[tuple[Path, dict[str, Any]]]) -> list[tuple[Path, dict[str, Any]]]:
+    """The files the README and the targets read: not kept as history, not from EARLIER_HARNESS, and naming
+    the one commit they measured."""
+    return [(p, r) for p, r in results if "history_note" not in r["summary"] and p.stem not in EARLIER_HARNESS
+            and clean_commit(r)]
+
+
 def render_headline(results: list[tuple[Path, dict[str, Any]]]) -> str:
     """The README block between the BEGIN/END markers (history and EARLIER_HARNESS files left out)."""
-    lines = headline_lines([(p, r) for p, r in results
-                            if "history_note" not in r["summary"] and p.stem not in EARLIER_HARNESS], ROOT)
+    lines = headline_lines(current(results), ROOT)
     if not lines:
         lines = ["- No benchmark has been recorded yet (`benchmarks/results/` is empty)."]
     body = "\n".join(lines)
@@ -286,6 +298,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         "see [How to reproduce](#how-to-reproduce).",
         "",
         *curated_section(results, docs, plotted),
+        *render_targets(current(results), docs, rel),
         "## Headline numbers",
         "",
         *(headline_lines(results, docs) or ["No benchmark has been recorded yet."]),
@@ -303,6 +316,10 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
             out += [f"What `benchmarks/{script}.py` measures today (its current docstring: this file predates "
                     "recorded docstrings, and the script may have changed since it ran):", "", "```text", doc,
                     "```", ""]
+        if not clean_commit(rec):
+            out += ["**Provenance incomplete:** the file's `commit` is not one commit id, so it is not known which "
+                    "code it measured. It is kept as a record and is not cited in the README or the targets; "
+                    "re-run its script to replace it.", ""]
         out += [f"- device: {cell(rec.get('device'))}; date: {cell(rec.get('date'))}; "
                 f"commit: `{cell(rec.get('commit'))}`",
                 f"- versions: {cell(rec.get('versions', {}))}",
@@ -313,6 +330,8 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
                 table([{"key": k, "value": v} for k, v in rec["summary"].items()]), ""]
         if name in plotted and not curated(rec):  # curated files show their plot beside their table
             out += [f"![{name}](img/{name}.png)", ""]
+        if kinds := report_tables.kernel_time(rec, rel(path, docs)):
+            out += [f"### {name}: kernel time by kind ({link})", "", *kinds]
         out += [f"### {name}: rows ({link})", "", table(rec["rows"]), ""]
     out += [
         "## How to reproduce",

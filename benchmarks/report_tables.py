@@ -184,6 +184,31 @@ def training(rec: dict[str, Any], link: str) -> list[str]:
                       "what differs from the row it names", ("ours",))
 
 
+def kernel_time(rec: dict[str, Any], link: str) -> list[str]:
+    """Per profiled row (`--profile`), its extra step's kernel time by kind. Sums of recorded fields
+    (`step_probe.kernel_kinds`), so they go in a file's own section, not among the curated tables."""
+    from benchmarks.step_probe import kernel_kinds
+
+    rows = [r for r in rec["rows"] if not failed(r) and {"top_kernels", "cuda_kernel_total_ms", "wall_ms"}
+            <= set(r.get("profile") or {})]  # the profile step_probe writes (older files recorded less)
+    if not rows:
+        return []
+    kinds = [kernel_kinds(r["profile"]) for r in rows]
+    t = Table(link)
+    for title, field in (("row", "row"), ("seq", "seq"), ("profiled step, wall ms", "profile.wall_ms"),
+                         ("GPU busy ms", "profile.cuda_busy_ms")):
+        t.col(title, field)
+    for kind in kinds[0]:
+        t.col(f"{kind}, ms", "profile.top_kernels[].total_ms")
+    for row, by_kind in zip(rows, kinds):
+        t.add([row["row"], str(row["seq"]), fmt("ms", row["profile"]["wall_ms"]),
+               fmt("ms", row["profile"]["cuda_busy_ms"]), *(fmt("ms", v) for v in by_kind.values())])
+    return [f"Where a profiled step's kernel time goes: the {len(rows[0]['profile']['top_kernels'])} longest "
+            "kernels of one extra step (`profile.top_kernels`), summed by kind by `benchmarks/step_probe.py`'s "
+            "`kernel_kinds` (kernels on other streams overlap, so the kinds can add up to more than the wall "
+            "time):", "", *t.render(), ""]
+
+
 def full_depth_lora(rec: dict[str, Any], link: str) -> list[str]:
     detail = [TRAIN_DETAIL[0], *TRAIN_DETAIL[2:4], ("MFU of the datasheet bf16 peak, LoRA FLOPs", "mfu_spec", "pct")]
     return seq_tables(rec, link, "tokens_per_s", LORA_ORDER, LORA_RATIOS, "ours_lora", detail, "what it runs")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["phase_memory", "profile_step", "summarize_kernels"]
+__all__ = ["KERNEL_KINDS", "kernel_kinds", "phase_memory", "profile_step", "summarize_kernels"]
 
 _GIB = 2**30
 
@@ -76,7 +76,7 @@ def _cpu_tracked(fn: Callable, *args) -> tuple[object, int, int]:
     return result, peak, cur
 
 
-def profile_step(device: torch.device, step: Callable[[], None], top: int = 25, name_chars: int = 90) -> dict:
+def profile_step(device: torch.device, step: Callable[[], None], top: int = 60, name_chars: int = 90) -> dict:
     """Profile one step: top `top` CUDA kernels by total time, and CUDA busy time against wall time.
 
     `cuda_busy_ms` is the union of kernel intervals (overlapping streams counted once); busy / wall
@@ -119,3 +119,30 @@ def summarize_kernels(events: list[tuple[str, float, float]], wall_ms: float, to
         num_kernels=sum(v[0] for v in kernels.values()),
         top_kernels=[dict(name=n[:name_chars], calls=c, total_ms=round(ms, 3)) for n, (c, ms) in ranked[:top]],
     )
+
+
+# What a kernel does, from its name (first match wins). Ranges the profiler records around kernels
+# (`Optimizer.step#AdamW.step`, `FSDP::...`) are not kernels and are left out: they would count time twice.
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention: FFPA", ("ffpa",)),
+    ("attention: Flex", ("flex_attention",)),
+    ("attention: SDPA", ("sdpa", "fmha", "flash")),
+    ("matmul", ("nvjet", "gemm", "sm90_xmma")),
+    ("optimizer", ("multi_tensor_apply",)),
+    ("copies and casts", ("memcpy", "copy_kernel", "chunk_cat", "split_with_sizes")),
+)
+
+
+def kernel_kinds(profile: dict) -> dict[str, float]:
+    """A profiled step's top kernels summed by `KERNEL_KINDS` (ms); "other" is the rest of the top list and
+    "outside the top list" what the list leaves out of all kernel time (kernels on other streams overlap, so
+    the sum can exceed the step's wall time)."""
+    out = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for k in profile["top_kernels"]:
+        name = k["name"].lower()
+        if "#" in name or name.startswith(("fsdp::", "profilerstep")):
+            continue
+        kind = next((kind for kind, keys in KERNEL_KINDS if any(key in name for key in keys)), "other")
+        out[kind] += k["total_ms"]
+    out["outside the top list"] = profile["cuda_kernel_total_ms"] - sum(k["total_ms"] for k in profile["top_kernels"])
+    return out

@@ -239,7 +239,7 @@ def test_readme_headline_leads_with_same_recipe_and_peer_ratios(tmp_path):
     """The file with a same-recipe ratio comes before an op-level file; recipe-vs-defaults follows the peers and
     says what a default Lightning + HF user gains by switching."""
     train = _train_record()
-    attention = dict(benchmark="attention", rows=[], summary={"ffpa_vs_sdpa_fwd_8k": 4.13})
+    attention = dict(benchmark="attention", rows=[], summary={"ffpa_vs_sdpa_fwd_8k": 4.13}, commit="2d1f4b7")
     results = [(tmp_path / "attention.json", attention), (tmp_path / "train_throughput.json", train)]
     bullets = [ln for ln in report.render_headline(results).splitlines() if ln.startswith("- **") and "(`summary." in ln]
     keys = [re.search(r"\(`summary\.(\w+)`\)$", ln).group(1) for ln in bullets]
@@ -265,3 +265,48 @@ def test_docs_name_the_script_that_wrote_a_file_named_for_a_variant():
     assert report.script_name(rec) == "resume"
     assert report.script_name(dict(benchmark="rollout", command="python -m benchmarks.rollout --out y")) == "rollout"
     assert report.script_name(dict(benchmark="attention")) == "attention"
+
+
+def test_a_file_without_one_commit_id_stays_out_of_the_readme_and_is_flagged(tmp_path):
+    train = _train_record()
+    hand_set = dict(train, commit="HEAD\n2d1f4b7")
+    assert report.current([(tmp_path / "train_throughput.json", hand_set)]) == []
+    assert "No benchmark has been recorded yet" in report.render_headline([(tmp_path / "t.json", hand_set)])
+    page = report.render_benchmarks_md([(tmp_path / "train_throughput.json", hand_set)], set())
+    assert "**Provenance incomplete:**" in page
+    assert "**Provenance incomplete:**" not in report.render_benchmarks_md([(tmp_path / "t.json", train)], set())
+
+
+def test_targets_table_reads_the_newest_value_and_says_met_missed_or_not_measured(tmp_path):
+    from benchmarks import report_targets
+
+    old = dict(benchmark="b", commit="aaaaaaa", date="2026-11-01", rows=[], summary={"ours_vs_liger_tps_8k": 1.2})
+    new = dict(benchmark="b", commit="bbbbbbb", date="2026-12-01", rows=[],
+               summary={"ours_vs_liger_tps_8k": 1.5, "ours_vs_sdpa_recipe_tps_8k": 1.44, "ours_mfu_spec_16k": None})
+    lines = report_targets.render_targets([(tmp_path / "old.json", old), (tmp_path / "new.json", new)], tmp_path,
+                                          lambda p, start: p.name)
+    by_key = {re.search(r"\(`(\w+)`\)", ln).group(1): ln for ln in lines if ln.startswith("| ") and "(`" in ln}
+    assert set(by_key) == {key for key, *_ in report_targets.TARGETS}
+    assert "| 1.50x | met | [`new.json`](new.json) (`bbbbbbb`) |" in by_key["ours_vs_liger_tps_8k"]
+    assert "| 1.44x | missed |" in by_key["ours_vs_sdpa_recipe_tps_8k"]
+    assert "| - | not measured | - |" in by_key["ours_mfu_spec_16k"]
+    assert report_targets.target_status(1.0, 1.0, strict=True) == "missed"  # "ahead of" a peer: strictly above
+    assert report_targets.target_status(1.0, 1.0, strict=False) == "met"
+
+
+def test_kernel_kinds_sum_the_top_list_by_kind_and_leave_profiler_ranges_out():
+    from benchmarks.step_probe import kernel_kinds
+
+    profile = dict(cuda_kernel_total_ms=100.0, wall_ms=90.0, cuda_busy_ms=80.0, top_kernels=[
+        dict(name="nvjet_sm90_tst_192x192", calls=3, total_ms=40.0),
+        dict(name="kernel_cutlass_kernel_ffpa_attncute_dq_d512", calls=1, total_ms=10.0),
+        dict(name="triton_tem_fused_flex_attention_backward", calls=5, total_ms=8.0),
+        dict(name="fmha_cutlassB_bf16_aligned(PyTorchMemEffAttention::AttentionBackwardKernel", calls=1, total_ms=7.0),
+        dict(name="Optimizer.step#AdamW.step", calls=1, total_ms=6.0),
+        dict(name="void at::native::multi_tensor_apply_kernel", calls=9, total_ms=5.0),
+        dict(name="FSDP::post_backward_reduce", calls=2, total_ms=4.0),
+        dict(name="Memcpy DtoD (Device -> Device)", calls=9, total_ms=3.0),
+        dict(name="triton_red_fused_logsumexp", calls=2, total_ms=2.0)])
+    assert kernel_kinds(profile) == {"attention: FFPA": 10.0, "attention: Flex": 8.0, "attention: SDPA": 7.0,
+                                     "matmul": 40.0, "optimizer": 5.0, "copies and casts": 3.0, "other": 2.0,
+                                     "outside the top list": 15.0}

@@ -1,0 +1,63 @@
+"""The performance targets and where each one stands, read from the result files (docs/benchmarks.md's table).
+
+Owns the list of targets (summary key, bar, what it compares) and their rendering; a target's value is the
+newest recorded number for its key, so the table follows the files and nothing in it is typed by hand.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TARGETS", "render_targets", "target_status"]
+
+# (summary key, result file stem or None for any file, bar, strict, what is compared). "strict": the value must
+# exceed the bar (ahead of a peer), else reach it.
+TARGETS: list[tuple[str, str | None, float, bool, str]] = [
+    ("ours_vs_sdpa_recipe_tps_8k", None, 1.6, False, "training step, 8k: ours vs SDPA, same recipe"),
+    ("ours_vs_sdpa_recipe_tps_16k", None, 2.2, False, "training step, 16k: ours vs SDPA, same recipe"),
+    ("ours_vs_sdpa_recipe_tps_32k", None, 2.7, False, "training step, 32k: ours vs SDPA, same recipe"),
+    ("ours_vs_liger_tps_8k", None, 1.4, False, "training step, 8k: ours vs HF + liger-kernel, same recipe"),
+    ("ours_mfu_spec_16k", None, 0.5, False, "training step, 16k: ours' MFU of the 989 TFLOP/s datasheet peak"),
+    ("full_depth_lora_ours_vs_sdpa_recipe_tps_8k", None, 1.6, False,
+     "60 layers, LoRA r=16, 8k: ours vs HF + PEFT with SDPA, same recipe"),
+    ("full_depth_lora_ours_vs_unsloth_tps_8k", None, 1.0, True,
+     "60 layers, LoRA r=16, 8k: ours vs Unsloth (and at equal or lower peak memory)"),
+    ("ours_vs_nemo_backend_fwdbwd_8k", None, 1.0, False,
+     "full-attention op, 8k, fwd+bwd: ours vs NeMo-Automodel's FFPA backend"),
+    ("ours_vs_nemo_backend_step_tps_8k", None, 1.0, True,
+     "training step, 8k: ours vs NeMo-Automodel's FFPA backend, same recipe"),
+    ("roofline_fraction_bs64", "rollout_full_depth", 0.85, False,
+     "rollout decode, 60 layers, batch 64: fraction of the HBM roofline"),
+    ("ours_vs_trl_step_speedup", None, 5.0, False, "GRPO optimizer step: ours vs TRL's GRPOTrainer"),
+]
+
+
+def _newest(results: list[tuple[Path, dict[str, Any]]], key: str, stem: str | None):
+    """(path, record) of the newest file that recorded a number for `key` (any file, or only `stem`)."""
+    found = [(p, r) for p, r in results if (stem is None or p.stem == stem)
+             and isinstance(r["summary"].get(key), (int, float)) and not isinstance(r["summary"][key], bool)]
+    return max(found, key=lambda pr: str(pr[1].get("date", "")), default=(None, None))
+
+
+def target_status(value: float | None, bar: float, strict: bool) -> str:
+    if value is None:
+        return "not measured"
+    return "met" if (value > bar if strict else value >= bar) else "missed"
+
+
+def render_targets(results: list[tuple[Path, dict[str, Any]]], link_from: Path, rel) -> list[str]:
+    """Markdown lines: one table row per target, with the value, its status and the file it came from."""
+    out = ["## Targets", "",
+           "Each target is a ratio or fraction measured in one run on one GPU; the value is the newest file's. "
+           "Why a target is missed is written up in [performance notes](performance.md).", "",
+           "| target | bar | measured | status | file (commit) |", "|---|---|---|---|---|"]
+    for key, stem, bar, strict, what in TARGETS:
+        path, rec = _newest(results, key, stem)
+        value = rec["summary"][key] if rec else None
+        bar_text = f"{'>' if strict else '>='} {bar:.0%}" if key.startswith(("ours_mfu", "roofline")) else \
+            f"{'>' if strict else '>='} {bar:.2f}x"
+        shown = "-" if value is None else (f"{value:.1%}" if "%" in bar_text else f"{value:.2f}x")
+        where = f"[`{path.name}`]({rel(path, link_from)}) (`{str(rec.get('commit', '?'))[:7]}`)" if path else "-"
+        out.append(f"| {what} (`{key}`) | {bar_text} | {shown} | {target_status(value, bar, strict)} | {where} |")
+    return out + [""]

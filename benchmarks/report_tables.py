@@ -17,7 +17,7 @@ FORMATS = {"tps": "{:,.0f}", "ratio": "{:.2f}x", "gib": "{:.1f}", "pct": "{:.1%}
 DASH = "—"
 # The scripts' row order (train_rows.ROWS, full_depth_lora.ROWS, rollout.KINDS): each label compares with a
 # neighbour, so tables keep it; rows of other names (ablations, older files) follow in file order.
-TRAIN_ORDER = ("sdpa_defaults", "sdpa_recipe", "flex_recipe_opt", "flex_recipe", "liger_recipe")
+TRAIN_ORDER = ("sdpa_defaults", "sdpa_recipe", "flex_recipe", "liger_recipe")
 LORA_ORDER = ("ours_lora", "hf_peft_sdpa_recipe", "unsloth_lora")
 ROLLOUT_ORDER = ("ours_paged_flex", "ours_paged_flex_eager_step", "hf_generate_static", "hf_generate_static_compiled",
                  "hf_continuous_batching")
@@ -138,9 +138,7 @@ def seq_tables(rec: dict[str, Any], link: str, tps: str, order: tuple[str, ...],
             elif failed(row):
                 cells.append(notes.dash(f"`{name}` at seq {seq}", row))
             else:
-                same = row.get("same_measurement_as")
-                cells.append(fmt("tps", row.get(tps)) + (" " + notes.add(f"`{name}` at seq {seq} is the "
-                                                                         f"measurement of `{same}`") if same else ""))
+                cells.append(fmt("tps", row.get(tps)))
             key = ratios[name].format(k=seq_tag(seq)) if name in ratios else None
             cells.append(fmt("ratio", summary[key]) if key and summary.get(key) is not None else "")
         t.add(cells)

@@ -39,18 +39,15 @@ __all__ = ["DEFAULT_ROWS", "PRODUCT_SAVE_MM", "ROWS", "measure_row"]
 PRODUCT_SAVE_MM = inspect.signature(FSDP2Strategy).parameters["sac_save_mm"].default
 _DEFAULTS = dict(attn="sdpa", ac="full", compile=False, loss="plain", optim="adamw_default")
 _RECIPE = dict(ac="selective", compile=True, loss="chunked", save_mm=PRODUCT_SAVE_MM, optim="product")
-_SWEEP = {f"flex_recipe_opt{i}": dict(attn="flex", flex_options=i, **_RECIPE,
-                                      label=f"flex_recipe's sweep: D=512 layers on LARGE_HEAD_DIM_CANDIDATES[{i}]")
-          for i in range(len(LARGE_HEAD_DIM_CANDIDATES))}
 # Each label says what differs from the row it is compared with.
 ROWS: dict[str, dict] = {
     "sdpa_defaults": dict(_DEFAULTS, label="HF SDPA, full AC, no compile, HF loss (full logits), foreach AdamW: "
                                            "what a default Lightning + HF user gets"),
     "sdpa_recipe": dict(attn="sdpa", **_RECIPE, label="sdpa_defaults with ours' recipe: selective AC, per-layer "
                                                       "compile, chunked linear CE, fused AdamW"),
-    **_SWEEP,
-    "flex_recipe": dict(attn="flex", flex_options="best", **_RECIPE,
-                        label="sdpa_recipe with Flex for all layers (D=512 options: the best of the sweep)"),
+    "flex_recipe": dict(attn="flex", flex_options="sweep", **_RECIPE,
+                        label="sdpa_recipe with Flex for all layers (D=512 options: the fastest of an op-level sweep "
+                              "at this seq in the row's own process, recorded as flex_sweep)"),
     "liger_recipe": dict(attn="sdpa", **dict(_RECIPE, loss="liger"), patches="liger",
                          label="sdpa_recipe with liger-kernel's Gemma4 patches (RMSNorm, GEGLU MLP, fused linear CE "
                                "with softcap) in place of our chunked loss"),
@@ -61,7 +58,7 @@ ROWS: dict[str, dict] = {
                                          "liger's Triton kernels)"),
     # Ablations (opt-in through --rows).
     "ffpa_defaults": dict(_DEFAULTS, attn="ffpa", label="sdpa_defaults with the ffpa backend only"),
-    "flex_defaults": dict(_DEFAULTS, attn="flex", flex_options="best",
+    "flex_defaults": dict(_DEFAULTS, attn="flex", flex_options="sweep",
                           label="sdpa_defaults with Flex for all layers (the sweep's best D=512 options)"),
     "seed_gqa": dict(_DEFAULTS, attn="sdpa_gqa", label="sdpa_defaults with D=512 layers on SDPA enable_gqa (MATH)"),
     "ours_nocompile": dict(attn="ffpa", **dict(_RECIPE, compile=False), label="ours without per-layer compile"),
@@ -77,6 +74,52 @@ DEFAULT_ROWS = ["ours", "sdpa_recipe", "sdpa_defaults", "liger_recipe", "liger_r
 
 
 # ----------------------------------------------------------------------------- attentions and patches
+def sweep_flex_options(seq: int, device, preset: str, warmup: int = 2, iters: int = 5) -> tuple[int, list[dict]]:
+    """Time every LARGE_HEAD_DIM_CANDIDATES set on the preset's full-attention op (causal, GQA, bf16), forward +
+    backward, as the flex rows call it; (index of the fastest, one record per set). CPU: forward only.
+
+    The sets only change the D=512 layers' kernels, so the op is where they differ; timing it costs seconds,
+    where a training row per set costs minutes of compile.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from lightning_ffpa.attention.flex import flex_forward
+    from lightning_ffpa.presets import PRESETS
+
+    shape = PRESETS[preset]
+    hq, hkv, d = shape["num_attention_heads"], shape["num_global_key_value_heads"], shape["global_head_dim"]
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seq, seq, device=device)
+    records = []
+    for i, candidate in enumerate(LARGE_HEAD_DIM_CANDIDATES):
+        options = {**flex_kernel_options(256, "train"), **candidate} if cuda else None  # eager on CPU
+        record, q, k, v = dict(index=i, options=candidate), None, None, None
+        try:
+            q = torch.randn(1, hq, seq, d, device=device, dtype=dtype, requires_grad=cuda)
+            k, v = (torch.randn(1, hkv, seq, d, device=device, dtype=dtype, requires_grad=cuda) for _ in range(2))
+            times = []
+            for n in range(warmup + iters):
+                t0 = time.perf_counter()
+                out = flex_forward(q, k, v, mask, 1.0, options=options)
+                if cuda:  # eager Flex has no backward on CPU: the smoke run times the forward
+                    out.sum().backward()
+                    torch.cuda.synchronize(device)
+                if n >= warmup:
+                    times.append(time.perf_counter() - t0)
+            record.update(mode="fwd+bwd" if cuda else "fwd", ms=statistics.median(times) * 1e3)
+        except Exception as e:  # noqa: BLE001 - a set that fails (e.g. out of shared memory) is recorded, not used
+            record["error"] = f"{type(e).__name__}: {e}"[:500]
+        records.append(record)
+        del q, k, v
+        if cuda:
+            torch.cuda.empty_cache()
+    timed = [r for r in records if "ms" in r]
+    if not timed:
+        raise RuntimeError(f"no Flex option set ran at seq {seq}: {[r['error'] for r in records]}")
+    return min(timed, key=lambda r: r["ms"])["index"], records
+
+
 def register_baselines(flex_options: int | None) -> dict | None:
     """Register "sdpa_gqa" and "flex" with transformers; returns the D=512 flex options "flex" uses."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -234,18 +277,16 @@ def _progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def measure_row(name: str, seq: int, args, mesh, device, rank: int, flex_options: int | None = None) -> dict:
+def measure_row(name: str, seq: int, args, mesh, device, rank: int) -> dict:
     """Build row `name`, train `args.warmup` + `args.steps` steps at `seq`, and return its record."""
     spec = {k: v for k, v in ROWS[name].items()}
     row = dict(row=name, seq=seq, pid=os.getpid(), **spec)
-    if flex_options is not None:
-        row["flex_options"] = flex_options
     cuda = device.type == "cuda"
     try:
-        if spec.get("flex_options") is not None:
-            if flex_options is None:
-                raise RuntimeError("a flex row needs its option set (--flex-options)")
-            row["flex_d512_kernel_options"] = register_baselines(flex_options)
+        if spec.get("flex_options") == "sweep":
+            _progress(f"{name} seq={seq}: sweeping the D=512 Flex option sets")
+            row["flex_options"], row["flex_sweep"] = sweep_flex_options(seq, device, args.preset)
+            row["flex_d512_kernel_options"] = register_baselines(row["flex_options"])
         else:
             register_baselines(None)
         if spec.get("patches") == "liger":

@@ -8,9 +8,9 @@ built and timed) live in `benchmarks/train_rows.py`.
 Default rows, each at 8k, 16k and 32k (6 layers: 5 sliding + 1 full):
   sdpa_defaults  HF SDPA, full AC, no compile, HF loss, foreach AdamW (a default Lightning + HF user)
   sdpa_recipe    sdpa_defaults with ours' recipe: selective AC, per-layer compile, chunked loss, fused AdamW
-  flex_recipe    sdpa_recipe with Flex for all layers; its D=512 kernel options are the best of the sweep rows
-                 `flex_recipe_opt{i}` (one per LARGE_HEAD_DIM_CANDIDATES entry), run at --flex-sweep-seq in the
-                 same run (at that seq flex_recipe is the best sweep row itself, `same_measurement_as`)
+  flex_recipe    sdpa_recipe with Flex for all layers; its D=512 kernel options are the fastest of an op-level
+                 sweep over LARGE_HEAD_DIM_CANDIDATES (forward + backward of the full-attention op at the row's
+                 seq), run first in the row's own process and recorded in the row (`flex_sweep`)
   liger_recipe   sdpa_recipe with liger-kernel's Gemma4 patches in place of our chunked loss; with
                  `liger_recipe_nocompile` beside it, the faster of the two is the Liger baseline (`liger_baseline`)
   ours           the product path: the ffpa backend with the product defaults
@@ -48,7 +48,6 @@ from benchmarks.row_process import add_run_options  # noqa: E402
 from benchmarks.train_rows import DEFAULT_ROWS, PRODUCT_SAVE_MM, ROWS  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
-SWEEP_ROWS = [name for name in ROWS if name.startswith("flex_recipe_opt")]
 LIGER_ROWS = ("liger_recipe", "liger_recipe_nocompile")  # the faster one is the Liger baseline
 _SHAPE_KEYS = ("preset", "layers", "warmup", "steps", "dp")  # a resumed file must match these and the commit
 _SEQ_KEYS = {8192: "8k", 16384: "16k", 32768: "32k"}
@@ -61,7 +60,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
     p.add_argument("--layers", type=int, default=6, help="the last one full attention, the others sliding")
     add_run_options(p, budget_s=520.0, row_timeout_s=300.0)
-    p.add_argument("--flex-sweep-seq", type=int, default=8192, help="seq at which the Flex option sets are swept")
     p.add_argument("--dp", type=int, default=1, help="data-parallel GPUs per row (each row runs under torchrun)")
     p.add_argument("--preset", default="gemma4-31b", help="presets.py shape; 'tiny' with --cpu for a smoke run")
     p.add_argument("--cpu", action="store_true", help="smoke-run on CPU (gloo, no timing claims)")
@@ -71,7 +69,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--one", default=None, choices=list(ROWS), help=argparse.SUPPRESS)
     p.add_argument("--seq", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--part-out", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--flex-options", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not args.cpu and args.steps < 5:
         raise ConfigError("--steps", args.steps, "a GPU run times at least 5 steps (median, min and max)")
@@ -100,7 +97,7 @@ def run_one(args) -> None:
         torch.distributed.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=MESH_DIM_NAMES)  # the strategy's mesh shape
     torch_compat.raise_recompile_limit(64)
-    row = measure_row(args.one, args.seq, args, mesh, device, rank, flex_options=args.flex_options)
+    row = measure_row(args.one, args.seq, args, mesh, device, rank)
     if rank == 0:
         Path(args.part_out).write_text(json.dumps(row, default=str))
     torch.distributed.destroy_process_group()
@@ -118,7 +115,7 @@ def profiled(args, name: str) -> bool:
     return args.profile is not None and (not args.profile or name in args.profile)
 
 
-def launch(args, name: str, seq: int, flex_options: int | None, logs: Path, timeout: float) -> dict:
+def launch(args, name: str, seq: int, logs: Path, timeout: float) -> dict:
     """Run one (row, seq) in a fresh process (torchrun for --dp > 1); its record, or why it has none."""
     part, log = logs / f"{name}_{seq}.json", logs / f"{name}_{seq}.log"
     for again in range(1, 100):  # a re-run keeps the earlier attempt's log (a killed row's only record)
@@ -130,8 +127,7 @@ def launch(args, name: str, seq: int, flex_options: int | None, logs: Path, time
     script = [str(Path(__file__).resolve()), "--one", name, "--seq", str(seq), "--part-out", str(part),
               "--layers", str(args.layers), "--warmup", str(args.warmup), "--steps", str(args.steps),
               "--preset", args.preset, "--dp", str(args.dp), *(["--cpu"] if args.cpu else []),
-              *(["--profile"] if profiled(args, name) else []),
-              *(["--flex-options", str(flex_options)] if flex_options is not None else [])]
+              *(["--profile"] if profiled(args, name) else [])]
     launcher = [sys.executable]
     if args.dp > 1:
         launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(args.dp), "--master_port", str(port)]
@@ -158,12 +154,6 @@ def launch(args, name: str, seq: int, flex_options: int | None, logs: Path, time
     return row
 
 
-def best_flex(rows: list[dict], seq: int) -> dict | None:
-    """The fastest finished sweep row at `seq`."""
-    done = [r for r in rows if r["row"] in SWEEP_ROWS and r["seq"] == seq and "error" not in r]
-    return max(done, key=lambda r: r["tokens_per_s_per_gpu"], default=None)
-
-
 def best_liger(rows: list[dict], seq: int) -> tuple[dict | None, str | None]:
     """The faster finished Liger row at `seq` (compiled or not: liger's Triton kernels are opaque to inductor,
     so either can win), or None and why."""
@@ -175,16 +165,8 @@ def best_liger(rows: list[dict], seq: int) -> tuple[dict | None, str | None]:
 
 
 def plan(args, finished: set[tuple[str, int]]) -> list[tuple[str, int]]:
-    """(row, seq) pairs to run, seq-major; the Flex sweep goes right before the first row that needs it."""
-    out: list[tuple[str, int]] = []
-    sweep = [(r, args.flex_sweep_seq) for r in SWEEP_ROWS]
-    for seq in args.seqs:
-        for name in args.rows:
-            if ROWS[name].get("flex_options") == "best":
-                out += [s for s in sweep if s not in out]
-            if (name, seq) not in out:
-                out.append((name, seq))
-    return [x for x in out if x not in finished]
+    """(row, seq) pairs to run, seq-major, leaving out those already finished."""
+    return [(name, seq) for seq in args.seqs for name in args.rows if (name, seq) not in finished]
 
 
 def _lookup(rows: list[dict], name: str, seq: int) -> tuple[dict | None, str | None]:
@@ -244,20 +226,6 @@ def load_resume(args) -> tuple[list[dict], list[dict]]:
     return results_io.load_resume(args.resume, {k: getattr(args, k) for k in _SHAPE_KEYS})
 
 
-def resolve(args, name: str, seq: int, rows: list[dict], left: float) -> dict | None:
-    """The record of (name, seq) when it needs no process (sweep alias, no sweep, no budget), else None."""
-    best = best_flex(rows, args.flex_sweep_seq) if ROWS[name].get("flex_options") == "best" else None
-    if name == "flex_recipe" and seq == args.flex_sweep_seq and best:
-        # The sweep's best row *is* flex_recipe at this seq: recorded once more under its own name.
-        return dict(best, row="flex_recipe", label=ROWS["flex_recipe"]["label"], same_measurement_as=best["row"])
-    if ROWS[name].get("flex_options") == "best" and best is None:
-        return dict(row=name, seq=seq, **ROWS[name], error="no Flex option set finished the sweep "
-                    f"at seq {args.flex_sweep_seq} (rows {', '.join(SWEEP_ROWS)})")
-    if left < 20:
-        return dict(row=name, seq=seq, **ROWS[name], error=f"skipped: past --budget-s {args.budget_s:.0f}")
-    return None
-
-
 def drive(args) -> None:
     t_start = time.perf_counter()
     kept, calls = load_resume(args)  # before any row runs or file is written: a bad --resume costs nothing
@@ -270,24 +238,20 @@ def drive(args) -> None:
 
     def save(quiet: bool = True) -> None:
         summary, missing = summarize(rows)
-        sweep = best_flex(rows, args.flex_sweep_seq)
         liger = best_liger(rows, 8192)[0]
         with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
             write_result("train_throughput", rows, summary, out=out, summary_missing=missing,
                          calls=[*calls, this_call], ours_sac_save_mm=PRODUCT_SAVE_MM,
-                         flex_sweep=dict(seq=args.flex_sweep_seq, best_row=sweep and sweep["row"],
-                                         best_options_index=sweep and sweep["flex_options"]),
                          liger_baseline=dict(seq=8192, row=liger and liger["row"], of=list(LIGER_ROWS)),
                          budget_s=args.budget_s, row_timeout_s=args.row_timeout_s,
                          **{k: getattr(args, k) for k in _SHAPE_KEYS})
 
     for name, seq in plan(args, {(r["row"], r["seq"]) for r in kept}):
         left = args.budget_s - (time.perf_counter() - t_start)
-        row = resolve(args, name, seq, rows, left)
-        if row is None:
-            best = best_flex(rows, args.flex_sweep_seq) if ROWS[name].get("flex_options") == "best" else None
-            options = best["flex_options"] if best else ROWS[name].get("flex_options")
-            row = launch(args, name, seq, options, logs, min(args.row_timeout_s, left))
+        if left < 20:
+            row = dict(row=name, seq=seq, **ROWS[name], error=f"skipped: past --budget-s {args.budget_s:.0f}")
+        else:
+            row = launch(args, name, seq, logs, min(args.row_timeout_s, left))
         rows.append(row)
         this_call["rows"].append(f"{name}@{seq}")
         save()  # after every row: a call cut short keeps what finished

@@ -28,8 +28,8 @@ _DEFAULTS_FIT = 256
 # One-stage forward tile for large head dims (bf16/fp16); fp32 halves the BLOCK sizes.
 _LARGE_FORWARD = {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4}
 
-# Training candidates for large head dims, best first (benchmarks/attention.py times all of them and reports
-# the best as the Flex baseline). Backward tiles keep BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0
+# Training candidates for large head dims, in no order of speed (the benchmarks time all of them and use
+# the fastest as the Flex baseline). Backward tiles keep BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0
 # (torch's backward config rule). The first is the forward tile above plus its backward.
 LARGE_HEAD_DIM_CANDIDATES: tuple[dict[str, int], ...] = (
     {**{f"fwd_{k}": v for k, v in _LARGE_FORWARD.items()},

@@ -33,12 +33,11 @@ def _train_record() -> dict:
     rows = [row("ours", 8192, 15282.4, 70.21, 74.5, 0.4153), row("sdpa_recipe", 8192, 10463.2, 66.07, 69.9, 0.2841),
             row("sdpa_defaults", 8192, 7667.3, 81.43, 88.2, 0.2082),
             row("liger_recipe", 8192, 11311.9, 63.36, 67.05, 0.3071),
-            row("flex_recipe_opt0", 8192, 9001.5, 77.7, 80.3, 0.2444),
-            dict(row="flex_recipe_opt1", seq=8192, **ROWS["flex_recipe_opt1"],
+            row("flex_recipe", 8192, 9001.5, 77.7, 80.3, 0.2444, flex_options=2),
+            row("ours", 16384, 15418.6, 101.6, 109.0, 0.5017), row("sdpa_recipe", 16384, 7735.1, 99.2, 104.4, 0.2517),
+            dict(row="flex_recipe", seq=16384, **ROWS["flex_recipe"],
                  error="OutOfResources: out of resource: shared memory, Required: 262144, Hardware limit: 232448\n"
                        "Reducing block sizes or `num_stages` may help."),
-            row("flex_recipe", 8192, 9001.5, 77.7, 80.3, 0.2444, flex_options=0, same_measurement_as="flex_recipe_opt0"),
-            row("ours", 16384, 15418.6, 101.6, 109.0, 0.5017), row("sdpa_recipe", 16384, 7735.1, 99.2, 104.4, 0.2517),
             dict(row="sdpa_defaults", seq=16384, **ROWS["sdpa_defaults"], error="skipped: past --budget-s 520")]
     summary, missing = summarize(rows)
     return dict(benchmark="train_throughput", device="NVIDIA H200 x1", date="2026-12-01", commit="abc1234",
@@ -170,8 +169,7 @@ def test_training_rows_follow_the_script_with_labels_ratios_and_failures(tmp_pat
     section, _ = _render(tmp_path, record)
     table = section[section.index("| row"):section.index("Step time")]
     order = [ln.split("|")[1].strip() for ln in table.splitlines()[2:] if ln.startswith("|")]
-    assert order == ["sdpa_defaults", "sdpa_recipe", "flex_recipe_opt0", "flex_recipe_opt1", "flex_recipe",
-                     "liger_recipe", "ours"]
+    assert order == ["sdpa_defaults", "sdpa_recipe", "flex_recipe", "liger_recipe", "ours"]
     for name in order:
         assert ROWS[name]["label"] in section  # each row says what differs from its neighbour
     s = record["summary"]
@@ -183,7 +181,6 @@ def test_training_rows_follow_the_script_with_labels_ratios_and_failures(tmp_pat
     assert "- (a) `sdpa_defaults` at seq 16384: `skipped: past --budget-s 520`" in section
     assert "`OutOfResources: out of resource: shared memory, Required: 262144, Hardware limit: 232448`" in section
     assert "num_stages" not in section
-    assert "is the measurement of `flex_recipe_opt0`" in section  # the sweep alias is named
     # The detail table: step time spread, both memory peaks and both MFU denominators, labelled.
     assert "70.2 | 74.5 | 41.5% | 52.1% |" in section
     for field in ("peak_mem_allocated_gb", "peak_mem_reserved_gb", "mfu_spec", "mfu_measured_peak", "step_ms_median, step_ms_min"):

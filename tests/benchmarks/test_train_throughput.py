@@ -75,25 +75,24 @@ def _args(*extra):
     return tt.parse_args([*_SMOKE, *extra])
 
 
-def test_plan_puts_the_flex_sweep_before_the_first_row_that_needs_it():
-    args = _args("--rows", "ours", "flex_recipe", "--seqs", "128", "256", "--flex-sweep-seq", "256")
-    sweep = [(r, 256) for r in tt.SWEEP_ROWS]
-    assert len(sweep) == 3
-    assert tt.plan(args, set()) == [("ours", 128), *sweep, ("flex_recipe", 128), ("ours", 256), ("flex_recipe", 256)]
-    assert tt.plan(args, {("ours", 128), *sweep}) == [("flex_recipe", 128), ("ours", 256), ("flex_recipe", 256)]
+def test_plan_is_seq_major_and_leaves_out_finished_rows():
+    args = _args("--rows", "ours", "flex_recipe", "--seqs", "128", "256")
+    assert tt.plan(args, set()) == [("ours", 128), ("flex_recipe", 128), ("ours", 256), ("flex_recipe", 256)]
+    assert tt.plan(args, {("ours", 128)}) == [("flex_recipe", 128), ("ours", 256), ("flex_recipe", 256)]
 
 
-def test_flex_rows_take_the_sweeps_best_and_alias_it_at_the_sweep_seq():
-    args = _args("--flex-sweep-seq", "256")
-    sweep = [dict(row=f"flex_recipe_opt{i}", seq=256, flex_options=i, tokens_per_s_per_gpu=t)
-             for i, t in enumerate((10.0, 30.0, 20.0))]
-    assert tt.resolve(args, "flex_recipe", 128, [], 600)["error"].startswith("no Flex option set finished")
-    assert tt.resolve(args, "flex_recipe", 128, sweep, 600) is None  # runs, with the best options
-    assert tt.best_flex(sweep, 256)["flex_options"] == 1
-    alias = tt.resolve(args, "flex_recipe", 256, sweep, 600)
-    assert alias["row"] == "flex_recipe" and alias["same_measurement_as"] == "flex_recipe_opt1"
-    assert alias["tokens_per_s_per_gpu"] == 30.0
-    assert tt.resolve(args, "ours", 128, [], 5)["error"].startswith("skipped: past --budget-s")
+def test_flex_row_sweeps_its_option_sets_at_the_op_and_uses_the_fastest():
+    """CPU: every LARGE_HEAD_DIM_CANDIDATES set is timed on the preset's full-attention op (forward on CPU,
+    forward + backward on CUDA); the fastest index is returned."""
+    import torch
+
+    from benchmarks import train_rows
+    from lightning_ffpa.flex_options import LARGE_HEAD_DIM_CANDIDATES
+
+    best, records = train_rows.sweep_flex_options(128, torch.device("cpu"), "tiny", warmup=0, iters=1)
+    assert [r["index"] for r in records] == list(range(len(LARGE_HEAD_DIM_CANDIDATES)))
+    assert all(r["ms"] > 0 and r["options"] == LARGE_HEAD_DIM_CANDIDATES[r["index"]] for r in records)
+    assert best == min(records, key=lambda r: r["ms"])["index"]
 
 
 def test_summary_ratios_and_reasons():

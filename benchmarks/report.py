@@ -205,6 +205,20 @@ def _priority(record: dict[str, Any]) -> int:
                default=len(keys))
 
 
+def qualifier(key: str, record: dict[str, Any]) -> str:
+    """What a headline's own file says ran, where the key's text alone could claim more: the HF baseline of a
+    rollout ratio ("eager only" when no compiled HF row finished at that batch)."""
+    found = re.fullmatch(r"vs_hf_generate(_sampled)?_bs(\d+)", key)
+    if not found:
+        return ""
+    said = record["summary"].get(f"hf_baseline{found.group(1) or ''}_bs{found.group(2)}")
+    if isinstance(said, str):
+        return f"; this run's HF baseline: {said}"
+    compiled = [r for r in record["rows"] if (r.get("name") or r.get("row")) == "hf_generate_static_compiled"
+                and r.get("batch") == int(found.group(2)) and "error" not in r]
+    return "" if compiled else "; this run's HF baseline: eager only (no compiled HF row finished at this batch)"
+
+
 def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) -> list[str]:
     """Per result file, the file whose headline comes first in HEADLINES first: a line naming the run, then one
     bullet per known summary key or row value."""
@@ -216,6 +230,7 @@ def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) 
         for key, (what, fmt) in HEADLINES.items():
             value = record["summary"].get(key)
             if _number(value):
+                what += qualifier(key, record)
                 bullets.append(f"- **{fmt.format(value)}**: {what}. {link} (`summary.{key}`)")
         for bench, match, metric, what, fmt in ROW_HEADLINES:
             row = find_row(record["rows"], match) if record["benchmark"] == bench else None

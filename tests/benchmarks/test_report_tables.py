@@ -307,3 +307,17 @@ def test_kernel_kinds_sum_the_top_list_by_kind_and_leave_profiler_ranges_out():
     assert kernel_kinds(profile) == {"attention: FFPA": 10.0, "attention: Flex": 8.0, "attention: SDPA": 7.0,
                                      "matmul": 40.0, "optimizer": 5.0, "copies and casts": 3.0, "other": 2.0,
                                      "outside the top list": 15.0}
+
+
+def test_a_rollout_ratio_says_when_its_hf_baseline_was_eager_only():
+    rows = [dict(name="hf_generate_static", batch=64, tokens_per_s=10.0)]
+    eager_only = dict(rows=rows, summary={})
+    both = dict(rows=[*rows, dict(name="hf_generate_static_compiled", batch=64, tokens_per_s=12.0)], summary={})
+    failed_compile = dict(rows=[*rows, dict(name="hf_generate_static_compiled", batch=64, error="timeout")],
+                          summary={})
+    assert "eager only" in report.qualifier("vs_hf_generate_bs64", eager_only)
+    assert "eager only" in report.qualifier("vs_hf_generate_bs64", failed_compile)
+    assert report.qualifier("vs_hf_generate_bs64", both) == ""
+    said = dict(rows=[], summary={"hf_baseline_sampled_bs64": "eager and compiled"})
+    assert report.qualifier("vs_hf_generate_sampled_bs64", said) == "; this run's HF baseline: eager and compiled"
+    assert report.qualifier("ours_vs_sdpa_recipe_tps_8k", eager_only) == ""

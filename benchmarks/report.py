@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report_tables
-from benchmarks.report_tables import CURATED
+from benchmarks.report_tables import CURATED, is_number
 from benchmarks.report_targets import render_targets
 from benchmarks.results_io import load_results
 
@@ -146,10 +146,6 @@ def script_doc(benchmark: str) -> str | None:
     return ast.get_docstring(ast.parse(path.read_text())) if path.exists() else None
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-
-
 def cell(value: Any) -> str:
     """One table cell: numbers to 4 significant digits, dicts as k=v (zeros dropped), pipes escaped."""
     if value is None:
@@ -201,7 +197,7 @@ def row_ref(match: dict[str, Any], metric: str) -> str:
 def _priority(record: dict[str, Any]) -> int:
     """Position of the file's first recorded headline key in HEADLINES (same-recipe and peer ratios come first)."""
     keys = list(HEADLINES)
-    return min((keys.index(k) for k, v in record["summary"].items() if k in HEADLINES and _number(v)),
+    return min((keys.index(k) for k, v in record["summary"].items() if k in HEADLINES and is_number(v)),
                default=len(keys))
 
 
@@ -229,12 +225,12 @@ def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) 
         bullets = []
         for key, (what, fmt) in HEADLINES.items():
             value = record["summary"].get(key)
-            if _number(value):
+            if is_number(value):
                 what += qualifier(key, record)
                 bullets.append(f"- **{fmt.format(value)}**: {what}. {link} (`summary.{key}`)")
         for bench, match, metric, what, fmt in ROW_HEADLINES:
             row = find_row(record["rows"], match) if record["benchmark"] == bench else None
-            if row is not None and _number(row.get(metric)):
+            if row is not None and is_number(row.get(metric)):
                 bullets.append(f"- **{fmt.format(row[metric])}**: {what}. {link} (`{row_ref(match, metric)}`)")
         if bullets:
             lines += [f"`{path.stem}` on {record.get('device', '?')}, {record.get('date', '?')}{notes}:", "",

@@ -28,10 +28,14 @@ LORA_RATIOS = {"hf_peft_sdpa_recipe": "full_depth_lora_ours_vs_sdpa_recipe_tps_{
                "unsloth_lora": "full_depth_lora_ours_vs_unsloth_tps_{k}"}
 
 
+def is_number(value: Any) -> bool:
+    """A recorded measurement: int or float, not a bool, not NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
 def fmt(kind: str, value: Any) -> str:
     """`value` in the format of `kind` (a key of FORMATS); "n/a" when the field was not recorded."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    return FORMATS[kind].format(value) if number else "n/a"
+    return FORMATS[kind].format(value) if is_number(value) else "n/a"
 
 
 def seq_tag(seq: int) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report_tables import is_number
+
 __all__ = ["TARGETS", "render_targets", "target_status"]
 
 # (summary key, result file stem or None for any file, bar, strict, what is compared). "strict": the value must
@@ -35,8 +37,7 @@ TARGETS: list[tuple[str, str | None, float, bool, str]] = [
 
 def _newest(results: list[tuple[Path, dict[str, Any]]], key: str, stem: str | None):
     """(path, record) of the newest file that recorded a number for `key` (any file, or only `stem`)."""
-    found = [(p, r) for p, r in results if (stem is None or p.stem == stem)
-             and isinstance(r["summary"].get(key), (int, float)) and not isinstance(r["summary"][key], bool)]
+    found = [(p, r) for p, r in results if (stem is None or p.stem == stem) and is_number(r["summary"].get(key))]
     return max(found, key=lambda pr: str(pr[1].get("date", "")), default=(None, None))
 
 
@@ -55,9 +56,9 @@ def render_targets(results: list[tuple[Path, dict[str, Any]]], link_from: Path, 
     for key, stem, bar, strict, what in TARGETS:
         path, rec = _newest(results, key, stem)
         value = rec["summary"][key] if rec else None
-        bar_text = f"{'>' if strict else '>='} {bar:.0%}" if key.startswith(("ours_mfu", "roofline")) else \
-            f"{'>' if strict else '>='} {bar:.2f}x"
-        shown = "-" if value is None else (f"{value:.1%}" if "%" in bar_text else f"{value:.2f}x")
+        bar_fmt, value_fmt = ("{:.0%}", "{:.1%}") if key.startswith(("ours_mfu", "roofline")) else ("{:.2f}x",) * 2
+        bar_text = f"{'>' if strict else '>='} {bar_fmt.format(bar)}"
+        shown = "-" if value is None else value_fmt.format(value)
         where = f"[`{path.name}`]({rel(path, link_from)}) (`{str(rec.get('commit', '?'))[:7]}`)" if path else "-"
         out.append(f"| {what} (`{key}`) | {bar_text} | {shown} | {target_status(value, bar, strict)} | {where} |")
     return out + [""]

@@ -12,6 +12,7 @@ row runs FSDP2 (`parallelize`, the strategy's recipe) on a (dp, 1) mesh, bf16 pa
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import statistics
@@ -74,6 +75,25 @@ DEFAULT_ROWS = ["ours", "sdpa_recipe", "sdpa_defaults", "liger_recipe", "liger_r
 
 
 # ----------------------------------------------------------------------------- attentions and patches
+def d512_flex_options(index: int) -> dict:
+    """The training kernel options of the flex rows' D=512 layers: LARGE_HEAD_DIM_CANDIDATES[index]."""
+    return {**flex_kernel_options(256, "train"), **LARGE_HEAD_DIM_CANDIDATES[index]}
+
+
+@functools.cache
+def block_mask(seq: int, window: int | None, device: torch.device):
+    """The flex rows' causal (window None) or sliding-window block mask, built once per process."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    def sliding(b, h, q, kv):
+        return (q >= kv) & (q - kv < window)
+
+    return create_block_mask(sliding if window else causal, None, None, seq, seq, device=device)
+
+
 def sweep_flex_options(seq: int, device, preset: str, warmup: int = 2, iters: int = 5) -> tuple[int, list[dict]]:
     """Time every LARGE_HEAD_DIM_CANDIDATES set on the preset's full-attention op (causal, GQA, bf16), forward +
     backward, as the flex rows call it; (index of the fastest, one record per set). CPU: forward only.
@@ -81,8 +101,6 @@ def sweep_flex_options(seq: int, device, preset: str, warmup: int = 2, iters: in
     The sets only change the D=512 layers' kernels, so the op is where they differ; timing it costs seconds,
     where a training row per set costs minutes of compile.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
-
     from lightning_ffpa.attention.flex import flex_forward
     from lightning_ffpa.presets import PRESETS
 
@@ -90,10 +108,10 @@ def sweep_flex_options(seq: int, device, preset: str, warmup: int = 2, iters: in
     hq, hkv, d = shape["num_attention_heads"], shape["num_global_key_value_heads"], shape["global_head_dim"]
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seq, seq, device=device)
+    mask = block_mask(seq, None, device)
     records = []
     for i, candidate in enumerate(LARGE_HEAD_DIM_CANDIDATES):
-        options = {**flex_kernel_options(256, "train"), **candidate} if cuda else None  # eager on CPU
+        options = d512_flex_options(i) if cuda else None  # eager on CPU
         record, q, k, v = dict(index=i, options=candidate), None, None, None
         try:
             q = torch.randn(1, hq, seq, d, device=device, dtype=dtype, requires_grad=cuda)
@@ -122,7 +140,6 @@ def sweep_flex_options(seq: int, device, preset: str, warmup: int = 2, iters: in
 
 def register_baselines(flex_options: int | None) -> dict | None:
     """Register "sdpa_gqa" and "flex" with transformers; returns the D=512 flex options "flex" uses."""
-    from torch.nn.attention.flex_attention import create_block_mask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
@@ -135,19 +152,7 @@ def register_baselines(flex_options: int | None) -> dict | None:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None  # (B, S, H, D)
 
-    large = None if flex_options is None else {**flex_kernel_options(256, "train"), **LARGE_HEAD_DIM_CANDIDATES[flex_options]}
-    masks: dict = {}
-
-    def block_mask(seq, window, device):
-        if (seq, window) not in masks:
-            def causal(b, h, q, kv):
-                return q >= kv
-
-            def sliding(b, h, q, kv):
-                return (q >= kv) & (q - kv < window)
-
-            masks[seq, window] = create_block_mask(sliding if window else causal, None, None, seq, seq, device=device)
-        return masks[seq, window]
+    large = None if flex_options is None else d512_flex_options(flex_options)
 
     def flex(module, query, key, value, attention_mask, scaling=None, **kwargs):
         """Flex for both layer types (HF's own flex path fails at D=512); the swept options at D=512."""

@@ -12,7 +12,6 @@ row runs FSDP2 (`parallelize`, the strategy's recipe) on a (dp, 1) mesh, bf16 pa
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import statistics
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from benchmarks.step_probe import phase_memory, profile_step
 from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa._compat import transformers as hf_compat
+from lightning_ffpa.attention import masks
 from lightning_ffpa.callbacks.throughput import peak_bf16_flops, train_flops_per_batch
 from lightning_ffpa.flex_options import LARGE_HEAD_DIM_CANDIDATES, flex_kernel_options
 from lightning_ffpa.loss import linear_cross_entropy
@@ -80,20 +80,6 @@ def d512_flex_options(index: int) -> dict:
     return {**flex_kernel_options(256, "train"), **LARGE_HEAD_DIM_CANDIDATES[index]}
 
 
-@functools.cache
-def block_mask(seq: int, window: int | None, device: torch.device):
-    """The flex rows' causal (window None) or sliding-window block mask, built once per process."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def causal(b, h, q, kv):
-        return q >= kv
-
-    def sliding(b, h, q, kv):
-        return (q >= kv) & (q - kv < window)
-
-    return create_block_mask(sliding if window else causal, None, None, seq, seq, device=device)
-
-
 def sweep_flex_options(seq: int, device, preset: str, warmup: int = 2, iters: int = 5) -> tuple[int, list[dict]]:
     """Time every LARGE_HEAD_DIM_CANDIDATES set on the preset's full-attention op (causal, GQA, bf16), forward +
     backward, as the flex rows call it; (index of the fastest, one record per set). CPU: forward only.
@@ -108,7 +94,7 @@ def sweep_flex_options(seq: int, device, preset: str, warmup: int = 2, iters: in
     hq, hkv, d = shape["num_attention_heads"], shape["num_global_key_value_heads"], shape["global_head_dim"]
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    mask = block_mask(seq, None, device)
+    mask = masks.build_block_mask(masks.generate_causal(), 1, seq, seq, device)
     records = []
     for i, candidate in enumerate(LARGE_HEAD_DIM_CANDIDATES):
         options = d512_flex_options(i) if cuda else None  # eager on CPU
@@ -143,6 +129,7 @@ def register_baselines(flex_options: int | None) -> dict | None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
+    from lightning_ffpa.attention.backend import ffpa_mask
     from lightning_ffpa.attention.flex import flex_forward  # the product's compiled flex call
 
     def sdpa_gqa(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -156,19 +143,21 @@ def register_baselines(flex_options: int | None) -> dict | None:
 
     def flex(module, query, key, value, attention_mask, scaling=None, **kwargs):
         """Flex for both layer types (HF's own flex path fails at D=512); the swept options at D=512."""
-        bm = block_mask(query.shape[2], getattr(module, "sliding_window", None), query.device)
         cuda = query.device.type == "cuda"
         opts = large if cuda and query.shape[-1] > 256 else None  # None: the shipped options (eager on CPU)
-        out = flex_forward(query, key, value, bm, scaling, options=opts)  # (B, H, S, D)
+        out = flex_forward(query, key, value, attention_mask, scaling, options=opts)  # (B, H, S, D)
         return out.transpose(1, 2).contiguous(), None
 
-    def no_mask(*args, **kwargs):
-        return None
+    def flex_mask(*args, **kwargs):
+        """The product's BlockMask for every layer type, causal ones included: built once per forward and
+        layer type, before the compiled layers, as ours builds its sliding masks (built inside a compiled
+        layer, Dynamo traces the mask construction into every layer's graph)."""
+        return ffpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
 
     hf_compat.register_attention("sdpa_gqa", sdpa_gqa)
     hf_compat.register_mask("sdpa_gqa", sdpa_mask)
     hf_compat.register_attention("flex", flex)
-    hf_compat.register_mask("flex", no_mask)
+    hf_compat.register_mask("flex", flex_mask)
     return large
 
 

@@ -95,6 +95,39 @@ def test_flex_row_sweeps_its_option_sets_at_the_op_and_uses_the_fastest():
     assert best == min(records, key=lambda r: r["ms"])["index"]
 
 
+def test_flex_rows_build_their_block_masks_before_the_layers(monkeypatch):
+    """The flex rows' attention gets a BlockMask from the mask interface, built once per forward and layer
+    type (not per layer: a mask built inside a compiled layer is traced into every layer's graph)."""
+    import torch
+    import transformers
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from benchmarks import train_rows
+    from lightning_ffpa._compat import transformers as hf_compat
+    from lightning_ffpa.attention import flex, masks
+    from lightning_ffpa.presets import build_text_config
+
+    built, seen = [], []
+    build = masks.build_block_mask
+    monkeypatch.setattr(masks, "build_block_mask", lambda *a, **k: built.append(a[2]) or build(*a, **k))
+    forward = flex.flex_forward
+
+    def recorded(q, k, v, bm, *args, **kwargs):
+        seen.append(bm)
+        return forward(q, k, v, bm, *args, **kwargs)
+
+    monkeypatch.setattr(flex, "flex_forward", recorded)
+    train_rows.register_baselines(None)
+    cfg = build_text_config("tiny", num_hidden_layers=4)
+    model = transformers.Gemma4ForCausalLM(cfg).eval()
+    hf_compat.set_attn_implementation(model, "flex")
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, cfg.vocab_size, (1, 64)), use_cache=False)
+    assert sorted(set(cfg.layer_types)) == ["full_attention", "sliding_attention"]
+    assert built == [64, 64]  # one mask per layer type
+    assert len(seen) == 4 and all(isinstance(bm, BlockMask) for bm in seen)
+
+
 def test_summary_ratios_and_reasons():
     rows = [dict(row="ours", seq=8192, tokens_per_s_per_gpu=300.0),
             dict(row="sdpa_recipe", seq=8192, tokens_per_s_per_gpu=200.0),

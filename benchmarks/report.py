@@ -122,9 +122,14 @@ ROW_HEADLINES: list[tuple[str, dict[str, Any], str, str, str]] = [
     ("train_throughput", {"row": "sdpa_defaults", "seq": 8192}, "peak_mem_allocated_gb",
      "training step, 8k tokens, HF SDPA defaults (full AC, no compile): peak allocated memory", "{:.1f} GiB"),
 ]
-# Written by the earlier training harness (rows shared one process, so peaks carry memory an earlier row left
-# alive, and there were no same-recipe baselines): docs/benchmarks.md lists them, the README does not.
-EARLIER_HARNESS = ("train_throughput_dp2", "train_throughput_memory")
+# Files a harness flaw found after the run keeps out of the README and the targets; docs/benchmarks.md lists
+# them with the flaw. Only a re-run replaces one.
+_EARLIER = ("written by the earlier training harness: its rows shared one process, so peaks carry memory an "
+            "earlier row left alive, and it had no same-recipe baselines")
+HARNESS_FLAWS = {
+    "train_throughput_dp2": _EARLIER,
+    "train_throughput_memory": _EARLIER,
+}
 STANDARD_KEYS = ("benchmark", "command", "commit", "date", "device", "versions", "rows", "summary", "script_doc")
 NOTE_KEYS = ("depth_note", "model_slice", "memory_note", "history_note", "partial_run")  # strings that qualify a file's headlines
 # A file whose summary has a `history_note` is an earlier state kept for comparison: docs/benchmarks.md
@@ -244,14 +249,14 @@ def clean_commit(record: dict[str, Any]) -> bool:
 
 
 def current(results: list[tuple[Path, dict[str, Any]]]) -> list[tuple[Path, dict[str, Any]]]:
-    """The files the README and the targets read: not kept as history, not from EARLIER_HARNESS, and naming
+    """The files the README and the targets read: not kept as history, without a harness flaw, and naming
     the one commit they measured."""
-    return [(p, r) for p, r in results if "history_note" not in r["summary"] and p.stem not in EARLIER_HARNESS
+    return [(p, r) for p, r in results if "history_note" not in r["summary"] and p.stem not in HARNESS_FLAWS
             and clean_commit(r)]
 
 
 def render_headline(results: list[tuple[Path, dict[str, Any]]]) -> str:
-    """The README block between the BEGIN/END markers (history and EARLIER_HARNESS files left out)."""
+    """The README block between the BEGIN/END markers (history and flawed-harness files left out)."""
     lines = headline_lines(current(results), ROOT)
     if not lines:
         lines = ["- No benchmark has been recorded yet (`benchmarks/results/` is empty)."]
@@ -331,6 +336,9 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
             out += ["**Provenance incomplete:** the file's `commit` is not one commit id, so it is not known which "
                     "code it measured. It is kept as a record and is not cited in the README or the targets; "
                     "re-run its script to replace it.", ""]
+        if flaw := HARNESS_FLAWS.get(name):
+            out += [f"**Harness flaw:** {flaw}. It is kept as a record and is not cited in the README or the "
+                    "targets.", ""]
         out += [f"- device: {cell(rec.get('device'))}; date: {cell(rec.get('date'))}; "
                 f"commit: `{cell(rec.get('commit'))}`",
                 f"- versions: {cell(rec.get('versions', {}))}",

@@ -274,6 +274,14 @@ def test_a_file_without_one_commit_id_stays_out_of_the_readme_and_is_flagged(tmp
     assert "**Provenance incomplete:**" not in report.render_benchmarks_md([(tmp_path / "t.json", train)], set())
 
 
+def test_a_file_with_a_known_harness_flaw_stays_out_of_the_readme_and_says_why(tmp_path):
+    train = _train_record()
+    flawed = tmp_path / "train_throughput_dp2.json"
+    assert report.current([(flawed, train)]) == [] and report.current([(tmp_path / "t.json", train)])
+    page = report.render_benchmarks_md([(flawed, train)], set())
+    assert f"**Harness flaw:** {report.HARNESS_FLAWS['train_throughput_dp2']}" in page
+
+
 def test_targets_table_reads_the_newest_value_and_says_met_missed_or_not_measured(tmp_path):
     from benchmarks import report_targets
 

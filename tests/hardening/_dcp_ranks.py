@@ -74,7 +74,10 @@ def fit(folder: Path, max_steps: int, *, async_save: bool = False, ckpt_path: st
     return trainer, module, start
 
 
-def listing(folder: Path) -> dict:
+def listing(folder: Path) -> dict | None:
+    # Only rank 0 writes the report; another rank listing here races rank 0 removing a failed save's partial folder.
+    if int(os.environ["RANK"]) != 0:
+        return None
     out = {}
     for p in sorted(folder.iterdir()):
         if p.is_symlink():

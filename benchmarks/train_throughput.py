@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
-from benchmarks.row_process import add_run_options  # noqa: E402
+from benchmarks.row_process import MIN_ROW_S, add_run_options  # noqa: E402
 from benchmarks.train_rows import DEFAULT_ROWS, PRODUCT_SAVE_MM, ROWS  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
@@ -248,7 +248,7 @@ def drive(args) -> None:
 
     for name, seq in plan(args, {(r["row"], r["seq"]) for r in kept}):
         left = args.budget_s - (time.perf_counter() - t_start)
-        if left < 20:
+        if left < MIN_ROW_S:
             row = dict(row=name, seq=seq, **ROWS[name], error=f"skipped: past --budget-s {args.budget_s:.0f}")
         else:
             row = launch(args, name, seq, logs, min(args.row_timeout_s, left))

@@ -38,7 +38,13 @@ TARGETS: list[tuple[str, str | None, float, bool, str]] = [
 def _newest(results: list[tuple[Path, dict[str, Any]]], key: str, stem: str | None):
     """(path, record) of the newest file that recorded a number for `key` (any file, or only `stem`)."""
     found = [(p, r) for p, r in results if (stem is None or p.stem == stem) and is_number(r["summary"].get(key))]
-    return max(found, key=lambda pr: str(pr[1].get("date", "")), default=(None, None))
+    return max(found, key=lambda pr: measured_at(pr[1]), default=(None, None))
+
+
+def measured_at(record: dict[str, Any]) -> str:
+    """When a file's last call ran ("YYYY-MM-DD HH:MM:SS" where the script records its calls, else the day): two
+    files of one day are told apart by the time of day."""
+    return max([str(c.get("date", "")) for c in record.get("calls") or []] + [str(record.get("date", ""))])
 
 
 def target_status(value: float | None, bar: float, strict: bool) -> str:

@@ -299,6 +299,18 @@ def test_targets_table_reads_the_newest_value_and_says_met_missed_or_not_measure
     assert report_targets.target_status(1.0, 1.0, strict=False) == "met"
 
 
+def test_targets_table_tells_two_files_of_one_day_apart_by_their_calls():
+    from benchmarks import report_targets
+
+    morning = dict(benchmark="b", commit="aaaaaaa", date="2026-12-02", rows=[], summary={"ours_mfu_spec_16k": 0.449},
+                   calls=[dict(date="2026-12-02 00:16:05")])
+    later = dict(morning, commit="bbbbbbb", summary={"ours_mfu_spec_16k": 0.45}, calls=[dict(date="2026-12-02 02:29:52")])
+    for order in ([morning, later], [later, morning]):
+        lines = report_targets.render_targets([(tmp / "f.json", r) for tmp, r in zip((Path("x"), Path("y")), order)],
+                                              Path("."), lambda p, start: p.name)
+        assert any("| 45.0% | missed |" in ln and "(`bbbbbbb`)" in ln for ln in lines)
+
+
 def test_kernel_kinds_sum_the_top_list_by_kind_and_leave_profiler_ranges_out():
     from benchmarks.step_probe import kernel_kinds
 

@@ -71,11 +71,14 @@ def reference_check(model, prompts: list[list[int]], outputs: list[list[int]], l
     Greedy: HF greedy `generate` of all prompts at once for `tokens` new tokens; per prompt the first position
     where the two differ (None: all equal), the position-wise match rate over all tokens, and HF's logit gap
     between its token and the engine's at the first divergence (prefixes agree up to there, so a small gap is a near-tie that bf16 rounding
-    can flip). Both modes: an HF forward over prompt + the engine's tokens gives the logprob of each engine token,
-    compared with the logprob the engine recorded (temperature 1.0 in both modes).
+    can flip); and the engine's logprobs against those of HF generate's own logits (its cached decode path),
+    up to the first divergence included. Both modes: one HF forward over prompt + the engine's tokens (no cache, the
+    whole sequence at once) gives the logprob of each engine token, compared with the logprob the engine recorded
+    (temperature 1.0 in both modes).
     """
     n = min([tokens, *map(len, outputs)])
     first_div: list[int | None] = []
+    gen_diffs: list[torch.Tensor] = []
     gaps: list[float | None] = []
     equal = 0
     if greedy:  # one batched call: the prompts share a length, so no padding enters the reference
@@ -89,6 +92,11 @@ def reference_check(model, prompts: list[list[int]], outputs: list[list[int]], l
             first_div.append(pos)
             step = gen.logits[pos][i].float() if pos is not None else None
             gaps.append(None if step is None else float(step[ref[pos]] - step[out[pos]]))
+            # the engine's logprobs against HF generate's logits (its cached decode): prefixes agree up to `pos`
+            upto = n if pos is None else pos + 1
+            lg = torch.stack([gen.logits[j][i] for j in range(upto)]).float()
+            ref_lp = torch.log_softmax(lg, -1).gather(1, torch.tensor(out[:upto], device=lg.device)[:, None])[:, 0]
+            gen_diffs.append((ref_lp.cpu() - torch.tensor(logprobs[i][:upto])).abs())
         del gen
     lp_diff_max, lp_diff_sum = 0.0, 0.0
     for prompt, out, lps in zip(prompts, outputs, logprobs):
@@ -104,7 +112,10 @@ def reference_check(model, prompts: list[list[int]], outputs: list[list[int]], l
     res: dict[str, Any] = {"prompts": len(prompts), "tokens": n,
                            "logprob_max_abs_diff": lp_diff_max, "logprob_mean_abs_diff": lp_diff_sum / max(total, 1)}
     if greedy:
-        res.update({"token_match_rate": equal / max(total, 1),
+        gen_diff = torch.cat(gen_diffs)
+        res.update({"logprob_vs_generate_max_abs_diff": float(gen_diff.max()),
+                    "logprob_vs_generate_mean_abs_diff": float(gen_diff.mean()),
+                    "token_match_rate": equal / max(total, 1),
                     "exact_prompts": sum(d is None for d in first_div),
                     "first_divergence": first_div, "divergence_logit_gap": gaps})
     return res

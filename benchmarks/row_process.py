@@ -20,6 +20,32 @@ from pathlib import Path
 from typing import Any
 
 MIN_ROW_S = 20.0  # less time than this left in the budget: the row is skipped, not started and killed
+STACK_SIGNAL = signal.SIGUSR1  # asks a row's processes for their Python stacks before the kill
+STACK_GRACE_S = 3.0
+
+
+def dump_stacks_on_signal() -> None:
+    """Child side: on STACK_SIGNAL, print every thread's Python stack to the row's log (where a killed row stood)."""
+    import faulthandler
+
+    faulthandler.register(STACK_SIGNAL, all_threads=True)
+
+
+def progress_tail(text: str, lines: int) -> list[str]:
+    """The last `lines` lines a row printed before any stack dump (the dump follows in its log)."""
+    out = text.splitlines()
+    first_dump = next((i for i, ln in enumerate(out) if ln.startswith(("Thread 0x", "Current thread 0x"))), len(out))
+    return [ln for ln in out[:first_dump] if ln.strip()][-lines:]
+
+
+def kill_row(proc: subprocess.Popen) -> None:
+    """Kill a row's whole process group (compile workers, torchrun's ranks), after asking it for its stacks."""
+    try:
+        os.killpg(proc.pid, STACK_SIGNAL)
+        time.sleep(STACK_GRACE_S)  # every rank writes its dump; a launcher that dies of the signal must not cut it
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is gone already
+        pass
 
 
 def add_run_options(parser: Any, *, budget_s: float, row_timeout_s: float) -> None:
@@ -58,7 +84,7 @@ def run_row(script: Path, spec: dict[str, Any], log: Path, timeout_s: float,
             rc = proc.wait(timeout=timeout_s)
             timed_out = False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_row(proc)
             rc, timed_out = proc.wait(), True
     row: dict[str, Any] = dict(spec)
     wrote = out.exists()
@@ -69,10 +95,13 @@ def run_row(script: Path, spec: dict[str, Any], log: Path, timeout_s: float,
                "log": log.name}
     row["process"] = {**row.get("process", {}), **process}
     if timed_out:
-        row["error"] = f"timeout: the row's process was killed after {timeout_s:.0f} s"
+        row["error"] = (f"timeout: the row's process was killed after {timeout_s:.0f} s (its log ends with "
+                        "the Python stacks it had then)")
     elif not wrote:
         row["error"] = f"the row's process exited with rc={rc} without writing its row"
-    if "error" in row:
+    if timed_out:  # what it printed last; its stacks at the kill follow in the log
+        row["log_tail"] = "\n".join(progress_tail(_tail(log, 200_000), 20))
+    elif "error" in row:
         row["log_tail"] = _tail(log)
     return row
 
@@ -121,6 +150,7 @@ def row_main(argv: list[str] | None, measure: Callable[[dict[str, Any]], dict[st
     ap.add_argument("--row-out", required=True)
     args = ap.parse_args(argv)
     spec = json.loads(args.row)
+    dump_stacks_on_signal()
     row: dict[str, Any] = {"process": {"pid": os.getpid(), "parent_pid": os.getppid()}}
     try:
         row.update(measure(spec))

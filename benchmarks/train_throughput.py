@@ -33,7 +33,6 @@ import contextlib
 import io
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
-from benchmarks.row_process import MIN_ROW_S, add_run_options  # noqa: E402
+from benchmarks.row_process import MIN_ROW_S, add_run_options, dump_stacks_on_signal, kill_row, progress_tail  # noqa: E402
 from benchmarks.train_rows import DEFAULT_ROWS, PRODUCT_SAVE_MM, ROWS  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
@@ -86,6 +85,7 @@ def run_one(args) -> None:
     from lightning_ffpa._compat import torch as torch_compat
     from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES
 
+    dump_stacks_on_signal()
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if args.cpu:
@@ -140,15 +140,15 @@ def launch(args, name: str, seq: int, logs: Path, timeout: float) -> dict:
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_row(proc)
             rc = None
     wall = time.perf_counter() - t0
     if part.exists():
         row = json.loads(part.read_text())
     else:
-        tail = log.read_text(errors="replace").strip().splitlines()[-12:]
-        why = f"killed after the row timeout of {timeout:.0f} s" if rc is None else f"process exit {rc}"
+        tail = progress_tail(log.read_text(errors="replace"), 12)
+        why = (f"killed after the row timeout of {timeout:.0f} s (the log ends with its Python stacks then)"
+               if rc is None else f"process exit {rc}")
         row = dict(row=name, seq=seq, **ROWS[name], error=f"{why}; log tail: " + " | ".join(tail)[-1200:])
     row.update(wall_s=round(wall, 1), log=log.name)
     return row

@@ -36,6 +36,7 @@ def test_rows_run_in_own_processes_with_hf_check(tmp_path):
     check = greedy["hf_check"]  # fp32 CPU: the engine's greedy tokens equal HF's
     assert check["token_match_rate"] == 1.0 and check["first_divergence"] == [None, None]
     assert check["exact_prompts"] == 2 and check["logprob_max_abs_diff"] < 1e-3
+    assert check["logprob_vs_generate_max_abs_diff"] < 1e-3  # and against generate's own logits
     assert "token_match_rate" not in sampled["hf_check"] and sampled["hf_check"]["logprob_max_abs_diff"] < 1e-3
     assert 0 < greedy["roofline_fraction"] and greedy["roofline_fraction_datasheet"] is None  # no CPU datasheet
     s = record["summary"]
@@ -57,15 +58,22 @@ def test_rows_run_in_own_processes_with_hf_check(tmp_path):
     assert m["summary"]["vs_hf_generate_bs2"] == pytest.approx(s["vs_hf_generate_bs2"])  # the eager row is faster
 
 
-def test_row_timeout_and_budget(tmp_path):
+def test_row_timeout_and_budget(tmp_path, monkeypatch):
+    """A row past its timeout is killed with its whole group, and its log ends with where it stood."""
     from benchmarks.row_process import run_rows
 
     script = tmp_path / "sleeper.py"
-    script.write_text("import time\ntime.sleep(60)\n")
+    script.write_text("import time\nfrom benchmarks.row_process import row_main\n\n"
+                      "def stuck_here(spec):\n    print('row started', flush=True)\n    time.sleep(60)\n\n"
+                      "row_main(None, stuck_here)\n")
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
     seen = []
-    rows = run_rows(script, [{"name": "slow", "batch": 1}, {"name": "late", "batch": 1}], tmp_path, 2.0, 21.0,
+    rows = run_rows(script, [{"name": "slow", "batch": 1}, {"name": "late", "batch": 1}], tmp_path, 4.0, 21.0,
                     lambda done: seen.append(len(done)))
     assert rows[0]["error"].startswith("timeout") and rows[0]["process"]["rc"] == -9
+    assert rows[0]["log_tail"] == "row started"  # what it printed, not the stack dump after it
+    log = (tmp_path / rows[0]["process"]["log"]).read_text()
+    assert "(most recent call first)" in log and "in stuck_here" in log
     assert "skipped" in rows[1] and seen == [1, 2]  # the result is rewritten after every row
 
 
@@ -89,3 +97,4 @@ def test_reference_check_finds_a_divergence():
     assert res["first_divergence"] == [None, 3] and res["exact_prompts"] == 1
     assert res["token_match_rate"] < 1 and res["divergence_logit_gap"][1] > 0  # HF preferred its own token
     assert res["logprob_max_abs_diff"] > 1e-3  # the changed token's logprob is not the one recorded
+    assert res["logprob_vs_generate_max_abs_diff"] > 1e-3  # nor generate's, at the divergence itself

@@ -72,6 +72,11 @@ def write_result(benchmark: str, rows: list[dict[str, Any]], summary: dict[str, 
     return path
 
 
+def provenance(by: str) -> dict[str, str]:
+    """Who rewrote a recorded file after its run (a merge, a recomputed summary): command, commit and date."""
+    return {"by": by, "commit": _commit(), "date": _dt.date.today().isoformat()}
+
+
 def resummarize(path: str | Path, summarize: Any, by: str) -> dict[str, Any]:
     """Recompute a result file's summary in place from its rows (untouched), recording that it was recomputed,
     by which command and commit, and the summary the run itself wrote."""
@@ -79,8 +84,7 @@ def resummarize(path: str | Path, summarize: Any, by: str) -> dict[str, Any]:
     record = json.loads(path.read_text())
     before = record["summary"]
     record["summary"] = summarize(record["rows"])
-    record["summary_recomputed"] = {"by": by, "commit": _commit(), "date": _dt.date.today().isoformat(),
-                                    "summary_at_run": before.get("summary_at_run", before)}
+    record["summary_recomputed"] = {**provenance(by), "summary_at_run": before.get("summary_at_run", before)}
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(json.dumps(record["summary"], indent=2, default=str))
     return record["summary"]

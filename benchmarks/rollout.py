@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import resummarize, write_result  # noqa: E402
 from benchmarks.row_process import run_rows  # noqa: E402
 
@@ -172,13 +173,23 @@ def write(rows: list[dict], out: str | None, partial: bool, **extra: Any) -> Pat
 
 
 def merge(paths: list[str], out: str) -> None:
-    """One result file from several runs' rows (e.g. the compiled-HF call and the main call); summary recomputed."""
-    rows, sources = [], []
-    for p in paths:
-        record = json.loads(Path(p).read_text())
-        rows += record["rows"]
-        sources.append({"file": Path(p).name, "commit": record.get("commit"), "command": record.get("command")})
-    write(rows, out, partial=False, merged_from=sources)
+    """One result file from several runs' rows (e.g. the compiled-HF call and the main call); summary recomputed.
+
+    The runs must share commit, device and versions (those are the merged file's); who merged is recorded apart.
+    """
+    records = [json.loads(Path(p).read_text()) for p in paths]
+    shared = {}
+    for key in ("commit", "device", "versions"):
+        seen = {json.dumps(r.get(key), sort_keys=True) for r in records}
+        if len(seen) > 1:
+            raise SystemExit(f"--merge: the files differ in {key} ({', '.join(sorted(seen))}); rows of different "
+                             "code or machines are not one result")
+        shared[key] = records[0].get(key)
+    rows = [row for r in records for row in r["rows"]]
+    sources = [{"file": Path(p).name, "commit": r.get("commit"), "date": r.get("date"), "command": r.get("command")}
+               for p, r in zip(paths, records)]
+    write(rows, out, partial=False, merged_from=sources, merged_by=results_io.provenance("rollout.py --merge"),
+          **shared)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -17,7 +17,7 @@ TINY = ["--preset", "tiny", "--device", "cpu", "--layers", "2", "--batches", "2"
 
 
 @pytest.mark.timeout(120)
-def test_rows_run_in_own_processes_with_hf_check(tmp_path):
+def test_rows_run_in_own_processes_with_hf_check(tmp_path, monkeypatch):
     out = tmp_path / "rollout.json"
     rows = rollout.main([*TINY, "--rows", "ours_paged_flex,hf_generate_static",
                          "--only", "ours_paged_flex,ours_paged_flex_sampled,hf_generate_static", "--out", str(out)])
@@ -56,6 +56,13 @@ def test_rows_run_in_own_processes_with_hf_check(tmp_path):
     assert len(m["rows"]) == 4 and len(m["merged_from"]) == 2
     assert m["summary"]["hf_baseline_bs2"] == "eager and compiled, the faster"
     assert m["summary"]["vs_hf_generate_bs2"] == pytest.approx(s["vs_hf_generate_bs2"])  # the eager row is faster
+    assert m["commit"] == record["commit"] and m["device"] == record["device"] and m["merged_by"]["by"]
+    # rows measured at another commit are not merged into one result
+    monkeypatch.setenv("LIGHTNING_FFPA_COMMIT", "0" * 40)
+    rollout.write([fake], str(other), partial=False)
+    monkeypatch.delenv("LIGHTNING_FFPA_COMMIT")
+    with pytest.raises(SystemExit, match="differ in commit"):
+        rollout.main(["--merge", str(out), str(other), "--out", str(merged)])
 
 
 def test_row_timeout_and_budget(tmp_path, monkeypatch):

@@ -127,7 +127,9 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         out["greedy_token_match_rate_min"] = min(rates)
     if checks:
         out["engine_vs_hf_logprob_max_abs_diff"] = max(c["logprob_max_abs_diff"] for c in checks)
-        out["engine_vs_hf_logprob_mean_abs_diff_max"] = max(c["logprob_mean_abs_diff"] for c in checks)
+        means = [c["logprob_mean_abs_diff"] for c in checks if "logprob_mean_abs_diff" in c]
+        if means:
+            out["engine_vs_hf_logprob_mean_abs_diff_max"] = max(means)
     gen = [c["logprob_vs_generate_max_abs_diff"] for c in checks if "logprob_vs_generate_max_abs_diff" in c]
     if gen:  # the greedy rows: against HF generate's own logits (its cached decode path), same prefixes
         out["engine_vs_hf_generate_logprob_max_abs_diff"] = max(gen)

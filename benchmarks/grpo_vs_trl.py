@@ -8,8 +8,10 @@ Same recipe in both rows, each run in its own process (`row_process.py`): the Ge
 EOS suppressed (TRL: `min_new_tokens`; ours: no EOS ids), no activation checkpointing, AdamW at `--lr`,
 `--beta` KL (0: no reference pass), per-sequence mean loss (TRL `loss_type="grpo"`), constant learning rate and
 no gradient clipping (TRL `lr_scheduler_type="constant"`, `max_grad_norm=0`), the same toy reward
-(`token_range_reward`). TRL generates with HF `generate` (its default backend: eager, dynamic cache); the row
-records `trl` and `transformers` versions, or the ImportError when trl is absent.
+(`token_range_reward`). TRL generates with HF `generate` (no vLLM on the device image), one row per generation
+option it offers (`TRL_GENERATION`): its default dynamic cache, a static cache, and HF's continuous batching;
+the ratios divide by the fastest that finished. Each TRL row records `trl` and `transformers` versions, or
+the ImportError when trl is absent.
 
 Per optimizer step after `--warmup` steps: wall seconds (median, min, max), completion tokens/s, and phases:
 generation (ours: LoRA refresh + engine, also apart as `refresh_s`; TRL: `_generate`), scoring (rewards, advantages, batch layout; TRL also
@@ -37,7 +39,13 @@ from benchmarks.results_io import write_result  # noqa: E402
 from benchmarks.row_process import row_main, run_rows  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ROWS = ("ours_grpo", "trl_grpo")
+# TRL's generation options without vLLM (not on the device image), each a row: the ratio divides by the fastest.
+TRL_GENERATION: dict[str, dict[str, Any]] = {
+    "trl_grpo": {},  # HF generate, dynamic cache
+    "trl_grpo_static_cache": {"cache_implementation": "static"},  # TRL disables generate's compile either way
+    "trl_grpo_continuous_batching": {"use_transformers_continuous_batching": True},  # HF's paged generate
+}
+ROWS = ("ours_grpo", *TRL_GENERATION)
 
 
 class StepClock:
@@ -171,6 +179,12 @@ def measure_trl(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         torch.set_default_dtype(saved)
     model.generation_config.eos_token_id = None
+    if TRL_GENERATION[spec["name"]].get("use_transformers_continuous_batching"):
+        from benchmarks.rollout_hf import GLOBAL_ACCESS
+
+        # as in rollout.py's HF continuous-batching row: past HF's guard on Gemma4's per-layer head counts
+        if getattr(model.config, GLOBAL_ACCESS, None) is not None:
+            setattr(model.config, GLOBAL_ACCESS, True)
     prompts = random_prompts(spec["prompts"] * spec["steps"], spec["prompt_len"], spec["vocab"])
     data = Dataset.from_list([{"prompt": " ".join(map(str, p))} for p in prompts])
     n = spec["prompts"] * spec["group"]
@@ -181,7 +195,8 @@ def measure_trl(spec: dict[str, Any]) -> dict[str, Any]:
         generation_kwargs={"min_new_tokens": spec["completion_len"]}, learning_rate=spec["lr"], beta=spec["beta"],
         loss_type="grpo", gradient_checkpointing=False, bf16=cuda, use_cpu=not cuda, report_to=[],
         lr_scheduler_type="constant", max_grad_norm=0.0,  # as ours: constant rate, no clipping
-        save_strategy="no", logging_steps=spec["steps"], disable_tqdm=True, seed=0, dataloader_num_workers=0)
+        save_strategy="no", logging_steps=spec["steps"], disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        **TRL_GENERATION[spec["name"]])
     trainer = GRPOTrainer(model=model, reward_funcs=[token_range_reward], args=args, train_dataset=data,
                           processing_class=word_tokenizer(spec["vocab"]),
                           peft_config=LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"],
@@ -210,7 +225,8 @@ def measure_trl(spec: dict[str, Any]) -> dict[str, Any]:
     trainer.add_callback(Steps())
     trainer.train()
     return {"per_step": clock.steps, "trl_version": trl.__version__, "transformers_version": transformers.__version__,
-            "generation_backend": "transformers.generate (use_vllm=False, continuous batching off)",
+            "generation_backend": "transformers.generate (use_vllm=False)",
+            "generation_options": TRL_GENERATION[spec["name"]] or "TRL's defaults (dynamic cache)",
             "bf16": args.bf16, "loss_type": args.loss_type}
 
 
@@ -237,16 +253,22 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize(rows: list[dict]) -> dict[str, Any]:
+    """Ratios against the fastest TRL row that finished (`trl_baseline` names it), and against each TRL row."""
     by = {r["name"]: r for r in rows}
-    ours, trl = by.get("ours_grpo", {}), by.get("trl_grpo", {})
+    ours = by.get("ours_grpo", {})
+    trls = [by[n] for n in TRL_GENERATION if "step_s_median" in by.get(n, {})]
     out: dict[str, Any] = {}
-    if "step_s_median" in ours and "step_s_median" in trl:
+    if "step_s_median" in ours and trls:
+        trl = min(trls, key=lambda r: r["step_s_median"])
+        out["trl_baseline"] = f"{trl['name']}, the fastest of the TRL rows that finished ({len(trls)})"
         out["ours_vs_trl_step_speedup"] = trl["step_s_median"] / ours["step_s_median"]
         out["ours_vs_trl_completion_tps"] = ours["completion_tokens_per_s"] / trl["completion_tokens_per_s"]
         po, pt = ours["phases_s_median"], trl["phases_s_median"]
         for p in ("generation_s", "scoring_s", "update_s"):
             o = po[p] + (po["refresh_s"] if p == "generation_s" else 0.0)  # ours generates after a LoRA refresh
             out[f"ours_vs_trl_{p[:-2]}_speedup"] = pt[p] / o if o > 0 else None
+        for r in trls:
+            out[f"ours_vs_{r['name']}_step_speedup"] = r["step_s_median"] / ours["step_s_median"]
     for name, r in by.items():
         if "error" in r:
             out[f"{name}_error"] = r["error"][:300]
@@ -260,7 +282,7 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default=",".join(ROWS), help="ours_grpo and/or trl_grpo")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--prompts", type=int, default=2, help="prompts per optimizer step")
     ap.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO group size)")

@@ -16,7 +16,7 @@ from benchmarks import grpo_vs_trl  # noqa: E402
 @pytest.mark.timeout(120)
 def test_smoke_rows_phases_and_trl_row(tmp_path):
     out = tmp_path / "grpo.json"
-    grpo_vs_trl.main(["--smoke", "--out", str(out)])
+    grpo_vs_trl.main(["--smoke", "--rows", "ours_grpo,trl_grpo", "--out", str(out)])
     record = json.loads(out.read_text())
     rows = {r["name"]: r for r in record["rows"]}
     assert list(rows) == ["ours_grpo", "trl_grpo"]
@@ -40,4 +40,23 @@ def test_smoke_rows_phases_and_trl_row(tmp_path):
     else:
         assert "error" not in trl and trl["completion_tokens_per_step"] == 24
         assert summary["ours_vs_trl_step_speedup"] > 0 and "ours_vs_trl_generation_speedup" in summary
+        assert summary["trl_baseline"].startswith("trl_grpo,")
     assert "2 of 60 layers" in summary["model_slice"] and "partial" not in summary
+
+
+def test_ratio_divides_by_the_fastest_trl_row():
+    def row(name, step, tps):
+        return {"name": name, "step_s_median": step, "completion_tokens_per_s": tps, "process": {"pid": 1},
+                "phases_s_median": {"refresh_s": 0.0, "generation_s": step / 2, "scoring_s": 0.1, "update_s": 0.4}}
+
+    rows = [row("ours_grpo", 1.0, 100.0), row("trl_grpo", 8.0, 12.5), row("trl_grpo_static_cache", 6.0, 16.0),
+            {"name": "trl_grpo_continuous_batching", "error": "ValueError: heterogeneous heads"}]
+    s = grpo_vs_trl.summarize(rows)
+    assert s["ours_vs_trl_step_speedup"] == 6.0 and s["trl_baseline"].startswith("trl_grpo_static_cache,")
+    assert s["ours_vs_trl_grpo_step_speedup"] == 8.0 and "ours_vs_trl_grpo_continuous_batching_step_speedup" not in s
+    assert s["trl_grpo_continuous_batching_error"].startswith("ValueError")
+
+
+def test_unknown_row_is_refused_naming_the_option():
+    with pytest.raises(SystemExit):
+        grpo_vs_trl.parse_args(["--rows", "ours_grpo,trl_vllm"])

@@ -72,13 +72,15 @@ def reference_check(model, prompts: list[list[int]], outputs: list[list[int]], l
     where the two differ (None: all equal), the position-wise match rate over all tokens, and HF's logit gap
     between its token and the engine's at the first divergence (prefixes agree up to there, so a small gap is a near-tie that bf16 rounding
     can flip); and the engine's logprobs against those of HF generate's own logits (its cached decode path),
-    up to the first divergence included. Both modes: one HF forward over prompt + the engine's tokens (no cache, the
+    up to the first divergence included, and HF's two paths against each other there (generate's logits vs the
+    forward below: the spread HF's own numerics give, the floor for the engine's). Both modes: one HF forward over prompt + the engine's tokens (no cache, the
     whole sequence at once) gives the logprob of each engine token, compared with the logprob the engine recorded
     (temperature 1.0 in both modes).
     """
     n = min([tokens, *map(len, outputs)])
     first_div: list[int | None] = []
     gen_diffs: list[torch.Tensor] = []
+    gen_lps: list[torch.Tensor] = []  # HF generate's logprobs of the engine's tokens, per prompt
     gaps: list[float | None] = []
     equal = 0
     if greedy:  # one batched call: the prompts share a length, so no padding enters the reference
@@ -96,10 +98,12 @@ def reference_check(model, prompts: list[list[int]], outputs: list[list[int]], l
             upto = n if pos is None else pos + 1
             lg = torch.stack([gen.logits[j][i] for j in range(upto)]).float()
             ref_lp = torch.log_softmax(lg, -1).gather(1, torch.tensor(out[:upto], device=lg.device)[:, None])[:, 0]
-            gen_diffs.append((ref_lp.cpu() - torch.tensor(logprobs[i][:upto])).abs())
+            gen_lps.append(ref_lp.cpu())
+            gen_diffs.append((gen_lps[-1] - torch.tensor(logprobs[i][:upto])).abs())
         del gen
     lp_diff_max, lp_diff_sum = 0.0, 0.0
-    for prompt, out, lps in zip(prompts, outputs, logprobs):
+    hf_self: list[torch.Tensor] = []  # HF against itself: generate's cached decode vs the one-pass forward
+    for i, (prompt, out, lps) in enumerate(zip(prompts, outputs, logprobs)):
         with torch.no_grad():  # one prompt at a time: a 262k-vocab fp32 logit row per token adds up
             full = torch.tensor([prompt + out[:n]], device=device)
             logits = model(input_ids=full, use_cache=False).logits[0, len(prompt) - 1:len(prompt) - 1 + n].float()
@@ -107,6 +111,8 @@ def reference_check(model, prompts: list[list[int]], outputs: list[list[int]], l
         diff = (hf_lp - torch.tensor(lps[:n])).abs()
         lp_diff_max = max(lp_diff_max, float(diff.max()))
         lp_diff_sum += float(diff.sum())
+        if gen_lps:
+            hf_self.append((hf_lp[:len(gen_lps[i])] - gen_lps[i]).abs())
         del logits, full
     total = n * len(prompts)
     res: dict[str, Any] = {"prompts": len(prompts), "tokens": n,
@@ -115,6 +121,9 @@ def reference_check(model, prompts: list[list[int]], outputs: list[list[int]], l
         gen_diff = torch.cat(gen_diffs)
         res.update({"logprob_vs_generate_max_abs_diff": float(gen_diff.max()),
                     "logprob_vs_generate_mean_abs_diff": float(gen_diff.mean()),
+                    # the same tokens' logprobs from HF's two paths: the floor its own numerics set
+                    "hf_generate_vs_forward_logprob_mean_abs_diff": float(torch.cat(hf_self).mean()),
+                    "hf_generate_vs_forward_logprob_max_abs_diff": float(torch.cat(hf_self).max()),
                     "token_match_rate": equal / max(total, 1),
                     "exact_prompts": sum(d is None for d in first_div),
                     "first_divergence": first_div, "divergence_logit_gap": gaps})

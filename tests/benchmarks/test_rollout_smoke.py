@@ -37,6 +37,7 @@ def test_rows_run_in_own_processes_with_hf_check(tmp_path, monkeypatch):
     assert check["token_match_rate"] == 1.0 and check["first_divergence"] == [None, None]
     assert check["exact_prompts"] == 2 and check["logprob_max_abs_diff"] < 1e-3
     assert check["logprob_vs_generate_max_abs_diff"] < 1e-3  # and against generate's own logits
+    assert check["hf_generate_vs_forward_logprob_max_abs_diff"] < 1e-3  # HF's two paths agree in fp32
     assert "token_match_rate" not in sampled["hf_check"] and sampled["hf_check"]["logprob_max_abs_diff"] < 1e-3
     assert 0 < greedy["roofline_fraction"] and greedy["roofline_fraction_datasheet"] is None  # no CPU datasheet
     s = record["summary"]

@@ -70,12 +70,12 @@ def reference_check(model, prompts: list[list[int]], outputs: list[list[int]], l
 
     Greedy: HF greedy `generate` of all prompts at once for `tokens` new tokens; per prompt the first position
     where the two differ (None: all equal), the position-wise match rate over all tokens, and HF's logit gap
-    between its token and the engine's at the first divergence (prefixes agree up to there, so a small gap is a near-tie that bf16 rounding
-    can flip); and the engine's logprobs against those of HF generate's own logits (its cached decode path),
-    up to the first divergence included, and HF's two paths against each other there (generate's logits vs the
-    forward below: the spread HF's own numerics give, the floor for the engine's). Both modes: one HF forward over prompt + the engine's tokens (no cache, the
-    whole sequence at once) gives the logprob of each engine token, compared with the logprob the engine recorded
-    (temperature 1.0 in both modes).
+    between its token and the engine's at the first divergence (prefixes agree up to there, so a small gap is a
+    near-tie that bf16 rounding can flip). Up to the first divergence included, the engine's logprobs against
+    those of generate's own logits (HF's cached decode), and HF's two paths against each other (generate's
+    logits vs the forward below: the spread HF's own numerics give, the floor for the engine's).
+    Both modes: one HF forward over prompt + the engine's tokens (no cache, the whole sequence at once) gives the
+    logprob of each engine token, compared with the logprob the engine recorded (temperature 1.0 in both modes).
     """
     n = min([tokens, *map(len, outputs)])
     first_div: list[int | None] = []

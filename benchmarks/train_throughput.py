@@ -141,6 +141,7 @@ def launch(args, name: str, seq: int, logs: Path, timeout: float) -> dict:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             kill_row(proc)
+            proc.wait()
             rc = None
     wall = time.perf_counter() - t0
     if part.exists():

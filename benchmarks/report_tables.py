@@ -299,6 +299,8 @@ def grpo_vs_trl(rec: dict[str, Any], link: str) -> list[str]:
             r.col(what, f"summary.{key}")
         r.add([fmt("ratio", rec["summary"][k]) for k, _ in keys])
         out += ["" if notes.lines else None, "Ours against TRL, from the same run:", "", *r.render()]
+        if rec["summary"].get("trl_baseline"):  # which TRL generation option the ratios divide by
+            out += ["", f"- `summary.trl_baseline`: {rec['summary']['trl_baseline']}"]
     return [x for x in out if x is not None]
 
 

@@ -210,6 +210,7 @@ def test_lora_grpo_and_nemo_tables(tmp_path):
     text, _ = _render(tmp_path, grpo)
     assert "| ours_grpo | 2.41 (2.34–2.61) | 1,273 | 0.05 | 1.22 | 0.03 | 1.11 | 33.7 |" in text
     assert f"| {grpo['summary']['ours_vs_trl_step_speedup']:.2f}x |" in text
+    assert "- `summary.trl_baseline`: trl_grpo, the fastest of the TRL rows that finished (1)" in text
     nemo = _nemo_record()
     text, _ = _render(tmp_path, nemo)
     assert f"| 8192 | dense | fwd+bwd | 6.205 | 7.118 | {nemo['summary']['ours_vs_nemo_backend_fwdbwd_dense_8k']:.2f}x |" in text

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import nemo_wheel
+from benchmarks.row_process import dump_stacks_on_signal, kill_row, progress_tail
 from lightning_ffpa.attention import backend, kernels
 
 STEP_ROWS = ("ours", "nemo")
@@ -48,6 +49,7 @@ def step_child(args) -> dict:
     from lightning_ffpa._compat import torch as torch_compat
     from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES
 
+    dump_stacks_on_signal()
     name, seq = args.child_row, args.child_seq
     spec = _step_spec(name, args.smoke)
     row = {"part": "step", "row": name, "seq": seq, **spec, "layers": args.layers, "preset": args.preset,
@@ -134,16 +136,24 @@ def step_rows(args, deadline: float):
                        "--child-out", str(part), "--nemo-wheel", str(args.nemo_wheel), "--layers", str(args.layers),
                        "--preset", args.preset, "--warmup-steps", str(args.warmup_steps), "--steps",
                        str(args.steps), "--nemo-sliding", args.nemo_sliding, *(["--smoke"] if args.smoke else [])]
+                # its own session: a timeout kills the child's group after it wrote its stacks to stderr
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        start_new_session=True)
                 try:
-                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
-                    sys.stderr.write(proc.stderr[-3000:])
+                    _, err = proc.communicate(timeout=left)
+                except subprocess.TimeoutExpired:
+                    kill_row(proc)
+                    _, err = proc.communicate()
+                    sys.stderr.write(err[-6000:])
+                    error = (f"child killed after {left:.0f}s (--budget-s {args.budget_s:.0f}); last printed: "
+                             + " | ".join(progress_tail(err, 3)))
+                else:
+                    sys.stderr.write(err[-3000:])
                     if part.exists():
                         yield json.loads(part.read_text())
                         continue
-                    tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["(no stderr)"]
+                    tail = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["(no stderr)"]
                     error = f"child exited {proc.returncode}: {tail[0]}"
-                except subprocess.TimeoutExpired:
-                    error = f"child killed after {left:.0f}s (--budget-s {args.budget_s:.0f})"
                 yield {"part": "step", "row": name, "seq": seq, "error": error[:800]}
 
 

@@ -78,6 +78,7 @@ class GRPOModule(HFModule):
         self.init_model_options()
         self.clip_fraction = MeanMetric()
         self.kl = MeanMetric()
+        self.sampler_gap = MeanMetric()
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         hp = self.hparams
@@ -91,10 +92,15 @@ class GRPOModule(HFModule):
                                 clip_eps=hp.clip_eps, clip_eps_high=hp.clip_eps_high, beta=hp.beta,
                                 ref_logprobs=ref)
         self.log("train/loss", loss, prog_bar=True)
-        self.clip_fraction.update(stats["clip_fraction"])
+        # How far the sampler's logprobs sit from the policy's on the same tokens (the ratio divides by them):
+        # ~0 when the inference copy and numerics match; bf16 engines and kernels move it.
+        gap = ((logp.detach() - batch["old_logprobs"][:, 1:]).abs() * mask).sum() / mask.sum().clamp(min=1)
+        self.sampler_gap(gap)
+        self.log("train/sampler_logprob_gap", self.sampler_gap, on_step=True, on_epoch=False)
+        self.clip_fraction(stats["clip_fraction"])  # forward: the step value is what on_step logs
         self.log("train/clip_fraction", self.clip_fraction, on_step=True, on_epoch=False)
         if "kl" in stats:
-            self.kl.update(stats["kl"])
+            self.kl(stats["kl"])
             self.log("train/kl", self.kl, on_step=True, on_epoch=False)
         return loss
 

@@ -15,10 +15,15 @@ from lightning_ffpa.rollout.sampler import SamplingParams
 
 class _Rewards(L.Callback):
     def __init__(self):
-        self.history = []
+        self.history, self.gaps = [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.history.append(batch["rewards"].mean().item())
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step:  # the step before's logged values
+            assert "train/clip_fraction" in trainer.callback_metrics  # logged every step, not only accumulated
+            self.gaps.append(trainer.callback_metrics["train/sampler_logprob_gap"].item())
 
 
 @pytest.mark.timeout(120)
@@ -36,6 +41,8 @@ def test_tiny_grpo_reward_rises():
     h = rewards.history
     assert len(h) == 10 and rollout.drift_report is not None
     assert sum(h[-3:]) / 3 > sum(h[:3]) / 3 + 0.1, h
+    # fp32 on the CPU, refreshed before every rollout: the sampler's logprobs are the policy's
+    assert len(rewards.gaps) == 9 and max(rewards.gaps) < 1e-4, rewards.gaps
 
 
 @pytest.mark.timeout(240)

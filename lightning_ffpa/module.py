@@ -180,7 +180,7 @@ class Gemma4LM(HFModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, n_tokens = self.compute_loss(batch)
-        self.train_ppl.update(loss.detach(), n_tokens)
+        self.train_ppl(loss.detach(), n_tokens)  # forward, not update: on_step logs the value forward returns
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         self.log("train/ppl", self.train_ppl, on_step=True, on_epoch=False)
         return loss

@@ -5,6 +5,7 @@ The console scripts themselves (exit codes, one error line, packaged recipes) ar
 
 import csv
 import json
+import math
 import os
 from pathlib import Path
 
@@ -44,13 +45,24 @@ GOLDEN = Path(__file__).parent / "assets" / "tiny_loss_curve.json"
 
 
 @pytest.fixture(scope="module")
-def tiny_losses(tmp_path_factory):
-    """Per-step training loss of 30 steps of configs/tiny.yaml, run once through the real CLI."""
+def tiny_rows(tmp_path_factory):
+    """The logged rows of 30 steps of configs/tiny.yaml, run once through the real CLI."""
     tmp_path = tmp_path_factory.mktemp("tiny_fit")
     cli = _fit_tiny(tmp_path, "--trainer.max_steps=30", "--trainer.limit_val_batches=0",
                     "--trainer.log_every_n_steps=1")
-    rows = list(csv.DictReader(open(Path(cli.trainer.logger.log_dir) / "metrics.csv")))
-    return [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    return [r for r in csv.DictReader(open(Path(cli.trainer.logger.log_dir) / "metrics.csv")) if r.get("train/loss")]
+
+
+@pytest.fixture(scope="module")
+def tiny_losses(tiny_rows):
+    """Per-step training loss of that run."""
+    return [float(r["train/loss"]) for r in tiny_rows]
+
+
+def test_train_perplexity_is_logged_every_step(tiny_rows):
+    """`train/ppl` is the step's exp(loss) (a Metric logged on_step needs its forward, not only update)."""
+    for r in tiny_rows:
+        assert float(r["train/ppl"]) == pytest.approx(math.exp(float(r["train/loss"])), rel=1e-4), r
 
 
 def test_fit_tiny_end_to_end_loss_falls(tiny_losses):

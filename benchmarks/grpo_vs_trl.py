@@ -109,9 +109,20 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                             max_seq_len=max_len, max_prefill_tokens=16384,
                             **({} if cuda else {"attention": "dense"})))
 
+    gaps: list[float] = []  # train/sampler_logprob_gap of each step: the engine's logprobs against the policy's
+
+    def read_gap(trainer) -> None:  # Lightning has the step's logged values once its batch hooks are done
+        if "train/sampler_logprob_gap" in trainer.callback_metrics:
+            gaps.append(float(trainer.callback_metrics["train/sampler_logprob_gap"]))
+
     class Begin(L.Callback):  # first: the step starts before the rollout Callback runs
-        def on_train_batch_start(self, *args) -> None:
+        def on_train_batch_start(self, trainer, *args) -> None:
+            if trainer.global_step:
+                read_gap(trainer)
             clock.begin()
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            read_gap(trainer)
 
     class After(L.Callback):  # after the rollout Callback: its time minus the engine's is scoring
         def on_fit_start(self, trainer, pl_module) -> None:
@@ -139,6 +150,8 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
     e = rollout.engine
     return {"per_step": clock.steps, "engine": {"attention_path": e.attention_path, "decode_path": e.decode_path,
                                              "graph_replays": e.stats["graph_replays"]},
+            "sampler_logprob_gap_per_step": gaps,
+            "sampler_logprob_gap_median": statistics.median(gaps) if gaps else None,
             "attn_implementation": module.hparams.attn_implementation, "trainer_precision": str(trainer.precision)}
 
 

@@ -32,6 +32,8 @@ def test_smoke_rows_phases_and_trl_row(tmp_path):
         assert parts == pytest.approx(step["wall_s"]) and min(step["generation_s"], step["update_s"]) > 0
     assert ours["step_s_min"] <= ours["step_s_median"] <= ours["step_s_max"]
     assert ours["completion_tokens_per_s"] > 0 and ours["engine"]["attention_path"] == "dense_reference"
+    gaps = ours["sampler_logprob_gap_per_step"]  # fp32 CPU: the engine's logprobs are the policy's
+    assert len(gaps) == 3 and max(gaps) < 1e-4 and ours["sampler_logprob_gap_median"] == sorted(gaps)[1]
     trl = rows["trl_grpo"]
     summary = record["summary"]
     if importlib.util.find_spec("trl") is None:

@@ -152,7 +152,7 @@ def step_rows(args, deadline: float):
                     if part.exists():
                         yield json.loads(part.read_text())
                         continue
-                    tail = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["(no stderr)"]
+                    tail = progress_tail(err, 1) or ["(no stderr)"]
                     error = f"child exited {proc.returncode}: {tail[0]}"
                 yield {"part": "step", "row": name, "seq": seq, "error": error[:800]}
 

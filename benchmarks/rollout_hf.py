@@ -79,7 +79,6 @@ def reference_check(model, prompts: list[list[int]], outputs: list[list[int]], l
     """
     n = min([tokens, *map(len, outputs)])
     first_div: list[int | None] = []
-    gen_diffs: list[torch.Tensor] = []
     gen_lps: list[torch.Tensor] = []  # HF generate's logprobs of the engine's tokens, per prompt
     gaps: list[float | None] = []
     equal = 0
@@ -99,7 +98,6 @@ def reference_check(model, prompts: list[list[int]], outputs: list[list[int]], l
             lg = torch.stack([gen.logits[j][i] for j in range(upto)]).float()
             ref_lp = torch.log_softmax(lg, -1).gather(1, torch.tensor(out[:upto], device=lg.device)[:, None])[:, 0]
             gen_lps.append(ref_lp.cpu())
-            gen_diffs.append((gen_lps[-1] - torch.tensor(logprobs[i][:upto])).abs())
         del gen
     lp_diff_max, lp_diff_sum = 0.0, 0.0
     hf_self: list[torch.Tensor] = []  # HF against itself: generate's cached decode vs the one-pass forward
@@ -118,7 +116,7 @@ def reference_check(model, prompts: list[list[int]], outputs: list[list[int]], l
     res: dict[str, Any] = {"prompts": len(prompts), "tokens": n,
                            "logprob_max_abs_diff": lp_diff_max, "logprob_mean_abs_diff": lp_diff_sum / max(total, 1)}
     if greedy:
-        gen_diff = torch.cat(gen_diffs)
+        gen_diff = torch.cat([(g - torch.tensor(logprobs[i][:len(g)])).abs() for i, g in enumerate(gen_lps)])
         res.update({"logprob_vs_generate_max_abs_diff": float(gen_diff.max()),
                     "logprob_vs_generate_mean_abs_diff": float(gen_diff.mean()),
                     # the same tokens' logprobs from HF's two paths: the floor its own numerics set

@@ -24,18 +24,24 @@ STACK_SIGNAL = signal.SIGUSR1  # asks a row's processes for their Python stacks 
 STACK_GRACE_S = 3.0
 
 
+STACK_SAMPLES_ENV = "LIGHTNING_FFPA_BENCH_STACKS_EVERY_S"  # opt-in: rows also dump their stacks every N seconds
+_DUMP_LINES = ("Thread 0x", "Current thread 0x", "Timeout (", '  File "', "  <no Python frame>")
+
+
 def dump_stacks_on_signal() -> None:
-    """Child side: on STACK_SIGNAL, print every thread's Python stack to the row's log (where a killed row stood)."""
+    """Child side: on STACK_SIGNAL, print every thread's Python stack to the row's log (where a killed row stood);
+    with STACK_SAMPLES_ENV set, also every that many seconds (where a slow row that finishes spent its time)."""
     import faulthandler
 
     faulthandler.register(STACK_SIGNAL, all_threads=True)
+    every = float(os.environ.get(STACK_SAMPLES_ENV) or 0)
+    if every > 0:
+        faulthandler.dump_traceback_later(every, repeat=True)
 
 
 def progress_tail(text: str, lines: int) -> list[str]:
-    """The last `lines` lines a row printed before any stack dump (the dump follows in its log)."""
-    out = text.splitlines()
-    first_dump = next((i for i, ln in enumerate(out) if ln.startswith(("Thread 0x", "Current thread 0x"))), len(out))
-    return [ln for ln in out[:first_dump] if ln.strip()][-lines:]
+    """The last `lines` lines a row printed, its stack dumps (sampled or at the kill) left out."""
+    return [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(_DUMP_LINES)][-lines:]
 
 
 def kill_row(proc: subprocess.Popen) -> None:

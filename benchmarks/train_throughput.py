@@ -21,7 +21,8 @@ Run (one H200):  python benchmarks/train_throughput.py --out $OUT/train_throughp
 Rows run seq-major (all of 8k first); a (row, seq) is killed after --row-timeout-s or when --budget-s runs
 out, so a call ends within its budget. Split across calls: --rows/--seqs pick a part, and --resume FILE (an earlier call's
 result) keeps FILE's finished rows, refusing another commit or shape, and runs only what is missing; the
-result lists every call in `calls`. Per-row logs: <out stem>_logs/. CPU smoke:
+result lists every call in `calls`. Per-row logs: <out stem>_logs/; a killed row's log ends with its Python
+stacks, and LIGHTNING_FFPA_BENCH_STACKS_EVERY_S=N adds them every N seconds (where a slow row spends its time). CPU smoke:
   python benchmarks/train_throughput.py --cpu --preset tiny --layers 2 --seqs 128 --warmup 1 --steps 1 \
       --rows sdpa_defaults ours_nocompile
 """

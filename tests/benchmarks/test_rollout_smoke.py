@@ -67,21 +67,25 @@ def test_rows_run_in_own_processes_with_hf_check(tmp_path, monkeypatch):
 
 
 def test_row_timeout_and_budget(tmp_path, monkeypatch):
-    """A row past its timeout is killed with its whole group, and its log ends with where it stood."""
-    from benchmarks.row_process import run_rows
+    """A row past its timeout is killed with its whole group, and its log ends with where it stood; with stack
+    samples asked for, its log also shows where it was every second, and its progress lines survive them."""
+    from benchmarks.row_process import STACK_SAMPLES_ENV, run_rows
 
     script = tmp_path / "sleeper.py"
     script.write_text("import time\nfrom benchmarks.row_process import row_main\n\n"
-                      "def stuck_here(spec):\n    print('row started', flush=True)\n    time.sleep(60)\n\n"
+                      "def stuck_here(spec):\n    print('row started', flush=True)\n    time.sleep(1.6)\n"
+                      "    print('still going', flush=True)\n    time.sleep(60)\n\n"
                       "row_main(None, stuck_here)\n")
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    monkeypatch.setenv(STACK_SAMPLES_ENV, "1")
     seen = []
     rows = run_rows(script, [{"name": "slow", "batch": 1}, {"name": "late", "batch": 1}], tmp_path, 4.0, 21.0,
                     lambda done: seen.append(len(done)))
     assert rows[0]["error"].startswith("timeout") and rows[0]["process"]["rc"] == -9
-    assert rows[0]["log_tail"] == "row started"  # what it printed, not the stack dump after it
+    assert rows[0]["log_tail"] == "row started\nstill going"  # what it printed, not the stack dumps
     log = (tmp_path / rows[0]["process"]["log"]).read_text()
     assert "(most recent call first)" in log and "in stuck_here" in log
+    assert log.count("Timeout (0:00:01)!") >= 2 and log.index("Timeout (") < log.index("still going")
     assert "skipped" in rows[1] and seen == [1, 2]  # the result is rewritten after every row
 
 

@@ -27,6 +27,8 @@ rest of the 141 GiB holds activations (selective AC) and the bf16 layer FSDP2 ga
 One H200, one call per seq (each well under 10 minutes):
   python benchmarks/full_depth_lora.py --rows ours_lora hf_peft_sdpa_recipe --seqs 8192 --out $OUT/full_depth_lora.json
   python benchmarks/full_depth_lora.py --rows ours_lora hf_peft_sdpa_recipe --seqs 16384 --resume FILE --out ...
+A row killed at its timeout after it wrote its whole row (a slow exit) keeps its measurement; `--summarize FILE`
+recomputes a file's summary with that rule (recorded in the file as `summary_recomputed`).
 CPU smoke (tiny preset, 2 layers, fp32, seq 64, compile off, the FFPA op's CPU reference):
   python benchmarks/full_depth_lora.py --smoke --rows ours_lora hf_peft_sdpa_recipe --out /tmp/fdl.json
 """
@@ -47,8 +49,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import results_io  # noqa: E402
-from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
-from benchmarks.row_process import add_run_options, row_main, run_rows  # noqa: E402
+from benchmarks.results_io import RESULTS_DIR, resummarize, write_result  # noqa: E402
+from benchmarks.row_process import add_run_options, measured, row_main, run_rows  # noqa: E402
 from lightning_ffpa._compat import transformers as hf_compat  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
@@ -73,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="default 8192 16384 (64 with --smoke)")
     add_run_options(p, budget_s=540.0, row_timeout_s=330.0)
     p.add_argument("--smoke", action="store_true", help="CPU: tiny preset, 2 layers, fp32, compile off")
+    p.add_argument("--summarize", default=None, metavar="PATH", help="only recompute the summary of a result file")
     args = p.parse_args(argv)
     args.preset, args.layers = ("tiny", 2) if args.smoke else ("gemma4-31b", None)  # None: the preset's 60
     args.seqs = args.seqs or ([64] if args.smoke else [8192, 16384])
@@ -331,7 +334,9 @@ def _lookup(rows: list[dict], name: str, seq: int) -> tuple[dict | None, str | N
     if not hit:
         return None, f"row {name} at seq {seq} is not in this result"
     bad = hit[-1].get("error") or hit[-1].get("skipped")
-    return (None, f"row {name} at seq {seq} has no measurement: {str(bad)[:300]}") if bad else (hit[-1], None)
+    if measured(hit[-1]):
+        return hit[-1], None
+    return None, f"row {name} at seq {seq} has no measurement: {str(bad)[:300]}"
 
 
 def summarize(rows: list[dict]) -> tuple[dict, dict]:
@@ -381,7 +386,11 @@ def drive(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     if row_main(argv, measure):  # a child: one (row, seq)
         return
-    drive(parse_args(argv))
+    args = parse_args(argv)
+    if args.summarize:
+        resummarize(args.summarize, summarize, by="full_depth_lora.py --summarize")
+        return
+    drive(args)
 
 
 if __name__ == "__main__":

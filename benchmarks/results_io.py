@@ -79,11 +79,15 @@ def provenance(by: str) -> dict[str, str]:
 
 def resummarize(path: str | Path, summarize: Any, by: str) -> dict[str, Any]:
     """Recompute a result file's summary in place from its rows (untouched), recording that it was recomputed,
-    by which command and commit, and the summary the run itself wrote."""
+    by which command and commit, and the summary the run itself wrote. `summarize` returns the summary, or
+    the summary and the reasons of its null keys (`summary_missing`)."""
     path = Path(path)
     record = json.loads(path.read_text())
     before = record["summary"]
-    record["summary"] = summarize(record["rows"])
+    summary = summarize(record["rows"])
+    if isinstance(summary, tuple):
+        summary, record["summary_missing"] = summary
+    record["summary"] = summary
     record["summary_recomputed"] = {**provenance(by), "summary_at_run": before.get("summary_at_run", before)}
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(json.dumps(record["summary"], indent=2, default=str))

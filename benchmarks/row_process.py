@@ -14,7 +14,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,26 +24,42 @@ from typing import Any
 MIN_ROW_S = 20.0  # less time than this left in the budget: the row is skipped, not started and killed
 STACK_SIGNAL = signal.SIGUSR1  # asks a row's processes for their Python stacks before the kill
 STACK_GRACE_S = 3.0
+KILLED_AFTER_ROW = "killed at its timeout after writing its whole row (a slow exit, not a failed measurement)"
 
 
-STACK_SAMPLES_ENV = "LIGHTNING_FFPA_BENCH_STACKS_EVERY_S"  # opt-in: rows also dump their stacks every N seconds
-_DUMP_LINES = ("Thread 0x", "Current thread 0x", "Timeout (", '  File "', "  <no Python frame>")
+STACK_SAMPLES_ENV = "LIGHTNING_FFPA_BENCH_STACKS_EVERY_S"  # opt-in: rows also print their stack every N seconds
+_DUMP_LINES = ("Thread 0x", "Current thread 0x", '  File "', "  <no Python frame>", "Stack sample ")
 
 
 def dump_stacks_on_signal() -> None:
     """Child side: on STACK_SIGNAL, print every thread's Python stack to the row's log (where a killed row stood);
-    with STACK_SAMPLES_ENV set, also every that many seconds (where a slow row that finishes spent its time)."""
+    with STACK_SAMPLES_ENV set, also the main thread's stack every that many seconds (where a slow row that
+    finishes spent its time)."""
     import faulthandler
 
     faulthandler.register(STACK_SIGNAL, all_threads=True)
     every = float(os.environ.get(STACK_SAMPLES_ENV) or 0)
     if every > 0:
-        faulthandler.dump_traceback_later(every, repeat=True)
+        threading.Thread(target=_sample_main_stack, args=(every,), daemon=True, name="stack-sampler").start()
+
+
+def _sample_main_stack(every: float) -> None:
+    # traceback under the GIL, not faulthandler.dump_traceback_later: that one reads every thread's frames
+    # without the GIL and crashed a row (SIGSEGV) while inductor's threads were compiling.
+    main = threading.main_thread().ident
+    while True:
+        time.sleep(every)
+        frame = sys._current_frames().get(main)
+        if frame is not None:
+            lines = traceback.format_stack(frame)
+            print(f"Stack sample ({time.strftime('%H:%M:%S')}, main thread):\n{''.join(lines)}", end="",
+                  file=sys.stderr, flush=True)
 
 
 def progress_tail(text: str, lines: int) -> list[str]:
     """The last `lines` lines a row printed, its stack dumps (sampled or at the kill) left out."""
-    return [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(_DUMP_LINES)][-lines:]
+    return [ln for ln in text.splitlines()
+            if ln.strip() and not ln.startswith(_DUMP_LINES) and not ln.startswith("    ")][-lines:]
 
 
 def kill_row(proc: subprocess.Popen) -> None:
@@ -100,7 +118,11 @@ def run_row(script: Path, spec: dict[str, Any], log: Path, timeout_s: float,
     process = {"rc": rc, "wall_s": round(time.perf_counter() - t0, 2), "timeout_s": round(timeout_s, 1),
                "log": log.name}
     row["process"] = {**row.get("process", {}), **process}
-    if timed_out:
+    if timed_out and wrote and "error" not in row:
+        # It measured and wrote its whole row, then outlived the timeout on its way out (teardown, a library's
+        # threads): the row stands, and its record says how the process ended.
+        row["process"]["exit"] = KILLED_AFTER_ROW
+    elif timed_out:
         row["error"] = (f"timeout: the row's process was killed after {timeout_s:.0f} s (its log ends with "
                         "the Python stacks it had then)")
     elif not wrote:
@@ -110,6 +132,19 @@ def run_row(script: Path, spec: dict[str, Any], log: Path, timeout_s: float,
     elif "error" in row:
         row["log_tail"] = _tail(log)
     return row
+
+
+def measured(row: dict[str, Any]) -> bool:
+    """Whether a recorded row holds a whole measurement: no error, or killed only after its child wrote the
+    row. Files from before `KILLED_AFTER_ROW` existed show that case as the driver's `timeout:` error on a row
+    that carries its child's pid (written by `row_main`) and no traceback of the child's own."""
+    if row.get("skipped"):
+        return False
+    error = row.get("error")
+    if not error:
+        return True
+    return (error.startswith("timeout: the row's process was killed") and "pid" in row.get("process", {})
+            and "traceback_tail" not in row)
 
 
 def run_rows(script: Path, specs: list[dict[str, Any]], logs: Path, row_timeout_s: float, budget_s: float,

@@ -125,3 +125,35 @@ def test_unsloth_row_records_what_it_tried():
     assert row["error"] == "import unsloth: ModuleNotFoundError: No module named 'unsloth'"
     assert [t["step"] for t in row["tried"]] == ["import unsloth"] and not row["tried"][0]["ok"]
     assert row["versions"]["unsloth"] is None and row["versions"]["torch"]
+
+
+def test_a_row_killed_after_writing_its_row_keeps_its_measurement(tmp_path, monkeypatch):
+    """The Unsloth row's case: the whole row measured and written, then a slow exit past the timeout. The live
+    driver keeps it (how it ended in `process.exit`); an older file's re-summary (`--summarize`) does the same,
+    while a row killed mid-measurement, or one whose child failed, stays without a measurement."""
+    from benchmarks.row_process import KILLED_AFTER_ROW, run_row
+
+    script = tmp_path / "slow_exit.py"
+    script.write_text("import time\nfrom benchmarks.row_process import row_main\n\n"
+                      "row_main(None, lambda spec: {'tokens_per_s': 5.0})\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    row = run_row(script, {"row": "unsloth_lora", "seq": 8192}, tmp_path / "row.log", 4.0)
+    assert "error" not in row and row["process"]["exit"] == KILLED_AFTER_ROW and row["tokens_per_s"] == 5.0
+
+    timeout = "timeout: the row's process was killed after 330 s (its log ends with the Python stacks it had then)"
+    child = {"pid": 7, "parent_pid": 6, "rc": -9}
+    rows = [dict(row="ours_lora", seq=8192, tokens_per_s=300.0, peak_mem_allocated_gb=90.0, process=child),
+            dict(row="unsloth_lora", seq=8192, tokens_per_s=150.0, peak_mem_allocated_gb=60.0, process=child,
+                 error=timeout),
+            dict(row="ours_lora", seq=16384, process={"rc": -9}, error=timeout),  # killed before it wrote
+            dict(row="unsloth_lora", seq=16384, tokens_per_s=1.0, process=child, error=timeout,
+                 traceback_tail="Traceback ...")]  # the child's own failure, then the kill
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(dict(benchmark="full_depth_lora", rows=rows, summary={"x": None})))
+    fdl.main(["--summarize", str(path)])
+    record = json.loads(path.read_text())
+    assert record["summary"]["full_depth_lora_ours_vs_unsloth_tps_8k"] == 2.0
+    assert record["summary"]["full_depth_lora_ours_vs_unsloth_tps_16k"] is None
+    assert "no measurement" in record["summary_missing"]["full_depth_lora_ours_vs_unsloth_tps_16k"]
+    assert record["summary_recomputed"]["by"] == "full_depth_lora.py --summarize"
+    assert record["summary_recomputed"]["summary_at_run"] == {"x": None} and record["rows"] == rows

@@ -300,6 +300,19 @@ def test_targets_table_reads_the_newest_value_and_says_met_missed_or_not_measure
     assert report_targets.target_status(1.0, 1.0, strict=False) == "met"
 
 
+def test_a_target_with_a_memory_bar_is_missed_when_ours_holds_more_memory(tmp_path):
+    from benchmarks import report_targets
+
+    key = "full_depth_lora_ours_vs_unsloth_tps_8k"
+    ours_mem, peer_mem = report_targets.MEMORY_BARS[key]
+    for mem, status in ((97.3, "missed: ours' peak memory is 31.9 GiB higher"), (60.0, "met")):
+        rec = dict(benchmark="b", commit="c" * 7, date="2026-12-02", rows=[],
+                   summary={key: 1.91, ours_mem: mem, peer_mem: 65.4})
+        lines = report_targets.render_targets([(tmp_path / "f.json", rec)], tmp_path, lambda p, start: p.name)
+        row = next(ln for ln in lines if f"(`{key}`)" in ln)
+        assert f"| 1.91x at {mem:.1f} vs 65.4 GiB | {status} |" in row
+
+
 def test_targets_table_tells_two_files_of_one_day_apart_by_their_calls():
     from benchmarks import report_targets
 

@@ -59,6 +59,8 @@ LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
 ROWS = {
     "ours_lora": "configs/gemma4_ffpa.yaml through lightning_ffpa.cli.build + trainer.fit (Gemma4LM, FSDP2Strategy, "
                  "FFPAAttention: FFPA for the D=512 layers, block-sparse Flex for the sliding layers)",
+    "ours_lora_offload": "ours_lora with activation_checkpointing=full and activation_offload=true (each layer's saved "
+                         "input waits in pinned host memory): ours at the memory Unsloth's offloading reaches",
     "hf_peft_sdpa_recipe": "HF Gemma4ForCausalLM + peft get_peft_model, SDPA for all layers, ours' recipe (FSDP2 on "
                            "one GPU, selective AC, per-layer compile, chunked linear CE, fused AdamW, clip 1.0)",
     "unsloth_lora": "Unsloth FastModel.from_pretrained + FastModel.get_peft_model (its gradient checkpointing, its "
@@ -172,6 +174,9 @@ def cli_args(spec: dict[str, Any], root: Path) -> list[str]:
             "--data.init_args.seq_length", str(seq)]
     if spec["layers"] is not None:
         args += ["--model.init_args.config_overrides", json.dumps(config_overrides(spec))]
+    if spec["row"] == "ours_lora_offload":
+        args += ["--trainer.strategy.init_args.activation_checkpointing", "full",
+                 "--trainer.strategy.init_args.activation_offload", "true"]
     if smoke:
         args += ["--trainer.accelerator", "cpu", "--trainer.strategy.init_args.compile", "false",
                  "--trainer.strategy.init_args.param_dtype", "fp32", "--data.init_args.vocab_size", "512"]
@@ -237,7 +242,8 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                checkpoint_files=sorted(str(f.relative_to(root)) for f in root.rglob("*ckpt*")),
                # the recipe's TokenThroughput reading (its window may be longer than the run: then none)
                token_throughput_logged={k: v for k, v in read_metrics(root).items()
-                                        if "per_sec" in k or "mfu" in k or "peak_memory" in k})
+                                        if "per_sec" in k or "mfu" in k or "peak_memory" in k},
+               activation_offload=cli.trainer.strategy.activation_offload_stats)
     row.update(step_stats(clock.times, spec["seq"], lora_train_flops(model, spec["seq"]), device))
     return row
 
@@ -322,7 +328,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         from benchmarks.unsloth_row import measure_unsloth
 
         return measure_unsloth(spec)
-    row = (measure_ours if spec["row"] == "ours_lora" else measure_hf_peft)(spec)
+    row = (measure_ours if spec["row"] in ("ours_lora", "ours_lora_offload") else measure_hf_peft)(spec)
     if not all(v == v and abs(v) < 1e4 for v in row["losses"]):
         row["error"] = f"non-finite loss {row['losses']}"
     return row
@@ -342,12 +348,14 @@ def _lookup(rows: list[dict], name: str, seq: int) -> tuple[dict | None, str | N
 def summarize(rows: list[dict]) -> tuple[dict, dict]:
     """The summary keys, and for each null one the reason."""
     summary, missing = {}, {}
-    short = {"ours_lora": "ours", "hf_peft_sdpa_recipe": "sdpa_recipe", "unsloth_lora": "unsloth"}
+    short = {"ours_lora": "ours", "ours_lora_offload": "ours_offload", "hf_peft_sdpa_recipe": "sdpa_recipe",
+             "unsloth_lora": "unsloth"}
+    pairs = (("ours_lora", "hf_peft_sdpa_recipe"), ("ours_lora", "unsloth_lora"), ("ours_lora_offload", "unsloth_lora"))
     for seq, tag in _SEQ_TAGS.items():
         found = {name: _lookup(rows, name, seq) for name in short}
-        (ours, why_ours) = found["ours_lora"]
-        for peer in ("hf_peft_sdpa_recipe", "unsloth_lora"):
-            (other, why_other), key = found[peer], f"full_depth_lora_ours_vs_{short[peer]}_tps_{tag}"
+        for mine, peer in pairs:
+            (ours, why_ours), (other, why_other) = found[mine], found[peer]
+            key = f"full_depth_lora_{short[mine]}_vs_{short[peer]}_tps_{tag}"
             summary[key] = ours["tokens_per_s"] / other["tokens_per_s"] if ours and other else None
             missing.update({key: "; ".join(filter(None, (why_ours, why_other)))} if summary[key] is None else {})
         for name, (row, why) in found.items():

@@ -12,20 +12,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.row_process import measured
+
 FORMATS = {"tps": "{:,.0f}", "ratio": "{:.2f}x", "gib": "{:.1f}", "pct": "{:.1%}", "ms": "{:.1f}", "op_ms": "{:.3f}",
            "s": "{:.2f}"}
 DASH = "—"
 # The scripts' row order (train_rows.ROWS, full_depth_lora.ROWS, rollout.KINDS): each label compares with a
 # neighbour, so tables keep it; rows of other names (ablations, older files) follow in file order.
 TRAIN_ORDER = ("sdpa_defaults", "sdpa_recipe", "flex_recipe", "liger_recipe")
-LORA_ORDER = ("ours_lora", "hf_peft_sdpa_recipe", "unsloth_lora")
+LORA_ORDER = ("ours_lora", "hf_peft_sdpa_recipe", "ours_lora_offload", "unsloth_lora")
 ROLLOUT_ORDER = ("ours_paged_flex", "ours_paged_flex_eager_step", "hf_generate_static", "hf_generate_static_compiled",
                  "hf_continuous_batching")
 # Summary ratio keys (ours over the row), by row name; `{k}` is the sequence tag ("8k").
 TRAIN_RATIOS = {"sdpa_defaults": "ours_vs_sdpa_defaults_tps_{k}", "sdpa_recipe": "ours_vs_sdpa_recipe_tps_{k}",
                 "flex_recipe": "ours_vs_flex_recipe_tps_{k}", "liger_recipe": "ours_vs_liger_tps_{k}"}
 LORA_RATIOS = {"hf_peft_sdpa_recipe": "full_depth_lora_ours_vs_sdpa_recipe_tps_{k}",
-               "unsloth_lora": "full_depth_lora_ours_vs_unsloth_tps_{k}"}
+               "unsloth_lora": "full_depth_lora_ours_vs_unsloth_tps_{k}"}  # ours_lora_offload's: the summary
 
 
 def is_number(value: Any) -> bool:
@@ -49,9 +51,10 @@ def code(text: str) -> str:
 
 
 def failed(row: dict[str, Any]) -> str | None:
-    """The first line of a row's error or skip reason, or None for a measured row."""
+    """The first line of a row's error or skip reason, or None for a measured row (one killed only after it
+    wrote its whole row counts as measured: `row_process.measured`)."""
     why = row.get("error") or row.get("skipped")
-    if not why:
+    if not why or measured(row):
         return None
     line = str(why).strip().splitlines()[0] if str(why).strip() else str(why)
     return line if len(line) <= 200 else line[:199] + "…"

@@ -187,6 +187,8 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
     strategy repeats the size checks in `setup_environment` for scripts that do not run this.
     """
     strategy = trainer.strategy
+    if callable(getattr(strategy, "check_activation_offload", None)):
+        strategy.check_activation_offload()
     cp = getattr(strategy, "context_parallel_size", 1)
     world = trainer.world_size
     if not isinstance(cp, int):

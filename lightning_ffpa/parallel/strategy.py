@@ -25,6 +25,7 @@ from lightning_ffpa._compat import transformers as hf_compat
 from lightning_ffpa.checkpoint.atomic import AtomicCheckpointIO
 from lightning_ffpa.checkpoint.sharded import ShardedCheckpointWriter
 from lightning_ffpa.dtypes import parse_dtype
+from lightning_ffpa.parallel.activation_offload import ActivationOffload
 from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, check_ac_mode, sac_context_fn
 from lightning_ffpa.parallel.fsdp import parallelize
 
@@ -76,6 +77,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         reduce_dtype: str | None = "fp32",
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        activation_offload: bool = False,
         compile: bool | None = None,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
@@ -94,6 +96,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             reduce_dtype: Dtype of the gradient reduce-scatter ("fp32" recommended with bf16 params).
             reshard_after_forward: Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2).
             cpu_offload: Keep sharded parameters, gradients and optimizer state on CPU.
+            activation_offload: Move the activations autograd saves for backward to pinned host memory during
+                each training step's forward, and back in backward (CUDA only). Less GPU memory for a host copy
+                each way; pair it with activation_checkpointing="full", which saves about one input per layer.
             compile: torch.compile each decoder layer (after AC wrapping, before FSDP); null = on for CUDA,
                 off elsewhere. Its gain over the eager SAC path: `benchmarks/train_throughput.py --rows ours
                 ours_nocompile` (the ablation row is not in the default set).
@@ -125,6 +130,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.reduce_dtype = parse_dtype("reduce_dtype", reduce_dtype, allow_auto=False, allow_none=True)
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self.activation_offload = activation_offload
+        self._offload = ActivationOffload() if activation_offload else None
         self.compile = compile
         self._dcp_writer = ShardedCheckpointWriter(async_save=async_save)
 
@@ -154,6 +161,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         # Not ModelParallelStrategy.setup_environment: that one builds a dp x tp mesh.
         # Check sizes before the process group exists (the world size is known from the devices).
         dp, cp = self._resolve_sizes(self.num_nodes * self.num_processes)
+        self.check_activation_offload()
         lightning_compat.setup_distributed(self)
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -167,6 +175,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         # CP peers must read the same sample: split data over the dp dim only.
         dp_mesh = self.device_mesh["data_parallel"]
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    def check_activation_offload(self) -> None:
+        """`activation_offload` needs the devices it offloads from (the CLI's pre-flight runs this too)."""
+        if self._offload is not None and self.root_device.type != self._offload.device_type:
+            raise ValueError(f"`activation_offload=True` moves saved activations from {self._offload.device_type} "
+                             f"devices to host memory; this run's device is {self.root_device.type}")
 
     @property
     def compile_layers(self) -> bool:
@@ -222,6 +236,18 @@ class FSDP2Strategy(ModelParallelStrategy):
             lightning_compat.optimizers_to_device(self.optimizers, self.root_device)
 
     @property
+    def activation_offload_stats(self) -> dict[str, int] | None:
+        """What activation offload has moved to host memory (tensors, bytes) and kept on the device, or None."""
+        return None if self._offload is None else dict(self._offload.stats)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._offload is None:
+            return super().training_step(*args, **kwargs)
+        with self._offload.hooks():  # backward runs later, outside: the hooks were attached at save time
+            return super().training_step(*args, **kwargs)
+
+    @property
     def checkpoint_io(self):
         """Plain-file checkpoints: `AtomicCheckpointIO` unless a CheckpointIO plugin was given."""
         if self._checkpoint_io is None:
@@ -250,6 +276,12 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._offload is not None and self._offload.stats["moved"]:
+            from lightning.pytorch.utilities import rank_zero_info
+
+            st = self._offload.stats
+            rank_zero_info(f"activation offload: {st['moved']} saved tensors ({st['moved_bytes'] / 2**30:.2f} GiB) "
+                           f"went to host memory and back; {st['kept']} stayed on the device")
         try:
             self._dcp_writer.wait()  # the last background save is on disk before the process may exit
         finally:

@@ -17,8 +17,8 @@ from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 _SMOKE = ["--smoke", "--warmup", "1", "--steps", "2"]
 _KEYS = {f"full_depth_lora_{k}_{t}" for t in ("8k", "16k") for k in (
-    "ours_vs_sdpa_recipe_tps", "ours_vs_unsloth_tps", "peak_mem_gb_ours", "peak_mem_gb_sdpa_recipe",
-    "peak_mem_gb_unsloth")}
+    "ours_vs_sdpa_recipe_tps", "ours_vs_unsloth_tps", "ours_offload_vs_unsloth_tps", "peak_mem_gb_ours",
+    "peak_mem_gb_ours_offload", "peak_mem_gb_sdpa_recipe", "peak_mem_gb_unsloth")}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,7 @@ def test_rows_run_in_their_own_processes_and_ours_goes_through_the_cli(smoke_run
     # timed steps only: 2 steps x 1 full layer through FFPA (the CPU reference kernel), the sliding layer not
     assert ours["dispatch"]["ffpa-dense"] == 2 and ours["kernels"]["reference"] == 2
     assert ours["token_throughput_logged"]["train/device/items_per_sec"] > 0
+    assert ours["activation_offload"] is None  # the offload row's strategy option is off in the recipe
     # HF + PEFT: SDPA, no FFPA backend, the same adapters
     assert hf["attn_implementation"] == "sdpa" and sum(hf["dispatch"].values()) == 0
     assert ours["static_memory"]["trainable_params"] == hf["static_memory"]["trainable_params"] > 0
@@ -157,3 +158,21 @@ def test_a_row_killed_after_writing_its_row_keeps_its_measurement(tmp_path, monk
     assert "no measurement" in record["summary_missing"]["full_depth_lora_ours_vs_unsloth_tps_16k"]
     assert record["summary_recomputed"]["by"] == "full_depth_lora.py --summarize"
     assert record["summary_recomputed"]["summary_at_run"] == {"x": None} and record["rows"] == rows
+
+
+def test_the_offload_row_is_the_recipe_with_full_ac_and_activation_offload(tmp_path):
+    """Its CLI words are ours_lora's plus the two strategy options; the CLI parses them into the strategy, and a
+    CPU run of them is refused by the pre-flight (nothing to offload from) with the option named."""
+    spec = dict(row="ours_lora_offload", seq=64, preset="tiny", layers=2, dtype="float32", warmup=1, steps=2,
+                smoke=True)
+    words, recipe = fdl.cli_args(spec, tmp_path), fdl.cli_args({**spec, "row": "ours_lora"}, tmp_path)
+    extra = ["--trainer.strategy.init_args.activation_checkpointing", "full",
+             "--trainer.strategy.init_args.activation_offload", "true"]
+    assert sorted(words) == sorted(recipe + extra)
+    from lightning_ffpa.cli import build
+    from lightning_ffpa.validation import preflight
+
+    cli = build(words, run=False)
+    assert cli.trainer.strategy.activation_offload and cli.trainer.strategy.activation_checkpointing == "full"
+    with pytest.raises(ValueError, match="`activation_offload=True` moves saved activations from cuda"):
+        preflight(cli.trainer, cli.model, cli.datamodule, None)

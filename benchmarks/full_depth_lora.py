@@ -59,8 +59,9 @@ LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
 ROWS = {
     "ours_lora": "configs/gemma4_ffpa.yaml through lightning_ffpa.cli.build + trainer.fit (Gemma4LM, FSDP2Strategy, "
                  "FFPAAttention: FFPA for the D=512 layers, block-sparse Flex for the sliding layers)",
-    "ours_lora_offload": "ours_lora with activation_checkpointing=full and activation_offload=true (each layer's saved "
-                         "input waits in pinned host memory): ours at the memory Unsloth's offloading reaches",
+    "ours_lora_offload": "ours_lora with activation_checkpointing=full, activation_offload=true (each layer's saved "
+                         "input waits in pinned host memory) and loss_chunk_size=1024 (a quarter of the chunked "
+                         "loss's fp32 logits at a time): ours at the memory Unsloth's offloading reaches",
     "hf_peft_sdpa_recipe": "HF Gemma4ForCausalLM + peft get_peft_model, SDPA for all layers, ours' recipe (FSDP2 on "
                            "one GPU, selective AC, per-layer compile, chunked linear CE, fused AdamW, clip 1.0)",
     "unsloth_lora": "Unsloth FastModel.from_pretrained + FastModel.get_peft_model (its gradient checkpointing, its "
@@ -176,7 +177,7 @@ def cli_args(spec: dict[str, Any], root: Path) -> list[str]:
         args += ["--model.init_args.config_overrides", json.dumps(config_overrides(spec))]
     if spec["row"] == "ours_lora_offload":
         args += ["--trainer.strategy.init_args.activation_checkpointing", "full",
-                 "--trainer.strategy.init_args.activation_offload", "true"]
+                 "--trainer.strategy.init_args.activation_offload", "true", "--model.init_args.loss_chunk_size", "1024"]
     if smoke:
         args += ["--trainer.accelerator", "cpu", "--trainer.strategy.init_args.compile", "false",
                  "--trainer.strategy.init_args.param_dtype", "fp32", "--data.init_args.vocab_size", "512"]

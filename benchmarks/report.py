@@ -46,13 +46,13 @@ HEADLINES: dict[str, tuple[str, str]] = {
     **{f"full_depth_lora_peak_mem_gb_{who}_8k": (f"Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: peak "
                                                  f"allocated memory of {what}", "{:.1f} GiB")
        for who, what in (("ours", "ours"), ("sdpa_recipe", "HF + PEFT with SDPA and the same recipe"),
-                         ("ours_offload", "ours with full AC and activation offload"),
+                         ("ours_offload", "ours with full AC, activation offload and 1024-token loss chunks"),
                          ("unsloth", "Unsloth (its \"unsloth\" gradient checkpointing offloads to host memory)"))},
     "full_depth_lora_ours_vs_unsloth_tps_8k": ("Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: ours vs "
                                                "Unsloth, with more peak memory than Unsloth (both peaks are listed here)",
                                                "{:.2f}x tokens/s"),
     "full_depth_lora_ours_offload_vs_unsloth_tps_8k": ("Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: "
-                                                       "ours with full AC and activation offload vs Unsloth",
+                                                       "ours with full AC, activation offload and 1024-token loss chunks vs Unsloth",
                                                        "{:.2f}x tokens/s"),
     "ours_vs_nemo_backend_fwdbwd_8k": ("Gemma4 full-attention layer, 8k tokens, forward+backward: ours vs "
                                        "NeMo-Automodel's FFPA backend", "{:.2f}x"),

@@ -167,12 +167,13 @@ def test_the_offload_row_is_the_recipe_with_full_ac_and_activation_offload(tmp_p
                 smoke=True)
     words, recipe = fdl.cli_args(spec, tmp_path), fdl.cli_args({**spec, "row": "ours_lora"}, tmp_path)
     extra = ["--trainer.strategy.init_args.activation_checkpointing", "full",
-             "--trainer.strategy.init_args.activation_offload", "true"]
+             "--trainer.strategy.init_args.activation_offload", "true", "--model.init_args.loss_chunk_size", "1024"]
     assert sorted(words) == sorted(recipe + extra)
     from lightning_ffpa.cli import build
     from lightning_ffpa.validation import preflight
 
     cli = build(words, run=False)
     assert cli.trainer.strategy.activation_offload and cli.trainer.strategy.activation_checkpointing == "full"
+    assert cli.model.hparams.loss_chunk_size == 1024
     with pytest.raises(ValueError, match="`activation_offload=True` moves saved activations from cuda"):
         preflight(cli.trainer, cli.model, cli.datamodule, None)

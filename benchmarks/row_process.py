@@ -25,8 +25,6 @@ MIN_ROW_S = 20.0  # less time than this left in the budget: the row is skipped, 
 STACK_SIGNAL = signal.SIGUSR1  # asks a row's processes for their Python stacks before the kill
 STACK_GRACE_S = 3.0
 KILLED_AFTER_ROW = "killed at its timeout after writing its whole row (a slow exit, not a failed measurement)"
-
-
 STACK_SAMPLES_ENV = "LIGHTNING_FFPA_BENCH_STACKS_EVERY_S"  # opt-in: rows also print their stack every N seconds
 _DUMP_LINES = ("Thread 0x", "Current thread 0x", '  File "', "  <no Python frame>", "Stack sample ")
 

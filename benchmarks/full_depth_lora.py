@@ -66,7 +66,10 @@ ROWS = {
                            "one GPU, selective AC, per-layer compile, chunked linear CE, fused AdamW, clip 1.0)",
     "unsloth_lora": "Unsloth FastModel.from_pretrained + FastModel.get_peft_model (its gradient checkpointing, its "
                     "compiled Gemma4 forward and loss), fused AdamW, clip 1.0",
+    "unsloth_lora_gc": "unsloth_lora with use_gradient_checkpointing=True (plain checkpointing) in place of its "
+                       "offloaded \"unsloth\" mode: Unsloth's other option; the faster of the two is the baseline",
 }
+UNSLOTH_ROWS = ("unsloth_lora", "unsloth_lora_gc")
 _SEQ_TAGS = {8192: "8k", 16384: "16k"}
 _SHAPE_KEYS = ("preset", "layers", "warmup", "steps", "smoke")  # a resumed file must match these and the commit
 
@@ -325,7 +328,7 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One (row, seq) in this process: the row's measurement, or an `error` saying why it has none."""
-    if spec["row"] == "unsloth_lora":
+    if spec["row"] in UNSLOTH_ROWS:
         from benchmarks.unsloth_row import measure_unsloth
 
         return measure_unsloth(spec)
@@ -346,6 +349,15 @@ def _lookup(rows: list[dict], name: str, seq: int) -> tuple[dict | None, str | N
     return None, f"row {name} at seq {seq} has no measurement: {str(bad)[:300]}"
 
 
+def _fastest(rows: list[dict], names: tuple[str, ...], seq: int) -> tuple[dict | None, str | None]:
+    """The faster measured of a peer's option rows at `seq` (its sweep), or None and why none is."""
+    found = [_lookup(rows, name, seq) for name in names]
+    done = [row for row, _ in found if row]
+    if done:
+        return max(done, key=lambda r: r["tokens_per_s"]), None
+    return None, "; ".join(why for _, why in found if why)
+
+
 def summarize(rows: list[dict]) -> tuple[dict, dict]:
     """The summary keys, and for each null one the reason."""
     summary, missing = {}, {}
@@ -354,6 +366,10 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     pairs = (("ours_lora", "hf_peft_sdpa_recipe"), ("ours_lora", "unsloth_lora"), ("ours_lora_offload", "unsloth_lora"))
     for seq, tag in _SEQ_TAGS.items():
         found = {name: _lookup(rows, name, seq) for name in short}
+        found["unsloth_lora"] = _fastest(rows, UNSLOTH_ROWS, seq)  # its ratio and peak are the faster row's
+        baseline, why = found["unsloth_lora"]
+        summary[f"full_depth_lora_unsloth_baseline_{tag}"] = baseline["row"] if baseline else None
+        missing.update({f"full_depth_lora_unsloth_baseline_{tag}": why} if baseline is None else {})
         for mine, peer in pairs:
             (ours, why_ours), (other, why_other) = found[mine], found[peer]
             key = f"full_depth_lora_{short[mine]}_vs_{short[peer]}_tps_{tag}"

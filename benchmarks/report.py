@@ -214,7 +214,11 @@ def _priority(record: dict[str, Any]) -> int:
 
 def qualifier(key: str, record: dict[str, Any]) -> str:
     """What a headline's own file says ran, where the key's text alone could claim more: the HF baseline of a
-    rollout ratio ("eager only" when no compiled HF row finished at that batch)."""
+    rollout ratio ("eager only" when no compiled HF row finished at that batch), Unsloth's option row."""
+    unsloth = re.fullmatch(r"full_depth_lora_\w+_vs_unsloth_tps_(\w+)", key)
+    if unsloth:  # which of Unsloth's options the ratio divides by (the faster that ran)
+        said = record["summary"].get(f"full_depth_lora_unsloth_baseline_{unsloth.group(1)}")
+        return f"; this run's Unsloth baseline: {said}" if isinstance(said, str) else ""
     found = re.fullmatch(r"vs_hf_generate(_sampled)?_bs(\d+)", key)
     if not found:
         return ""

@@ -1,12 +1,12 @@
-"""The `unsloth_lora` row of benchmarks/full_depth_lora.py: the same full-depth LoRA run through Unsloth.
+"""The `unsloth_lora` rows of benchmarks/full_depth_lora.py: the same full-depth LoRA run through Unsloth.
 
 Owns what the row tries, in order, each step recorded in `tried` with its outcome: the installed versions of
 Unsloth and what it pulls in (`importlib.metadata`, nothing imported), `import unsloth` (before transformers and
 peft, as Unsloth requires, so its patches apply), a local checkpoint directory of the model's config, a word
 tokenizer and no weights but the final norm (so `from_pretrained` initialises every other weight for real,
 on the GPU, through HF's own init), `FastModel.from_pretrained` (bf16, 16-bit LoRA, no quantisation),
-`FastModel.get_peft_model` (r=16, lora_alpha 32, every linear layer of the decoder, Unsloth's gradient
-checkpointing), then the timed steps: Unsloth's forward with labels (its compiled loss), backward, clip 1.0,
+`FastModel.get_peft_model` (r=16, lora_alpha 32, every linear layer of the decoder, the row's
+`use_gradient_checkpointing`: "unsloth", its offloaded checkpointing and its default, or True, plain), then the timed steps: Unsloth's forward with labels (its compiled loss), backward, clip 1.0,
 fused AdamW. A step that fails ends the row with the exact error (type, message, traceback tail): nothing is
 estimated. Does not own processes, timing statistics or the summary (full_depth_lora.py).
 """
@@ -28,6 +28,8 @@ from lightning_ffpa._compat import transformers as hf_compat
 DISTRIBUTIONS = ("unsloth", "unsloth_zoo", "torch", "transformers", "peft", "trl", "accelerate", "datasets",
                  "bitsandbytes", "xformers", "triton", "torchao", "cut_cross_entropy", "requests", "tyro",
                  "pyarrow", "pandas", "dill", "multiprocess", "xxhash", "httpx", "fsspec", "psutil", "regex")
+# The rows, by Unsloth's `use_gradient_checkpointing`: its offloaded checkpointing (its default), or plain.
+GRADIENT_CHECKPOINTING: dict[str, str | bool] = {"unsloth_lora": "unsloth", "unsloth_lora_gc": True}
 # Every linear layer of a Gemma4 text decoder layer (full layers with k_eq_v have no v_proj; peft skips them).
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -110,7 +112,7 @@ def _run(spec: dict[str, Any], row: dict[str, Any], attempt) -> None:
         device_map={"": 0} if cuda else "cpu"))
     model = attempt("FastModel.get_peft_model", lambda: FastModel.get_peft_model(
         model, r=spec["lora"]["r"], lora_alpha=spec["lora"]["lora_alpha"], lora_dropout=0.0, bias="none",
-        target_modules=LINEAR, use_gradient_checkpointing="unsloth", random_state=0))
+        target_modules=LINEAR, use_gradient_checkpointing=GRADIENT_CHECKPOINTING[spec["row"]], random_state=0))
     hf = model.get_base_model()
     # `from_pretrained` must have initialised the weights the file lacks: no all-zero or non-finite matrix
     row["matrices_not_initialised"] = sum(1 for p in hf.parameters() if p.dim() == 2 and not p.requires_grad

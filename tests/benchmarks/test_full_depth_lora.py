@@ -18,7 +18,7 @@ from lightning_ffpa.errors import ConfigError  # noqa: E402
 _SMOKE = ["--smoke", "--warmup", "1", "--steps", "2"]
 _KEYS = {f"full_depth_lora_{k}_{t}" for t in ("8k", "16k") for k in (
     "ours_vs_sdpa_recipe_tps", "ours_vs_unsloth_tps", "ours_offload_vs_unsloth_tps", "peak_mem_gb_ours",
-    "peak_mem_gb_ours_offload", "peak_mem_gb_sdpa_recipe", "peak_mem_gb_unsloth")}
+    "peak_mem_gb_ours_offload", "peak_mem_gb_sdpa_recipe", "peak_mem_gb_unsloth", "unsloth_baseline")}
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,14 @@ def test_summary_gives_ratios_and_reasons():
     assert summary["full_depth_lora_ours_vs_unsloth_tps_8k"] is None
     assert "ModuleNotFoundError" in missing["full_depth_lora_ours_vs_unsloth_tps_8k"]
     assert "full_depth_lora_ours_vs_sdpa_recipe_tps_8k" not in missing
+    # Unsloth's two checkpointing options: the faster is the baseline, its peak the one compared
+    rows += [dict(row="unsloth_lora_gc", seq=8192, tokens_per_s=250.0, peak_mem_allocated_gb=80.0)]
+    summary, _ = fdl.summarize(rows)
+    assert summary["full_depth_lora_unsloth_baseline_8k"] == "unsloth_lora_gc"
+    assert summary["full_depth_lora_ours_vs_unsloth_tps_8k"] == 1.2
+    assert summary["full_depth_lora_peak_mem_gb_unsloth_8k"] == 80.0
+    rows += [dict(row="unsloth_lora", seq=8192, tokens_per_s=275.0, peak_mem_allocated_gb=60.0)]  # a later one
+    assert fdl.summarize(rows)[0]["full_depth_lora_unsloth_baseline_8k"] == "unsloth_lora"
 
 
 def test_lora_flops_drop_only_the_frozen_weight_gradients():

@@ -219,6 +219,24 @@ def test_lora_grpo_and_nemo_tables(tmp_path):
     assert "- (b) step `nemo` at seq 8192: `RuntimeError: FFPA CuTeDSL unavailable`" in text
 
 
+def test_the_unsloth_ratio_sits_beside_the_option_row_it_divides_by(tmp_path):
+    from benchmarks.full_depth_lora import ROWS, summarize
+
+    rec = _lora_record()
+    rec["rows"] = [*rec["rows"][:2], dict(rec["rows"][0], row="unsloth_lora", label=ROWS["unsloth_lora"],
+                                          tokens_per_s=1300.0, peak_mem_allocated_gb=65.4),
+                   dict(rec["rows"][0], row="unsloth_lora_gc", label=ROWS["unsloth_lora_gc"], tokens_per_s=2000.0,
+                        peak_mem_allocated_gb=90.0)]
+    rec["summary"], rec["summary_missing"] = summarize(rec["rows"])
+    text, _ = _render(tmp_path, rec)
+    gc = next(ln for ln in text.splitlines() if ln.startswith("| unsloth_lora_gc |"))
+    assert gc.endswith(f"| 2,000 | {4123.7 / 2000:.2f}x |")
+    assert next(ln for ln in text.splitlines() if ln.startswith("| unsloth_lora |")).endswith("| 1,300 |  |")
+    assert "- `summary.full_depth_lora_unsloth_baseline_8k`: unsloth_lora_gc" in text
+    assert report.qualifier("full_depth_lora_ours_vs_unsloth_tps_8k", rec) == (
+        "; this run's Unsloth baseline: unsloth_lora_gc")
+
+
 def test_section_only_for_curated_files_that_exist(tmp_path):
     assert report.curated_section([], report.BENCHMARKS_MD.parent, set()) == []
     old = dict(_rollout_record(), summary={"history_note": "an earlier state"})

@@ -88,7 +88,8 @@ def resummarize(path: str | Path, summarize: Any, by: str) -> dict[str, Any]:
     if isinstance(summary, tuple):
         summary, record["summary_missing"] = summary
     record["summary"] = summary
-    record["summary_recomputed"] = {**provenance(by), "summary_at_run": before.get("summary_at_run", before)}
+    at_run = (record.get("summary_recomputed") or {}).get("summary_at_run", before)  # kept over re-summaries
+    record["summary_recomputed"] = {**provenance(by), "summary_at_run": at_run}
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(json.dumps(record["summary"], indent=2, default=str))
     return record["summary"]

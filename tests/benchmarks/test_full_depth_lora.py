@@ -166,6 +166,8 @@ def test_a_row_killed_after_writing_its_row_keeps_its_measurement(tmp_path, monk
     assert "no measurement" in record["summary_missing"]["full_depth_lora_ours_vs_unsloth_tps_16k"]
     assert record["summary_recomputed"]["by"] == "full_depth_lora.py --summarize"
     assert record["summary_recomputed"]["summary_at_run"] == {"x": None} and record["rows"] == rows
+    fdl.main(["--summarize", str(path)])  # again: what the run itself wrote is still the one kept
+    assert json.loads(path.read_text())["summary_recomputed"]["summary_at_run"] == {"x": None}
 
 
 def test_the_offload_row_is_the_recipe_with_full_ac_and_activation_offload(tmp_path):

@@ -343,10 +343,9 @@ def _lookup(rows: list[dict], name: str, seq: int) -> tuple[dict | None, str | N
     hit = [r for r in rows if r["row"] == name and r["seq"] == seq]
     if not hit:
         return None, f"row {name} at seq {seq} is not in this result"
-    bad = hit[-1].get("error") or hit[-1].get("skipped")
     if measured(hit[-1]):
         return hit[-1], None
-    return None, f"row {name} at seq {seq} has no measurement: {str(bad)[:300]}"
+    return None, f"row {name} at seq {seq} has no measurement: {str(hit[-1].get('error') or hit[-1].get('skipped'))[:300]}"
 
 
 def _fastest(rows: list[dict], names: tuple[str, ...], seq: int) -> tuple[dict | None, str | None]:
@@ -365,7 +364,7 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
              "unsloth_lora": "unsloth"}
     pairs = (("ours_lora", "hf_peft_sdpa_recipe"), ("ours_lora", "unsloth_lora"), ("ours_lora_offload", "unsloth_lora"))
     for seq, tag in _SEQ_TAGS.items():
-        found = {name: _lookup(rows, name, seq) for name in short}
+        found = {name: _lookup(rows, name, seq) for name in short if name not in UNSLOTH_ROWS}
         found["unsloth_lora"] = _fastest(rows, UNSLOTH_ROWS, seq)  # its ratio and peak are the faster row's
         baseline, why = found["unsloth_lora"]
         summary[f"full_depth_lora_unsloth_baseline_{tag}"] = baseline["row"] if baseline else None

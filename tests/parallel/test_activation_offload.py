@@ -156,13 +156,14 @@ def test_the_strategy_offloads_inside_each_training_step(tmp_path, monkeypatch):
 def test_offload_lowers_the_peak_on_gpu_and_changes_no_gradient(compiled):
     """Eight checkpointed blocks on CUDA (bf16, full AC: each saves its input), eager and compiled per block as
     the strategy compiles layers: with offload the inputs wait in pinned host memory, so the peak drops by
-    about their size, the gradients are bit-identical, and no weight is moved."""
+    about their size, the gradients are bit-identical, and no weight is moved. Long and narrow, so the saved
+    inputs (not the weights' gradients, as at width 2048) set the peak: the last block's forward."""
     torch.manual_seed(0)
-    blocks = nn.ModuleList(_Block(2048) for _ in range(8)).cuda().bfloat16()
+    blocks = nn.ModuleList(_Block(256) for _ in range(8)).cuda().bfloat16()
     if compiled:
         for b in blocks:
             b.compile()
-    x = torch.randn(1, 8192, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(1, 262144, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     def peak(offload):
         torch.cuda.synchronize()
@@ -179,5 +180,5 @@ def test_offload_lowers_the_peak_on_gpu_and_changes_no_gradient(compiled):
     inputs = 8 * x.numel() * x.element_size()
     assert loss == ref_loss and all(torch.equal(a, b) for a, b in zip(ref, got))
     assert off.stats["moved"] >= 8 and offloaded < plain - inputs // 2, (plain, offloaded, off.stats)
-    weights = sum(p.numel() * p.element_size() for p in blocks.parameters())
-    assert off.stats["moved_bytes"] < inputs + weights // 2, off.stats  # inputs (and the loss's), not weights
+    one = x.numel() * x.element_size()
+    assert off.stats["moved_bytes"] == off.stats["moved"] * one <= 9 * one, off.stats  # inputs and the loss's

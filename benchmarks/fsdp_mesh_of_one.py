@@ -1,0 +1,150 @@
+"""What FSDP2 costs in GPU memory on one GPU (a mesh of one), where it shards nothing.
+
+Owns two rows, each in its own process, on the gemma4-31b preset's real shapes at reduced depth with the
+full-depth LoRA run's recipe (bf16 base, LoRA r=16 on every linear layer, full AC, the chunked loss, AdamW):
+  fsdp2    the product's `parallelize` over a 1x1 mesh: `fully_shard` per decoder layer and at the root, as
+           `FSDP2Strategy` applies it on one GPU.
+  no_fsdp  the same model with AC only (`parallelize(model, mesh=None)`): no parameter is gathered.
+Each row records static memory (after the optimizer's first step), the peak over one step after a warm-up step,
+and the parameter bytes of the root unit (embedding = tied lm_head, final norm) and of one decoder layer in the
+dtype FSDP2 gathers them. On a mesh of one FSDP2 still copies each unit's parameters into an unsharded buffer
+when it gathers (torch's world-size-1 path), the root's for the whole step (`reshard_after_forward=False`):
+`summary.fsdp2_extra_peak_gib` is the peak difference, beside the root and layer sizes that would explain it.
+No timing claim: the rows are run for memory.
+
+One H200 (about two minutes):  python benchmarks/fsdp_mesh_of_one.py --out $OUT/fsdp_mesh_of_one.json
+CPU smoke (tiny preset, fp32, CPU memory is not measured): python benchmarks/fsdp_mesh_of_one.py --smoke --out F
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
+from benchmarks.row_process import row_main, run_rows  # noqa: E402
+from lightning_ffpa.errors import ConfigError  # noqa: E402
+
+ROWS = {"fsdp2": "fully_shard per decoder layer and at the root over a 1x1 mesh (FSDP2Strategy on one GPU)",
+        "no_fsdp": "fsdp2 without fully_shard: activation checkpointing only, no parameter gathered"}
+GIB = 2**30
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(RESULTS_DIR / "fsdp_mesh_of_one.json"), help="result JSON path")
+    p.add_argument("--layers", type=int, default=6, help="decoder layers (the last one full attention)")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per step (batch 1)")
+    p.add_argument("--row-timeout-s", type=float, default=240.0, help="one row's process is killed after this")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny preset, fp32, seq 64")
+    args = p.parse_args(argv)
+    if args.layers < 2:
+        raise ConfigError("--layers", args.layers, "needs at least one sliding and one full-attention layer")
+    if args.smoke:
+        args.seq = min(args.seq, 64)
+    return args
+
+
+def _unit_bytes(module, dtype) -> int:
+    """Bytes of `module`'s parameters in the dtype FSDP2 gathers them (None: as stored)."""
+    return sum(p.numel() * (p.element_size() if dtype is None else dtype.itemsize) for p in module.parameters())
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from benchmarks.full_depth_lora import LORA, config_overrides
+    from benchmarks.train_rows import loss_fn
+    from lightning_ffpa._compat.transformers import find_decoder_layers, from_config
+    from lightning_ffpa.module import build_adamw
+    from lightning_ffpa.parallel import FSDP2Strategy, parallelize
+    from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, materialize
+    from lightning_ffpa.presets import build_text_config
+
+    cuda = not spec["smoke"]
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
+                                         **({"device_id": device} if cuda else {}))
+    cfg = build_text_config(spec["preset"], **config_overrides(spec))
+    with torch.device("meta"):
+        model = from_config(transformers.Gemma4ForCausalLM, cfg, dtype=getattr(torch, spec["dtype"]),
+                            attn_implementation="sdpa")
+    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA))
+    mp = FSDP2Strategy(param_dtype="bf16" if cuda else "fp32").mp_policy()
+    hf = model.get_base_model()
+    layers = getattr(*find_decoder_layers(hf))
+    sizes = dict(root_unit_gib=(_unit_bytes(model, mp.param_dtype) - sum(_unit_bytes(la, mp.param_dtype)
+                                                                         for la in layers)) / GIB,
+                 one_layer_gib=max(_unit_bytes(la, mp.param_dtype) for la in layers) / GIB)
+    mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=MESH_DIM_NAMES) if spec["row"] == "fsdp2" else None
+    parallelize(model, mesh, activation_checkpointing="full", compile=False, mp_policy=mp)
+    torch.manual_seed(0)
+    materialize(model, device)
+    model.train()
+    opt = build_adamw(model, lr=1e-5)
+    ids = torch.randint(0, cfg.vocab_size, (1, spec["seq"]), device=device)
+
+    def step() -> float:
+        loss = loss_fn(dict(loss="chunked"), model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    losses = [step()]  # the warm-up step creates the optimizer states
+    row = dict(**sizes, fsdp_modules=sum(type(m).__name__.startswith("FSDP") for m in model.modules()))
+    if cuda:
+        torch.cuda.synchronize()
+        row["static_allocated_gib"] = torch.cuda.memory_allocated(device) / GIB
+        torch.cuda.reset_peak_memory_stats(device)
+    losses.append(step())
+    if cuda:
+        row.update(peak_allocated_gib=torch.cuda.max_memory_allocated(device) / GIB,
+                   peak_reserved_gib=torch.cuda.max_memory_reserved(device) / GIB)
+    torch.distributed.destroy_process_group()
+    return dict(row, losses=losses)
+
+
+def summarize(rows: list[dict]) -> tuple[dict, dict]:
+    by = {r["row"]: r for r in rows if "error" not in r}
+    if not all("peak_allocated_gib" in by.get(k, {}) for k in ROWS):
+        return dict(fsdp2_extra_peak_gib=None), dict(fsdp2_extra_peak_gib="a row failed or ran without a GPU")
+    return dict(fsdp2_extra_peak_gib=by["fsdp2"]["peak_allocated_gib"] - by["no_fsdp"]["peak_allocated_gib"],
+                fsdp2_extra_static_gib=by["fsdp2"]["static_allocated_gib"] - by["no_fsdp"]["static_allocated_gib"],
+                root_unit_gib=by["fsdp2"]["root_unit_gib"], one_layer_gib=by["fsdp2"]["one_layer_gib"]), {}
+
+
+def main(argv: list[str] | None = None) -> None:
+    if row_main(argv, measure):  # a child: one row
+        return
+    args = parse_args(argv)
+    preset, dtype = ("tiny", "float32") if args.smoke else ("gemma4-31b", "bfloat16")
+    specs = [dict(row=name, name=name, label=label, preset=preset, layers=args.layers, seq=args.seq, dtype=dtype,
+                  smoke=args.smoke) for name, label in ROWS.items()]
+    out = Path(args.out)
+
+    def save(rows: list[dict]) -> None:
+        summary, missing = summarize(rows)
+        write_result("fsdp_mesh_of_one", rows, summary, out=out, summary_missing=missing, preset=preset,
+                     layers=args.layers, seq=args.seq, recipe="bf16 base, LoRA r=16 all-linear, full AC, chunked loss")
+
+    run_rows(Path(__file__).resolve(), specs, out.parent / f"{out.stem}_logs", args.row_timeout_s,
+             2 * args.row_timeout_s, save)
+
+
+if __name__ == "__main__":
+    from lightning_ffpa.errors import console_entry
+
+    sys.exit(console_entry(main, hold=False))  # a bad option: exit 2 with one line, before any row runs

@@ -1,0 +1,27 @@
+"""The FSDP2-on-one-GPU memory benchmark, run as a user runs it (its CPU smoke): only the `fsdp2` row is
+sharded, both train, and without a GPU the summary says why it has no number."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_smoke_rows_differ_only_by_fully_shard(tmp_path):
+    out = tmp_path / "f.json"
+    proc = subprocess.run([sys.executable, "benchmarks/fsdp_mesh_of_one.py", "--smoke", "--layers", "2",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    rows = {r["row"]: r for r in rec["rows"]}
+    assert rows["fsdp2"]["fsdp_modules"] == 3 and rows["no_fsdp"]["fsdp_modules"] == 0  # 2 layers + the root
+    assert all(len(r["losses"]) == 2 and all(0 < x < 20 for x in r["losses"]) for r in rows.values())
+    assert rec["summary"]["fsdp2_extra_peak_gib"] is None and "GPU" in rec["summary_missing"]["fsdp2_extra_peak_gib"]
+
+
+def test_bad_layers_is_one_line_naming_the_option(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/fsdp_mesh_of_one.py", "--layers", "1", "--out",
+                           str(tmp_path / "f.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--layers" in proc.stderr and not (tmp_path / "f.json").exists()

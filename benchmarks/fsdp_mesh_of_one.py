@@ -92,6 +92,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     parallelize(model, mesh, activation_checkpointing="full", compile=False, mp_policy=mp)
     torch.manual_seed(0)
     materialize(model, device)
+    if cfg.tie_word_embeddings and hf.lm_head.weight is not hf.get_input_embeddings().weight:
+        hf.tie_weights()  # to_empty gave a plain model's lm_head its own tensor (fully_shard keeps the tie)
     model.train()
     opt = build_adamw(model, lr=1e-5)
     ids = torch.randint(0, cfg.vocab_size, (1, spec["seq"]), device=device)
@@ -104,7 +106,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         return loss.item()
 
     losses = [step()]  # the warm-up step creates the optimizer states
-    row = dict(**sizes, fsdp_modules=sum(type(m).__name__.startswith("FSDP") for m in model.modules()))
+    row = dict(**sizes, fsdp_modules=sum(type(m).__name__.startswith("FSDP") for m in model.modules()),
+               tied_lm_head=hf.lm_head.weight is hf.get_input_embeddings().weight)
     if cuda:
         torch.cuda.synchronize()
         row["static_allocated_gib"] = torch.cuda.memory_allocated(device) / GIB

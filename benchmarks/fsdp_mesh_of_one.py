@@ -5,14 +5,16 @@ full-depth LoRA run's recipe (bf16 base, LoRA r=16 on every linear layer, full A
   fsdp2    the product's `parallelize` over a 1x1 mesh: `fully_shard` per decoder layer and at the root, as
            `FSDP2Strategy` applies it on one GPU.
   no_fsdp  the same model with AC only (`parallelize(model, mesh=None)`): no parameter is gathered.
+  fsdp2_replicate_frozen  fsdp2 with `replicate_frozen=True`: the product's fix, frozen weights out of FSDP2.
 Each row records static memory (after the optimizer's first step), the peak over one step after a warm-up step,
 and the parameter bytes of the root unit (embedding = tied lm_head, final norm) and of one decoder layer in the
 dtype FSDP2 gathers them. On a mesh of one FSDP2 still copies each unit's parameters into an unsharded buffer
 when it gathers (torch's world-size-1 path), the root's for the whole step (`reshard_after_forward=False`):
-`summary.fsdp2_extra_peak_gib` is the peak difference, beside the root and layer sizes that would explain it.
+`summary.fsdp2_extra_peak_gib` is the peak difference, beside the root and layer sizes that would explain it;
+`summary.replicate_frozen_saves_gib` is what `replicate_frozen` takes off the fsdp2 row's peak.
 No timing claim: the rows are run for memory.
 
-One H200 (about two minutes):  python benchmarks/fsdp_mesh_of_one.py --out $OUT/fsdp_mesh_of_one.json
+One H200 (about three minutes):  python benchmarks/fsdp_mesh_of_one.py --out $OUT/fsdp_mesh_of_one.json
 CPU smoke (tiny preset, fp32, CPU memory is not measured): python benchmarks/fsdp_mesh_of_one.py --smoke --out F
 """
 
@@ -32,7 +34,9 @@ from benchmarks.row_process import row_main, run_rows  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 ROWS = {"fsdp2": "fully_shard per decoder layer and at the root over a 1x1 mesh (FSDP2Strategy on one GPU)",
-        "no_fsdp": "fsdp2 without fully_shard: activation checkpointing only, no parameter gathered"}
+        "no_fsdp": "fsdp2 without fully_shard: activation checkpointing only, no parameter gathered",
+        "fsdp2_replicate_frozen": "fsdp2 with the frozen base out of FSDP2 (`replicate_frozen`, what "
+                                  "FSDP2Strategy(replicate_frozen='auto') does on one GPU): only the adapters gathered"}
 GIB = 2**30
 
 
@@ -88,8 +92,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     sizes = dict(root_unit_gib=(_unit_bytes(model, mp.param_dtype) - sum(_unit_bytes(la, mp.param_dtype)
                                                                          for la in layers)) / GIB,
                  one_layer_gib=max(_unit_bytes(la, mp.param_dtype) for la in layers) / GIB)
-    mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=MESH_DIM_NAMES) if spec["row"] == "fsdp2" else None
-    parallelize(model, mesh, activation_checkpointing="full", compile=False, mp_policy=mp)
+    mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=MESH_DIM_NAMES) if spec["row"] != "no_fsdp" else None
+    parallelize(model, mesh, activation_checkpointing="full", compile=False, mp_policy=mp,
+                replicate_frozen=spec["row"] == "fsdp2_replicate_frozen")
     torch.manual_seed(0)
     materialize(model, device)
     if cfg.tie_word_embeddings and hf.lm_head.weight is not hf.get_input_embeddings().weight:
@@ -124,9 +129,11 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     by = {r["row"]: r for r in rows if "error" not in r}
     if not all("peak_allocated_gib" in by.get(k, {}) for k in ROWS):
         return dict(fsdp2_extra_peak_gib=None), dict(fsdp2_extra_peak_gib="a row failed or ran without a GPU")
-    return dict(fsdp2_extra_peak_gib=by["fsdp2"]["peak_allocated_gib"] - by["no_fsdp"]["peak_allocated_gib"],
-                fsdp2_extra_static_gib=by["fsdp2"]["static_allocated_gib"] - by["no_fsdp"]["static_allocated_gib"],
-                root_unit_gib=by["fsdp2"]["root_unit_gib"], one_layer_gib=by["fsdp2"]["one_layer_gib"]), {}
+    fsdp2 = by["fsdp2"]
+    return dict(fsdp2_extra_peak_gib=fsdp2["peak_allocated_gib"] - by["no_fsdp"]["peak_allocated_gib"],
+                fsdp2_extra_static_gib=fsdp2["static_allocated_gib"] - by["no_fsdp"]["static_allocated_gib"],
+                replicate_frozen_saves_gib=fsdp2["peak_allocated_gib"] - by["fsdp2_replicate_frozen"]["peak_allocated_gib"],
+                root_unit_gib=fsdp2["root_unit_gib"], one_layer_gib=fsdp2["one_layer_gib"]), {}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -144,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                      layers=args.layers, seq=args.seq, recipe="bf16 base, LoRA r=16 all-linear, full AC, chunked loss")
 
     run_rows(Path(__file__).resolve(), specs, out.parent / f"{out.stem}_logs", args.row_timeout_s,
-             2 * args.row_timeout_s, save)
+             len(specs) * args.row_timeout_s, save)
 
 
 if __name__ == "__main__":

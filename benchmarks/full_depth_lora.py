@@ -62,6 +62,8 @@ ROWS = {
     "ours_lora_offload": "ours_lora with activation_checkpointing=full, activation_offload=true (each layer's saved "
                          "input waits in pinned host memory) and loss_chunk_size=1024 (a quarter of the chunked "
                          "loss's fp32 logits at a time): ours at the memory Unsloth's offloading reaches",
+    "ours_lora_offload_replicated": "ours_lora_offload with replicate_frozen=auto (on one GPU the frozen base "
+                                    "stays out of FSDP2: no gathered copy of its units, the embedding's included)",
     "hf_peft_sdpa_recipe": "HF Gemma4ForCausalLM + peft get_peft_model, SDPA for all layers, ours' recipe (FSDP2 on "
                            "one GPU, selective AC, per-layer compile, chunked linear CE, fused AdamW, clip 1.0)",
     "unsloth_lora": "Unsloth FastModel.from_pretrained + FastModel.get_peft_model (its gradient checkpointing, its "
@@ -178,9 +180,11 @@ def cli_args(spec: dict[str, Any], root: Path) -> list[str]:
             "--data.init_args.seq_length", str(seq)]
     if spec["layers"] is not None:
         args += ["--model.init_args.config_overrides", json.dumps(config_overrides(spec))]
-    if spec["row"] == "ours_lora_offload":
+    if spec["row"] in ("ours_lora_offload", "ours_lora_offload_replicated"):
         args += ["--trainer.strategy.init_args.activation_checkpointing", "full",
                  "--trainer.strategy.init_args.activation_offload", "true", "--model.init_args.loss_chunk_size", "1024"]
+    if spec["row"] == "ours_lora_offload_replicated":
+        args += ["--trainer.strategy.init_args.replicate_frozen", "auto"]
     if smoke:
         args += ["--trainer.accelerator", "cpu", "--trainer.strategy.init_args.compile", "false",
                  "--trainer.strategy.init_args.param_dtype", "fp32", "--data.init_args.vocab_size", "512"]
@@ -332,7 +336,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         from benchmarks.unsloth_row import measure_unsloth
 
         return measure_unsloth(spec)
-    row = (measure_ours if spec["row"] in ("ours_lora", "ours_lora_offload") else measure_hf_peft)(spec)
+    row = (measure_ours if spec["row"].startswith("ours_") else measure_hf_peft)(spec)
     if not all(v == v and abs(v) < 1e4 for v in row["losses"]):
         row["error"] = f"non-finite loss {row['losses']}"
     return row
@@ -360,9 +364,11 @@ def _fastest(rows: list[dict], names: tuple[str, ...], seq: int) -> tuple[dict |
 def summarize(rows: list[dict]) -> tuple[dict, dict]:
     """The summary keys, and for each null one the reason."""
     summary, missing = {}, {}
-    short = {"ours_lora": "ours", "ours_lora_offload": "ours_offload", "hf_peft_sdpa_recipe": "sdpa_recipe",
+    short = {"ours_lora": "ours", "ours_lora_offload": "ours_offload",
+             "ours_lora_offload_replicated": "ours_offload_replicated", "hf_peft_sdpa_recipe": "sdpa_recipe",
              "unsloth_lora": "unsloth"}
-    pairs = (("ours_lora", "hf_peft_sdpa_recipe"), ("ours_lora", "unsloth_lora"), ("ours_lora_offload", "unsloth_lora"))
+    pairs = (("ours_lora", "hf_peft_sdpa_recipe"), ("ours_lora", "unsloth_lora"), ("ours_lora_offload", "unsloth_lora"),
+             ("ours_lora_offload_replicated", "unsloth_lora"))
     for seq, tag in _SEQ_TAGS.items():
         found = {name: _lookup(rows, name, seq) for name in short if name not in UNSLOTH_ROWS}
         found["unsloth_lora"] = _fastest(rows, UNSLOTH_ROWS, seq)  # its ratio and peak are the faster row's

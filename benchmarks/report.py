@@ -47,6 +47,8 @@ HEADLINES: dict[str, tuple[str, str]] = {
                                                  f"allocated memory of {what}", "{:.1f} GiB")
        for who, what in (("ours", "ours"), ("sdpa_recipe", "HF + PEFT with SDPA and the same recipe"),
                          ("ours_offload", "ours with full AC, activation offload and 1024-token loss chunks"),
+                         ("ours_offload_replicated", "the same with the frozen base kept out of FSDP2 "
+                                                     "(`replicate_frozen: auto`)"),
                          ("unsloth", "Unsloth, its faster checkpointing option (`full_depth_lora_unsloth_baseline_8k`)"))},
     "full_depth_lora_ours_vs_unsloth_tps_8k": ("Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: ours vs "
                                                "Unsloth (speed only: both peaks are listed here)",
@@ -54,6 +56,9 @@ HEADLINES: dict[str, tuple[str, str]] = {
     "full_depth_lora_ours_offload_vs_unsloth_tps_8k": ("Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: "
                                                        "ours with full AC, activation offload and 1024-token loss chunks vs Unsloth",
                                                        "{:.2f}x tokens/s"),
+    "full_depth_lora_ours_offload_replicated_vs_unsloth_tps_8k": (
+        "Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: ours with full AC, activation offload, "
+        "1024-token loss chunks and the frozen base out of FSDP2 vs Unsloth", "{:.2f}x tokens/s"),
     "ours_vs_nemo_backend_fwdbwd_8k": ("Gemma4 full-attention layer, 8k tokens, forward+backward: ours vs "
                                        "NeMo-Automodel's FFPA backend", "{:.2f}x"),
     "ours_vs_nemo_backend_step_tps_8k": ("training step, 8k tokens: ours vs NeMo-Automodel's FFPA backend, same "

@@ -11,6 +11,7 @@ validates its own options, `lightning_ffpa.validation` the ones that span compon
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
 from argparse import ArgumentError
@@ -73,6 +74,23 @@ def check_trainer_options(options: dict[str, Any]) -> None:
                           "must be > 0 (a fraction of the epoch in (0, 1], or a number of batches)")
 
 
+def check_strategy_options(strategy: Any) -> None:
+    """Build an FSDP2Strategy once from its `init_args`, so its constructor's ValueError (naming the option)
+    is what the user reads: instantiated through the Trainer's `str | Strategy` type, it becomes "expected str"."""
+    from lightning_ffpa.parallel import FSDP2Strategy
+
+    path = getattr(strategy, "class_path", None)
+    if not isinstance(path, str):
+        return
+    module, _, name = path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name, None) if module else None
+    if isinstance(cls, type) and issubclass(cls, FSDP2Strategy):
+        try:
+            cls(**dict(vars(strategy.get("init_args") or {})))
+        except ValueError as err:
+            raise InputError(f"trainer.strategy: {err}") from None
+
+
 @contextmanager
 def _as_user_errors() -> Iterator[None]:
     """Re-raise a parse or constructor error as the user's mistake it wraps (one line); bugs pass unchanged."""
@@ -112,6 +130,7 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
     def before_instantiate_classes(self) -> None:  # noqa: D102
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_trainer_options(dict(config.get("trainer") or {}))
+        check_strategy_options((config.get("trainer") or {}).get("strategy"))
 
     def instantiate_classes(self) -> None:  # noqa: D102
         with _as_user_errors():

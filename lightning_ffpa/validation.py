@@ -191,6 +191,7 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
         strategy.check_activation_offload()
     cp = getattr(strategy, "context_parallel_size", 1)
     world = trainer.world_size
+    _check_replicate_frozen(strategy, model, world)
     if not isinstance(cp, int):
         return
     if world % cp:
@@ -218,6 +219,21 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
             "attn_implementation")
         if attn is not None:
             check_packing(attn, True)
+
+
+def _check_replicate_frozen(strategy: Any, model: Any, world: int) -> None:
+    """`replicate_frozen` computes with a LoRA's frozen base as stored, so `model.dtype` must be `param_dtype`."""
+    mode = getattr(strategy, "replicate_frozen", False)
+    if not (mode is True or (mode == "auto" and world == 1 and not getattr(strategy, "cpu_offload", False))):
+        return
+    hp = getattr(model, "hparams", None) or {}
+    want, dtype = getattr(strategy, "param_dtype", None), hp.get("dtype")
+    if not hp.get("lora") or want is None or not isinstance(dtype, str) or dtype == "auto":
+        return
+    if getattr(torch, dtype, None) != want:
+        raise ValueError(f"`replicate_frozen={mode}` computes with the LoRA's frozen base as stored, in "
+                         f"`model.dtype={dtype}`, while `param_dtype` is {str(want).removeprefix('torch.')}: "
+                         "set them alike, or leave replicate_frozen off")
 
 
 def _attention_callbacks(trainer: Any) -> list[Any]:

@@ -44,11 +44,15 @@ FSDP_MESH_NAME = "dp_cp"
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpointing: ACMode = "none",
                 sac_extra_save_ops: list[str] | tuple[str, ...] = (), sac_save_mm: SaveMM = "high_k",
                 compile: bool = False, mp_policy: MixedPrecisionPolicy | None = None,
-                reshard_after_forward: bool = True, cpu_offload: bool = False) -> nn.Module:
+                reshard_after_forward: bool = True, cpu_offload: bool = False,
+                replicate_frozen: bool = False) -> nn.Module:
     """Apply AC, then per-layer compile, then FSDP2 per decoder layer and at the root; returns `model`.
 
     `mesh` may be 2D ("data_parallel", "context_parallel"); FSDP shards over the flattened dp x cp.
     `mesh=None` applies AC and compile only (single process without a process group).
+    `replicate_frozen`: parameters with `requires_grad=False` (a LoRA's base) stay whole plain tensors on
+    every rank (FSDP2's `ignored_params`): no all-gather and no gathered copy of them, each rank holding all
+    of them. They must already be in the compute dtype (`mp_policy.param_dtype`), which FSDP2 would cast to.
     """
     # Validate and resolve op names first: a typo must fail before any wrapping.
     check_ac_mode(activation_checkpointing)
@@ -81,6 +85,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
     kwargs = dict(mesh=fsdp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    if replicate_frozen:
+        kwargs["ignored_params"] = frozen_params(model, kwargs["mp_policy"].param_dtype, cpu_offload)
     # Per-layer units: one all-gather per layer in forward and backward, and memory bounded by one layer.
     for i, layer in enumerate(layers):
         # The last layer's params are needed again right away in backward: keep them gathered.
@@ -95,3 +101,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
         # runs the root's all-gather like `forward` does.
         register_fsdp_forward_method(model, HIDDEN_STATES_METHOD)
     return model
+
+
+def frozen_params(model: nn.Module, param_dtype: torch.dtype | None, cpu_offload: bool) -> set[nn.Parameter]:
+    """The parameters `replicate_frozen` keeps out of FSDP2, checked: no CPU offload, all in `param_dtype`."""
+    frozen = {p for p in model.parameters() if not p.requires_grad}
+    if frozen and cpu_offload:
+        raise ValueError("`replicate_frozen` keeps frozen weights whole on the device, and `cpu_offload=True` "
+                         "keeps weights in host memory: use one of them")
+    wrong = sorted({str(p.dtype) for p in frozen if param_dtype is not None and p.dtype != param_dtype})
+    if wrong:
+        raise ValueError(f"`replicate_frozen` computes with frozen weights as stored, and some are {wrong} while "
+                         f"`param_dtype` is {param_dtype}: build the model in that dtype (`model.dtype`), or leave "
+                         "`replicate_frozen` off")
+    return frozen

@@ -48,6 +48,19 @@ def _find_parallelize_target(module: nn.Module, required: bool = True) -> nn.Mod
     )
 
 
+def _plain_ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, name) groups sharing one plain (not FSDP2-sharded) parameter, e.g. lm_head = embedding.
+
+    `to_empty` gives each module a new tensor, so such ties (kept out of FSDP2 by `replicate_frozen`) break
+    there; FSDP2's own parameters keep theirs."""
+    shared: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in model.modules():
+        for name, p in sub._parameters.items():
+            if p is not None and not hasattr(p, "device_mesh"):  # a DTensor parameter has a mesh
+                shared.setdefault(id(p), []).append((sub, name))
+    return [refs for refs in shared.values() if len(refs) > 1]
+
+
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Allocate and initialise meta-device weights after sharding (each rank only its shard)."""
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
@@ -57,7 +70,11 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         lightning_compat.materialize_distributed_module(model, device)  # Lightning's reset_parameters() path
         return
     # HF models: their initialiser also rebuilds non-persistent buffers (rotary inv_freq, embed scale).
+    ties = _plain_ties(model)
     model.to_empty(device=device)
+    for (owner, name), *others in ties:
+        for sub, other in others:
+            sub._parameters[other] = owner._parameters[name]
     with torch.no_grad():
         for sub in model.modules():
             init_weights(sub)
@@ -77,6 +94,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         reduce_dtype: str | None = "fp32",
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        replicate_frozen: bool | str = False,
         activation_offload: bool = False,
         compile: bool | None = None,
         save_distributed_checkpoint: bool = True,
@@ -96,6 +114,11 @@ class FSDP2Strategy(ModelParallelStrategy):
             reduce_dtype: Dtype of the gradient reduce-scatter ("fp32" recommended with bf16 params).
             reshard_after_forward: Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2).
             cpu_offload: Keep sharded parameters, gradients and optimizer state on CPU.
+            replicate_frozen: Keep parameters with `requires_grad=False` (a LoRA's base) out of FSDP2, whole on
+                every rank: no all-gather and no gathered copy of them. "auto" does so on a mesh of one GPU,
+                where sharding splits nothing yet FSDP2 still copies each unit's weights when it gathers
+                them; True also on more GPUs (each then holds the whole frozen base, and no base all-gather
+                runs). Frozen weights must be stored in `param_dtype`.
             activation_offload: Move the activations autograd saves for backward to pinned host memory during
                 each training step's forward, and back in backward (CUDA only). Less GPU memory for a host copy
                 each way; pair it with activation_checkpointing="full", which saves about one input per layer.
@@ -130,6 +153,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.reduce_dtype = parse_dtype("reduce_dtype", reduce_dtype, allow_auto=False, allow_none=True)
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        if replicate_frozen not in (True, False, "auto"):
+            raise ValueError(f"`replicate_frozen={replicate_frozen!r}` must be true, false or 'auto'")
+        if replicate_frozen is True and cpu_offload:
+            raise ValueError("`replicate_frozen=True` keeps frozen weights whole on the device, and "
+                             "`cpu_offload=True` keeps weights in host memory: use one of them")
+        self.replicate_frozen = replicate_frozen
         self.activation_offload = activation_offload
         self._offload = ActivationOffload() if activation_offload else None
         self.compile = compile
@@ -201,8 +230,15 @@ class FSDP2Strategy(ModelParallelStrategy):
             module, self.device_mesh, activation_checkpointing=self.activation_checkpointing,
             sac_extra_save_ops=self.sac_extra_save_ops, sac_save_mm=self.sac_save_mm, compile=self.compile_layers,
             mp_policy=self.mp_policy(), reshard_after_forward=self.reshard_after_forward,
-            cpu_offload=self.cpu_offload,
+            cpu_offload=self.cpu_offload, replicate_frozen=self.replicates_frozen,
         )
+
+    @property
+    def replicates_frozen(self) -> bool:
+        """Whether frozen parameters stay out of FSDP2 (`replicate_frozen`; "auto": on a mesh of one, no CPU offload)."""
+        if self.replicate_frozen == "auto":
+            return not self.cpu_offload and self.device_mesh.size() == 1
+        return bool(self.replicate_frozen)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

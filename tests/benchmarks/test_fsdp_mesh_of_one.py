@@ -1,5 +1,5 @@
-"""The FSDP2-on-one-GPU memory benchmark, run as a user runs it (its CPU smoke): only the `fsdp2` row is
-sharded, both train, and without a GPU the summary says why it has no number."""
+"""The FSDP2-on-one-GPU memory benchmark, run as a user runs it (its CPU smoke): the fsdp2 rows are sharded
+and no_fsdp is not, all train, and without a GPU the summary says why it has no number."""
 
 import json
 import subprocess
@@ -17,6 +17,7 @@ def test_smoke_rows_differ_only_by_fully_shard(tmp_path):
     rec = json.loads(out.read_text())
     rows = {r["row"]: r for r in rec["rows"]}
     assert rows["fsdp2"]["fsdp_modules"] == 3 and rows["no_fsdp"]["fsdp_modules"] == 0  # 2 layers + the root
+    assert rows["fsdp2_replicate_frozen"]["fsdp_modules"] == 3  # still FSDP2 units, holding the adapters only
     assert all(r["tied_lm_head"] for r in rows.values())  # one lm_head/embedding tensor in both rows
     assert all(len(r["losses"]) == 2 and all(0 < x < 20 for x in r["losses"]) for r in rows.values())
     assert rec["summary"]["fsdp2_extra_peak_gib"] is None and "GPU" in rec["summary_missing"]["fsdp2_extra_peak_gib"]

@@ -17,8 +17,9 @@ from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 _SMOKE = ["--smoke", "--warmup", "1", "--steps", "2"]
 _KEYS = {f"full_depth_lora_{k}_{t}" for t in ("8k", "16k") for k in (
-    "ours_vs_sdpa_recipe_tps", "ours_vs_unsloth_tps", "ours_offload_vs_unsloth_tps", "peak_mem_gb_ours",
-    "peak_mem_gb_ours_offload", "peak_mem_gb_sdpa_recipe", "peak_mem_gb_unsloth", "unsloth_baseline")}
+    "ours_vs_sdpa_recipe_tps", "ours_vs_unsloth_tps", "ours_offload_vs_unsloth_tps",
+    "ours_offload_replicated_vs_unsloth_tps", "peak_mem_gb_ours", "peak_mem_gb_ours_offload",
+    "peak_mem_gb_ours_offload_replicated", "peak_mem_gb_sdpa_recipe", "peak_mem_gb_unsloth", "unsloth_baseline")}
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +188,14 @@ def test_the_offload_row_is_the_recipe_with_full_ac_and_activation_offload(tmp_p
     assert cli.model.hparams.loss_chunk_size == 1024
     with pytest.raises(ValueError, match="`activation_offload=True` moves saved activations from cuda"):
         preflight(cli.trainer, cli.model, cli.datamodule, None)
+
+
+def test_the_replicated_offload_row_adds_only_replicate_frozen(tmp_path):
+    """Its CLI words are the offload row's plus `replicate_frozen auto`, which the CLI parses into the strategy."""
+    spec = dict(row="ours_lora_offload_replicated", seq=64, preset="tiny", layers=2, dtype="float32", warmup=1,
+                steps=2, smoke=True)
+    words, offload = fdl.cli_args(spec, tmp_path), fdl.cli_args({**spec, "row": "ours_lora_offload"}, tmp_path)
+    assert sorted(words) == sorted(offload + ["--trainer.strategy.init_args.replicate_frozen", "auto"])
+    from lightning_ffpa.cli import build
+
+    assert build(words, run=False).trainer.strategy.replicate_frozen == "auto"

@@ -61,6 +61,12 @@ ROWS = [
     (f"{F} --model.init_args.loss_chunk_size 0", "model.loss_chunk_size"),
     (f"{F} --model.init_args.lora '{{r: 0}}'", "model.lora.r"),
     (f"{F} --model.init_args.config_overrides '{{num_hidden_layerz: 2}}'", "num_hidden_layerz"),
+    (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.replicate_frozen often",
+     "replicate_frozen"),
+    (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.context_parallel_size 0",
+     "context_parallel_size"),
+    (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.replicate_frozen auto "
+     "--trainer.strategy.param_dtype bf16 --model.init_args.lora '{r: 2, lora_alpha: 4}'", "replicate_frozen"),
     ("lightning-ffpa cp no_such_recipe out.yaml", "recipe"),
     ("lightning-ffpa cp tiny afile", "dest"),
     (f"{G} --trainer.callbacks.init_args.num_generations 1", "num_generations"),

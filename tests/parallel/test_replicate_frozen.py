@@ -1,0 +1,88 @@
+"""`FSDP2Strategy(replicate_frozen=...)`: a LoRA's frozen base stays out of FSDP2, whole and tied, and the fit,
+its checkpoint and its resume are those of the sharded base (the real strategy and module on CPU: one process,
+and two ranks under torchrun for `True`)."""
+
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import Gemma4ForCausalLM
+
+from lightning_ffpa.parallel import FSDP2Strategy
+from lightning_ffpa.presets import build_text_config
+
+from ._fit_replicated import fit as _fit
+from ._launch import torchrun_json
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    with socket.socket() as sock:  # the port Lightning writes into os.environ is undone after the test
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    yield
+    if dist.is_initialized():  # the one-process group must not leak into later tests
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny") / "tiny"
+    Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(path)
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_auto_keeps_the_frozen_base_whole_and_tied_and_trains_as_the_sharded_base(one_process, pretrained, tmp_path):
+    sharded, s_strategy = _fit(pretrained, tmp_path / "shard", False)
+    dist.destroy_process_group()
+    whole, w_strategy = _fit(pretrained, tmp_path / "auto", "auto")
+    assert not s_strategy.replicates_frozen and w_strategy.replicates_frozen  # "auto": a mesh of one
+    assert sharded.layout["sharded_frozen"] > 0 and whole.layout["sharded_frozen"] == 0
+    assert whole.layout["sharded_trainable"] == whole.layout["trainable"] > 0  # the adapters stay with FSDP2
+    assert sharded.layout["tied"] and whole.layout["tied"]  # lm_head is the embedding after materialisation
+    assert whole.losses == pytest.approx(sharded.losses, abs=1e-5), (whole.losses, sharded.losses)
+    # The checkpoint resumes into the same layout and goes on as an uninterrupted run does.
+    dist.destroy_process_group()
+    last = str(tmp_path / "auto" / "ckpt" / "last.ckpt")
+    resumed, _ = _fit(pretrained, tmp_path / "auto", "auto", steps=4, ckpt_path=last)
+    dist.destroy_process_group()
+    straight, _ = _fit(pretrained, tmp_path / "straight", "auto", steps=4)
+    assert resumed.layout["sharded_frozen"] == 0 and straight.losses[:3] == whole.losses
+    assert resumed.losses == straight.losses[3:], (resumed.losses, straight.losses)
+
+
+def test_bad_values_name_the_option():
+    with pytest.raises(ValueError, match="replicate_frozen='yes'"):
+        FSDP2Strategy(replicate_frozen="yes")
+    with pytest.raises(ValueError, match="replicate_frozen=True.*cpu_offload=True"):
+        FSDP2Strategy(replicate_frozen=True, cpu_offload=True)
+    assert FSDP2Strategy(replicate_frozen="auto", cpu_offload=True).replicates_frozen is False  # offload wins
+
+
+def test_frozen_weights_in_another_dtype_than_the_compute_dtype_are_refused():
+    from lightning_ffpa.parallel.fsdp import frozen_params
+
+    model = torch.nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"replicate_frozen.*\['torch.float32'\].*param_dtype"):
+        frozen_params(model, torch.bfloat16, cpu_offload=False)
+    with pytest.raises(ValueError, match="replicate_frozen.*cpu_offload=True"):
+        frozen_params(model, None, cpu_offload=True)
+    assert frozen_params(model, torch.float32, cpu_offload=False) == set(model.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_true_on_two_ranks_keeps_the_base_whole_on_each_and_trains_as_the_sharded_base(pretrained, tmp_path):
+    got = torchrun_json(Path(__file__).with_name("_fit_replicated.py"), tmp_path / "out.json", 2, 29811,
+                        pretrained, "false,true", timeout=380)
+    sharded, whole = got["false"], got["true"]
+    assert sharded["layout"]["sharded_frozen"] > 0 and not sharded["layout"]["frozen_whole"]
+    assert whole["layout"]["sharded_frozen"] == 0 and whole["layout"]["frozen_whole"] and whole["layout"]["tied"]
+    assert whole["layout"]["sharded_trainable"] == whole["layout"]["trainable"] > 0
+    assert whole["losses"] == pytest.approx(sharded["losses"], abs=1e-5), (whole["losses"], sharded["losses"])

@@ -86,3 +86,62 @@ def test_true_on_two_ranks_keeps_the_base_whole_on_each_and_trains_as_the_sharde
     assert whole["layout"]["sharded_frozen"] == 0 and whole["layout"]["frozen_whole"] and whole["layout"]["tied"]
     assert whole["layout"]["sharded_trainable"] == whole["layout"]["trainable"] > 0
     assert whole["losses"] == pytest.approx(sharded["losses"], abs=1e-5), (whole["losses"], sharded["losses"])
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_compiled_layers_the_step_matches_and_the_base_is_not_copied():
+    """CUDA, bf16 base, compiled layers (as the strategy builds them on a GPU): the same loss and adapter
+    gradients as the sharded base, and a peak lower by at least the root unit's gathered copy."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_ffpa._compat.transformers import from_config
+    from lightning_ffpa.parallel import parallelize
+    from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, materialize
+
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=MESH_DIM_NAMES)
+    cfg = build_text_config("tiny", vocab_size=65536)  # a root unit large enough to see in the peak
+
+    def step(replicate: bool):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = from_config(transformers.Gemma4ForCausalLM, cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"]))
+        parallelize(model, mesh, activation_checkpointing="full", compile=True, replicate_frozen=replicate,
+                    mp_policy=FSDP2Strategy(param_dtype="bf16").mp_policy())
+        materialize(model, torch.device("cuda"))
+        _same_weights(model)
+        ids = torch.randint(0, cfg.vocab_size, (1, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                 for p in model.parameters() if p.requires_grad]
+        return loss.item(), grads, torch.cuda.max_memory_allocated() - base
+
+    loss, grads, peak = step(False)
+    loss_r, grads_r, peak_r = step(True)
+    root = cfg.vocab_size * cfg.hidden_size * 2  # the embedding (= lm_head) in bf16
+    assert loss_r == pytest.approx(loss, rel=1e-3)
+    assert all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-3) for a, b in zip(grads, grads_r))
+    assert peak_r <= peak - root // 2, (peak, peak_r, root)
+
+
+def _same_weights(model) -> None:
+    """Every parameter from one seeded CPU generator, sharded or not (materialising draws differently for each)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            full = (0.02 * torch.randn(p.shape, generator=gen)).to(p.dtype)
+            p.copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements) if hasattr(p, "device_mesh")
+                    else full.to(p.device))

@@ -21,8 +21,6 @@ CPU smoke (tiny preset, fp32, CPU memory is not measured): python benchmarks/fsd
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -62,31 +60,17 @@ def _unit_bytes(module, dtype) -> int:
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
-    import transformers
-    from peft import LoraConfig, get_peft_model
     from torch.distributed.device_mesh import init_device_mesh
 
-    from benchmarks.full_depth_lora import LORA, config_overrides
+    from benchmarks.full_depth_lora import peft_model_on_meta
     from benchmarks.train_rows import loss_fn
-    from lightning_ffpa._compat.transformers import find_decoder_layers, from_config
+    from lightning_ffpa._compat.transformers import find_decoder_layers
     from lightning_ffpa.module import build_adamw
-    from lightning_ffpa.parallel import FSDP2Strategy, parallelize
+    from lightning_ffpa.parallel import parallelize
     from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, materialize
-    from lightning_ffpa.presets import build_text_config
 
-    cuda = not spec["smoke"]
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
-                                         **({"device_id": device} if cuda else {}))
-    cfg = build_text_config(spec["preset"], **config_overrides(spec))
-    with torch.device("meta"):
-        model = from_config(transformers.Gemma4ForCausalLM, cfg, dtype=getattr(torch, spec["dtype"]),
-                            attn_implementation="sdpa")
-    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA))
-    mp = FSDP2Strategy(param_dtype="bf16" if cuda else "fp32").mp_policy()
+    model, cfg, device, mp = peft_model_on_meta(spec)
+    cuda = device.type == "cuda"
     hf = model.get_base_model()
     layers = getattr(*find_decoder_layers(hf))
     sizes = dict(root_unit_gib=(_unit_bytes(model, mp.param_dtype) - sum(_unit_bytes(la, mp.param_dtype)

@@ -257,20 +257,15 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- row: HF + PEFT, same recipe
-def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
+def peft_model_on_meta(spec: dict[str, Any]):
+    """A one-rank process group (nccl on the GPU, gloo in the smoke run) and the preset's Gemma4 (SDPA) built on
+    meta with the run's LoRA: (peft model, text config, device, FSDP2 mixed-precision policy)."""
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
-    from peft.tuners.lora import LoraLayer
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from benchmarks.train_rows import PRODUCT_SAVE_MM, loss_fn
-    from lightning_ffpa import attention
-    from lightning_ffpa._compat import torch as torch_compat
     from lightning_ffpa._compat.transformers import from_config
-    from lightning_ffpa.module import build_adamw
-    from lightning_ffpa.parallel import FSDP2Strategy, parallelize
-    from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, materialize
+    from lightning_ffpa.parallel import FSDP2Strategy
     from lightning_ffpa.presets import build_text_config
 
     cuda = not spec["smoke"]
@@ -280,14 +275,31 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
     torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
                                          **({"device_id": device} if cuda else {}))
-    mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=MESH_DIM_NAMES)
-    torch_compat.raise_recompile_limit(64)
     cfg = build_text_config(spec["preset"], **config_overrides(spec))
     with torch.device("meta"):
         model = from_config(transformers.Gemma4ForCausalLM, cfg, dtype=getattr(torch, spec["dtype"]),
                             attn_implementation="sdpa")
     model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA))
-    compile_layers, mp = not spec["smoke"], FSDP2Strategy(param_dtype="bf16" if cuda else "fp32").mp_policy()
+    return model, cfg, device, FSDP2Strategy(param_dtype="bf16" if cuda else "fp32").mp_policy()
+
+
+def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from peft.tuners.lora import LoraLayer
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from benchmarks.train_rows import PRODUCT_SAVE_MM, loss_fn
+    from lightning_ffpa import attention
+    from lightning_ffpa._compat import torch as torch_compat
+    from lightning_ffpa.module import build_adamw
+    from lightning_ffpa.parallel import parallelize
+    from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, materialize
+
+    model, cfg, device, mp = peft_model_on_meta(spec)
+    cuda = device.type == "cuda"
+    mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=MESH_DIM_NAMES)
+    torch_compat.raise_recompile_limit(64)
+    compile_layers = not spec["smoke"]
     parallelize(model, mesh, activation_checkpointing="selective", compile=compile_layers, sac_save_mm=PRODUCT_SAVE_MM,
                 mp_policy=mp, reshard_after_forward=True)
     materialize(model, device)

@@ -144,6 +144,13 @@ HARNESS_FLAWS = {
                          "2.6 GiB lm_head (static memory 2.6 GiB above the fsdp2 row's), so fsdp2_extra_peak_gib "
                          "is too small by that; fixed in 4335b7c, not re-run"),
 }
+FLAWED_COMMITS = {"fsdp_mesh_of_one": "1e87d5a"}  # a flaw fixed since: only that commit's file carries it
+
+
+def harness_flaw(stem: str, record: dict[str, Any]) -> str | None:
+    """The harness flaw a result file carries, if any (one fixed since applies only to its commit's file)."""
+    at = FLAWED_COMMITS.get(stem)
+    return HARNESS_FLAWS.get(stem) if at is None or str(record.get("commit", "")).startswith(at) else None
 STANDARD_KEYS = ("benchmark", "command", "commit", "date", "device", "versions", "rows", "summary", "script_doc")
 NOTE_KEYS = ("depth_note", "model_slice", "memory_note", "history_note", "partial_run")  # strings that qualify a file's headlines
 # A file whose summary has a `history_note` is an earlier state kept for comparison: docs/benchmarks.md
@@ -269,7 +276,7 @@ def clean_commit(record: dict[str, Any]) -> bool:
 def current(results: list[tuple[Path, dict[str, Any]]]) -> list[tuple[Path, dict[str, Any]]]:
     """The files the README and the targets read: not kept as history, without a harness flaw, and naming
     the one commit they measured."""
-    return [(p, r) for p, r in results if "history_note" not in r["summary"] and p.stem not in HARNESS_FLAWS
+    return [(p, r) for p, r in results if "history_note" not in r["summary"] and harness_flaw(p.stem, r) is None
             and clean_commit(r)]
 
 
@@ -354,7 +361,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
             out += ["**Provenance incomplete:** the file's `commit` is not one commit id, so it is not known which "
                     "code it measured. It is kept as a record and is not cited in the README or the targets; "
                     "re-run its script to replace it.", ""]
-        if flaw := HARNESS_FLAWS.get(name):
+        if flaw := harness_flaw(name, rec):
             out += [f"**Harness flaw:** {flaw}. It is kept as a record and is not cited in the README or the "
                     "targets.", ""]
         out += [f"- device: {cell(rec.get('device'))}; date: {cell(rec.get('date'))}; "

@@ -373,3 +373,12 @@ def test_a_rollout_ratio_says_when_its_hf_baseline_was_eager_only():
     said = dict(rows=[], summary={"hf_baseline_sampled_bs64": "eager and compiled"})
     assert report.qualifier("vs_hf_generate_sampled_bs64", said) == "; this run's HF baseline: eager and compiled"
     assert report.qualifier("ours_vs_sdpa_recipe_tps_8k", eager_only) == ""
+
+
+def test_a_flaw_fixed_since_marks_only_its_commits_file():
+    from benchmarks import report
+
+    assert report.harness_flaw("fsdp_mesh_of_one", {"commit": "1e87d5a386dbbea0f950974d7326e662866a5172"})
+    assert report.harness_flaw("fsdp_mesh_of_one", {"commit": "4335b7cf1179a4d264f9cae853d804a7f2348e8a"}) is None
+    assert report.harness_flaw("train_throughput_dp2", {"commit": "abc1234"}) == report.HARNESS_FLAWS[
+        "train_throughput_dp2"]  # an earlier harness: every file of that name

@@ -70,20 +70,36 @@ def test_fit_tiny_end_to_end_loss_falls(tiny_losses):
     assert sum(tiny_losses[-5:]) / 5 < sum(tiny_losses[:5]) / 5 - 0.5
 
 
+def _cpu() -> str:
+    """What picks the CPU kernels: torch's vector capability and the processor's model name."""
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 "unknown") if os.path.exists("/proc/cpuinfo") else "unknown"
+    return f"{torch.backends.cpu.get_cpu_capability()} / {model}"
+
+
 def test_tiny_loss_curve_matches_golden(tiny_losses):
     """Loss-affecting changes must update tests/assets/tiny_loss_curve.json deliberately:
-    LIGHTNING_FFPA_UPDATE_GOLDEN=1 pytest tests/test_cli.py -k golden."""
-    if os.environ.get("LIGHTNING_FFPA_UPDATE_GOLDEN"):
-        import torch
-        import transformers
+    LIGHTNING_FFPA_UPDATE_GOLDEN=1 pytest tests/test_cli.py -k golden (it replaces this CPU's curve).
 
+    CPU kernels differ across processors (up to 0.008 here between two CI machines, with no code change), so
+    the file keeps one curve per CPU it was made on, and the run must match one of them tightly; a real
+    change moves the curve by far more."""
+    import torch
+    import transformers
+
+    record = json.loads(GOLDEN.read_text())
+    if os.environ.get("LIGHTNING_FFPA_UPDATE_GOLDEN"):
         versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-        GOLDEN.write_text(json.dumps({"config": "configs/tiny.yaml", "steps": 30, "versions": versions,
-                                     "loss": tiny_losses}, indent=1))
-    golden = json.loads(GOLDEN.read_text())["loss"]
-    # CPU kernels differ slightly across instruction sets; real changes move the curve by far more.
-    # A torch or transformers release can move it too: the file records the versions it was made with.
-    assert tiny_losses == pytest.approx(golden, abs=2e-3), json.loads(GOLDEN.read_text()).get("versions")
+        curves = [c for c in record.get("curves", []) if c["cpu"] != _cpu()]
+        record = {"config": "configs/tiny.yaml", "steps": 30,
+                  "curves": [*curves, {"cpu": _cpu(), "versions": versions, "loss": tiny_losses}]}
+        GOLDEN.write_text(json.dumps(record, indent=1))
+    # A torch or transformers release can move it too: each curve records the versions it was made with.
+    close = [c for c in record["curves"] if tiny_losses == pytest.approx(c["loss"], abs=2e-3)]
+    assert close, {"this cpu": _cpu(), "losses": tiny_losses,
+                   "curves": [{k: c[k] for k in ("cpu", "versions")} for c in record["curves"]]}
 
 
 @pytest.mark.parametrize(

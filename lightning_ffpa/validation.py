@@ -223,8 +223,10 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
 
 def _check_replicate_frozen(strategy: Any, model: Any, world: int) -> None:
     """`replicate_frozen` computes with a LoRA's frozen base as stored, so `model.dtype` must be `param_dtype`."""
+    from lightning_ffpa.parallel.strategy import resolve_replicate_frozen
+
     mode = getattr(strategy, "replicate_frozen", False)
-    if not (mode is True or (mode == "auto" and world == 1 and not getattr(strategy, "cpu_offload", False))):
+    if not resolve_replicate_frozen(mode, getattr(strategy, "cpu_offload", False), lambda: world):
         return
     hp = getattr(model, "hparams", None) or {}
     want, dtype = getattr(strategy, "param_dtype", None), hp.get("dtype")

@@ -10,6 +10,7 @@ Trainer's `precision` at "32-true": mixed precision comes from `param_dtype` / `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -59,6 +60,13 @@ def _plain_ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
             if p is not None and not hasattr(p, "device_mesh"):  # a DTensor parameter has a mesh
                 shared.setdefault(id(p), []).append((sub, name))
     return [refs for refs in shared.values() if len(refs) > 1]
+
+
+def resolve_replicate_frozen(mode: bool | str, cpu_offload: bool, mesh_size: Callable[[], int]) -> bool:
+    """`replicate_frozen` for a run: "auto" means on a mesh of one GPU and never with CPU offload."""
+    if mode == "auto":
+        return not cpu_offload and mesh_size() == 1
+    return bool(mode)
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
@@ -235,10 +243,8 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @property
     def replicates_frozen(self) -> bool:
-        """Whether frozen parameters stay out of FSDP2 (`replicate_frozen`; "auto": on a mesh of one, no CPU offload)."""
-        if self.replicate_frozen == "auto":
-            return not self.cpu_offload and self.device_mesh.size() == 1
-        return bool(self.replicate_frozen)
+        """Whether frozen parameters stay out of FSDP2 on this run's mesh (see `resolve_replicate_frozen`)."""
+        return resolve_replicate_frozen(self.replicate_frozen, self.cpu_offload, lambda: self.device_mesh.size())
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

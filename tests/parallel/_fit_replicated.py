@@ -24,18 +24,10 @@ class Record(L.Callback):
         self.losses, self.layout, self.set_adapters = [], {}, set_adapters
 
     def on_train_start(self, trainer, pl_module):
-        from torch.distributed.tensor import distribute_tensor
-
         hf = pl_module.hf_model
         params = dict(pl_module.model.named_parameters())
-        # The same adapters in every run: their init draws from an RNG that materialising DTensors advances
-        # differently from plain tensors.
-        gen = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for name in sorted(n for n, p in params.items() if p.requires_grad and self.set_adapters):
-                p = params[name]
-                full = 0.05 * torch.randn(p.shape, generator=gen)
-                p.copy_(distribute_tensor(full, p.device_mesh, p.placements) if hasattr(p, "device_mesh") else full)
+        if self.set_adapters:
+            seeded_weights(pl_module.model, seed=1, scale=0.05, trainable_only=True)
         self.layout = dict(
             sharded_frozen=sum(hasattr(p, "device_mesh") for p in params.values() if not p.requires_grad),
             sharded_trainable=sum(hasattr(p, "device_mesh") for p in params.values() if p.requires_grad),
@@ -46,6 +38,20 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+
+
+def seeded_weights(model, seed: int, scale: float, trainable_only: bool = False) -> None:
+    """Parameters (in name order) from one seeded CPU generator, sharded or not: materialising draws differently
+    for DTensors and plain tensors, so runs of the two layouts start from these instead."""
+    from torch.distributed.tensor import distribute_tensor
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            if trainable_only and not p.requires_grad:
+                continue
+            full = (scale * torch.randn(p.shape, generator=gen)).to(device=p.device, dtype=p.dtype)
+            p.copy_(distribute_tensor(full, p.device_mesh, p.placements) if hasattr(p, "device_mesh") else full)
 
 
 def fit(pretrained, root, replicate, steps=3, ckpt_path=None, devices=1):

@@ -15,6 +15,7 @@ from lightning_ffpa.parallel import FSDP2Strategy
 from lightning_ffpa.presets import build_text_config
 
 from ._fit_replicated import fit as _fit
+from ._fit_replicated import seeded_weights
 from ._launch import torchrun_json
 
 
@@ -116,7 +117,7 @@ def test_on_cuda_with_compiled_layers_the_step_matches_and_the_base_is_not_copie
         parallelize(model, mesh, activation_checkpointing="full", compile=True, replicate_frozen=replicate,
                     mp_policy=FSDP2Strategy(param_dtype="bf16").mp_policy())
         materialize(model, torch.device("cuda"))
-        _same_weights(model)
+        seeded_weights(model, seed=0, scale=0.02)
         ids = torch.randint(0, cfg.vocab_size, (1, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -134,14 +135,3 @@ def test_on_cuda_with_compiled_layers_the_step_matches_and_the_base_is_not_copie
     assert all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-3) for a, b in zip(grads, grads_r))
     assert peak_r <= peak - root // 2, (peak, peak_r, root)
 
-
-def _same_weights(model) -> None:
-    """Every parameter from one seeded CPU generator, sharded or not (materialising draws differently for each)."""
-    from torch.distributed.tensor import distribute_tensor
-
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            full = (0.02 * torch.randn(p.shape, generator=gen)).to(p.dtype)
-            p.copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements) if hasattr(p, "device_mesh")
-                    else full.to(p.device))

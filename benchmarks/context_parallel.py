@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
-from benchmarks.row_process import add_run_options, row_main, run_rows  # noqa: E402
+from benchmarks.row_process import add_run_options, fastest_row, row_at, row_main, run_rows  # noqa: E402
 from lightning_ffpa.flex_options import LARGE_HEAD_DIM_CANDIDATES  # noqa: E402
 
 SWEEP = [f"flex_ring_opt{i}" for i in range(len(LARGE_HEAD_DIM_CANDIDATES))]
@@ -107,21 +107,10 @@ def specs(args, done: set[tuple[str, int]]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- summary
-def _row(rows: list[dict], name: str, seq: int) -> tuple[dict | None, str | None]:
-    hit = [r for r in rows if r.get("row") == name and r.get("seq") == seq]
-    if not hit:
-        return None, f"row {name} at seq {seq} is not in this result"
-    bad = hit[-1].get("error") or hit[-1].get("skipped")
-    return (None, f"row {name} at seq {seq} has no measurement: {str(bad)[:300]}") if bad else (hit[-1], None)
-
-
 def best_flex(rows: list[dict], seq: int) -> tuple[dict | None, str | None]:
     """The fastest finished Flex sweep row at `seq`, or why there is none."""
-    found = [_row(rows, r, seq) for r in SWEEP]
-    done = [r for r, _ in found if r]
-    if not done:
-        return None, "no Flex sweep row finished: " + "; ".join(w for _, w in found if w)
-    return max(done, key=lambda r: r["tokens_per_s"]), None
+    row, why = fastest_row(rows, SWEEP, seq, "tokens_per_s")
+    return row, why and f"no Flex sweep row finished: {why}"
 
 
 def summarize(rows: list[dict], seqs: list[int]) -> tuple[dict, dict]:
@@ -135,9 +124,9 @@ def summarize(rows: list[dict], seqs: list[int]) -> tuple[dict, dict]:
 
     for seq in sorted({*HEADLINE_SEQS, *seqs}):
         t = tag(seq)
-        ffpa, why_ffpa = _row(rows, "ffpa_ring", seq)
+        ffpa, why_ffpa = row_at(rows, "ffpa_ring", seq)
         flex, why_flex = best_flex(rows, seq)
-        native, why_native = _row(rows, "torch_native_cp_sdpa", seq)
+        native, why_native = row_at(rows, "torch_native_cp_sdpa", seq)
         ratio = lambda a, b: a["tokens_per_s"] / b["tokens_per_s"] if a and b else None  # noqa: E731
         put(f"ffpa_ring_vs_flex_ring_tps_{t}", ratio(ffpa, flex), "; ".join(filter(None, (why_ffpa, why_flex))))
         put(f"flex_ring_best_row_{t}", flex and flex["row"], why_flex)
@@ -145,7 +134,7 @@ def summarize(rows: list[dict], seqs: list[int]) -> tuple[dict, dict]:
         put(f"ffpa_ring_tokens_per_s_{t}", ffpa and ffpa["tokens_per_s"], why_ffpa)
     ran, whys = {}, []
     for v in PARITY_KEYED:
-        row, why = _row(rows, f"parity_{v}", _parity_seq(rows, v))
+        row, why = row_at(rows, f"parity_{v}", _parity_seq(rows, v))
         if row:
             ran[v] = row
         else:

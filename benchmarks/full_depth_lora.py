@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import RESULTS_DIR, resummarize, write_result  # noqa: E402
-from benchmarks.row_process import add_run_options, measured, row_main, run_rows  # noqa: E402
+from benchmarks.row_process import add_run_options, fastest_row, row_at, row_main, run_rows  # noqa: E402
 from lightning_ffpa._compat import transformers as hf_compat  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
@@ -355,24 +355,6 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- driver
-def _lookup(rows: list[dict], name: str, seq: int) -> tuple[dict | None, str | None]:
-    hit = [r for r in rows if r["row"] == name and r["seq"] == seq]
-    if not hit:
-        return None, f"row {name} at seq {seq} is not in this result"
-    if measured(hit[-1]):
-        return hit[-1], None
-    return None, f"row {name} at seq {seq} has no measurement: {str(hit[-1].get('error') or hit[-1].get('skipped'))[:300]}"
-
-
-def _fastest(rows: list[dict], names: tuple[str, ...], seq: int) -> tuple[dict | None, str | None]:
-    """The faster measured of a peer's option rows at `seq` (its sweep), or None and why none is."""
-    found = [_lookup(rows, name, seq) for name in names]
-    done = [row for row, _ in found if row]
-    if done:
-        return max(done, key=lambda r: r["tokens_per_s"]), None
-    return None, "; ".join(why for _, why in found if why)
-
-
 def summarize(rows: list[dict]) -> tuple[dict, dict]:
     """The summary keys, and for each null one the reason."""
     summary, missing = {}, {}
@@ -382,8 +364,8 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     pairs = (("ours_lora", "hf_peft_sdpa_recipe"), ("ours_lora", "unsloth_lora"), ("ours_lora_offload", "unsloth_lora"),
              ("ours_lora_offload_replicated", "unsloth_lora"))
     for seq, tag in _SEQ_TAGS.items():
-        found = {name: _lookup(rows, name, seq) for name in short if name not in UNSLOTH_ROWS}
-        found["unsloth_lora"] = _fastest(rows, UNSLOTH_ROWS, seq)  # its ratio and peak are the faster row's
+        found = {name: row_at(rows, name, seq) for name in short if name not in UNSLOTH_ROWS}
+        found["unsloth_lora"] = fastest_row(rows, UNSLOTH_ROWS, seq, "tokens_per_s")  # its ratio and peak are the faster row's
         baseline, why = found["unsloth_lora"]
         summary[f"full_depth_lora_unsloth_baseline_{tag}"] = baseline["row"] if baseline else None
         missing.update({f"full_depth_lora_unsloth_baseline_{tag}": why} if baseline is None else {})

@@ -145,6 +145,27 @@ def measured(row: dict[str, Any]) -> bool:
             and "traceback_tail" not in row)
 
 
+def row_at(rows: list[dict[str, Any]], name: str, seq: int) -> tuple[dict[str, Any] | None, str | None]:
+    """The last recorded `name` row at `seq` if it holds a measurement, else None and why not."""
+    hit = [r for r in rows if r.get("row") == name and r.get("seq") == seq]
+    if not hit:
+        return None, f"row {name} at seq {seq} is not in this result"
+    if measured(hit[-1]):
+        return hit[-1], None
+    return None, f"row {name} at seq {seq} has no measurement: {str(hit[-1].get('error') or hit[-1].get('skipped'))[:300]}"
+
+
+def fastest_row(rows: list[dict[str, Any]], names: Sequence[str], seq: int,
+                metric: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The measured row with the highest `metric` among one baseline's option rows at `seq` (its sweep), or None
+    and why none of them measured."""
+    found = [row_at(rows, name, seq) for name in names]
+    done = [row for row, _ in found if row]
+    if done:
+        return max(done, key=lambda r: r[metric]), None
+    return None, "; ".join(why for _, why in found if why)
+
+
 def run_rows(script: Path, specs: list[dict[str, Any]], logs: Path, row_timeout_s: float, budget_s: float,
              on_row: Callable[[list[dict[str, Any]]], None], launcher: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Run every spec in its own process (see `run_row` for `launcher`), in order, within `budget_s`;

@@ -44,7 +44,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
-from benchmarks.row_process import MIN_ROW_S, add_run_options, dump_stacks_on_signal, kill_row, progress_tail  # noqa: E402
+from benchmarks.row_process import (  # noqa: E402
+    MIN_ROW_S,
+    add_run_options,
+    dump_stacks_on_signal,
+    fastest_row,
+    kill_row,
+    progress_tail,
+    row_at,
+)
 from benchmarks.train_rows import DEFAULT_ROWS, PRODUCT_SAVE_MM, ROWS  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
@@ -156,28 +164,9 @@ def launch(args, name: str, seq: int, logs: Path, timeout: float) -> dict:
     return row
 
 
-def best_liger(rows: list[dict], seq: int) -> tuple[dict | None, str | None]:
-    """The faster finished Liger row at `seq` (compiled or not: liger's Triton kernels are opaque to inductor,
-    so either can win), or None and why."""
-    found = [_lookup(rows, name, seq) for name in LIGER_ROWS]
-    done = [r for r, _ in found if r]
-    if done:
-        return max(done, key=lambda r: r["tokens_per_s_per_gpu"]), None
-    return None, "; ".join(why for _, why in found if why)
-
-
 def plan(args, finished: set[tuple[str, int]]) -> list[tuple[str, int]]:
     """(row, seq) pairs to run, seq-major, leaving out those already finished."""
     return [(name, seq) for seq in args.seqs for name in args.rows if (name, seq) not in finished]
-
-
-def _lookup(rows: list[dict], name: str, seq: int) -> tuple[dict | None, str | None]:
-    hit = [r for r in rows if r["row"] == name and r["seq"] == seq]
-    if not hit:
-        return None, f"row {name} at seq {seq} is not in this result"
-    if "error" in hit[-1]:
-        return None, f"row {name} at seq {seq} failed: {hit[-1]['error'][:300]}"
-    return hit[-1], None
 
 
 def summarize(rows: list[dict]) -> tuple[dict, dict]:
@@ -192,10 +181,10 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
 
     for seq, tag in _SEQ_KEYS.items():
         for base in ("sdpa_recipe", "flex_recipe"):
-            ratio(f"ours_vs_{base}_tps_{tag}", _lookup(rows, "ours", seq), _lookup(rows, base, seq))
-    ratio("ours_vs_liger_tps_8k", _lookup(rows, "ours", 8192), best_liger(rows, 8192))
-    ratio("ours_vs_sdpa_defaults_tps_8k", _lookup(rows, "ours", 8192), _lookup(rows, "sdpa_defaults", 8192))
-    ours16, why = _lookup(rows, "ours", 16384)
+            ratio(f"ours_vs_{base}_tps_{tag}", row_at(rows, "ours", seq), row_at(rows, base, seq))
+    ratio("ours_vs_liger_tps_8k", row_at(rows, "ours", 8192), fastest_row(rows, LIGER_ROWS, 8192, "tokens_per_s_per_gpu"))
+    ratio("ours_vs_sdpa_defaults_tps_8k", row_at(rows, "ours", 8192), row_at(rows, "sdpa_defaults", 8192))
+    ours16, why = row_at(rows, "ours", 16384)
     for key, field in (("ours_mfu_spec_16k", "mfu_spec"), ("ours_mfu_measured_peak_16k", "mfu_measured_peak")):
         summary[key] = ours16.get(field) if ours16 else None
         if summary[key] is None:
@@ -240,7 +229,7 @@ def drive(args) -> None:
 
     def save(quiet: bool = True) -> None:
         summary, missing = summarize(rows)
-        liger = best_liger(rows, 8192)[0]
+        liger = fastest_row(rows, LIGER_ROWS, 8192, "tokens_per_s_per_gpu")[0]
         with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
             write_result("train_throughput", rows, summary, out=out, summary_missing=missing,
                          calls=[*calls, this_call], ours_sac_save_mm=PRODUCT_SAVE_MM,

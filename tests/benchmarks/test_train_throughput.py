@@ -137,13 +137,13 @@ def test_summary_ratios_and_reasons():
     assert set(summary) == _KEYS
     assert summary["ours_vs_sdpa_recipe_tps_8k"] == 1.5 and "ours_vs_sdpa_recipe_tps_8k" not in missing
     assert summary["ours_vs_liger_tps_8k"] is None
-    assert "failed: ModuleNotFoundError" in missing["ours_vs_liger_tps_8k"]
+    assert "no measurement: ModuleNotFoundError" in missing["ours_vs_liger_tps_8k"]
     assert (summary["ours_mfu_spec_16k"], summary["ours_mfu_measured_peak_16k"]) == (0.5, 0.6)
     assert {k for k, v in summary.items() if v is None} == set(missing)
     # the faster of the compiled and eager Liger rows is the baseline
     rows[2] = dict(row="liger_recipe", seq=8192, tokens_per_s_per_gpu=100.0)
     rows.append(dict(row="liger_recipe_nocompile", seq=8192, tokens_per_s_per_gpu=150.0))
-    assert tt.summarize(rows)[0]["ours_vs_liger_tps_8k"] == 2.0 and tt.best_liger(rows, 8192)[0] is rows[-1]
+    assert tt.summarize(rows)[0]["ours_vs_liger_tps_8k"] == 2.0 and tt.fastest_row(rows, tt.LIGER_ROWS, 8192, "tokens_per_s_per_gpu")[0] is rows[-1]
 
 
 def test_resume_refuses_another_shape(tmp_path):

@@ -122,6 +122,7 @@ def load_results(results_dir: Path = RESULTS_DIR) -> list[tuple[Path, dict[str, 
 def load_resume(path: str | None, shape: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Finished rows and call records of an earlier result that `--resume` continues; refused (one line, before
     any row runs) unless it was measured at this commit with the same `shape` (the top-level fields)."""
+    from benchmarks.row_process import measured
     from lightning_ffpa.errors import ConfigError
 
     if not path:
@@ -134,4 +135,4 @@ def load_resume(path: str | None, shape: dict[str, Any]) -> tuple[list[dict[str,
     if diff:
         raise ConfigError("--resume", path, f"was measured with other settings (theirs, ours): {diff}")
     calls = old.get("calls") or [{k: old.get(k) for k in ("command", "date", "device")}]
-    return [r for r in old["rows"] if not (r.get("error") or r.get("skipped"))], calls
+    return [r for r in old["rows"] if measured(r)], calls  # a row killed only after writing itself is kept

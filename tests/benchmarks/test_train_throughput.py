@@ -153,6 +153,21 @@ def test_resume_refuses_another_shape(tmp_path):
         tt.load_resume(_args("--resume", str(old)))
 
 
+
+def test_resume_keeps_rows_killed_only_after_writing_themselves(tmp_path):
+    from benchmarks import results_io
+
+    shape = dict(preset="tiny", layers=2)
+    rows = [dict(row="ours", seq=64, tokens_per_s_per_gpu=1.0),
+            dict(row="flex_recipe", seq=64, tokens_per_s_per_gpu=2.0, process={"pid": 7},  # an older file's record
+                 error="timeout: the row's process was killed after 500 s"),
+            dict(row="sdpa_recipe", seq=64, error="RuntimeError: CUDA out of memory"),
+            dict(row="sdpa_defaults", seq=64, skipped="budget")]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(dict(rows=rows, commit=results_io._commit(), **shape)))
+    kept, _ = results_io.load_resume(str(old), shape)
+    assert [r["row"] for r in kept] == ["ours", "flex_recipe"]
+
 def test_gpu_runs_time_at_least_five_steps():
     with pytest.raises(ConfigError, match="--steps"):
         tt.parse_args(["--steps", "3"])

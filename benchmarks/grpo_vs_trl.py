@@ -8,7 +8,8 @@ Same recipe in both rows, each run in its own process (`row_process.py`): the Ge
 EOS suppressed (TRL: `min_new_tokens`; ours: no EOS ids), no activation checkpointing, AdamW at `--lr`,
 `--beta` KL (0: no reference pass), per-sequence mean loss (TRL `loss_type="grpo"`), constant learning rate and
 no gradient clipping (TRL `lr_scheduler_type="constant"`, `max_grad_norm=0`), the same toy reward
-(`token_range_reward`). TRL generates with HF `generate` (no vLLM on the device image), one row per generation
+(`token_range_reward`), the ratio over the policy's own detached logprobs (TRL with `num_iterations=1`; ours
+`old_logprobs: policy`, plus the engine's truncated importance weights, `sampler_is_cap`, recorded per row). TRL generates with HF `generate` (no vLLM on the device image), one row per generation
 option it offers (`TRL_GENERATION`): its default dynamic cache, a static cache, and HF's continuous batching;
 the ratios divide by the fastest that finished. Each TRL row records `trl` and `transformers` versions, or
 the ImportError when trl is absent.
@@ -152,7 +153,8 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                                              "graph_replays": e.stats["graph_replays"]},
             "sampler_logprob_gap_per_step": gaps,
             "sampler_logprob_gap_median": statistics.median(gaps) if gaps else None,
-            "attn_implementation": module.hparams.attn_implementation, "trainer_precision": str(trainer.precision)}
+            "attn_implementation": module.hparams.attn_implementation, "trainer_precision": str(trainer.precision),
+            "old_logprobs": module.hparams.old_logprobs, "sampler_is_cap": module.hparams.sampler_is_cap}
 
 
 def word_tokenizer(vocab: int):

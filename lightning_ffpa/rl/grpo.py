@@ -4,7 +4,8 @@ Owns formulas only; generation, rewards, batch layout and logging live in `callb
 `rl/rewards.py`, `rl/batch.py` and `rl/module.py`. Conventions follow TRL: advantages
 (r - mean_group) / (std_group + 1e-4); KL is the k3 estimator exp(ref - logp) - (ref - logp) - 1; token
 losses are averaged per sequence, then over sequences. Clip bounds may be asymmetric as in DAPO
-(`clip_eps` below, `clip_eps_high` above).
+(`clip_eps` below, `clip_eps_high` above). A sampler that is not the policy's own numerics (a bf16 engine) is
+corrected by truncated importance sampling, as TRL's `vllm_importance_sampling_correction` does.
 """
 
 from __future__ import annotations
@@ -20,13 +21,21 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     return ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + eps)).view(-1)
 
 
+def sampler_weights(policy_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights min(pi_policy / pi_sampler, cap) per token, without gradient: they correct
+    for tokens drawn by a sampler whose numerics differ from the policy's; the cap bounds their variance."""
+    return torch.exp(policy_logprobs.detach() - sampler_logprobs).clamp(max=cap)
+
+
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               clip_eps: float = 0.2, beta: float = 0.0, ref_logprobs: torch.Tensor | None = None,
-              clip_eps_high: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              clip_eps_high: float | None = None,
+              token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate over completion tokens; `logprobs`/`old_logprobs`/`mask` are (N, T), `advantages` (N,).
 
     The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (DAPO's "clip-higher": a larger upper bound
     lets unlikely tokens with positive advantage grow); `clip_eps_high=None` uses clip_eps on both sides.
+    `token_weights` (N, T), e.g. `sampler_weights`, scale each token's loss, the KL term's included.
     """
     if beta > 0 and ref_logprobs is None:
         raise ValueError(f"`beta={beta}` needs reference logprobs")
@@ -42,6 +51,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
         kl = torch.exp(d) - d - 1
         per_token = per_token + beta * kl
         stats["kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).detach()
+    if token_weights is not None:
+        per_token = per_token * token_weights
     lengths = mask.sum(1).clamp(min=1)
     loss = ((per_token * mask).sum(1) / lengths).mean()
     is_clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))

@@ -8,7 +8,7 @@ generate: any LightningModule exposing its HF model as `self.model` can use the 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.hf_module import HFModule
 from lightning_ffpa.lora import LoraSpec, lora_hparam
 from lightning_ffpa.module import build_adamw, check_range
-from lightning_ffpa.rl.grpo import grpo_loss
+from lightning_ffpa.rl.grpo import grpo_loss, sampler_weights
 
 
 def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0) -> torch.Tensor:
@@ -48,6 +48,8 @@ class GRPOModule(HFModule):
         clip_eps_high: float | None = None,
         beta: float = 0.0,
         temperature: float = 1.0,
+        old_logprobs: Literal["policy", "engine"] = "policy",
+        sampler_is_cap: float | None = 3.0,
     ) -> None:
         """Build the module; the policy is created in `configure_model` by the same code as `Gemma4LM`'s model.
 
@@ -63,6 +65,12 @@ class GRPOModule(HFModule):
             clip_eps_high: upper ratio clip: the ratio is kept <= 1 + clip_eps_high (DAPO's clip-higher); None = clip_eps.
             beta: KL coefficient against the base model (>= 0; > 0 needs `lora`: the base is the adapter-free model).
             temperature: Rollout temperature; the policy scores tokens at the same temperature (> 0).
+            old_logprobs: the ratio's denominator. "policy": the policy's own logprobs of the sampled tokens,
+                without gradient (one optimizer step per rollout, so the ratio is 1 at the step, as in TRL);
+                "engine": the sampler's logprobs, so the ratio also carries the engine's bf16 numerics.
+            sampler_is_cap: with "policy", weight each token by min(pi_policy / pi_engine, cap), truncated
+                importance sampling for the engine's numerics (TRL's vllm_importance_sampling_correction); >= 1,
+                None for no weight. Must be None with "engine".
         """
         super().__init__()
         lora = lora_hparam(lora)  # plain data in hparams and checkpoints
@@ -72,6 +80,14 @@ class GRPOModule(HFModule):
             check_range("model.clip_eps_high", clip_eps_high, ge=clip_eps)
         check_range("model.beta", beta, ge=0)
         check_range("model.temperature", temperature, gt=0)
+        if old_logprobs not in ("policy", "engine"):
+            raise ConfigError("model.old_logprobs", old_logprobs, "must be 'policy' or 'engine'")
+        if sampler_is_cap is not None:
+            if old_logprobs == "engine":
+                raise ConfigError("model.sampler_is_cap", sampler_is_cap,
+                                  "corrects the policy ratio for the engine's numerics; set it to null with "
+                                  "`old_logprobs: engine`, whose ratio already divides by the engine's logprobs")
+            check_range("model.sampler_is_cap", sampler_is_cap, ge=1)
         if beta > 0 and lora is None:
             raise ConfigError("model.beta", beta, "needs `model.lora` (the KL reference is the adapter-free base)")
         self.save_hyperparameters()
@@ -79,6 +95,7 @@ class GRPOModule(HFModule):
         self.clip_fraction = MeanMetric()
         self.kl = MeanMetric()
         self.sampler_gap = MeanMetric()
+        self.sampler_weight = MeanMetric()
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         hp = self.hparams
@@ -88,15 +105,20 @@ class GRPOModule(HFModule):
         if hp.beta > 0:
             with torch.no_grad(), self.model.disable_adapter():
                 ref = token_logprobs(self.model, batch, hp.temperature)
-        loss, stats = grpo_loss(logp, batch["old_logprobs"][:, 1:], batch["advantages"], mask,
-                                clip_eps=hp.clip_eps, clip_eps_high=hp.clip_eps_high, beta=hp.beta,
-                                ref_logprobs=ref)
+        engine = batch["old_logprobs"][:, 1:]
+        old = logp.detach() if hp.old_logprobs == "policy" else engine
+        weights = sampler_weights(logp, engine, hp.sampler_is_cap) if hp.sampler_is_cap is not None else None
+        loss, stats = grpo_loss(logp, old, batch["advantages"], mask, clip_eps=hp.clip_eps,
+                                clip_eps_high=hp.clip_eps_high, beta=hp.beta, ref_logprobs=ref, token_weights=weights)
         self.log("train/loss", loss, prog_bar=True)
-        # How far the sampler's logprobs sit from the policy's on the same tokens (the ratio divides by them):
-        # ~0 when the inference copy and numerics match; bf16 engines and kernels move it.
-        gap = ((logp.detach() - batch["old_logprobs"][:, 1:]).abs() * mask).sum() / mask.sum().clamp(min=1)
-        self.sampler_gap(gap)
+        # How far the sampler's logprobs sit from the policy's on the same tokens: ~0 when the inference copy
+        # and numerics match; bf16 engines and kernels move it (the importance weights correct for it).
+        per_token = mask.sum().clamp(min=1)
+        self.sampler_gap(((logp.detach() - engine).abs() * mask).sum() / per_token)
         self.log("train/sampler_logprob_gap", self.sampler_gap, on_step=True, on_epoch=False)
+        if weights is not None:
+            self.sampler_weight((weights * mask).sum() / per_token)
+            self.log("train/sampler_is_weight", self.sampler_weight, on_step=True, on_epoch=False)
         self.clip_fraction(stats["clip_fraction"])  # forward: the step value is what on_step logs
         self.log("train/clip_fraction", self.clip_fraction, on_step=True, on_epoch=False)
         if "kl" in stats:

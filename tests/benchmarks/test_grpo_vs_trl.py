@@ -34,6 +34,7 @@ def test_smoke_rows_phases_and_trl_row(tmp_path):
     assert ours["completion_tokens_per_s"] > 0 and ours["engine"]["attention_path"] == "dense_reference"
     gaps = ours["sampler_logprob_gap_per_step"]  # fp32 CPU: the engine's logprobs are the policy's
     assert len(gaps) == 3 and max(gaps) < 1e-4 and ours["sampler_logprob_gap_median"] == sorted(gaps)[1]
+    assert (ours["old_logprobs"], ours["sampler_is_cap"]) == ("policy", 3.0)  # TRL's on-policy ratio
     trl = rows["trl_grpo"]
     summary = record["summary"]
     if importlib.util.find_spec("trl") is None:

@@ -88,6 +88,9 @@ ROWS = [
     (f"{G} --model.init_args.learning_rate 0", "model.learning_rate"),
     (f"{G} --model.init_args.clip_eps 0", "model.clip_eps"),
     (f"{G} --model.init_args.clip_eps_high 0.1", "model.clip_eps_high"),
+    (f"{G} --model.init_args.old_logprobs sampler", "model.init_args.old_logprobs"),
+    (f"{G} --model.init_args.sampler_is_cap 0.5", "model.sampler_is_cap"),
+    (f"{G} --model.init_args.old_logprobs engine", "model.sampler_is_cap"),  # the engine ratio needs no weight
     (f"{G} --model.init_args.config_overrides '{{bogus_field: 1}}'", "model.config_overrides.bogus_field"),
     (f"{G} --data.init_args.batch_size 0", "data.init_args.batch_size"),
     (f"{G} --data.init_args.prompt_len 0", "data.init_args.prompt_len"),

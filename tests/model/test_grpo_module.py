@@ -1,4 +1,5 @@
-"""GRPOModule: the shared model options, the asymmetric clip bounds reaching the loss, and option checks."""
+"""GRPOModule: the shared model options, the asymmetric clip bounds and the sampler's importance weights
+reaching the loss, and option checks."""
 
 import math
 
@@ -31,7 +32,7 @@ def test_clip_bounds_reach_the_loss_by_hand(low, high):
     """Row 0: ratio 1.25, advantage +1 (only the upper bound can clip); row 1: ratio 0.85, advantage -1 (only
     the lower bound can). Swapping the bounds, or dropping clip_eps_high, changes the loss."""
     module = GRPOModule(preset="tiny", config_overrides={"num_hidden_layers": 2}, clip_eps=low,
-                        clip_eps_high=high, learning_rate=1e-3)
+                        clip_eps_high=high, learning_rate=1e-3, old_logprobs="engine", sampler_is_cap=None)
     module.configure_model()
     batch = _batch_with_ratios(module, [1.25, 0.85], [1.0, -1.0])
     hi = low if high is None else high
@@ -43,6 +44,17 @@ def test_clip_bounds_reach_the_loss_by_hand(low, high):
     swapped = (-min(1.25, 1 + low) + max(0.85, 1 - hi)) / 2
     if hi != low:
         assert abs(swapped - want) > 1e-3  # the case would catch swapped bounds
+
+
+@pytest.mark.parametrize("cap, want", [(3.0, (-1.25 + 0.85) / 2), (1.1, (-1.1 + 0.85) / 2), (None, 0.0)])
+def test_policy_ratio_with_truncated_sampler_weights(cap, want):
+    """`old_logprobs: policy`: the ratio is 1 at the step, so no clip bites; each token is weighted by
+    min(pi_policy / pi_engine, cap). Rows: policy/engine 1.25 with advantage +1, 0.85 with advantage -1."""
+    module = GRPOModule(preset="tiny", config_overrides={"num_hidden_layers": 2}, learning_rate=1e-3,
+                        sampler_is_cap=cap)
+    module.configure_model()
+    batch = _batch_with_ratios(module, [1.25, 0.85], [1.0, -1.0])
+    assert module.training_step(batch, 0).item() == pytest.approx(want, abs=1e-5)
 
 
 def test_shared_options_build_the_same_model_as_gemma4lm():
@@ -72,6 +84,9 @@ def test_shared_options_build_the_same_model_as_gemma4lm():
     ({"config_overrides": {"hidden_sise": 8}}, "model.config_overrides.hidden_sise"),
     ({"lora": {"r": 0}}, "model.lora.r"),
     ({"attn_implementation": "flash_magic"}, "model.attn_implementation"),
+    ({"old_logprobs": "sampler"}, "model.old_logprobs"),
+    ({"sampler_is_cap": 0.5}, "model.sampler_is_cap"),
+    ({"old_logprobs": "engine"}, "model.sampler_is_cap"),  # the engine ratio needs no second correction
 ])
 def test_bad_options_name_the_option(kwargs, option):
     with pytest.raises(ConfigError, match=f"^`{option.replace('.', r'[.]')}="):

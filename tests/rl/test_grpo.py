@@ -113,3 +113,19 @@ def test_policy_logprobs_recompute_cleanly_under_activation_checkpointing():
         token_logprobs(m, batch).sum().backward()
     for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_sampler_weights_scale_each_token_and_carry_no_gradient():
+    """On-policy (old = logp detached) the gradient is -A * w * d logp per token, averaged per sequence and
+    over sequences; the weights min(exp(policy - sampler), cap) get no gradient of their own."""
+    from lightning_ffpa.rl.grpo import sampler_weights
+
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.1], [0.3, 0.2, 0.6]])).requires_grad_()
+    sampler = logp.detach() - torch.log(torch.tensor([[1.0, 2.0, 4.0], [0.5, 1.0, 1.5]]))
+    adv, mask = torch.tensor([1.0, -2.0]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    w = sampler_weights(logp, sampler, cap=3.0)
+    assert torch.allclose(w, torch.tensor([[1.0, 2.0, 3.0], [0.5, 1.0, 1.5]])) and not w.requires_grad
+    loss, stats = grpo_loss(logp, logp.detach(), adv, mask, token_weights=w)
+    loss.backward()
+    want = -adv[:, None] * w * mask / mask.sum(1, keepdim=True) / 2
+    assert torch.allclose(logp.grad, want) and stats["clip_fraction"] == 0

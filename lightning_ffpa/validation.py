@@ -191,7 +191,7 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
         strategy.check_activation_offload()
     cp = getattr(strategy, "context_parallel_size", 1)
     world = trainer.world_size
-    _check_replicate_frozen(strategy, model, world)
+    _check_replicate_frozen(strategy, model)
     if not isinstance(cp, int):
         return
     if world % cp:
@@ -221,21 +221,19 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
             check_packing(attn, True)
 
 
-def _check_replicate_frozen(strategy: Any, model: Any, world: int) -> None:
-    """`replicate_frozen` computes with a LoRA's frozen base as stored, so `model.dtype` must be `param_dtype`."""
-    from lightning_ffpa.parallel.strategy import resolve_replicate_frozen
-
-    mode = getattr(strategy, "replicate_frozen", False)
-    if not resolve_replicate_frozen(mode, getattr(strategy, "cpu_offload", False), lambda: world):
+def _check_replicate_frozen(strategy: Any, model: Any) -> None:
+    """`replicate_frozen=true` computes with a LoRA's frozen base as stored, so `model.dtype` must be
+    `param_dtype` ("auto" leaves such a base to FSDP2 instead, and says so)."""
+    if getattr(strategy, "replicate_frozen", False) is not True:
         return
     hp = getattr(model, "hparams", None) or {}
     want, dtype = getattr(strategy, "param_dtype", None), hp.get("dtype")
     if not hp.get("lora") or want is None or not isinstance(dtype, str) or dtype == "auto":
         return
     if getattr(torch, dtype, None) != want:
-        raise ValueError(f"`replicate_frozen={mode}` computes with the LoRA's frozen base as stored, in "
+        raise ValueError(f"`replicate_frozen=True` computes with the LoRA's frozen base as stored, in "
                          f"`model.dtype={dtype}`, while `param_dtype` is {str(want).removeprefix('torch.')}: "
-                         "set them alike, or leave replicate_frozen off")
+                         "set them alike, or use replicate_frozen auto or false")
 
 
 def _attention_callbacks(trainer: Any) -> list[Any]:

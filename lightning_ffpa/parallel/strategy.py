@@ -10,7 +10,6 @@ Trainer's `precision` at "32-true": mixed precision comes from `param_dtype` / `
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -62,11 +61,28 @@ def _plain_ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [refs for refs in shared.values() if len(refs) > 1]
 
 
-def resolve_replicate_frozen(mode: bool | str, cpu_offload: bool, mesh_size: Callable[[], int]) -> bool:
-    """`replicate_frozen` for a run: "auto" means on a mesh of one GPU and never with CPU offload."""
-    if mode == "auto":
-        return not cpu_offload and mesh_size() == 1
-    return bool(mode)
+def plan_replicate_frozen(mode: bool | str, cpu_offload: bool, mesh_size: int, frozen: list[nn.Parameter],
+                          param_dtype: torch.dtype | None) -> tuple[bool, str]:
+    """Whether `replicate_frozen` keeps this model's frozen parameters out of FSDP2, and why (logged).
+
+    "auto" does where it costs nothing and changes no numerics: a mesh of one GPU (sharding splits nothing
+    there), no CPU offload, and a frozen base already stored in `param_dtype` (FSDP2 would cast it, and kept
+    out it is computed with as stored). True always does (its errors come from `fsdp.frozen_params`).
+    """
+    if not frozen:
+        return False, "no frozen parameters"
+    if mode is True:
+        return True, "replicate_frozen=true"
+    if mode is False:
+        return False, "replicate_frozen=false"
+    if cpu_offload:
+        return False, "auto: cpu_offload keeps weights in host memory"
+    if mesh_size > 1:
+        return False, f"auto: a mesh of {mesh_size} GPUs, where sharding the base saves memory"
+    wrong = sorted({str(p.dtype).removeprefix("torch.") for p in frozen if param_dtype not in (None, p.dtype)})
+    if wrong:
+        return False, f"auto: the frozen base is {', '.join(wrong)} and param_dtype {str(param_dtype).removeprefix('torch.')}"
+    return True, "auto: a mesh of one GPU"
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
@@ -102,7 +118,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         reduce_dtype: str | None = "fp32",
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
-        replicate_frozen: bool | str = False,
+        replicate_frozen: bool | str = "auto",
         activation_offload: bool = False,
         compile: bool | None = None,
         save_distributed_checkpoint: bool = True,
@@ -123,10 +139,11 @@ class FSDP2Strategy(ModelParallelStrategy):
             reshard_after_forward: Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2).
             cpu_offload: Keep sharded parameters, gradients and optimizer state on CPU.
             replicate_frozen: Keep parameters with `requires_grad=False` (a LoRA's base) out of FSDP2, whole on
-                every rank: no all-gather and no gathered copy of them. "auto" does so on a mesh of one GPU,
-                where sharding splits nothing yet FSDP2 still copies each unit's weights when it gathers
-                them; True also on more GPUs (each then holds the whole frozen base, and no base all-gather
-                runs). Frozen weights must be stored in `param_dtype`.
+                every rank: no all-gather and no gathered copy of them. "auto" does so on a mesh of one GPU
+                without `cpu_offload`, with the frozen base stored in `param_dtype` (sharding splits nothing
+                there, yet FSDP2 still copies each unit's weights when it gathers them); True also on more
+                GPUs (each then holds the whole frozen base, and no base all-gather runs), and needs frozen
+                weights stored in `param_dtype`. What ran is logged and kept in `frozen_placement`.
             activation_offload: Move the activations autograd saves for backward to pinned host memory during
                 each training step's forward, and back in backward (CUDA only). Less GPU memory for a host copy
                 each way; pair it with activation_checkpointing="full", which saves about one input per layer.
@@ -167,6 +184,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             raise ValueError("`replicate_frozen=True` keeps frozen weights whole on the device, and "
                              "`cpu_offload=True` keeps weights in host memory: use one of them")
         self.replicate_frozen = replicate_frozen
+        self.frozen_placement: dict[str, Any] | None = None  # what `replicate_frozen` did, once parallelized
         self.activation_offload = activation_offload
         self._offload = ActivationOffload() if activation_offload else None
         self.compile = compile
@@ -238,13 +256,22 @@ class FSDP2Strategy(ModelParallelStrategy):
             module, self.device_mesh, activation_checkpointing=self.activation_checkpointing,
             sac_extra_save_ops=self.sac_extra_save_ops, sac_save_mm=self.sac_save_mm, compile=self.compile_layers,
             mp_policy=self.mp_policy(), reshard_after_forward=self.reshard_after_forward,
-            cpu_offload=self.cpu_offload, replicate_frozen=self.replicates_frozen,
+            cpu_offload=self.cpu_offload, replicate_frozen=self.place_frozen(module),
         )
 
-    @property
-    def replicates_frozen(self) -> bool:
-        """Whether frozen parameters stay out of FSDP2 on this run's mesh (see `resolve_replicate_frozen`)."""
-        return resolve_replicate_frozen(self.replicate_frozen, self.cpu_offload, lambda: self.device_mesh.size())
+    def place_frozen(self, module: nn.Module) -> bool:
+        """Decide `replicate_frozen` for `module` on this mesh; record and log the decision."""
+        from lightning.pytorch.utilities import rank_zero_info
+
+        frozen = [p for p in module.parameters() if not p.requires_grad]
+        on, why = plan_replicate_frozen(self.replicate_frozen, self.cpu_offload, self.device_mesh.size(), frozen,
+                                        self.param_dtype)
+        gib = sum(p.numel() * p.element_size() for p in frozen) / 2**30
+        self.frozen_placement = dict(replicated=on, params=len(frozen), gib=round(gib, 3), reason=why)
+        if frozen:
+            rank_zero_info(f"frozen base: {len(frozen)} parameters ({gib:.2f} GiB) "
+                           f"{'kept whole, out of FSDP2' if on else 'sharded by FSDP2'} ({why})")
+        return on
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

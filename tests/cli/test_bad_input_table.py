@@ -65,7 +65,7 @@ ROWS = [
      "replicate_frozen"),
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.context_parallel_size 0",
      "context_parallel_size"),
-    (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.replicate_frozen auto "
+    (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.replicate_frozen true "
      "--trainer.strategy.param_dtype bf16 --model.init_args.lora '{r: 2, lora_alpha: 4}'", "replicate_frozen"),
     ("lightning-ffpa cp no_such_recipe out.yaml", "recipe"),
     ("lightning-ffpa cp tiny afile", "dest"),

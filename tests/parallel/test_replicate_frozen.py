@@ -43,7 +43,9 @@ def test_auto_keeps_the_frozen_base_whole_and_tied_and_trains_as_the_sharded_bas
     sharded, s_strategy = _fit(pretrained, tmp_path / "shard", False)
     dist.destroy_process_group()
     whole, w_strategy = _fit(pretrained, tmp_path / "auto", "auto")
-    assert not s_strategy.replicates_frozen and w_strategy.replicates_frozen  # "auto": a mesh of one
+    assert not s_strategy.frozen_placement["replicated"]  # "auto" on a mesh of one, the base in param_dtype:
+    placed = w_strategy.frozen_placement
+    assert placed["replicated"] and placed["reason"] == "auto: a mesh of one GPU" and placed["params"] > 0
     assert sharded.layout["sharded_frozen"] > 0 and whole.layout["sharded_frozen"] == 0
     assert whole.layout["sharded_trainable"] == whole.layout["trainable"] > 0  # the adapters stay with FSDP2
     assert sharded.layout["tied"] and whole.layout["tied"]  # lm_head is the embedding after materialisation
@@ -56,6 +58,12 @@ def test_auto_keeps_the_frozen_base_whole_and_tied_and_trains_as_the_sharded_bas
     straight, _ = _fit(pretrained, tmp_path / "straight", "auto", steps=4)
     assert resumed.layout["sharded_frozen"] == 0 and straight.losses[:3] == whole.losses
     assert resumed.losses == straight.losses[3:], (resumed.losses, straight.losses)
+    # A checkpoint saved with the base sharded (the default before "auto") resumes into the whole base.
+    dist.destroy_process_group()
+    moved, _ = _fit(pretrained, tmp_path / "shard", "auto", steps=4,
+                    ckpt_path=str(tmp_path / "shard" / "ckpt" / "last.ckpt"))
+    assert moved.layout["sharded_frozen"] == 0
+    assert moved.losses == pytest.approx(straight.losses[3:], abs=1e-5), (moved.losses, straight.losses)
 
 
 def test_bad_values_name_the_option():
@@ -63,7 +71,23 @@ def test_bad_values_name_the_option():
         FSDP2Strategy(replicate_frozen="yes")
     with pytest.raises(ValueError, match="replicate_frozen=True.*cpu_offload=True"):
         FSDP2Strategy(replicate_frozen=True, cpu_offload=True)
-    assert FSDP2Strategy(replicate_frozen="auto", cpu_offload=True).replicates_frozen is False  # offload wins
+
+
+@pytest.mark.parametrize("mode, offload, mesh, dtype, want", [
+    ("auto", False, 1, torch.bfloat16, (True, "auto: a mesh of one GPU")),
+    ("auto", True, 1, torch.bfloat16, (False, "auto: cpu_offload keeps weights in host memory")),
+    ("auto", False, 8, torch.bfloat16, (False, "auto: a mesh of 8 GPUs, where sharding the base saves memory")),
+    ("auto", False, 1, torch.float32, (False, "auto: the frozen base is float32 and param_dtype bfloat16")),
+    (True, False, 8, torch.bfloat16, (True, "replicate_frozen=true")),
+    (False, False, 1, torch.bfloat16, (False, "replicate_frozen=false")),
+])
+def test_the_plan_says_why(mode, offload, mesh, dtype, want):
+    """"auto" keeps the frozen base whole only where that costs nothing and changes no numerics."""
+    from lightning_ffpa.parallel.strategy import plan_replicate_frozen
+
+    frozen = list(torch.nn.Linear(4, 4, dtype=dtype).requires_grad_(False).parameters())
+    assert plan_replicate_frozen(mode, offload, mesh, frozen, torch.bfloat16) == want
+    assert plan_replicate_frozen(mode, offload, mesh, [], torch.bfloat16) == (False, "no frozen parameters")
 
 
 def test_frozen_weights_in_another_dtype_than_the_compute_dtype_are_refused():

@@ -57,11 +57,13 @@ from lightning_ffpa.errors import ConfigError  # noqa: E402
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gemma4_ffpa.yaml"
 LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
 ROWS = {
-    "ours_lora": "configs/gemma4_ffpa.yaml through lightning_ffpa.cli.build + trainer.fit (Gemma4LM, FSDP2Strategy, "
-                 "FFPAAttention: FFPA for the D=512 layers, block-sparse Flex for the sliding layers)",
+    "ours_lora": "configs/gemma4_ffpa.yaml through lightning_ffpa.cli.build + trainer.fit (Gemma4LM, FSDP2Strategy "
+                 "with the yaml's replicate_frozen, FFPAAttention: FFPA for the D=512 layers, block-sparse Flex for "
+                 "the sliding layers)",
     "ours_lora_offload": "ours_lora with activation_checkpointing=full, activation_offload=true (each layer's saved "
-                         "input waits in pinned host memory) and loss_chunk_size=1024 (a quarter of the chunked "
-                         "loss's fp32 logits at a time): ours at the memory Unsloth's offloading reaches",
+                         "input waits in pinned host memory), loss_chunk_size=1024 (a quarter of the chunked "
+                         "loss's fp32 logits at a time) and replicate_frozen=false (the frozen base sharded by "
+                         "FSDP2): ours at the memory Unsloth's offloading reaches",
     "ours_lora_offload_replicated": "ours_lora_offload with replicate_frozen=auto (on one GPU the frozen base "
                                     "stays out of FSDP2: no gathered copy of its units, the embedding's included)",
     "hf_peft_sdpa_recipe": "HF Gemma4ForCausalLM + peft get_peft_model, SDPA for all layers, ours' recipe (FSDP2 on "
@@ -183,8 +185,9 @@ def cli_args(spec: dict[str, Any], root: Path) -> list[str]:
     if spec["row"] in ("ours_lora_offload", "ours_lora_offload_replicated"):
         args += ["--trainer.strategy.init_args.activation_checkpointing", "full",
                  "--trainer.strategy.init_args.activation_offload", "true", "--model.init_args.loss_chunk_size", "1024"]
-    if spec["row"] == "ours_lora_offload_replicated":
-        args += ["--trainer.strategy.init_args.replicate_frozen", "auto"]
+    if spec["row"] in ("ours_lora_offload", "ours_lora_offload_replicated"):
+        replicate = "auto" if spec["row"] == "ours_lora_offload_replicated" else "false"
+        args += ["--trainer.strategy.init_args.replicate_frozen", replicate]
     if smoke:
         args += ["--trainer.accelerator", "cpu", "--trainer.strategy.init_args.compile", "false",
                  "--trainer.strategy.init_args.param_dtype", "fp32", "--data.init_args.vocab_size", "512"]

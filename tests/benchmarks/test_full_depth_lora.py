@@ -191,11 +191,16 @@ def test_the_offload_row_is_the_recipe_with_full_ac_and_activation_offload(tmp_p
 
 
 def test_the_replicated_offload_row_adds_only_replicate_frozen(tmp_path):
-    """Its CLI words are the offload row's plus `replicate_frozen auto`, which the CLI parses into the strategy."""
+    """Its CLI words are the offload row's with `replicate_frozen` auto for false, which the CLI parses into the
+    strategy (the offload row pins false: the product's default is auto)."""
     spec = dict(row="ours_lora_offload_replicated", seq=64, preset="tiny", layers=2, dtype="float32", warmup=1,
                 steps=2, smoke=True)
     words, offload = fdl.cli_args(spec, tmp_path), fdl.cli_args({**spec, "row": "ours_lora_offload"}, tmp_path)
-    assert sorted(words) == sorted(offload + ["--trainer.strategy.init_args.replicate_frozen", "auto"])
+    flag = "--trainer.strategy.init_args.replicate_frozen"
+    assert offload[offload.index(flag) + 1] == "false" and words[words.index(flag) + 1] == "auto"
+    i = words.index(flag) + 1
+    assert words[:i] + ["false"] + words[i + 1:] == offload
     from lightning_ffpa.cli import build
 
     assert build(words, run=False).trainer.strategy.replicate_frozen == "auto"
+    assert build(offload, run=False).trainer.strategy.replicate_frozen is False

@@ -78,11 +78,11 @@ def plan_replicate_frozen(mode: bool | str, cpu_offload: bool, mesh_size: int, f
     if cpu_offload:
         return False, "auto: cpu_offload keeps weights in host memory"
     if mesh_size > 1:
-        return False, f"auto: a mesh of {mesh_size} GPUs, where sharding the base saves memory"
+        return False, f"auto: a mesh of {mesh_size} devices, where sharding the base saves memory"
     wrong = sorted({str(p.dtype).removeprefix("torch.") for p in frozen if param_dtype not in (None, p.dtype)})
     if wrong:
         return False, f"auto: the frozen base is {', '.join(wrong)} and param_dtype {str(param_dtype).removeprefix('torch.')}"
-    return True, "auto: a mesh of one GPU"
+    return True, "auto: a mesh of one device"
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:

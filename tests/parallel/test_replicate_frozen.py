@@ -45,7 +45,7 @@ def test_auto_keeps_the_frozen_base_whole_and_tied_and_trains_as_the_sharded_bas
     whole, w_strategy = _fit(pretrained, tmp_path / "auto", "auto")
     assert not s_strategy.frozen_placement["replicated"]  # "auto" on a mesh of one, the base in param_dtype:
     placed = w_strategy.frozen_placement
-    assert placed["replicated"] and placed["reason"] == "auto: a mesh of one GPU" and placed["params"] > 0
+    assert placed["replicated"] and placed["reason"] == "auto: a mesh of one device" and placed["params"] > 0
     assert sharded.layout["sharded_frozen"] > 0 and whole.layout["sharded_frozen"] == 0
     assert whole.layout["sharded_trainable"] == whole.layout["trainable"] > 0  # the adapters stay with FSDP2
     assert sharded.layout["tied"] and whole.layout["tied"]  # lm_head is the embedding after materialisation
@@ -74,9 +74,9 @@ def test_bad_values_name_the_option():
 
 
 @pytest.mark.parametrize("mode, offload, mesh, dtype, want", [
-    ("auto", False, 1, torch.bfloat16, (True, "auto: a mesh of one GPU")),
+    ("auto", False, 1, torch.bfloat16, (True, "auto: a mesh of one device")),
     ("auto", True, 1, torch.bfloat16, (False, "auto: cpu_offload keeps weights in host memory")),
-    ("auto", False, 8, torch.bfloat16, (False, "auto: a mesh of 8 GPUs, where sharding the base saves memory")),
+    ("auto", False, 8, torch.bfloat16, (False, "auto: a mesh of 8 devices, where sharding the base saves memory")),
     ("auto", False, 1, torch.float32, (False, "auto: the frozen base is float32 and param_dtype bfloat16")),
     (True, False, 8, torch.bfloat16, (True, "replicate_frozen=true")),
     (False, False, 1, torch.bfloat16, (False, "replicate_frozen=false")),

@@ -65,7 +65,7 @@ def plan_replicate_frozen(mode: bool | str, cpu_offload: bool, mesh_size: int, f
                           param_dtype: torch.dtype | None) -> tuple[bool, str]:
     """Whether `replicate_frozen` keeps this model's frozen parameters out of FSDP2, and why (logged).
 
-    "auto" does where it costs nothing and changes no numerics: a mesh of one GPU (sharding splits nothing
+    "auto" does where it costs nothing and changes no numerics: a mesh of one device (sharding splits nothing
     there), no CPU offload, and a frozen base already stored in `param_dtype` (FSDP2 would cast it, and kept
     out it is computed with as stored). True always does (its errors come from `fsdp.frozen_params`).
     """

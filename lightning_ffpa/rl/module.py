@@ -113,11 +113,11 @@ class GRPOModule(HFModule):
         self.log("train/loss", loss, prog_bar=True)
         # How far the sampler's logprobs sit from the policy's on the same tokens: ~0 when the inference copy
         # and numerics match; bf16 engines and kernels move it (the importance weights correct for it).
-        per_token = mask.sum().clamp(min=1)
-        self.sampler_gap(((logp.detach() - engine).abs() * mask).sum() / per_token)
+        n_tokens = mask.sum().clamp(min=1)
+        self.sampler_gap(((logp.detach() - engine).abs() * mask).sum() / n_tokens)
         self.log("train/sampler_logprob_gap", self.sampler_gap, on_step=True, on_epoch=False)
         if weights is not None:
-            self.sampler_weight((weights * mask).sum() / per_token)
+            self.sampler_weight((weights * mask).sum() / n_tokens)
             self.log("train/sampler_is_weight", self.sampler_weight, on_step=True, on_epoch=False)
         self.clip_fraction(stats["clip_fraction"])  # forward: the step value is what on_step logs
         self.log("train/clip_fraction", self.clip_fraction, on_step=True, on_epoch=False)

@@ -172,13 +172,15 @@ def test_a_row_killed_after_writing_its_row_keeps_its_measurement(tmp_path, monk
 
 
 def test_the_offload_row_is_the_recipe_with_full_ac_and_activation_offload(tmp_path):
-    """Its CLI words are ours_lora's plus the two strategy options; the CLI parses them into the strategy, and a
-    CPU run of them is refused by the pre-flight (nothing to offload from) with the option named."""
+    """Its CLI words are ours_lora's plus the strategy options (full AC, offload, the frozen base sharded) and the
+    loss chunk; the CLI parses them, and a CPU run of them is refused by the pre-flight (nothing to offload
+    from) with the option named."""
     spec = dict(row="ours_lora_offload", seq=64, preset="tiny", layers=2, dtype="float32", warmup=1, steps=2,
                 smoke=True)
     words, recipe = fdl.cli_args(spec, tmp_path), fdl.cli_args({**spec, "row": "ours_lora"}, tmp_path)
     extra = ["--trainer.strategy.init_args.activation_checkpointing", "full",
-             "--trainer.strategy.init_args.activation_offload", "true", "--model.init_args.loss_chunk_size", "1024"]
+             "--trainer.strategy.init_args.activation_offload", "true", "--model.init_args.loss_chunk_size", "1024",
+             "--trainer.strategy.init_args.replicate_frozen", "false"]
     assert sorted(words) == sorted(recipe + extra)
     from lightning_ffpa.cli import build
     from lightning_ffpa.validation import preflight

@@ -7,6 +7,8 @@ Callback does). Any LightningModule can call it from `configure_model` with `sel
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -103,13 +105,18 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
     return model
 
 
+def dtypes_cast(params: Iterable[nn.Parameter], param_dtype: torch.dtype | None) -> list[torch.dtype]:
+    """The dtypes among `params` that FSDP2 would cast to `param_dtype` (none when it is None)."""
+    return sorted({p.dtype for p in params if param_dtype not in (None, p.dtype)}, key=str)
+
+
 def frozen_params(model: nn.Module, param_dtype: torch.dtype | None, cpu_offload: bool) -> set[nn.Parameter]:
     """The parameters `replicate_frozen` keeps out of FSDP2, checked: no CPU offload, all in `param_dtype`."""
     frozen = {p for p in model.parameters() if not p.requires_grad}
     if frozen and cpu_offload:
         raise ValueError("`replicate_frozen` keeps frozen weights whole on the device, and `cpu_offload=True` "
                          "keeps weights in host memory: use one of them")
-    wrong = sorted({str(p.dtype) for p in frozen if param_dtype is not None and p.dtype != param_dtype})
+    wrong = [str(d) for d in dtypes_cast(frozen, param_dtype)]
     if wrong:
         raise ValueError(f"`replicate_frozen` computes with frozen weights as stored, and some are {wrong} while "
                          f"`param_dtype` is {param_dtype}: build the model in that dtype (`model.dtype`), or leave "

@@ -27,7 +27,7 @@ from lightning_ffpa.checkpoint.sharded import ShardedCheckpointWriter
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.parallel.activation_offload import ActivationOffload
 from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, check_ac_mode, sac_context_fn
-from lightning_ffpa.parallel.fsdp import parallelize
+from lightning_ffpa.parallel.fsdp import dtypes_cast, parallelize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -79,7 +79,7 @@ def plan_replicate_frozen(mode: bool | str, cpu_offload: bool, mesh_size: int, f
         return False, "auto: cpu_offload keeps weights in host memory"
     if mesh_size > 1:
         return False, f"auto: a mesh of {mesh_size} devices, where sharding the base saves memory"
-    wrong = sorted({str(p.dtype).removeprefix("torch.") for p in frozen if param_dtype not in (None, p.dtype)})
+    wrong = [str(d).removeprefix("torch.") for d in dtypes_cast(frozen, param_dtype)]
     if wrong:
         return False, f"auto: the frozen base is {', '.join(wrong)} and param_dtype {str(param_dtype).removeprefix('torch.')}"
     return True, "auto: a mesh of one device"

@@ -179,6 +179,7 @@ def measure_trl(spec: dict[str, Any]) -> dict[str, Any]:
     from peft import LoraConfig
     from transformers import Gemma4ForCausalLM, TrainerCallback
 
+    from benchmarks.rollout_hf import GLOBAL_ACCESS, CBErrors
     from lightning_ffpa.presets import build_text_config
     from lightning_ffpa.rl.rewards import token_range_reward
 
@@ -195,8 +196,6 @@ def measure_trl(spec: dict[str, Any]) -> dict[str, Any]:
         torch.set_default_dtype(saved)
     model.generation_config.eos_token_id = None
     if TRL_GENERATION[spec["name"]].get("use_transformers_continuous_batching"):
-        from benchmarks.rollout_hf import GLOBAL_ACCESS
-
         # as in rollout.py's HF continuous-batching row: past HF's guard on Gemma4's per-layer head counts
         if getattr(model.config, GLOBAL_ACCESS, None) is not None:
             setattr(model.config, GLOBAL_ACCESS, True)
@@ -238,7 +237,14 @@ def measure_trl(spec: dict[str, Any]) -> dict[str, Any]:
             clock.end(made[-1] if made else 0)
 
     trainer.add_callback(Steps())
-    trainer.train()
+    with CBErrors() as cb_errors:  # HF continuous batching logs its failures and returns fewer outputs
+        try:
+            trainer.train()
+        except Exception as err:
+            if cb_errors.first is None:
+                raise
+            raise RuntimeError(f"{type(err).__name__}: {err}, after HF continuous batching logged "
+                               f"{cb_errors.first}") from err
     return {"per_step": clock.steps, "trl_version": trl.__version__, "transformers_version": transformers.__version__,
             "generation_backend": "transformers.generate (use_vllm=False)",
             "generation_options": TRL_GENERATION[spec["name"]] or "TRL's defaults (dynamic cache)",

@@ -374,7 +374,8 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
                 table([{"key": k, "value": v} for k, v in rec["summary"].items()]), ""]
         if name in plotted and not curated(rec):  # curated files show their plot beside their table
             out += [f"![{name}](img/{name}.png)", ""]
-        if kinds := report_tables.kernel_time(rec, rel(path, docs)):
+        link_rel = rel(path, docs)
+        if kinds := report_tables.kernel_time(rec, link_rel) or report_tables.decode_kernel_time(rec, link_rel):
             out += [f"### {name}: kernel time by kind ({link})", "", *kinds]
         out += [f"### {name}: rows ({link})", "", table(rec["rows"]), ""]
     out += [

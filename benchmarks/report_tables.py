@@ -214,6 +214,35 @@ def kernel_time(rec: dict[str, Any], link: str) -> list[str]:
             "time):", "", *t.render(), ""]
 
 
+def decode_kernel_time(rec: dict[str, Any], link: str) -> list[str]:
+    """Per rollout row profiled with `--profile`, its decode step's kernel time by kind (ms per step). Sums of
+    recorded fields (`rollout_profile.decode_kernel_kinds`), so they go in a file's own section."""
+    from benchmarks.rollout_profile import decode_kernel_kinds
+
+    rows = [r for r in rec["rows"] if not failed(r) and {"top_kernels", "gpu_busy_ms_per_step", "steps"}
+            <= set(r.get("profile") or {})]
+    if not rows:
+        return []
+    kinds = [decode_kernel_kinds(r["profile"]) for r in rows]
+    t = Table(link)
+    for title, field in (("row", "name"), ("batch", "batch"), ("layers", "layers"),
+                         ("profiled steps", "profile.steps"), ("wall ms per step", "profile.wall_ms_per_step"),
+                         ("GPU busy ms per step", "profile.gpu_busy_ms_per_step")):
+        t.col(title, field)
+    for kind in kinds[0]:
+        t.col(f"{kind}, ms per step", "profile.top_kernels[].total_ms")
+    for row, by_kind in zip(rows, kinds):
+        p = row["profile"]
+        t.add([row["name"], str(row["batch"]), str(row.get("layers")), str(p["steps"]),
+               fmt("op_ms", p["wall_ms_per_step"]), fmt("op_ms", p["gpu_busy_ms_per_step"]),
+               *(fmt("op_ms", v) for v in by_kind.values())])
+    return [f"Where a profiled decode step's time goes: the {len(rows[0]['profile']['top_kernels'])} longest "
+            "kernels of a few graphed decode steps right after prefill (`profile.top_kernels`, contexts just past "
+            "the prompt), summed by kind by `benchmarks/rollout_profile.py`'s `decode_kernel_kinds` and divided by "
+            "the steps; wall time above GPU-busy time is the GPU idle between kernels and steps:", "",
+            *t.render(), ""]
+
+
 def full_depth_lora(rec: dict[str, Any], link: str) -> list[str]:
     detail = [TRAIN_DETAIL[0], *TRAIN_DETAIL[2:4], ("MFU of the datasheet bf16 peak, LoRA FLOPs", "mfu_spec", "pct")]
     baselines = {k: v for k, v in rec["summary"].items() if k.startswith("full_depth_lora_unsloth_baseline") and v}

@@ -154,7 +154,7 @@ def run_hf_cb(model, prompts: list[list[int]], new: int, mode: str, device: str)
         model.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(max_new_tokens=4, **kw))
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        with _CBErrors() as cb_errors:
+        with CBErrors() as cb_errors:
             out, t = timed(lambda: model.generate_batch(
                 inputs=prompts, generation_config=GenerationConfig(max_new_tokens=new, **kw)), device)
         made = _count_cb_tokens(out)
@@ -169,7 +169,7 @@ def run_hf_cb(model, prompts: list[list[int]], new: int, mode: str, device: str)
             setattr(model.config, GLOBAL_ACCESS, old_flag)
 
 
-class _CBErrors(logging.Handler):
+class CBErrors(logging.Handler):
     """Collects the first exception transformers' continuous batching logs (it does not raise)."""
 
     def __init__(self) -> None:
@@ -181,7 +181,7 @@ class _CBErrors(logging.Handler):
             err = record.exc_info[1]
             self.first = f"{type(err).__name__}: {str(err)[:300]}"
 
-    def __enter__(self) -> _CBErrors:
+    def __enter__(self) -> CBErrors:
         logging.getLogger("ContinuousBatchingLogger").addHandler(self)
         return self
 

@@ -1,6 +1,7 @@
 """torch.profiler view of the rollout engine's decode steps: top CUDA kernels and GPU-busy vs wall time per step.
 
-Owns profiling a few whole decode steps of one rollout (the engine's `_decode` is wrapped for that rollout only).
+Owns profiling a few whole decode steps of one rollout (the engine's `_decode` is wrapped for that rollout only)
+and summing their kernels by kind for the report.
 Does not own timing rows or the roofline (`rollout_rows.py`).
 """
 
@@ -62,3 +63,22 @@ def profile_decode(eng, prompts: list[list[int]], device: str, steps: int = 6, s
     return {"steps": steps, "wall_ms_per_step": wall_ms / steps, "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
             "num_device_events": len(spans),
             "top_kernels": [{"name": n, "calls": c, "total_ms": round(t, 4)} for n, (c, t) in rows]}
+
+
+# What a decode kernel does, from its name (first match wins): the flex template is a Triton kernel too.
+DECODE_KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention: Flex", ("flex_attention",)),
+    ("matmul", ("nvjet", "gemm", "sm90_xmma", "splitkreduce")),
+    ("K/V write (index_copy)", ("index_copy",)),
+    ("fused norms, RoPE, activations, sampler (Triton)", ("triton_",)),
+)
+
+
+def decode_kernel_kinds(profile: dict) -> dict[str, float]:
+    """`profile_decode`'s top kernels summed by `DECODE_KERNEL_KINDS`, in ms per decode step (one stream, so
+    GPU-busy time is all kernel time)."""
+    from benchmarks.step_probe import kernel_kinds
+
+    steps = profile["steps"]
+    total = kernel_kinds(profile, DECODE_KERNEL_KINDS, profile["gpu_busy_ms_per_step"] * steps)
+    return {kind: ms / steps for kind, ms in total.items()}

@@ -133,16 +133,18 @@ KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def kernel_kinds(profile: dict) -> dict[str, float]:
-    """A profiled step's top kernels summed by `KERNEL_KINDS` (ms); "other" is the rest of the top list and
-    "outside the top list" what the list leaves out of all kernel time (kernels on other streams overlap, so
-    the sum can exceed the step's wall time)."""
-    out = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+def kernel_kinds(profile: dict, kinds: tuple[tuple[str, tuple[str, ...]], ...] = KERNEL_KINDS,
+                 total_ms: float | None = None) -> dict[str, float]:
+    """A profiled step's top kernels summed by `kinds` (ms); "other" is the rest of the top list and
+    "outside the top list" what the list leaves out of all kernel time, `total_ms` (default: the profile's
+    `cuda_kernel_total_ms`; kernels on other streams overlap, so the sum can exceed the step's wall time)."""
+    out = dict.fromkeys([kind for kind, _ in kinds] + ["other"], 0.0)
     for k in profile["top_kernels"]:
         name = k["name"].lower()
         if "#" in name or name.startswith(("fsdp::", "profilerstep")):
             continue
-        kind = next((kind for kind, keys in KERNEL_KINDS if any(key in name for key in keys)), "other")
+        kind = next((kind for kind, keys in kinds if any(key in name for key in keys)), "other")
         out[kind] += k["total_ms"]
-    out["outside the top list"] = profile["cuda_kernel_total_ms"] - sum(k["total_ms"] for k in profile["top_kernels"])
+    total = profile["cuda_kernel_total_ms"] if total_ms is None else total_ms
+    out["outside the top list"] = total - sum(k["total_ms"] for k in profile["top_kernels"])
     return out

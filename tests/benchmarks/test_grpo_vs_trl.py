@@ -63,3 +63,18 @@ def test_ratio_divides_by_the_fastest_trl_row():
 def test_unknown_row_is_refused_naming_the_option():
     with pytest.raises(SystemExit):
         grpo_vs_trl.parse_args(["--rows", "ours_grpo,trl_vllm"])
+
+
+def test_a_continuous_batching_failure_names_what_hf_logged():
+    import logging
+
+    from benchmarks.rollout_hf import CBErrors
+
+    with CBErrors() as errors:
+        try:
+            raise RuntimeError("index_copy_(): Source/destination tensor must have same slice shapes")
+        except RuntimeError:
+            logging.getLogger("ContinuousBatchingLogger").exception("Error in generation loop")
+        logging.getLogger("ContinuousBatchingLogger").error("a later failure without an exception")
+    assert errors.first == "RuntimeError: index_copy_(): Source/destination tensor must have same slice shapes"
+    assert errors not in logging.getLogger("ContinuousBatchingLogger").handlers

@@ -382,3 +382,28 @@ def test_a_flaw_fixed_since_marks_only_its_commits_file():
     assert report.harness_flaw("fsdp_mesh_of_one", {"commit": "4335b7cf1179a4d264f9cae853d804a7f2348e8a"}) is None
     assert report.harness_flaw("train_throughput_dp2", {"commit": "abc1234"}) == report.HARNESS_FLAWS[
         "train_throughput_dp2"]  # an earlier harness: every file of that name
+
+
+def test_decode_kernel_time_is_per_step_by_kind_in_the_files_own_section(tmp_path):
+    from benchmarks.rollout_profile import decode_kernel_kinds
+
+    profile = dict(steps=2, wall_ms_per_step=30.0, gpu_busy_ms_per_step=25.0, top_kernels=[
+        dict(name="nvjet_sm90_tst_168x64_64x7_2x1_v_bz_TNN", calls=4, total_ms=20.0),
+        dict(name="void cublasLt::splitKreduce_kernel<32, 16, int, float>", calls=4, total_ms=2.0),
+        dict(name="triton_tem_fused__to_copy_cos_flex_attention_gather", calls=2, total_ms=12.0),
+        dict(name="triton_per_fused__to_copy_cos_kv_write_mean_mul", calls=2, total_ms=6.0),
+        dict(name="void at::native::index_elementwise_kernel<128, 4, at::native::index_copy_kernel_impl", calls=4,
+             total_ms=4.0),
+        dict(name="Memcpy DtoD (Device -> Device)", calls=2, total_ms=1.0)])
+    assert decode_kernel_kinds(profile) == {
+        "attention: Flex": 6.0, "matmul": 11.0, "K/V write (index_copy)": 2.0,
+        "fused norms, RoPE, activations, sampler (Triton)": 3.0, "other": 0.5, "outside the top list": 2.5}
+    rec = _rollout_record()
+    assert report_tables.decode_kernel_time(rec, "r.json") == []  # no profiled row, no section
+    rec["rows"][0]["profile"] = profile
+    lines = report_tables.decode_kernel_time(rec, "r.json")
+    row = next(ln for ln in lines if ln.startswith(f"| {rec['rows'][0]['name']} |"))
+    assert "| 30.000 | 25.000 | 6.000 | 11.000 | 2.000 | 3.000 | 0.500 | 2.500 |" in row
+    page = report.render_benchmarks_md([(tmp_path / "rollout_profile.json", rec)], set())
+    assert "### rollout_profile: kernel time by kind" in page
+

@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
-from benchmarks.row_process import row_main, run_rows  # noqa: E402
+from benchmarks.row_process import row_at, row_main, run_rows  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 ROWS = {"fsdp2": "fully_shard per decoder layer and at the root over a 1x1 mesh (FSDP2Strategy on one GPU)",
@@ -108,9 +108,14 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize(rows: list[dict]) -> tuple[dict, dict]:
-    by = {r["row"]: r for r in rows if "error" not in r}
-    if not all("peak_allocated_gib" in by.get(k, {}) for k in ROWS):
-        return dict(fsdp2_extra_peak_gib=None), dict(fsdp2_extra_peak_gib="a row failed or ran without a GPU")
+    seq = next((r.get("seq") for r in rows), None)
+    found = {name: row_at(rows, name, seq) for name in ROWS}
+    why = [w for _, w in found.values() if w]
+    why += [f"row {name} recorded no GPU peak (it ran without a GPU)" for name, (r, _) in found.items()
+            if r and "peak_allocated_gib" not in r]
+    if why:
+        return dict(fsdp2_extra_peak_gib=None), dict(fsdp2_extra_peak_gib="; ".join(why))
+    by = {name: r for name, (r, _) in found.items()}
     fsdp2 = by["fsdp2"]
     return dict(fsdp2_extra_peak_gib=fsdp2["peak_allocated_gib"] - by["no_fsdp"]["peak_allocated_gib"],
                 fsdp2_extra_static_gib=fsdp2["static_allocated_gib"] - by["no_fsdp"]["static_allocated_gib"],

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -27,3 +29,21 @@ def test_bad_layers_is_one_line_naming_the_option(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/fsdp_mesh_of_one.py", "--layers", "1", "--out",
                            str(tmp_path / "f.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--layers" in proc.stderr and not (tmp_path / "f.json").exists()
+
+
+def test_summary_keeps_a_row_killed_after_it_was_written_and_names_a_failed_one():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.fsdp_mesh_of_one import summarize
+
+    def row(name, peak, **extra):
+        return dict(row=name, seq=4096, peak_allocated_gib=peak, static_allocated_gib=8.0, root_unit_gib=2.6,
+                    one_layer_gib=1.0, process={"pid": 7}, **extra)
+
+    killed = "timeout: the row's process was killed after 600 s"
+    rows = [row("fsdp2", 21.0, error=killed), row("no_fsdp", 17.5), row("fsdp2_replicate_frozen", 17.4)]
+    summary, missing = summarize(rows)
+    assert missing == {} and summary["fsdp2_extra_peak_gib"] == 3.5 and summary["replicate_frozen_saves_gib"] == pytest.approx(3.6)
+    rows[1] = dict(row="no_fsdp", seq=4096, error="RuntimeError: CUDA out of memory", traceback_tail="...")
+    summary, missing = summarize(rows)
+    assert summary == {"fsdp2_extra_peak_gib": None} and "no_fsdp" in missing["fsdp2_extra_peak_gib"]
+    assert "CUDA out of memory" in missing["fsdp2_extra_peak_gib"]

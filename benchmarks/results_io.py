@@ -77,12 +77,30 @@ def provenance(by: str) -> dict[str, str]:
     return {"by": by, "commit": _commit(), "date": _dt.date.today().isoformat()}
 
 
+def read_result(path: str | Path, option: str) -> dict[str, Any]:
+    """A result file named by `option`; ConfigError naming the option (one line, before any work) unless it is
+    a readable result record."""
+    from lightning_ffpa.errors import ConfigError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(option, str(path), "no such file")
+    try:
+        record = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(option, str(path), f"not JSON ({err})") from None
+    missing = [k for k in ("benchmark", "rows", "summary") if not isinstance(record, dict) or k not in record]
+    if missing:
+        raise ConfigError(option, str(path), f"not a result file: it lacks {missing}")
+    return record
+
+
 def resummarize(path: str | Path, summarize: Any, by: str) -> dict[str, Any]:
     """Recompute a result file's summary in place from its rows (untouched), recording that it was recomputed,
     by which command and commit, and the summary the run itself wrote. `summarize` returns the summary, or
     the summary and the reasons of its null keys (`summary_missing`)."""
     path = Path(path)
-    record = json.loads(path.read_text())
+    record = read_result(path, "--summarize")
     before = record["summary"]
     summary = summarize(record["rows"])
     if isinstance(summary, tuple):
@@ -127,9 +145,7 @@ def load_resume(path: str | None, shape: dict[str, Any]) -> tuple[list[dict[str,
 
     if not path:
         return [], []
-    if not Path(path).exists():
-        raise ConfigError("--resume", path, "no such file")
-    old = json.loads(Path(path).read_text())
+    old = read_result(path, "--resume")
     mine = dict(commit=_commit(), **shape)
     diff = {k: (old.get(k), v) for k, v in mine.items() if old.get(k) != v}
     if diff:

@@ -177,7 +177,7 @@ def summarize(rows: list[dict]) -> dict:
     return summary
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", choices=("full", "lora"), default="full")
     p.add_argument("--steps", type=int, default=7)
@@ -195,7 +195,7 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny preset, fp32")
     p.add_argument("--out", default=None)
     p.add_argument("--summarize", default=None, metavar="PATH", help="only recompute the summary of a result file")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.summarize:
         resummarize(args.summarize, summarize, by="resume.py --summarize")
         return
@@ -214,4 +214,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lightning_ffpa.errors import console_entry
+
+    sys.exit(console_entry(main, hold=False))  # a bad option: exit 2 with one line, before any row runs

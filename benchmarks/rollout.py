@@ -183,7 +183,7 @@ def merge(paths: list[str], out: str) -> None:
 
     The runs must share commit, device and versions (those are the merged file's); who merged is recorded apart.
     """
-    records = [json.loads(Path(p).read_text()) for p in paths]
+    records = [results_io.read_result(p, "--merge") for p in paths]
     shared = {}
     for key in ("commit", "device", "versions"):
         seen = {json.dumps(r.get(key), sort_keys=True) for r in records}
@@ -261,4 +261,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    from lightning_ffpa.errors import console_entry
+
+    sys.exit(console_entry(main, hold=False))  # a bad option: exit 2 with one line, before any row runs

@@ -3,12 +3,14 @@ checked against HF, an HF row, the summary keys, a merge, and a row killed by it
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is a folder of scripts
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of scripts
 from benchmarks import rollout  # noqa: E402
 
 TINY = ["--preset", "tiny", "--device", "cpu", "--layers", "2", "--batches", "2", "--prompt-len", "8",
@@ -111,3 +113,20 @@ def test_reference_check_finds_a_divergence():
     assert res["token_match_rate"] < 1 and res["divergence_logit_gap"][1] > 0  # HF preferred its own token
     assert res["logprob_max_abs_diff"] > 1e-3  # the changed token's logprob is not the one recorded
     assert res["logprob_vs_generate_max_abs_diff"] > 1e-3  # nor generate's, at the divergence itself
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--summarize", "{tmp}/missing.json"], "`--summarize='{tmp}/missing.json'`: no such file"),
+    (["--summarize", "{tmp}/text.json"], "`--summarize='{tmp}/text.json'`: not JSON"),
+    (["--merge", "{tmp}/other.json", "--out", "{tmp}/m.json"], "`--merge='{tmp}/other.json'`: not a result file"),
+])
+def test_a_bad_result_path_is_one_line_naming_the_option(tmp_path, args, says):
+    (tmp_path / "text.json").write_text("not json")
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    before = sorted(p.name for p in tmp_path.iterdir())
+    proc = subprocess.run([sys.executable, "benchmarks/rollout.py", *(a.format(tmp=tmp_path) for a in args)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    assert says.format(tmp=tmp_path) in lines[0] and proc.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written

@@ -148,8 +148,9 @@ def test_summary_ratios_and_reasons():
 
 def test_resume_refuses_another_shape(tmp_path):
     old = tmp_path / "old.json"
-    old.write_text(json.dumps(dict(rows=[], commit="x", preset="tiny", layers=2, warmup=1, steps=1, dp=1)))
-    with pytest.raises(ConfigError, match="--resume"):
+    old.write_text(json.dumps(dict(benchmark="train_throughput", rows=[], summary={}, commit="x", preset="tiny",
+                                   layers=2, warmup=1, steps=1, dp=1)))
+    with pytest.raises(ConfigError, match="--resume.*other settings"):
         tt.load_resume(_args("--resume", str(old)))
 
 
@@ -164,7 +165,8 @@ def test_resume_keeps_rows_killed_only_after_writing_themselves(tmp_path):
             dict(row="sdpa_recipe", seq=64, error="RuntimeError: CUDA out of memory"),
             dict(row="sdpa_defaults", seq=64, skipped="budget")]
     old = tmp_path / "old.json"
-    old.write_text(json.dumps(dict(rows=rows, commit=results_io._commit(), **shape)))
+    old.write_text(json.dumps(dict(benchmark="train_throughput", rows=rows, summary={}, commit=results_io._commit(),
+                                   **shape)))
     kept, _ = results_io.load_resume(str(old), shape)
     assert [r["row"] for r in kept] == ["ours", "flex_recipe"]
 

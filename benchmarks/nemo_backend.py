@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import nemo_wheel  # noqa: E402
 from benchmarks.nemo_step import STEP_ROWS, step_child, step_rows  # noqa: E402
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.results_io import read_result, write_result  # noqa: E402
 from lightning_ffpa.attention import backend, kernels  # noqa: E402
 from lightning_ffpa.attention.reference import _ref_bwd_math, _ref_fwd_math  # noqa: E402
 
@@ -270,7 +270,7 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     return summary, notes
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nemo-wheel", type=Path, default=nemo_wheel.DEFAULT_WHEEL, help="nemo_automodel wheel to read")
     p.add_argument("--out", default=None, help="result JSON (rewritten after every row)")
@@ -295,7 +295,7 @@ def main() -> None:
     p.add_argument("--child-row", help=argparse.SUPPRESS)
     p.add_argument("--child-seq", type=int, help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     for key, value in (SMOKE_DEFAULTS.items() if args.smoke else ()):
         if getattr(args, key) == p.get_default(key):  # an option given on the command line wins
             setattr(args, key, value)
@@ -308,7 +308,7 @@ def main() -> None:
     rows: list[dict] = []
     extra = {"op_shape": {k: str(v) for k, v in shape.items()}, "scale": SCALE, "smoke": args.smoke}
     if args.append and args.out and Path(args.out).is_file():
-        earlier = json.loads(Path(args.out).read_text())
+        earlier = read_result(args.out, "--out")  # one line naming the option if it is no result file
         if earlier.get("benchmark") != "nemo_backend" or earlier.get("smoke") != args.smoke:
             p.error(f"`--append --out {args.out}`: not a nemo_backend result of the same mode (smoke={args.smoke})")
         now = set().union(*({"op": {"op", "numerics"}, "step": {"step"}}[part] for part in args.parts))
@@ -353,4 +353,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lightning_ffpa.errors import console_entry
+
+    sys.exit(console_entry(main, hold=False))  # a bad option: exit 2 with one line, before any row runs

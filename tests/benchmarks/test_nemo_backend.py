@@ -137,3 +137,13 @@ def test_both_backends_run_ffpa_on_cuda():
         assert row["ours_path"]["kernels"]["cutedsl"] == 1, row
         for pair, diffs in row["max_abs_diff"].items():
             assert diffs["out"] < 0.02 and diffs["dq"] < 0.05 * row["ref_max_abs"]["dq"], (pair, diffs)
+
+
+def test_append_to_a_file_that_is_no_result_is_one_line_naming_out(tmp_path):
+    out = tmp_path / "nb.json"
+    out.write_text("not json")
+    proc = subprocess.run([sys.executable, "benchmarks/nemo_backend.py", "--smoke", "--append", "--out", str(out)],
+                          cwd=_ROOT, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(f"error: `--out='{out}'`: not JSON") and out.read_text() == "not json"

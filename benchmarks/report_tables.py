@@ -237,10 +237,10 @@ def decode_kernel_time(rec: dict[str, Any], link: str) -> list[str]:
                fmt("op_ms", p["wall_ms_per_step"]), fmt("op_ms", p["gpu_busy_ms_per_step"]),
                *(fmt("op_ms", v) for v in by_kind.values())])
     return [f"Where a profiled decode step's time goes: the {len(rows[0]['profile']['top_kernels'])} longest "
-            "kernels of a few graphed decode steps right after prefill (`profile.top_kernels`, contexts just past "
-            "the prompt), summed by kind by `benchmarks/rollout_profile.py`'s `decode_kernel_kinds` and divided by "
-            "the steps; wall time above GPU-busy time is the GPU idle between kernels and steps:", "",
-            *t.render(), ""]
+            "kernels of a few graphed decode steps (`profile.top_kernels`; the context they start at is "
+            "`profile.context_at_first_step`, or just past the prompt where a file does not record it), summed by "
+            "kind by `benchmarks/rollout_profile.py`'s `decode_kernel_kinds` and divided by the steps; wall time "
+            "above GPU-busy time is the GPU idle between kernels and steps:", "", *t.render(), ""]
 
 
 def full_depth_lora(rec: dict[str, Any], link: str) -> list[str]:

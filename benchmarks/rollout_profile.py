@@ -13,7 +13,8 @@ import torch
 
 
 def profile_decode(eng, prompts: list[list[int]], device: str, steps: int = 6, skip: int = 4, top: int = 20) -> dict:
-    """Profile decode steps skip+1..skip+steps of one rollout with the engine's current sampling settings."""
+    """Profile decode steps skip+1..skip+steps of one rollout with the engine's current sampling settings (a
+    `skip` of half the timed run's new tokens puts them at its mean context, the one its roofline bytes assume)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -60,7 +61,8 @@ def profile_decode(eng, prompts: list[list[int]], device: str, steps: int = 6, s
             last = end
     wall_ms = (marks["t1"] - marks["t0"]) * 1e3 if "t1" in marks else float("nan")
     rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"steps": steps, "wall_ms_per_step": wall_ms / steps, "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
+    return {"steps": steps, "first_step": skip + 1, "context_at_first_step": len(prompts[0]) + skip,
+            "wall_ms_per_step": wall_ms / steps, "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
             "num_device_events": len(spans),
             "top_kernels": [{"name": n, "calls": c, "total_ms": round(t, 4)} for n, (c, t) in rows]}
 

@@ -178,7 +178,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             from benchmarks.rollout_profile import profile_decode
 
             try:  # a profiler failure never loses the timed row
-                row["profile"] = profile_decode(eng, prompts, device)
+                # mid-run, as far as the engine's max_seq_len (prompt + new) leaves room for 6 steps + 2
+                row["profile"] = profile_decode(eng, prompts, device, skip=max(0, min(new // 2, new - 8)))
             except Exception as err:  # noqa: BLE001
                 row["profile"] = {"error": f"{type(err).__name__}: {err}"}
                 traceback.print_exc()

@@ -21,7 +21,7 @@ TINY = ["--preset", "tiny", "--device", "cpu", "--layers", "2", "--batches", "2"
 @pytest.mark.timeout(120)
 def test_rows_run_in_own_processes_with_hf_check(tmp_path, monkeypatch):
     out = tmp_path / "rollout.json"
-    rows = rollout.main([*TINY, "--rows", "ours_paged_flex,hf_generate_static",
+    rows = rollout.main([*TINY, "--rows", "ours_paged_flex,hf_generate_static", "--profile",
                          "--only", "ours_paged_flex,ours_paged_flex_sampled,hf_generate_static", "--out", str(out)])
     record = json.loads(out.read_text())
     assert [r["name"] for r in record["rows"]] == ["ours_paged_flex", "ours_paged_flex_sampled", "hf_generate_static"]
@@ -42,6 +42,9 @@ def test_rows_run_in_own_processes_with_hf_check(tmp_path, monkeypatch):
     assert check["hf_generate_vs_forward_logprob_max_abs_diff"] < 1e-3  # HF's two paths agree in fp32
     assert "token_match_rate" not in sampled["hf_check"] and sampled["hf_check"]["logprob_max_abs_diff"] < 1e-3
     assert 0 < greedy["roofline_fraction"] and greedy["roofline_fraction_datasheet"] is None  # no CPU datasheet
+    prof = greedy["profile"]  # mid-run: 6 steps + 2 must fit the 12 new tokens, so it skips 4 (512 new: 256)
+    assert "error" not in prof and prof["steps"] == 6 and prof["first_step"] == 5 and prof["context_at_first_step"] == 12
+    assert prof["wall_ms_per_step"] > 0 and "profile" not in sampled
     s = record["summary"]
     assert s["greedy_token_match_rate_bs2"] == 1.0 and s["rows_in_own_process"] and "partial" not in s
     assert s["vs_hf_generate_bs2"] == pytest.approx(greedy["tokens_per_s"] / record["rows"][2]["tokens_per_s"])

@@ -183,11 +183,10 @@ def cli_args(spec: dict[str, Any], root: Path) -> list[str]:
     if spec["layers"] is not None:
         args += ["--model.init_args.config_overrides", json.dumps(config_overrides(spec))]
     if spec["row"] in ("ours_lora_offload", "ours_lora_offload_replicated"):
-        args += ["--trainer.strategy.init_args.activation_checkpointing", "full",
-                 "--trainer.strategy.init_args.activation_offload", "true", "--model.init_args.loss_chunk_size", "1024"]
-    if spec["row"] in ("ours_lora_offload", "ours_lora_offload_replicated"):
         replicate = "auto" if spec["row"] == "ours_lora_offload_replicated" else "false"
-        args += ["--trainer.strategy.init_args.replicate_frozen", replicate]
+        args += ["--trainer.strategy.init_args.activation_checkpointing", "full",
+                 "--trainer.strategy.init_args.activation_offload", "true", "--model.init_args.loss_chunk_size", "1024",
+                 "--trainer.strategy.init_args.replicate_frozen", replicate]
     if smoke:
         args += ["--trainer.accelerator", "cpu", "--trainer.strategy.init_args.compile", "false",
                  "--trainer.strategy.init_args.param_dtype", "fp32", "--data.init_args.vocab_size", "512"]

@@ -110,12 +110,16 @@ def dtypes_cast(params: Iterable[nn.Parameter], param_dtype: torch.dtype | None)
     return sorted({p.dtype for p in params if param_dtype not in (None, p.dtype)}, key=str)
 
 
+# One rule at two stages: the strategy's constructor (before any model is built) and `frozen_params` (parallelize).
+REPLICATE_WITH_OFFLOAD = ("`replicate_frozen=True` keeps frozen weights whole on the device, and `cpu_offload=True` "
+                          "keeps weights in host memory: use one of them")
+
+
 def frozen_params(model: nn.Module, param_dtype: torch.dtype | None, cpu_offload: bool) -> set[nn.Parameter]:
     """The parameters `replicate_frozen` keeps out of FSDP2, checked: no CPU offload, all in `param_dtype`."""
     frozen = {p for p in model.parameters() if not p.requires_grad}
     if frozen and cpu_offload:
-        raise ValueError("`replicate_frozen` keeps frozen weights whole on the device, and `cpu_offload=True` "
-                         "keeps weights in host memory: use one of them")
+        raise ValueError(REPLICATE_WITH_OFFLOAD)
     wrong = [str(d) for d in dtypes_cast(frozen, param_dtype)]
     if wrong:
         raise ValueError(f"`replicate_frozen` computes with frozen weights as stored, and some are {wrong} while "

@@ -27,7 +27,7 @@ from lightning_ffpa.checkpoint.sharded import ShardedCheckpointWriter
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.parallel.activation_offload import ActivationOffload
 from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, check_ac_mode, sac_context_fn
-from lightning_ffpa.parallel.fsdp import dtypes_cast, parallelize
+from lightning_ffpa.parallel.fsdp import REPLICATE_WITH_OFFLOAD, dtypes_cast, parallelize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -181,8 +181,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if replicate_frozen not in (True, False, "auto"):
             raise ValueError(f"`replicate_frozen={replicate_frozen!r}` must be true, false or 'auto'")
         if replicate_frozen is True and cpu_offload:
-            raise ValueError("`replicate_frozen=True` keeps frozen weights whole on the device, and "
-                             "`cpu_offload=True` keeps weights in host memory: use one of them")
+            raise ValueError(REPLICATE_WITH_OFFLOAD)
         self.replicate_frozen = replicate_frozen
         self.frozen_placement: dict[str, Any] | None = None  # what `replicate_frozen` did, once parallelized
         self.activation_offload = activation_offload

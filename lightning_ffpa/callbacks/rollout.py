@@ -140,7 +140,7 @@ class RolloutCallback(L.Callback):
         if eos is None:
             e = getattr(base.config, "eos_token_id", None)
             eos = [] if e is None else ([e] if isinstance(e, int) else list(e))
-        self.engine = RolloutEngine(inference, self.engine_config, set(eos))
+        self.engine = RolloutEngine(inference, self.engine_config, set(eos), option=f"{OPTION}.engine")
         e = self.engine
         rank_zero_info(f"RolloutCallback: {dtype} inference copy; attention {e.attention_path}, decode step "
                        f"{e.decode_path}, CUDA graphs {'on' if e.on_cuda and e.config.cuda_graphs else 'off'}")

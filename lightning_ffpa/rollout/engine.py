@@ -54,7 +54,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.rollout.attention import StepContext, dense_reference, kernel_options
-from lightning_ffpa.rollout.kv_cache import PagedKVCache
+from lightning_ffpa.rollout.kv_cache import PagedKVCache, pool_bytes
 from lightning_ffpa.rollout.masks import (
     PREFILL_BLOCK,
     decode_block_mask,
@@ -67,6 +67,7 @@ from lightning_ffpa.rollout.scheduler import Scheduler, Sequence
 from lightning_ffpa.rollout.walker import DecoderWalker
 
 log = logging.getLogger(__name__)
+GIB = 1 << 30
 
 
 @dataclass
@@ -77,7 +78,8 @@ class EngineConfig:
     page_size: int = 128
     """Tokens per KV page (= the KV block of every mask)."""
     num_pages: int = 1024
-    """Physical pages per layer, page 0 reserved."""
+    """Physical pages per layer, page 0 reserved. The pools must fit the device's free memory when the engine is
+    built (else one ConfigError naming this option, with how many pages would fit)."""
     max_batch_size: int = 64
     """Most sequences decoded together (slot 0 is extra, reserved)."""
     max_seq_len: int = 2048
@@ -125,6 +127,26 @@ class EngineConfig:
                               f"plus the reserved page 0{where}")
 
 
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes the allocator can still get on `device` (None off CUDA, where nothing is checked)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def check_pool_fits(need: int, num_pages: int, free: int | None, device: torch.device, option: str) -> None:
+    """Raise ConfigError naming `<option>.num_pages` when the KV pools alone exceed the free device memory:
+    one clear error before anything is allocated, in place of an out-of-memory error halfway through."""
+    if free is None or need <= free:
+        return
+    fit = int(num_pages * free / need)
+    raise ConfigError(f"{option}.num_pages", num_pages,
+                      f"the KV pools need {need / GIB:.1f} GiB and {free / GIB:.1f} GiB is free on {device}; "
+                      f"at most {fit} pages fit (fewer, to leave room for activations): lower it, "
+                      "`max_batch_size` or `max_seq_len`")
+
+
 def _buckets(max_batch: int) -> list[int]:
     out, b = [], 1
     while b < max_batch:
@@ -137,19 +159,22 @@ class RolloutEngine:
     """Generates completions for token prompts with an HF causal LM it treats as read-only."""
 
     def __init__(self, model: nn.Module, config: EngineConfig | None = None,
-                 eos_token_ids: set[int] | None = None) -> None:
+                 eos_token_ids: set[int] | None = None, option: str = "engine") -> None:
+        """`option` is how errors name the config (the Callback passes `RolloutCallback.engine`)."""
         self.model = model.eval()
         self.config = cfg = config or EngineConfig()
-        cfg.check()
+        cfg.check(option)
         self.walker = DecoderWalker(model)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.on_cuda = self.device.type == "cuda"
         if self.on_cuda and cfg.page_size % 16:
-            raise ConfigError("engine.page_size", cfg.page_size, "must be a multiple of 16 on CUDA (flex decode tiles)")
+            raise ConfigError(f"{option}.page_size", cfg.page_size, "must be a multiple of 16 on CUDA (flex decode tiles)")
         self.eos_token_ids = set(eos_token_ids or ())
         self.page_table = PageTable(cfg.num_pages, cfg.page_size, cfg.max_batch_size + 1,
                                     cfg.max_seq_len // cfg.page_size, self.device)
+        check_pool_fits(pool_bytes(self.walker.specs, cfg.num_pages, cfg.page_size, self.dtype), cfg.num_pages,
+                        free_device_bytes(self.device), self.device, option)
         self.cache = PagedKVCache(self.walker.specs, cfg.num_pages, cfg.page_size, self.dtype, self.device)
         self.logical = {w: logical_block_mask(cfg.max_seq_len, cfg.page_size, w, self.device)
                         for w in self.walker.windows}
@@ -160,7 +185,7 @@ class RolloutEngine:
             torch_compat.raise_recompile_limit()
             self.flex, self.attention_path = torch.compile(flex_attention, dynamic=False), "flex_compiled"
         if cfg.compile_decode and not self.on_cuda:
-            raise ConfigError("engine.compile_decode", True, "needs CUDA (the CPU path runs eagerly)")
+            raise ConfigError(f"{option}.compile_decode", True, "needs CUDA (the CPU path runs eagerly)")
         for head_dim in {spec.head_dim for spec in self.walker.specs}:  # a bad override fails here, before compile
             kernel_options(head_dim, True, self.dtype, page_size=cfg.page_size)
         self._step, self.decode_path = self._decode_step, "eager"

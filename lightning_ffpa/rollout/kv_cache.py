@@ -48,6 +48,12 @@ class LayerSpec:
     shared: bool = False
 
 
+def pool_bytes(specs: list[LayerSpec], num_pages: int, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes the K and V pools of every non-shared layer take (what `PagedKVCache` allocates)."""
+    per_token = sum(2 * s.num_kv_heads * s.head_dim for s in specs if not s.shared)
+    return per_token * num_pages * page_size * torch.empty((), dtype=dtype).element_size()
+
+
 class PagedKVCache:
     """KV pools for every non-shared layer, written through `update(k, v, layer_idx)`."""
 

@@ -132,3 +132,34 @@ def test_yaml_sections_reach_the_typed_configs(tmp_path):
     while cause is not None and not isinstance(cause, ConfigError):
         cause = cause.__cause__ or cause.__context__
     assert cause is not None and cause.option == "RolloutCallback.sampling.max_new_tokens"
+
+
+def test_kv_pool_larger_than_free_memory_is_one_error_naming_num_pages(monkeypatch):
+    """A pool that cannot fit fails before it is allocated (it was a CUDA OOM inside the cache), naming the option
+    as the user spelled it; the device's free memory is faked so the real engine path runs on CPU."""
+    import torch
+    import transformers
+
+    from lightning_ffpa.presets import build_text_config
+    from lightning_ffpa.rollout import engine as engine_mod
+    from lightning_ffpa.rollout.kv_cache import pool_bytes
+
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(build_text_config("tiny"))
+    ok = engine_mod.RolloutEngine(model, EngineConfig(**SMALL))
+    allocated = sum(t.numel() * t.element_size() for pools in (ok.cache.k, ok.cache.v) for t in pools.values())
+    need = pool_bytes(ok.walker.specs, SMALL["num_pages"], SMALL["page_size"], ok.dtype)
+    assert need == allocated
+    monkeypatch.setattr(engine_mod, "free_device_bytes", lambda device: need // 2)
+    with pytest.raises(ConfigError, match=r"^`engine.num_pages=16`: the KV pools need .* at most 8 pages fit"):
+        engine_mod.RolloutEngine(model, EngineConfig(**SMALL))
+    monkeypatch.setattr(engine_mod, "free_device_bytes", lambda device: need)
+    engine_mod.RolloutEngine(model, EngineConfig(**SMALL))  # exactly enough is allowed
+
+
+def test_callback_names_its_own_num_pages_when_the_pool_cannot_fit(monkeypatch):
+    from lightning_ffpa.rollout import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "free_device_bytes", lambda device: 1)
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.engine.num_pages=16`: the KV pools need"):
+        _fit(_callback(num_generations=2))

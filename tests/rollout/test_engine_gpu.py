@@ -116,3 +116,16 @@ def test_graphs_stay_valid_across_lora_refresh():
     fresh = RolloutEngine(copy.deepcopy(inference), _cfg(cuda_graphs=False))
     assert after == [s.output for s in fresh.generate(prompts, 24)]
     assert after != before
+
+
+def test_kv_pool_beyond_device_memory_is_a_config_error_before_allocation():
+    """The real free-memory query: a pool larger than the GPU is refused with the option named, nothing allocated."""
+    from lightning_ffpa.errors import ConfigError
+
+    model = _model(torch.bfloat16)
+    before = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(0).total_memory
+    pages = int(total // (16 * 1024)) + 2  # the tiny model's pools take well over 1 KiB per token
+    with pytest.raises(ConfigError, match=r"^`engine.num_pages=\d+`: the KV pools need .* GiB is free on cuda"):
+        RolloutEngine(model, _cfg(num_pages=pages))
+    assert torch.cuda.memory_allocated() == before

@@ -40,9 +40,13 @@ HEADLINES: dict[str, tuple[str, str]] = {
     "ours_vs_liger_tps_8k": ("training step, 8k tokens: ours vs HF + liger-kernel's Gemma4 patches, same recipe "
                              "(the faster of with and without per-layer compile where both ran: `liger_baseline`)",
                              "{:.2f}x tokens/s"),
-    "full_depth_lora_ours_vs_sdpa_recipe_tps_8k": ("Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: "
-                                                   "ours (as `lightning-ffpa fit` builds it) vs HF + PEFT with SDPA "
-                                                   "and the same recipe", "{:.2f}x tokens/s"),
+    **{f"full_depth_lora_ours_vs_sdpa_recipe_tps_{k}": (f"Gemma4-31B, all 60 layers, LoRA r=16, one H200, {k} "
+                                                        "tokens: ours (as `lightning-ffpa fit` builds it) vs HF + "
+                                                        "PEFT with SDPA and the same recipe", "{:.2f}x tokens/s")
+       for k in ("8k", "16k")},
+    **{f"full_depth_lora_peak_mem_gb_{who}_16k": (f"Gemma4-31B, all 60 layers, LoRA r=16, one H200, 16k tokens: "
+                                                  f"peak allocated memory of {what}", "{:.1f} GiB")
+       for who, what in (("ours", "ours"), ("sdpa_recipe", "HF + PEFT with SDPA and the same recipe"))},
     **{f"full_depth_lora_peak_mem_gb_{who}_8k": (f"Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: peak "
                                                  f"allocated memory of {what}", "{:.1f} GiB")
        for who, what in (("ours", "ours"), ("sdpa_recipe", "HF + PEFT with SDPA and the same recipe"),
@@ -104,6 +108,8 @@ HEADLINES: dict[str, tuple[str, str]] = {
     "roofline_fraction_bs64": ("GRPO rollouts, batch 64, greedy: decode throughput as a fraction of the HBM "
                                "roofline (denominator: the copy bandwidth measured on the same GPU)", "{:.1%}"),
     "roofline_fraction_datasheet_bs64": ("the same, of the datasheet HBM bandwidth", "{:.1%}"),
+    "roofline_fraction_bs16": ("GRPO rollouts, batch 16, greedy: decode throughput as a fraction of the HBM "
+                               "roofline (denominator: the copy bandwidth measured on the same GPU)", "{:.1%}"),
     "roofline_fraction_sampled_bs64": ("GRPO rollouts, batch 64, sampled (temperature 1.0, top-p 1.0): the same "
                                        "fraction, of the measured copy bandwidth", "{:.1%}"),
     "greedy_token_match_rate_bs64": ("GRPO rollouts, batch 64, greedy: the engine's tokens equal to HF's for the "

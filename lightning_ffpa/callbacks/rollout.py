@@ -24,9 +24,11 @@ from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.lora import unwrap_peft
 from lightning_ffpa.rl.batch import build_grpo_batch, repeat_groups
 from lightning_ffpa.rl.rewards import check_reward_funcs, total_reward
-from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
+from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine, free_device_bytes
+from lightning_ffpa.rollout.kv_cache import pool_bytes
 from lightning_ffpa.rollout.lora_sync import LoraSync
 from lightning_ffpa.rollout.sampler import SamplingParams
+from lightning_ffpa.rollout.walker import DecoderWalker
 
 OPTION = "RolloutCallback"  # how errors spell this Callback's options: `RolloutCallback.sampling.top_p`
 
@@ -118,12 +120,38 @@ class RolloutCallback(L.Callback):
                               "tokens at the rollout temperature)")
 
     # ---- build ------------------------------------------------------------------------------------
+    def _check_room(self, base: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        """Raise one ConfigError, before the inference copy is built, when it and the KV pool cannot both fit
+        the memory the policy left free (a full-depth 31B on one GPU: the copy alone is another 57 GiB)."""
+        free = free_device_bytes(device)
+        if free is None:
+            return
+        with torch.device("meta"):  # exact shapes, no storage: the copy `_build` makes next
+            meta = type(base)(base.config)
+        copy = sum(p.numel() for p in meta.parameters()) * dtype.itemsize
+        cfg = self.engine_config
+        pool = pool_bytes(DecoderWalker(meta).specs, cfg.num_pages, cfg.page_size, dtype)
+        if copy + pool <= free:
+            return
+        gib = 1 << 30
+        sizes = (f"the inference copy ({copy / gib:.1f} GiB in {dtype}) and the KV pool ({pool / gib:.1f} GiB) "
+                 f"need {(copy + pool) / gib:.1f} GiB and {free / gib:.1f} GiB is free on {device} after the policy")
+        if copy < free:
+            raise ConfigError(f"{OPTION}.engine.num_pages", cfg.num_pages,
+                              f"{sizes}; at most {int(cfg.num_pages * (free - copy) / pool)} pages fit (fewer, to "
+                              "leave room for the training step)")
+        raise ConfigError(f"{OPTION}.inference_dtype", self.inference_dtype,
+                          f"{sizes}: the engine keeps its own full copy of the model (the LoRA refresh writes "
+                          "W0 + s*B@A into it), so this model needs more memory per GPU (a smaller model, or "
+                          "fewer layers)")
+
     def _build(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         train = getattr(pl_module, self.model_attr)
         base = unwrap_peft(train)
         compute = getattr(trainer.strategy, "param_dtype", None)
         dtype = self.inference_dtype or compute or next(base.parameters()).dtype
         device = pl_module.device
+        self._check_room(base, dtype, device)
         saved_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # build in the final dtype: no fp32 staging copy of a 31B model
         try:

@@ -157,9 +157,41 @@ def test_kv_pool_larger_than_free_memory_is_one_error_naming_num_pages(monkeypat
     engine_mod.RolloutEngine(model, EngineConfig(**SMALL))  # exactly enough is allowed
 
 
-def test_callback_names_its_own_num_pages_when_the_pool_cannot_fit(monkeypatch):
-    from lightning_ffpa.rollout import engine as engine_mod
+def _room(monkeypatch, free_of):
+    """Fake the device's free memory as `free_of(copy, pool)` (bytes), seen by the Callback and the engine."""
+    import torch
+    import transformers
 
-    monkeypatch.setattr(engine_mod, "free_device_bytes", lambda device: 1)
-    with pytest.raises(ConfigError, match=r"^`RolloutCallback.engine.num_pages=16`: the KV pools need"):
+    from lightning_ffpa.callbacks import rollout as callback_mod
+    from lightning_ffpa.presets import build_text_config
+    from lightning_ffpa.rollout import engine as engine_mod
+    from lightning_ffpa.rollout.kv_cache import pool_bytes
+    from lightning_ffpa.rollout.walker import DecoderWalker
+
+    with torch.device("meta"):
+        meta = transformers.Gemma4ForCausalLM(build_text_config("tiny"))
+    copy = sum(p.numel() for p in meta.parameters()) * 4  # the tiny CPU fit runs fp32
+    pool = pool_bytes(DecoderWalker(meta).specs, SMALL["num_pages"], SMALL["page_size"], torch.float32)
+    free = free_of(copy, pool)
+    for mod in (callback_mod, engine_mod):
+        monkeypatch.setattr(mod, "free_device_bytes", lambda device: free)
+
+
+def test_callback_names_num_pages_when_only_the_pool_cannot_fit(monkeypatch):
+    _room(monkeypatch, lambda copy, pool: copy + pool // 2)
+    rollout = _callback(num_generations=2)
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.engine.num_pages=16`: the inference copy .* at most 8 "
+                                          r"pages fit"):
+        _fit(rollout)
+    assert rollout.engine is None and rollout.sync is None  # refused before the copy was built
+
+
+def test_callback_names_the_inference_copy_when_the_model_itself_cannot_fit_twice(monkeypatch):
+    _room(monkeypatch, lambda copy, pool: copy // 2)
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.inference_dtype=None`: .* keeps its own full copy"):
         _fit(_callback(num_generations=2))
+
+
+def test_callback_fits_when_copy_and_pool_fit_exactly(monkeypatch):
+    _room(monkeypatch, lambda copy, pool: copy + pool)
+    assert _fit(_callback(num_generations=2)).global_step == 1

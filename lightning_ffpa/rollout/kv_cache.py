@@ -48,10 +48,14 @@ class LayerSpec:
     shared: bool = False
 
 
+def token_bytes(specs: list[LayerSpec], element_size: int) -> int:
+    """K+V bytes one cached token costs over every non-shared layer."""
+    return sum(2 * s.num_kv_heads * s.head_dim * element_size for s in specs if not s.shared)
+
+
 def pool_bytes(specs: list[LayerSpec], num_pages: int, page_size: int, dtype: torch.dtype) -> int:
     """Bytes the K and V pools of every non-shared layer take (what `PagedKVCache` allocates)."""
-    per_token = sum(2 * s.num_kv_heads * s.head_dim for s in specs if not s.shared)
-    return per_token * num_pages * page_size * torch.empty((), dtype=dtype).element_size()
+    return token_bytes(specs, dtype.itemsize) * num_pages * page_size
 
 
 class PagedKVCache:

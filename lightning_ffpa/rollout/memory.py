@@ -72,9 +72,10 @@ def lora_params(model: nn.Module, r: int, targets: tuple[str, ...] = LORA_TARGET
 
 def kv_bytes_per_token(model: nn.Module, dtype_bytes: int) -> int:
     """K+V bytes one cached token costs over every caching layer (what `PagedKVCache` allocates per slot)."""
+    from lightning_ffpa.rollout.kv_cache import token_bytes
     from lightning_ffpa.rollout.walker import DecoderWalker
 
-    return sum(2 * s.num_kv_heads * s.head_dim * dtype_bytes for s in DecoderWalker(model).specs if not s.shared)
+    return token_bytes(DecoderWalker(model).specs, dtype_bytes)
 
 
 def estimate(preset: str = "gemma4-31b", num_hidden_layers: int | None = None, lora_r: int = 16,

@@ -21,6 +21,7 @@ from torchmetrics import MeanMetric
 
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.hf_module import HFModule, resolve_dtype
 from lightning_ffpa.lora import unwrap_peft
 from lightning_ffpa.rl.batch import build_grpo_batch, repeat_groups
 from lightning_ffpa.rl.rewards import check_reward_funcs, total_reward
@@ -118,32 +119,43 @@ class RolloutCallback(L.Callback):
             raise ConfigError(f"{OPTION}.sampling.temperature", self.sampling.temperature,
                               f"must equal the module's `temperature={temperature}` (the policy scores "
                               "tokens at the rollout temperature)")
+        self._check_room_before_fit(trainer, pl_module)  # last: it builds the model on meta
 
     # ---- build ------------------------------------------------------------------------------------
-    def _check_room(self, base: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-        """Raise one ConfigError, before the inference copy is built, when it and the KV pool cannot both fit
-        the memory the policy left free (a full-depth 31B on one GPU: the copy alone is another 57 GiB)."""
-        free = free_device_bytes(device)
-        if free is None:
-            return
-        with torch.device("meta"):  # exact shapes, no storage: the copy `_build` makes next
-            meta = type(base)(base.config)
+    def _check_room(self, meta: torch.nn.Module, dtype: torch.dtype, device: torch.device, free: int,
+                    policy: int = 0) -> None:
+        """Raise one ConfigError when the inference copy of `meta` (a meta-device model: exact shapes, no storage)
+        in `dtype` and the KV pool, beside `policy` bytes not yet allocated, exceed `free` bytes on `device`."""
         copy = sum(p.numel() for p in meta.parameters()) * dtype.itemsize
         cfg = self.engine_config
         pool = pool_bytes(DecoderWalker(meta).specs, cfg.num_pages, cfg.page_size, dtype)
-        if copy + pool <= free:
+        if policy + copy + pool <= free:
             return
         gib = 1 << 30
-        sizes = (f"the inference copy ({copy / gib:.1f} GiB in {dtype}) and the KV pool ({pool / gib:.1f} GiB) "
-                 f"need {(copy + pool) / gib:.1f} GiB and {free / gib:.1f} GiB is free on {device} after the policy")
-        if copy < free:
+        beside = f" beside the policy (at least {policy / gib:.1f} GiB per device)" if policy else ""
+        after = "" if policy else " after the policy"
+        sizes = (f"the inference copy ({copy / gib:.1f} GiB in {dtype}) and the KV pool ({pool / gib:.1f} GiB){beside} "
+                 f"need {(policy + copy + pool) / gib:.1f} GiB and {free / gib:.1f} GiB is free on {device}{after}")
+        if policy + copy < free:
             raise ConfigError(f"{OPTION}.engine.num_pages", cfg.num_pages,
-                              f"{sizes}; at most {int(cfg.num_pages * (free - copy) / pool)} pages fit (fewer, to "
-                              "leave room for the training step)")
+                              f"{sizes}; at most {int(cfg.num_pages * (free - policy - copy) / pool)} pages fit "
+                              "(fewer, to leave room for the training step)")
         raise ConfigError(f"{OPTION}.inference_dtype", self.inference_dtype,
                           f"{sizes}: the engine keeps its own full copy of the model (the LoRA refresh writes "
                           "W0 + s*B@A into it), so this model needs more memory per GPU (a smaller model, or "
                           "fewer layers)")
+
+    def _check_room_before_fit(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The room check before any model exists, for modules that can build theirs on meta (`HFModule`): the
+        policy counts at its `model.dtype` split over every rank, a lower bound, so a refusal here is certain."""
+        free = free_device_bytes(trainer.strategy.root_device)
+        if free is None or not isinstance(pl_module, HFModule):
+            return
+        meta = pl_module.build_model("meta")
+        policy_dtype = resolve_dtype(pl_module.hparams.get("dtype", "auto"))
+        dtype = self.inference_dtype or getattr(trainer.strategy, "param_dtype", None) or policy_dtype
+        policy = sum(p.numel() for p in meta.parameters()) * policy_dtype.itemsize // max(trainer.world_size, 1)
+        self._check_room(unwrap_peft(meta), dtype, trainer.strategy.root_device, free, policy)
 
     def _build(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         train = getattr(pl_module, self.model_attr)
@@ -151,7 +163,10 @@ class RolloutCallback(L.Callback):
         compute = getattr(trainer.strategy, "param_dtype", None)
         dtype = self.inference_dtype or compute or next(base.parameters()).dtype
         device = pl_module.device
-        self._check_room(base, dtype, device)
+        free = free_device_bytes(device)
+        if free is not None:  # the policy is resident now: what is free is what the copy and the pool get
+            with torch.device("meta"):
+                self._check_room(type(base)(base.config), dtype, device, free)
         saved_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # build in the final dtype: no fp32 staging copy of a 31B model
         try:

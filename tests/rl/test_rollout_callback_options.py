@@ -157,41 +157,65 @@ def test_kv_pool_larger_than_free_memory_is_one_error_naming_num_pages(monkeypat
     engine_mod.RolloutEngine(model, EngineConfig(**SMALL))  # exactly enough is allowed
 
 
-def _room(monkeypatch, free_of):
-    """Fake the device's free memory as `free_of(copy, pool)` (bytes), seen by the Callback and the engine."""
+def _room(monkeypatch, free_of, before_fit=True):
+    """Fake the device's free memory as `free_of(policy, copy, pool)` bytes for the Callback and the engine, where
+    `policy` is the pre-flight's lower bound for the tiny GRPO policy; without `before_fit` only the build-time
+    check runs (the policy then is resident, so `free` means what is left beside it)."""
     import torch
-    import transformers
 
     from lightning_ffpa.callbacks import rollout as callback_mod
-    from lightning_ffpa.presets import build_text_config
+    from lightning_ffpa.hf_module import resolve_dtype
+    from lightning_ffpa.lora import unwrap_peft
     from lightning_ffpa.rollout import engine as engine_mod
     from lightning_ffpa.rollout.kv_cache import pool_bytes
     from lightning_ffpa.rollout.walker import DecoderWalker
 
-    with torch.device("meta"):
-        meta = transformers.Gemma4ForCausalLM(build_text_config("tiny"))
-    copy = sum(p.numel() for p in meta.parameters()) * 4  # the tiny CPU fit runs fp32
-    pool = pool_bytes(DecoderWalker(meta).specs, SMALL["num_pages"], SMALL["page_size"], torch.float32)
-    free = free_of(copy, pool)
+    module = GRPOModule(preset="tiny")
+    meta = module.build_model("meta")
+    itemsize = resolve_dtype(module.hparams.get("dtype", "auto")).itemsize  # the CPU fit's dtype: the copy's too
+    policy = sum(p.numel() for p in meta.parameters()) * itemsize
+    base = unwrap_peft(meta)
+    copy = sum(p.numel() for p in base.parameters()) * itemsize
+    pool = pool_bytes(DecoderWalker(base).specs, SMALL["num_pages"], SMALL["page_size"], torch.float32)
+    free = free_of(policy, copy, pool)
     for mod in (callback_mod, engine_mod):
         monkeypatch.setattr(mod, "free_device_bytes", lambda device: free)
+    if not before_fit:
+        monkeypatch.setattr(RolloutCallback, "_check_room_before_fit", lambda self, trainer, pl_module: None)
 
 
-def test_callback_names_num_pages_when_only_the_pool_cannot_fit(monkeypatch):
-    _room(monkeypatch, lambda copy, pool: copy + pool // 2)
+def test_preflight_names_the_inference_copy_before_any_model_when_policy_and_copy_cannot_fit(monkeypatch):
+    _room(monkeypatch, lambda policy, copy, pool: policy + copy // 2)
+    module = GRPOModule(preset="tiny")
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.inference_dtype=None`: .* beside the policy \(at least "
+                                          r".* keeps its own full copy"):
+        _fit(_callback(num_generations=2), module)
+    assert module.model is None  # refused before the policy was built
+
+
+def test_preflight_names_num_pages_when_only_the_pool_cannot_fit(monkeypatch):
+    _room(monkeypatch, lambda policy, copy, pool: policy + copy + pool // 2)
+    module = GRPOModule(preset="tiny")
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.engine.num_pages=16`: .* at most 8 pages fit"):
+        _fit(_callback(num_generations=2), module)
+    assert module.model is None
+
+
+def test_build_check_names_num_pages_when_the_pool_cannot_fit_beside_the_resident_policy(monkeypatch):
+    _room(monkeypatch, lambda policy, copy, pool: copy + pool // 2, before_fit=False)
     rollout = _callback(num_generations=2)
-    with pytest.raises(ConfigError, match=r"^`RolloutCallback.engine.num_pages=16`: the inference copy .* at most 8 "
-                                          r"pages fit"):
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.engine.num_pages=16`: the inference copy .* after the "
+                                          r"policy; at most 8 pages fit"):
         _fit(rollout)
     assert rollout.engine is None and rollout.sync is None  # refused before the copy was built
 
 
-def test_callback_names_the_inference_copy_when_the_model_itself_cannot_fit_twice(monkeypatch):
-    _room(monkeypatch, lambda copy, pool: copy // 2)
+def test_build_check_names_the_inference_copy_when_it_cannot_fit(monkeypatch):
+    _room(monkeypatch, lambda policy, copy, pool: copy // 2, before_fit=False)
     with pytest.raises(ConfigError, match=r"^`RolloutCallback.inference_dtype=None`: .* keeps its own full copy"):
         _fit(_callback(num_generations=2))
 
 
-def test_callback_fits_when_copy_and_pool_fit_exactly(monkeypatch):
-    _room(monkeypatch, lambda copy, pool: copy + pool)
+def test_callback_fits_when_policy_copy_and_pool_fit_exactly(monkeypatch):
+    _room(monkeypatch, lambda policy, copy, pool: policy + copy + pool)
     assert _fit(_callback(num_generations=2)).global_step == 1

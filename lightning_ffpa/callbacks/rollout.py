@@ -34,6 +34,13 @@ from lightning_ffpa.rollout.walker import DecoderWalker
 OPTION = "RolloutCallback"  # how errors spell this Callback's options: `RolloutCallback.sampling.top_p`
 
 
+def _meta_copy(base: torch.nn.Module) -> torch.nn.Module:
+    """The inference copy `_build` makes of `base` (a fresh model of its class and config: no LoRA layers), on
+    the meta device: exact shapes, no storage."""
+    with torch.device("meta"):
+        return type(base)(base.config)
+
+
 class RolloutCallback(L.Callback):
     """Generates GRPO groups between optimizer steps and feeds them to the batch."""
 
@@ -124,8 +131,8 @@ class RolloutCallback(L.Callback):
     # ---- build ------------------------------------------------------------------------------------
     def _check_room(self, meta: torch.nn.Module, dtype: torch.dtype, device: torch.device, free: int,
                     policy: int = 0) -> None:
-        """Raise one ConfigError when the inference copy of `meta` (a meta-device model: exact shapes, no storage)
-        in `dtype` and the KV pool, beside `policy` bytes not yet allocated, exceed `free` bytes on `device`."""
+        """Raise one ConfigError when the inference copy (`meta`, from `_meta_copy`) in `dtype` and the KV pool,
+        beside `policy` bytes not yet allocated, exceed `free` bytes on `device`."""
         copy = sum(p.numel() for p in meta.parameters()) * dtype.itemsize
         cfg = self.engine_config
         pool = pool_bytes(DecoderWalker(meta).specs, cfg.num_pages, cfg.page_size, dtype)
@@ -155,7 +162,7 @@ class RolloutCallback(L.Callback):
         policy_dtype = resolve_dtype(pl_module.hparams.get("dtype", "auto"))
         dtype = self.inference_dtype or getattr(trainer.strategy, "param_dtype", None) or policy_dtype
         policy = sum(p.numel() for p in meta.parameters()) * policy_dtype.itemsize // max(trainer.world_size, 1)
-        self._check_room(unwrap_peft(meta), dtype, trainer.strategy.root_device, free, policy)
+        self._check_room(_meta_copy(unwrap_peft(meta)), dtype, trainer.strategy.root_device, free, policy)
 
     def _build(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         train = getattr(pl_module, self.model_attr)
@@ -165,8 +172,7 @@ class RolloutCallback(L.Callback):
         device = pl_module.device
         free = free_device_bytes(device)
         if free is not None:  # the policy is resident now: what is free is what the copy and the pool get
-            with torch.device("meta"):
-                self._check_room(type(base)(base.config), dtype, device, free)
+            self._check_room(_meta_copy(base), dtype, device, free)
         saved_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # build in the final dtype: no fp32 staging copy of a 31B model
         try:

@@ -175,6 +175,8 @@ def _room(monkeypatch, free_of, before_fit=True):
     itemsize = resolve_dtype(module.hparams.get("dtype", "auto")).itemsize  # the CPU fit's dtype: the copy's too
     policy = sum(p.numel() for p in meta.parameters()) * itemsize
     base = unwrap_peft(meta)
+    with torch.device("meta"):  # the copy the Callback builds: the base's class and config, no LoRA layers
+        base = type(base)(base.config)
     copy = sum(p.numel() for p in base.parameters()) * itemsize
     pool = pool_bytes(DecoderWalker(base).specs, SMALL["num_pages"], SMALL["page_size"], torch.float32)
     free = free_of(policy, copy, pool)
@@ -219,3 +221,27 @@ def test_build_check_names_the_inference_copy_when_it_cannot_fit(monkeypatch):
 def test_callback_fits_when_policy_copy_and_pool_fit_exactly(monkeypatch):
     _room(monkeypatch, lambda policy, copy, pool: policy + copy + pool)
     assert _fit(_callback(num_generations=2)).global_step == 1
+
+
+def test_preflight_sizes_a_lora_policy_copy_without_its_adapters(monkeypatch):
+    """A LoRA policy: the copy the check sizes is the plain base (what `_build` makes), so the pool's page count is
+    the same as without LoRA, and the refusal still comes before any model is built."""
+    from lightning_ffpa.callbacks import rollout as callback_mod
+
+    seen = []
+    real = callback_mod.RolloutCallback._check_room
+
+    def spy(self, meta, dtype, device, free, policy=0):
+        seen.append((sum(p.numel() for p in meta.parameters()), policy))
+        return real(self, meta, dtype, device, free, policy)
+
+    monkeypatch.setattr(callback_mod.RolloutCallback, "_check_room", spy)
+    _room(monkeypatch, lambda policy, copy, pool: policy + copy // 2)
+    lora = GRPOModule(preset="tiny", lora={"r": 2, "target_modules": ["q_proj", "o_proj"]})
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.inference_dtype=None`"):
+        _fit(_callback(num_generations=2), lora)
+    assert lora.model is None
+    plain = GRPOModule(preset="tiny").build_model("meta")
+    (copy_params, policy), = seen
+    assert copy_params == sum(p.numel() for p in plain.parameters())  # adapters are not in the copy
+    assert policy > copy_params * 4  # ... but they are in the policy (fp32 on the CPU fit)

@@ -25,7 +25,7 @@ from lightning_ffpa.hf_module import HFModule, resolve_dtype
 from lightning_ffpa.lora import unwrap_peft
 from lightning_ffpa.rl.batch import build_grpo_batch, repeat_groups
 from lightning_ffpa.rl.rewards import check_reward_funcs, total_reward
-from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine, free_device_bytes
+from lightning_ffpa.rollout.engine import GIB, EngineConfig, RolloutEngine, free_device_bytes
 from lightning_ffpa.rollout.kv_cache import pool_bytes
 from lightning_ffpa.rollout.lora_sync import LoraSync
 from lightning_ffpa.rollout.sampler import SamplingParams
@@ -138,11 +138,10 @@ class RolloutCallback(L.Callback):
         pool = pool_bytes(DecoderWalker(meta).specs, cfg.num_pages, cfg.page_size, dtype)
         if policy + copy + pool <= free:
             return
-        gib = 1 << 30
-        beside = f" beside the policy (at least {policy / gib:.1f} GiB per device)" if policy else ""
+        beside = f" beside the policy (at least {policy / GIB:.1f} GiB per device)" if policy else ""
         after = "" if policy else " after the policy"
-        sizes = (f"the inference copy ({copy / gib:.1f} GiB in {dtype}) and the KV pool ({pool / gib:.1f} GiB){beside} "
-                 f"need {(policy + copy + pool) / gib:.1f} GiB and {free / gib:.1f} GiB is free on {device}{after}")
+        sizes = (f"the inference copy ({copy / GIB:.1f} GiB in {dtype}) and the KV pool ({pool / GIB:.1f} GiB){beside} "
+                 f"need {(policy + copy + pool) / GIB:.1f} GiB and {free / GIB:.1f} GiB is free on {device}{after}")
         if policy + copy < free:
             raise ConfigError(f"{OPTION}.engine.num_pages", cfg.num_pages,
                               f"{sizes}; at most {int(cfg.num_pages * (free - policy - copy) / pool)} pages fit "

@@ -19,9 +19,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from lightning_ffpa.rollout.engine import EngineConfig
+from lightning_ffpa.rollout.engine import GIB, EngineConfig
 
-GIB = 1 << 30
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ACTIVATION_BYTES_PER_HIDDEN = 110
 """Bytes autograd saves per token, per decoder layer, per hidden unit for an HF eager Gemma4 layer in bf16

@@ -253,15 +253,18 @@ def qualifier(key: str, record: dict[str, Any]) -> str:
 
 def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) -> list[str]:
     """Per result file, the file whose headline comes first in HEADLINES first: a line naming the run, then one
-    bullet per known summary key or row value."""
-    lines = []
+    bullet per known summary key or row value; a key that an earlier file of the same benchmark and notes
+    showed is left out."""
+    lines, shown = [], set()
     for path, record in sorted(results, key=lambda pr: _priority(pr[1])):  # stable: file names break ties
         link = f"[`{path.name}`]({rel(path, link_from)})"
         notes = "".join(f"; {record['summary'][k]}" for k in NOTE_KEYS if isinstance(record["summary"].get(k), str))
         bullets = []
         for key, (what, fmt) in HEADLINES.items():
             value = record["summary"].get(key)
-            if is_number(value):
+            # A key already shown for the same benchmark and setting (a side run's copy) is not repeated.
+            if is_number(value) and (seen := (record.get("benchmark"), notes, key)) not in shown:
+                shown.add(seen)
                 what += qualifier(key, record)
                 bullets.append(f"- **{fmt.format(value)}**: {what}. {link} (`summary.{key}`)")
         for bench, match, metric, what, fmt in ROW_HEADLINES:

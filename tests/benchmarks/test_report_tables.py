@@ -265,6 +265,18 @@ def test_readme_headline_leads_with_same_recipe_and_peer_ratios(tmp_path):
     assert "what a default Lightning + HF user gains by switching" in bullets[keys.index("ours_vs_sdpa_defaults_tps_8k")]
 
 
+def test_readme_headline_shows_a_key_once_per_benchmark_and_setting(tmp_path):
+    """A side run of the same benchmark (its own file) adds its own keys, not a second copy of the main file's."""
+    main = _train_record()
+    side = dict(_train_record(), summary={"ours_vs_flex_recipe_tps_16k": 1.5,
+                                          "ours_mfu_spec_16k": main["summary"]["ours_mfu_spec_16k"] - 0.01})
+    results = [(tmp_path / "train_throughput.json", main), (tmp_path / "train_throughput_flex16.json", side)]
+    bullets = [ln for ln in report.render_headline(results).splitlines() if ln.startswith("- **")]
+    mfu = [ln for ln in bullets if "(`summary.ours_mfu_spec_16k`)" in ln]
+    assert len(mfu) == 1 and "train_throughput.json" in mfu[0]
+    assert any("train_throughput_flex16.json" in ln and "ours_vs_flex_recipe_tps_16k" in ln for ln in bullets)
+
+
 def test_committed_result_files_render_without_stray_numbers():
     """The same check over every recorded result file that gets a curated table (what docs/benchmarks.md shows)."""
     checked = 0

@@ -229,11 +229,19 @@ def row_ref(match: dict[str, Any], metric: str) -> str:
     return "rows[" + ", ".join(f"{k}={v}" for k, v in match.items()) + f"].{metric}"
 
 
-def _priority(record: dict[str, Any]) -> int:
-    """Position of the file's first recorded headline key in HEADLINES (same-recipe and peer ratios come first)."""
+def _reduced_depth(record: dict[str, Any]) -> bool:
+    """Whether the file's depth_note says it ran fewer layers than the model has ("12 of 60 layers")."""
+    m = re.match(r"(\d+) of (\d+) layers", str(record["summary"].get("depth_note", "")))
+    return bool(m) and int(m.group(1)) < int(m.group(2))
+
+
+def _priority(record: dict[str, Any]) -> tuple[int, bool]:
+    """Position of the file's first recorded headline key in HEADLINES (same-recipe and peer ratios come first);
+    at the same position a full-depth file comes before a reduced-depth ablation."""
     keys = list(HEADLINES)
-    return min((keys.index(k) for k, v in record["summary"].items() if k in HEADLINES and is_number(v)),
-               default=len(keys))
+    first = min((keys.index(k) for k, v in record["summary"].items() if k in HEADLINES and is_number(v)),
+                default=len(keys))
+    return first, _reduced_depth(record)
 
 
 def qualifier(key: str, record: dict[str, Any]) -> str:

@@ -277,6 +277,14 @@ def test_readme_headline_shows_a_key_once_per_benchmark_and_setting(tmp_path):
     assert any("train_throughput_flex16.json" in ln and "ours_vs_flex_recipe_tps_16k" in ln for ln in bullets)
 
 
+def test_readme_headline_puts_full_depth_before_a_reduced_depth_ablation(tmp_path):
+    full = dict(_rollout_record(), commit="abc1234")
+    ablation = dict(full, summary=dict(full["summary"], depth_note="12 of 60 layers, 256-token prompts"))
+    results = [(tmp_path / "rollout.json", ablation), (tmp_path / "rollout_full_depth.json", full)]
+    runs = [ln for ln in report.render_headline(results).splitlines() if ln.startswith("`")]
+    assert [ln.split("`")[1] for ln in runs] == ["rollout_full_depth", "rollout"]
+
+
 def test_committed_result_files_render_without_stray_numbers():
     """The same check over every recorded result file that gets a curated table (what docs/benchmarks.md shows)."""
     checked = 0

@@ -24,6 +24,8 @@ their gradients and two AdamW moments, 16 bytes each = 1.8 GiB. Frozen weights h
 state (a full fine-tune would need 16 bytes for each of the 30.7e9 params, 457 GiB), so ~59 GiB is static and the
 rest of the 141 GiB holds activations (selective AC) and the bf16 layer FSDP2 gathers at a time.
 
+`--profile ROW ...`: those rows run one extra step after the timed ones under torch's profiler (`profile` of the
+row: top CUDA kernels, GPU busy against wall time; not timed, and not in the dispatch counts).
 One H200, one call per seq (each well under 10 minutes):
   python benchmarks/full_depth_lora.py --rows ours_lora hf_peft_sdpa_recipe --seqs 8192 --out $OUT/full_depth_lora.json
   python benchmarks/full_depth_lora.py --rows ours_lora hf_peft_sdpa_recipe --seqs 16384 --resume FILE --out ...
@@ -86,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_run_options(p, budget_s=540.0, row_timeout_s=330.0)
     p.add_argument("--smoke", action="store_true", help="CPU: tiny preset, 2 layers, fp32, compile off")
     p.add_argument("--summarize", default=None, metavar="PATH", help="only recompute the summary of a result file")
+    p.add_argument("--profile", nargs="+", default=[], choices=[r for r in ROWS if r not in UNSLOTH_ROWS], metavar="ROW",
+                   help="rows that profile one extra step after the timed ones (top CUDA kernels, busy vs wall)")
     args = p.parse_args(argv)
     args.preset, args.layers = ("tiny", 2) if args.smoke else ("gemma4-31b", None)  # None: the preset's 60
     args.seqs = args.seqs or ([64] if args.smoke else [8192, 16384])
@@ -174,7 +178,7 @@ def cli_args(spec: dict[str, Any], root: Path) -> list[str]:
     """`lightning-ffpa fit` words for this row: the shipped recipe plus one-GPU overrides (no `fit`: run=False)."""
     seq, smoke = spec["seq"], spec["smoke"]
     args = ["--config", str(CONFIG), "--trainer.enable_checkpointing", "false",
-            "--trainer.callbacks", json.dumps(recipe_callbacks(spec["steps"])[0]), "--trainer.devices", "1", "--trainer.max_steps", str(spec["warmup"] + spec["steps"]),
+            "--trainer.callbacks", json.dumps(recipe_callbacks(spec["steps"])[0]), "--trainer.devices", "1", "--trainer.max_steps", str(spec["warmup"] + spec["steps"] + bool(spec.get("profile"))),
             "--trainer.default_root_dir", str(root), "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
             "--trainer.logger.save_dir", str(root), "--trainer.log_every_n_steps", "1",
             "--model.init_args.preset", spec["preset"], "--model.init_args.dtype", spec["dtype"],
@@ -200,6 +204,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning.pytorch.callbacks import Callback
 
     from benchmarks.fit_recipes import read_metrics
+    from benchmarks.step_probe import StepProfiler
     from lightning_ffpa import attention
     from lightning_ffpa._compat import torch as torch_compat
     from lightning_ffpa._compat.transformers import find_hf_model
@@ -214,14 +219,26 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
             self.times: list[float] = []
             self.losses: list[float] = []
             self.last: float | None = None
+            self.profiler: StepProfiler | None = None
+            self.profile: dict | None = None
+            self.counts: tuple[dict, dict] = ({}, {})
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            # --profile: one extra step after the timed ones, under the profiler and not timed
+            if spec.get("profile") and trainer.global_step == spec["warmup"] + spec["steps"]:
+                self.profiler = StepProfiler(trainer.strategy.root_device)
+                self.profiler.start()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             device = trainer.strategy.root_device
             _sync(device)
             now = time.perf_counter()
             self.losses.append(float(outputs["loss"]))
-            if trainer.global_step > spec["warmup"]:
+            if self.profiler is not None and self.profiler.active:
+                self.profile = self.profiler.stop()
+            elif trainer.global_step > spec["warmup"]:
                 self.times.append(now - self.last)
+                self.counts = (attention.dispatch_counts(), kernels.kernel_counts())  # of the timed steps
             elif trainer.global_step == spec["warmup"]:  # the last warm-up step: count from here
                 attention.reset_dispatch_counts()
                 self.graphs_after_warmup = torch_compat.dynamo_counters()["stats"]["unique_graphs"]
@@ -245,7 +262,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                strategy=type(cli.trainer.strategy).__qualname__,
                callbacks=[type(c).__qualname__ for c in cli.trainer.callbacks],
                dropped_callbacks=recipe_callbacks(spec["steps"])[1], attn_implementation=hf_compat.config_attn_implementation(model.config),
-               dispatch=attention.dispatch_counts(), kernels=kernels.kernel_counts(),
+               dispatch=clock.counts[0], kernels=clock.counts[1],
                graph_breaks=sum(torch_compat.dynamo_counters()["graph_break"].values()),
                recompiles_timed=torch_compat.dynamo_counters()["stats"]["unique_graphs"] - clock.graphs_after_warmup,
                global_step=cli.trainer.global_step, losses=clock.losses, static_memory=static_memory(cli.model),
@@ -255,6 +272,8 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                                         if "per_sec" in k or "mfu" in k or "peak_memory" in k},
                activation_offload=cli.trainer.strategy.activation_offload_stats)
     row.update(step_stats(clock.times, spec["seq"], lora_train_flops(model, spec["seq"]), device))
+    if spec.get("profile"):
+        row["profile"] = clock.profile
     return row
 
 
@@ -290,6 +309,7 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
     from peft.tuners.lora import LoraLayer
     from torch.distributed.device_mesh import init_device_mesh
 
+    from benchmarks.step_probe import profile_step
     from benchmarks.train_rows import PRODUCT_SAVE_MM, loss_fn
     from lightning_ffpa import attention
     from lightning_ffpa._compat import torch as torch_compat
@@ -316,6 +336,15 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
     ids = torch.randint(0, cfg.vocab_size, (1, spec["seq"]), device=device, generator=torch.Generator(device).manual_seed(0))
     losses, times, dynamo = [], [], torch_compat.dynamo_counters()
     dynamo.clear()
+
+    def step() -> None:
+        loss = loss_fn(dict(loss="chunked"), model, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # syncs
+
     for i in range(spec["warmup"] + spec["steps"]):
         if i == spec["warmup"]:
             graphs_after_warmup = dynamo["stats"]["unique_graphs"]
@@ -324,12 +353,7 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        loss = loss_fn(dict(loss="chunked"), model, ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())  # syncs
+        step()
         _sync(device)
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
@@ -340,6 +364,8 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
                recompiles_timed=dynamo["stats"]["unique_graphs"] - graphs_after_warmup, losses=losses,
                static_memory=static_memory(model))
     row.update(step_stats(times, spec["seq"], lora_train_flops(hf, spec["seq"]), device))
+    if spec.get("profile"):
+        row["profile"] = profile_step(device, step)  # an extra step, after the counts and peaks are read
     torch.distributed.destroy_process_group()
     return row
 
@@ -393,7 +419,8 @@ def drive(args) -> None:
     done = {(r["row"], r["seq"]) for r in kept}
     dtype = "float32" if args.smoke else "bfloat16"
     specs = [dict(row=name, name=f"{name}_{seq}", seq=seq, preset=args.preset, layers=args.layers, dtype=dtype,
-                  warmup=args.warmup, steps=args.steps, smoke=args.smoke, lora=LORA, label=ROWS[name])
+                  warmup=args.warmup, steps=args.steps, smoke=args.smoke, lora=LORA, label=ROWS[name],
+                  profile=name in args.profile)
              for seq in args.seqs for name in args.rows if (name, seq) not in done]
     out = Path(args.out)
     this_call = dict(command=" ".join([Path(sys.executable).name, *sys.argv]),

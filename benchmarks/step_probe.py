@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["KERNEL_KINDS", "kernel_kinds", "phase_memory", "profile_step", "summarize_kernels"]
+__all__ = ["KERNEL_KINDS", "StepProfiler", "kernel_kinds", "phase_memory", "profile_step", "summarize_kernels"]
 
 _GIB = 2**30
 
@@ -76,26 +76,51 @@ def _cpu_tracked(fn: Callable, *args) -> tuple[object, int, int]:
     return result, peak, cur
 
 
+class StepProfiler:
+    """Profile the work between `start()` and `stop()` (one step, where the caller does not own the loop, e.g. a
+    Lightning fit's batch hooks); `stop()` returns what `profile_step` returns."""
+
+    def __init__(self, device: torch.device, top: int = 60, name_chars: int = 90) -> None:
+        self.device, self.top, self.name_chars = device, top, name_chars
+        self._prof = None
+
+    @property
+    def active(self) -> bool:
+        return self._prof is not None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.device.type == "cuda"
+        self._sync()
+        self._prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+        self._prof.__enter__()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> dict:
+        self._sync()
+        wall_ms = (time.perf_counter() - self._t0) * 1e3
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        events = [(ev.name, ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                  if ev.device_type == torch.autograd.DeviceType.CUDA]
+        return dict(wall_ms=wall_ms, **summarize_kernels(events, wall_ms, self.top, self.name_chars))
+
+
 def profile_step(device: torch.device, step: Callable[[], None], top: int = 60, name_chars: int = 90) -> dict:
     """Profile one step: top `top` CUDA kernels by total time, and CUDA busy time against wall time.
 
     `cuda_busy_ms` is the union of kernel intervals (overlapping streams counted once); busy / wall
     below 1 means the GPU waited on the host (launch overhead, syncs, graph breaks).
     """
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        wall_ms = (time.perf_counter() - t0) * 1e3
-    events = [(ev.name, ev.time_range.start, ev.time_range.end) for ev in prof.events()
-              if ev.device_type == torch.autograd.DeviceType.CUDA]
-    return dict(wall_ms=wall_ms, **summarize_kernels(events, wall_ms, top, name_chars))
+    profiler = StepProfiler(device, top, name_chars)
+    profiler.start()
+    step()
+    return profiler.stop()
 
 
 def summarize_kernels(events: list[tuple[str, float, float]], wall_ms: float, top: int = 25,

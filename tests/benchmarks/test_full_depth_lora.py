@@ -28,7 +28,7 @@ def smoke_run(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(_ROOT / "benchmarks" / "full_depth_lora.py"), *_SMOKE,
-           "--rows", "ours_lora", "hf_peft_sdpa_recipe", "--out", str(out)]
+           "--rows", "ours_lora", "hf_peft_sdpa_recipe", "--profile", "ours_lora", "hf_peft_sdpa_recipe", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, json.loads(out.read_text())
@@ -48,7 +48,9 @@ def test_rows_run_in_their_own_processes_and_ours_goes_through_the_cli(smoke_run
         assert r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms_max"]
         assert r["tokens_per_s"] == pytest.approx(64 / r["step_ms_median"] * 1e3)
         assert r["mfu_spec"] is None and r["peak_mem_allocated_gb"] is None  # CPU: no peak, no number
-        assert len(r["losses"]) == 3 and all(0 < v < 20 for v in r["losses"])
+        # warm-up, 2 timed, 1 profiled (CPU: no CUDA kernels, the wall time of the extra step)
+        assert len(r["losses"]) == 4 and all(0 < v < 20 for v in r["losses"])
+        assert r["profile"]["wall_ms"] > 0 and r["profile"]["top_kernels"] == []
     ours, hf = rows["ours_lora"], rows["hf_peft_sdpa_recipe"]
     # ours: the shipped recipe built by the CLI, its checks and callbacks, no checkpoint written
     assert ours["built_by"] == "lightning_ffpa.cli.build" and ours["strategy"] == "FSDP2Strategy"
@@ -56,7 +58,7 @@ def test_rows_run_in_their_own_processes_and_ours_goes_through_the_cli(smoke_run
     assert {"FFPAAttention", "TokenThroughput", "NonFiniteGuard"} <= set(ours["callbacks"])
     assert "ModelCheckpoint" not in ours["callbacks"] and ours["checkpoint_files"] == []
     assert ours["dropped_callbacks"] == ["lightning.pytorch.callbacks.ModelCheckpoint"]
-    assert ours["global_step"] == 3 and ours["attn_implementation"] == "ffpa"
+    assert ours["global_step"] == 4 and ours["attn_implementation"] == "ffpa"
     # timed steps only: 2 steps x 1 full layer through FFPA (the CPU reference kernel), the sliding layer not
     assert ours["dispatch"]["ffpa-dense"] == 2 and ours["kernels"]["reference"] == 2
     assert ours["token_throughput_logged"]["train/device/items_per_sec"] > 0

@@ -73,7 +73,7 @@ def measure(name: str, seq: int, reference: dict | None) -> dict:
     """One candidate at one length: fwd+bwd median ms and its difference from the reference row's results."""
     import triton
 
-    torch._dynamo.reset()  # a fresh compile per row: options are part of the graph
+    torch.compiler.reset()  # a fresh compile per row: options are part of the graph
     gen = torch.Generator("cuda").manual_seed(0)
     q, k, v = (torch.randn(1, h, seq, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
                for h in (HQ, HKV, HKV))

@@ -18,7 +18,7 @@ from typing import Any
 
 from benchmarks import report_tables
 from benchmarks.report_tables import CURATED, is_number
-from benchmarks.report_targets import render_targets
+from benchmarks.report_targets import measured_at, render_targets
 from benchmarks.results_io import load_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,11 +263,12 @@ def qualifier(key: str, record: dict[str, Any]) -> str:
 
 
 def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) -> list[str]:
-    """Per result file, the file whose headline comes first in HEADLINES first: a line naming the run, then one
-    bullet per known summary key or row value; a key that an earlier file of the same benchmark and notes
-    showed is left out."""
+    """Per result file, the file whose headline comes first in HEADLINES first (the newest run first among
+    equals, as the targets table reads them): a line naming the run, then one bullet per known summary key or
+    row value; a key that an earlier file of the same benchmark and notes showed is left out."""
     lines, shown = [], set()
-    for path, record in sorted(results, key=lambda pr: _priority(pr[1])):  # stable: file names break ties
+    newest_first = sorted(results, key=lambda pr: measured_at(pr[1]), reverse=True)
+    for path, record in sorted(newest_first, key=lambda pr: _priority(pr[1])):  # stable
         link = f"[`{path.name}`]({rel(path, link_from)})"
         notes = "".join(f"; {record['summary'][k]}" for k in NOTE_KEYS if isinstance(record["summary"].get(k), str))
         bullets = []

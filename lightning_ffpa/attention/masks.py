@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, and_masks, create_block_mask, create_mask
+from torch.nn.attention.flex_attention import BlockMask, and_masks, create_mask
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -81,12 +81,40 @@ def combine(*mods: MaskMod | None) -> MaskMod:
     return kept[0] if len(kept) == 1 else and_masks(*kept)
 
 
+# Mask elements evaluated at once while building a BlockMask (bools; intermediates stay a small multiple).
+_CHUNK_ELEMENTS = 1 << 26
+
+
 def build_block_mask(mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device | str,
                      block_size: int = 128) -> BlockMask:
-    """A BlockMask over all heads; mask creation is compiled on CUDA and eager (vmap) elsewhere."""
+    """A BlockMask over all heads, from the mod evaluated eagerly in chunks of query rows.
+
+    Not `create_block_mask(_compile=True)`: compiling mask creation took minutes of the first 16k step on a
+    fresh machine (docs/performance.md), while the eager pass is one elementwise sweep of the mask per batch.
+    Chunking keeps memory bounded at long lengths. The result equals `create_block_mask`'s (tested)."""
     device = torch.device(device)
-    return create_block_mask(mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device,
-                             BLOCK_SIZE=block_size, _compile=device.type == "cuda")
+    n_kv = -(-kv_len // block_size)
+    rows = max(1, _CHUNK_ELEMENTS // (batch * n_kv * block_size * block_size)) * block_size
+    partial, full = [], []
+    for start in range(0, q_len, rows):
+        n = min(rows, q_len - start)
+        dense = create_mask(with_offsets(mod, start, 0), batch, 1, n, kv_len, device=device)
+        pad_q, pad_kv = -n % block_size, n_kv * block_size - kv_len
+        dense = torch.nn.functional.pad(dense, (0, pad_kv, 0, pad_q))  # padding is masked out, as torch does
+        blocks = dense.view(batch, 1, -1, block_size, n_kv, block_size).sum((3, 5), dtype=torch.int32)
+        partial.append((blocks > 0) & (blocks < block_size * block_size))
+        full.append(blocks == block_size * block_size)
+    kv_num, kv_idx = _ordered(torch.cat(partial, dim=2))
+    full_num, full_idx = _ordered(torch.cat(full, dim=2))
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=mod,
+                                    seq_lengths=(q_len, kv_len))
+
+
+def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """Per query block: how many KV blocks are set, and their indices first (stable order, as torch lists them)."""
+    blocks = blocks.to(torch.int32)
+    indices = torch.argsort(blocks, dim=-1, descending=True, stable=True)
+    return blocks.sum(-1, dtype=torch.int32), indices.to(torch.int32)
 
 
 def dense_mask(mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device | str) -> Tensor:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_ffpa.attention.flex import kernel_options
+from lightning_ffpa.attention.masks import build_block_mask
 from lightning_ffpa.cp.plan import Block
 
 
@@ -44,11 +45,9 @@ class FlexBlockOps:
         self._masks: dict[int, object] = {}
 
     def _run(self, blk: Block, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-        from torch.nn.attention.flex_attention import create_block_mask
-
         key = id(blk)
         if key not in self._masks or self._masks[key][0] is not blk:
-            bm = create_block_mask(block_mask_mod(blk), q.shape[0], None, q.shape[1], k.shape[1], device=q.device)
+            bm = build_block_mask(block_mask_mod(blk), q.shape[0], q.shape[1], k.shape[1], q.device)
             self._masks = {key: (blk, bm)} if len(self._masks) > 64 else {**self._masks, key: (blk, bm)}
         bm = self._masks[key][1]
         o, lse = self._flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale,

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_ffpa.attention.flex import flex_forward
+from lightning_ffpa.attention.masks import build_block_mask
 from lightning_ffpa.cp.group import RingGroup
 from lightning_ffpa.cp.layout import RingLayout
 
@@ -138,10 +139,8 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, masks: dict[str, Tensor], w
         ki = torch.arange(lk, device=q.device)[None, :]
         bi = torch.arange(b, device=q.device)[:, None, None]
         return _masked_math(q, k, v, mod(bi, None, qi[None], ki[None]), scale)
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    bm = layout.cached(("flex_block_mask", window, k.shape[1], str(q.device)), lambda: create_block_mask(
-        mod, masks["q_doc"].shape[0], None, q.shape[1], k.shape[1], device=q.device))
+    bm = layout.cached(("flex_block_mask", window, k.shape[1], str(q.device)), lambda: build_block_mask(
+        mod, masks["q_doc"].shape[0], q.shape[1], k.shape[1], q.device))
     o = flex_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bm, scale)
     return o.transpose(1, 2)
 

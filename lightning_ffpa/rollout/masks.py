@@ -13,18 +13,17 @@ so sliding layers only list the pages inside their window.
 from __future__ import annotations
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 from lightning_ffpa._compat.torch import block_mask_from_kv_blocks
-from lightning_ffpa.attention.masks import generate_causal
+from lightning_ffpa.attention.masks import build_block_mask, generate_causal
 
 PREFILL_BLOCK = 128  # packed prefill is padded to a multiple of this (flex's default sparse block)
 
 
 def logical_block_mask(max_seq_len: int, page_size: int, window: int | None, device) -> BlockMask:
     """The one logical mask per layer kind that every decode step slices."""
-    return create_block_mask(generate_causal(window=window), B=None, H=None, Q_LEN=max_seq_len, KV_LEN=max_seq_len,
-                             BLOCK_SIZE=page_size, device=device)
+    return build_block_mask(generate_causal(window=window), 1, max_seq_len, max_seq_len, device, block_size=page_size)
 
 
 def generate_paged_decode(owner: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, page_size: int,

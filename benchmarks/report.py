@@ -262,21 +262,28 @@ def qualifier(key: str, record: dict[str, Any]) -> str:
     return "" if compiled else "; this run's HF baseline: eager only (no compiled HF row finished at this batch)"
 
 
+def _notes(record: dict[str, Any]) -> str:
+    return "".join(f"; {record['summary'][k]}" for k in NOTE_KEYS if isinstance(record["summary"].get(k), str))
+
+
 def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) -> list[str]:
-    """Per result file, the file whose headline comes first in HEADLINES first (the newest run first among
-    equals, as the targets table reads them): a line naming the run, then one bullet per known summary key or
-    row value; a key that an earlier file of the same benchmark and notes showed is left out."""
-    lines, shown = [], set()
-    newest_first = sorted(results, key=lambda pr: measured_at(pr[1]), reverse=True)
-    for path, record in sorted(newest_first, key=lambda pr: _priority(pr[1])):  # stable
+    """Per result file, the file whose headline comes first in HEADLINES first: a line naming the run, then one
+    bullet per known summary key or row value. A key held by several files of the same benchmark and notes is
+    shown once, from the newest run (as the targets table reads it)."""
+    lines = []
+    newest: dict[tuple, Path] = {}
+    by_priority = sorted(results, key=lambda pr: _priority(pr[1]))
+    for path, record in sorted(reversed(by_priority), key=lambda pr: measured_at(pr[1])):  # ties: the first file
+        for key, value in record["summary"].items():
+            if key in HEADLINES and is_number(value):
+                newest[(record.get("benchmark"), _notes(record), key)] = path
+    for path, record in by_priority:  # stable: file names break ties
         link = f"[`{path.name}`]({rel(path, link_from)})"
-        notes = "".join(f"; {record['summary'][k]}" for k in NOTE_KEYS if isinstance(record["summary"].get(k), str))
+        notes = _notes(record)
         bullets = []
         for key, (what, fmt) in HEADLINES.items():
             value = record["summary"].get(key)
-            # A key already shown for the same benchmark and setting (a side run's copy) is not repeated.
-            if is_number(value) and (seen := (record.get("benchmark"), notes, key)) not in shown:
-                shown.add(seen)
+            if is_number(value) and newest[(record.get("benchmark"), notes, key)] == path:
                 what += qualifier(key, record)
                 bullets.append(f"- **{fmt.format(value)}**: {what}. {link} (`summary.{key}`)")
         for bench, match, metric, what, fmt in ROW_HEADLINES:

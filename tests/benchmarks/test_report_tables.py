@@ -266,7 +266,8 @@ def test_readme_headline_leads_with_same_recipe_and_peer_ratios(tmp_path):
 
 
 def test_readme_headline_shows_a_key_once_per_benchmark_and_setting(tmp_path):
-    """A side run of the same benchmark (its own file) adds its own keys, not a second copy of the main file's."""
+    """A side run of the same benchmark (its own file) adds its own keys, not a second copy of the main file's;
+    of two runs of one key the newer shows."""
     main = _train_record()
     side = dict(_train_record(), summary={"ours_vs_flex_recipe_tps_16k": 1.5,
                                           "ours_mfu_spec_16k": main["summary"]["ours_mfu_spec_16k"] - 0.01})
@@ -275,6 +276,11 @@ def test_readme_headline_shows_a_key_once_per_benchmark_and_setting(tmp_path):
     mfu = [ln for ln in bullets if "(`summary.ours_mfu_spec_16k`)" in ln]
     assert len(mfu) == 1 and "train_throughput.json" in mfu[0]
     assert any("train_throughput_flex16.json" in ln and "ours_vs_flex_recipe_tps_16k" in ln for ln in bullets)
+    # A newer run of the same key shows instead (the targets table reads the newest too).
+    results[1] = (results[1][0], dict(side, date="2099-01-01 00:00:00"))
+    bullets = [ln for ln in report.render_headline(results).splitlines() if ln.startswith("- **")]
+    mfu = [ln for ln in bullets if "(`summary.ours_mfu_spec_16k`)" in ln]
+    assert len(mfu) == 1 and "train_throughput_flex16.json" in mfu[0]
 
 
 def test_readme_headline_puts_full_depth_before_a_reduced_depth_ablation(tmp_path):

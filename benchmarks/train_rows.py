@@ -22,6 +22,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.step_probe import phase_memory, profile_step
 from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa._compat import transformers as hf_compat
@@ -317,10 +318,12 @@ def measure_row(name: str, seq: int, args, mesh, device, rank: int) -> dict:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            losses.append(_step(spec, model, opt, ids))  # .item() syncs
-            times.append(time.perf_counter() - t0)
+        with ClockSampler(device, interval_s=0.2) as clocks:  # did the GPU slow down in this row?
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                losses.append(_step(spec, model, opt, ids))  # .item() syncs
+                times.append(time.perf_counter() - t0)
+        row["gpu_clocks"] = clocks.summary()
         median = statistics.median(times)
         _progress(f"{name} seq={seq}: {args.steps} timed steps, median {median * 1e3:.1f} ms")
         flops = train_flops_per_batch(model, 1, seq)

@@ -44,6 +44,7 @@ def test_rows_run_in_their_own_processes_and_resume_keeps_them(tmp_path):
         assert 0 < r["lm_head_flops_share"] < 1 and 0 < r["last_loss"] < 20
         assert r["mfu_spec"] is None and r["mfu_measured_peak"] is None  # no peak on CPU: no number
         assert {"peak_mem_allocated_gb", "peak_mem_reserved_gb", "memory_phases", "label", "wall_s"} <= set(r)
+        assert r["gpu_clocks"] == {"unavailable": "device cpu: no GPU clocks"}  # sampled on a GPU, else why not
     assert rows["ours_nocompile"]["profile"]["wall_ms"] > 0 and "profile" not in rows["sdpa_defaults"]
     assert rows["ours_nocompile"]["optim"] == "product" and rows["sdpa_defaults"]["optim"] == "adamw_default"
     assert rows["ours_nocompile"]["save_mm"] == result["ours_sac_save_mm"]

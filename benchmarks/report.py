@@ -18,7 +18,7 @@ from typing import Any
 
 from benchmarks import report_tables
 from benchmarks.report_tables import CURATED, is_number
-from benchmarks.report_targets import measured_at, render_targets
+from benchmarks.report_targets import MEMORY_BARS, measured_at, render_targets
 from benchmarks.results_io import load_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ HEADLINES: dict[str, tuple[str, str]] = {
                                                      "(`replicate_frozen: auto`)"),
                          ("unsloth", "Unsloth, its faster checkpointing option (`full_depth_lora_unsloth_baseline_8k`)"))},
     "full_depth_lora_ours_vs_unsloth_tps_8k": ("Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: ours vs "
-                                               "Unsloth (speed only: both peaks are listed here)",
+                                               "Unsloth (speed only)",
                                                "{:.2f}x tokens/s"),
     "full_depth_lora_ours_offload_vs_unsloth_tps_8k": ("Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: "
                                                        "ours with full AC, activation offload and 1024-token loss chunks vs Unsloth",
@@ -248,9 +248,12 @@ def qualifier(key: str, record: dict[str, Any]) -> str:
     """What a headline's own file says ran, where the key's text alone could claim more: the HF baseline of a
     rollout ratio ("eager only" when no compiled HF row finished at that batch), Unsloth's option row."""
     unsloth = re.fullmatch(r"full_depth_lora_\w+_vs_unsloth_tps_(\w+)", key)
-    if unsloth:  # which of Unsloth's options the ratio divides by (the faster that ran)
+    if unsloth:  # which of Unsloth's options the ratio divides by (the faster that ran), at what memory
         said = record["summary"].get(f"full_depth_lora_unsloth_baseline_{unsloth.group(1)}")
-        return f"; this run's Unsloth baseline: {said}" if isinstance(said, str) else ""
+        ours, theirs = (record["summary"].get(k) for k in MEMORY_BARS.get(key, ("", "")))
+        peaks = (f", at {ours:.1f} GiB peak allocated against Unsloth's {theirs:.1f} GiB"
+                 if is_number(ours) and is_number(theirs) else "")
+        return (f"; this run's Unsloth baseline: {said}" if isinstance(said, str) else "") + peaks
     found = re.fullmatch(r"vs_hf_generate(_sampled)?_bs(\d+)", key)
     if not found:
         return ""

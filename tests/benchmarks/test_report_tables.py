@@ -233,8 +233,10 @@ def test_the_unsloth_ratio_sits_beside_the_option_row_it_divides_by(tmp_path):
     assert gc.endswith(f"| 2,000 | {4123.7 / 2000:.2f}x |")
     assert next(ln for ln in text.splitlines() if ln.startswith("| unsloth_lora |")).endswith("| 1,300 |  |")
     assert "- `summary.full_depth_lora_unsloth_baseline_8k`: unsloth_lora_gc" in text
-    assert report.qualifier("full_depth_lora_ours_vs_unsloth_tps_8k", rec) == (
-        "; this run's Unsloth baseline: unsloth_lora_gc")
+    ours_peak = rec["summary"]["full_depth_lora_peak_mem_gb_ours_8k"]
+    assert report.qualifier("full_depth_lora_ours_vs_unsloth_tps_8k", rec) == (  # the baseline's peak, beside ours
+        f"; this run's Unsloth baseline: unsloth_lora_gc, at {ours_peak:.1f} GiB peak allocated against "
+        "Unsloth's 90.0 GiB")
 
 
 def test_section_only_for_curated_files_that_exist(tmp_path):

@@ -204,6 +204,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning.pytorch.callbacks import Callback
 
     from benchmarks.fit_recipes import read_metrics
+    from benchmarks.gpu_clocks import ClockSampler
     from benchmarks.step_probe import StepProfiler
     from lightning_ffpa import attention
     from lightning_ffpa._compat import torch as torch_compat
@@ -222,6 +223,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
             self.profiler: StepProfiler | None = None
             self.profile: dict | None = None
             self.counts: tuple[dict, dict] = ({}, {})
+            self.clocks: ClockSampler | None = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             # --profile: one extra step after the timed ones, under the profiler and not timed
@@ -239,11 +241,14 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
             elif trainer.global_step > spec["warmup"]:
                 self.times.append(now - self.last)
                 self.counts = (attention.dispatch_counts(), kernels.kernel_counts())  # of the timed steps
+                if trainer.global_step == spec["warmup"] + spec["steps"]:
+                    self.clocks.__exit__()
             elif trainer.global_step == spec["warmup"]:  # the last warm-up step: count from here
                 attention.reset_dispatch_counts()
                 self.graphs_after_warmup = torch_compat.dynamo_counters()["stats"]["unique_graphs"]
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
+                self.clocks = ClockSampler(device, interval_s=0.2).__enter__()
             self.last = time.perf_counter()
 
     root = Path(tempfile.mkdtemp(prefix="fdl_ours_"))
@@ -270,7 +275,8 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                # the recipe's TokenThroughput reading (its window may be longer than the run: then none)
                token_throughput_logged={k: v for k, v in read_metrics(root).items()
                                         if "per_sec" in k or "mfu" in k or "peak_memory" in k},
-               activation_offload=cli.trainer.strategy.activation_offload_stats)
+               activation_offload=cli.trainer.strategy.activation_offload_stats,
+               gpu_clocks=clock.clocks.summary() if clock.clocks else {"unavailable": "no timed steps"})
     row.update(step_stats(clock.times, spec["seq"], lora_train_flops(model, spec["seq"]), device))
     if spec.get("profile"):
         row["profile"] = clock.profile
@@ -309,6 +315,7 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
     from peft.tuners.lora import LoraLayer
     from torch.distributed.device_mesh import init_device_mesh
 
+    from benchmarks.gpu_clocks import ClockSampler
     from benchmarks.step_probe import profile_step
     from benchmarks.train_rows import PRODUCT_SAVE_MM, loss_fn
     from lightning_ffpa import attention
@@ -345,6 +352,7 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())  # syncs
 
+    clocks = ClockSampler(device, interval_s=0.2)  # over the timed steps: did the GPU slow down in this row?
     for i in range(spec["warmup"] + spec["steps"]):
         if i == spec["warmup"]:
             graphs_after_warmup = dynamo["stats"]["unique_graphs"]
@@ -352,17 +360,19 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
             _sync(device)
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
+            clocks.__enter__()
         t0 = time.perf_counter()
         step()
         _sync(device)
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
+    clocks.__exit__()
     hf = model.get_base_model()
     row = dict(built_by="transformers.Gemma4ForCausalLM + peft.get_peft_model + lightning_ffpa.parallel.parallelize",
                attn_implementation=hf_compat.config_attn_implementation(hf.config), dispatch=attention.dispatch_counts(),
                compile=compile_layers, graph_breaks=sum(dynamo["graph_break"].values()),
                recompiles_timed=dynamo["stats"]["unique_graphs"] - graphs_after_warmup, losses=losses,
-               static_memory=static_memory(model))
+               static_memory=static_memory(model), gpu_clocks=clocks.summary())
     row.update(step_stats(times, spec["seq"], lora_train_flops(hf, spec["seq"]), device))
     if spec.get("profile"):
         row["profile"] = profile_step(device, step)  # an extra step, after the counts and peaks are read

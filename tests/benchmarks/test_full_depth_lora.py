@@ -51,6 +51,7 @@ def test_rows_run_in_their_own_processes_and_ours_goes_through_the_cli(smoke_run
         # warm-up, 2 timed, 1 profiled (CPU: no CUDA kernels, the wall time of the extra step)
         assert len(r["losses"]) == 4 and all(0 < v < 20 for v in r["losses"])
         assert r["profile"]["wall_ms"] > 0 and r["profile"]["top_kernels"] == []
+        assert r["gpu_clocks"] == {"unavailable": "device cpu: no GPU clocks"}  # sampled over the timed steps on a GPU
     ours, hf = rows["ours_lora"], rows["hf_peft_sdpa_recipe"]
     # ours: the shipped recipe built by the CLI, its checks and callbacks, no checkpoint written
     assert ours["built_by"] == "lightning_ffpa.cli.build" and ours["strategy"] == "FSDP2Strategy"

@@ -432,6 +432,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         "python benchmarks/rollout.py --batches 64 --out benchmarks/results/rollout_full_depth.json",
         "python benchmarks/grpo_vs_trl.py --out benchmarks/results/grpo_vs_trl.json",
         "python benchmarks/rollout_attention.py --out benchmarks/results/rollout_attention.json",
+        "python benchmarks/sliding_options.py --out benchmarks/results/sliding_options.json   # sliding-layer Flex options",
         "python benchmarks/fit_recipes.py --out benchmarks/results/fit_recipes.json   # every shipped YAML, as users run it",
         "python benchmarks/resume.py --variant lora --out benchmarks/results/resume_lora.json",
         "python benchmarks/context_parallel.py --seqs 32768 65536 --out benchmarks/results/context_parallel.json"

@@ -242,13 +242,13 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                 self.times.append(now - self.last)
                 self.counts = (attention.dispatch_counts(), kernels.kernel_counts())  # of the timed steps
                 if trainer.global_step == spec["warmup"] + spec["steps"]:
-                    self.clocks.__exit__()
+                    self.clocks.stop()
             elif trainer.global_step == spec["warmup"]:  # the last warm-up step: count from here
                 attention.reset_dispatch_counts()
                 self.graphs_after_warmup = torch_compat.dynamo_counters()["stats"]["unique_graphs"]
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                self.clocks = ClockSampler(device, interval_s=0.2).__enter__()
+                self.clocks = ClockSampler(device, interval_s=0.2).start()
             self.last = time.perf_counter()
 
     root = Path(tempfile.mkdtemp(prefix="fdl_ours_"))
@@ -360,13 +360,13 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
             _sync(device)
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            clocks.__enter__()
+            clocks.start()
         t0 = time.perf_counter()
         step()
         _sync(device)
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
-    clocks.__exit__()
+    clocks.stop()
     hf = model.get_base_model()
     row = dict(built_by="transformers.Gemma4ForCausalLM + peft.get_peft_model + lightning_ffpa.parallel.parallelize",
                attn_implementation=hf_compat.config_attn_implementation(hf.config), dispatch=attention.dispatch_counts(),

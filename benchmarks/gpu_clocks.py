@@ -17,7 +17,8 @@ __all__ = ["ClockSampler"]
 
 
 class ClockSampler:
-    """`with ClockSampler(device) as clocks: <timed steps>`, then `clocks.summary()` for the row."""
+    """`with ClockSampler(device) as clocks: <timed steps>` (or `start()`/`stop()` where hooks bracket the steps),
+    then `clocks.summary()` for the row."""
 
     def __init__(self, device: torch.device, interval_s: float = 0.1) -> None:
         self.device, self.interval_s = device, interval_s
@@ -34,7 +35,7 @@ class ClockSampler:
         while not self._stop.wait(self.interval_s):
             self.samples.append(self._read())
 
-    def __enter__(self) -> ClockSampler:
+    def start(self) -> ClockSampler:
         if self.device.type != "cuda":
             self.unavailable = f"device {self.device.type}: no GPU clocks"
             return self
@@ -47,11 +48,18 @@ class ClockSampler:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+            self._thread = None
             self.samples.append(self._read())
+
+    def __enter__(self) -> ClockSampler:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def summary(self) -> dict:
         if self.unavailable is not None:

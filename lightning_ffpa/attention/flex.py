@@ -8,6 +8,7 @@ nor when flex runs (``backend.py`` decides).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa.flex_options import LARGE_HEAD_DIM_CANDIDATES, flex_kernel_options
 
-__all__ = ["LARGE_HEAD_DIM_CANDIDATES", "flex_forward", "kernel_options"]  # candidates: benchmarks/attention.py
+__all__ = ["LARGE_HEAD_DIM_CANDIDATES", "compiled_flex", "flex_forward", "kernel_options"]  # candidates: benchmarks/attention.py
 
 
 def kernel_options(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
@@ -26,11 +27,28 @@ def kernel_options(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict[s
     return flex_kernel_options(head_dim, "train", dtype)
 
 
+def _product_flex(query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMask | None = None,
+                  scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
+                  kernel_options: dict[str, Any] | None = None):
+    # The product's own code object: dynamo keeps one compile cache per code object, so a compile of
+    # `flex_attention` itself elsewhere in the process (the user's, HF's flex integration) neither fills this
+    # cache nor, past its recompile limit, switches this path to unfused eager flex.
+    return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                          return_lse=return_lse, kernel_options=kernel_options)
+
+
 @functools.cache
-def _compiled_flex():
-    # Static shapes: with automatic dynamic shapes inductor finds no flex template for a symbolic sequence
-    # length at small head dims (NoValidChoicesError on an H200, torch 2.11); a shape recompiles instead.
-    return torch.compile(flex_attention, dynamic=False)
+def compiled_flex(backend: str | Callable = "inductor") -> Callable:
+    """The one compiled flex_attention of training, the CP ring and the rollout engine (same signature).
+
+    Static shapes: with automatic dynamic shapes inductor finds no flex template for a symbolic sequence
+    length at small head dims (NoValidChoicesError on an H200, torch 2.11); a shape recompiles instead.
+    ``fullgraph``: past dynamo's recompile limit a call raises (naming ``torch._dynamo.config.recompile_limit``)
+    instead of running flex unfused, which is many times slower and holds the full score matrix.
+    ``backend`` is for tests.
+    """
+    torch_compat.raise_recompile_limit()
+    return torch.compile(_product_flex, backend=backend, dynamic=False, fullgraph=True)
 
 
 def flex_forward(query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMask, scale: float,
@@ -53,8 +71,8 @@ def flex_forward(query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMas
         # runs with the modes set aside. SAC then does not see this call and replays it in backward like
         # any PREFER_RECOMPUTE op; the FFPA forwards stay must-save.
         with torch_compat.without_dispatch_modes():
-            return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+            return compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                                     kernel_options=options)
-    return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+    return compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                             kernel_options=options)
 

@@ -10,12 +10,11 @@ Does not own: the ring itself (``ring.py``) or the kernel options (``lightning_f
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import flex_attention
 
-from lightning_ffpa.attention.flex import kernel_options
+from lightning_ffpa.attention.flex import compiled_flex, kernel_options
 from lightning_ffpa.attention.masks import build_block_mask
 from lightning_ffpa.cp.plan import Block
 
@@ -30,18 +29,11 @@ def block_mask_mod(blk: Block):
     return document_causal
 
 
-@functools.cache
-def _flex_callable(compiled: bool):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention) if compiled else flex_attention  # one compile cache per process
-
-
 class FlexBlockOps:
     """Ring block ops on [B, L, H, D] tensors through (compiled, on CUDA) flex_attention."""
 
     def __init__(self):
-        self._flex = _flex_callable(torch.cuda.is_available())
+        self._flex = compiled_flex() if torch.cuda.is_available() else flex_attention
         self._masks: dict[int, object] = {}
 
     def _run(self, blk: Block, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:

@@ -52,6 +52,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 from lightning_ffpa._compat import torch as torch_compat
+from lightning_ffpa.attention.flex import compiled_flex
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.rollout.attention import StepContext, dense_reference, kernel_options
 from lightning_ffpa.rollout.kv_cache import PagedKVCache, pool_bytes
@@ -182,8 +183,7 @@ class RolloutEngine:
         if cfg.attention == "dense":
             self.flex, self.attention_path = dense_reference, "dense_reference"
         elif self.on_cuda and cfg.compile_flex:
-            torch_compat.raise_recompile_limit()
-            self.flex, self.attention_path = torch.compile(flex_attention, dynamic=False), "flex_compiled"
+            self.flex, self.attention_path = compiled_flex(), "flex_compiled"
         if cfg.compile_decode and not self.on_cuda:
             raise ConfigError(f"{option}.compile_decode", True, "needs CUDA (the CPU path runs eagerly)")
         for head_dim in {spec.head_dim for spec in self.walker.specs}:  # a bad override fails here, before compile

@@ -1,0 +1,54 @@
+"""The product's compiled flex: its own dynamo cache, and a hard error (not unfused eager flex) past its limit.
+
+Runs on CPU with a counting backend: what is checked is which calls dynamo compiles, not the kernel.
+"""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from lightning_ffpa.attention.flex import compiled_flex
+
+
+def _counting_backend(calls: list[int]):
+    def backend(gm, example_inputs):
+        calls.append(example_inputs[0].shape[2] if example_inputs else -1)
+        return gm.forward
+    return backend
+
+
+def _qkv(seq: int):
+    return [torch.randn(1, 2, seq, 16) for _ in range(3)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+def test_a_full_cache_of_flex_attention_elsewhere_does_not_send_ours_to_eager():
+    theirs_calls, our_calls = [], []
+    theirs = torch.compile(flex_attention, backend=_counting_backend(theirs_calls), dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for seq in (32, 48, 64):  # past the limit dynamo runs flex_attention's frame eagerly from then on
+            theirs(*_qkv(seq))
+    assert len(theirs_calls) == 1
+    ours = compiled_flex(_counting_backend(our_calls))
+    for seq in (80, 96):
+        q, k, v = _qkv(seq)
+        torch.testing.assert_close(ours(q, k, v), flex_attention(q, k, v))
+    assert len(our_calls) == 2  # each new shape compiled under the product's own code object
+
+
+def test_past_the_recompile_limit_a_call_raises_instead_of_running_unfused():
+    calls = []
+    ours = compiled_flex(_counting_backend(calls))
+    with torch._dynamo.config.patch(recompile_limit=2):
+        ours(*_qkv(32))
+        ours(*_qkv(48))
+        with pytest.raises(Exception, match="fullgraph") as info:
+            ours(*_qkv(64))
+    assert "recompile" in str(info.value.__cause__)
+    assert len(calls) == 2

@@ -27,14 +27,11 @@ def kernel_options(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict[s
     return flex_kernel_options(head_dim, "train", dtype)
 
 
-def _product_flex(query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMask | None = None,
-                  scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
-                  kernel_options: dict[str, Any] | None = None):
-    # The product's own code object: dynamo keeps one compile cache per code object, so a compile of
-    # `flex_attention` itself elsewhere in the process (the user's, HF's flex integration) neither fills this
-    # cache nor, past its recompile limit, switches this path to unfused eager flex.
-    return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
-                          return_lse=return_lse, kernel_options=kernel_options)
+def _product_flex(*args: Any, **kwargs: Any) -> Any:
+    # flex_attention's own signature, under the product's own code object: dynamo keeps one compile cache per
+    # code object, so a compile of `flex_attention` itself elsewhere in the process (the user's, HF's flex
+    # integration) neither fills this cache nor, past its recompile limit, switches this path to unfused eager.
+    return flex_attention(*args, **kwargs)
 
 
 @functools.cache

@@ -36,9 +36,13 @@ def test_a_full_cache_of_flex_attention_elsewhere_does_not_send_ours_to_eager():
             theirs(*_qkv(seq))
     assert len(theirs_calls) == 1
     ours = compiled_flex(_counting_backend(our_calls))
-    for seq in (80, 96):
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    for seq in (80, 96):  # flex_attention's signature passes through, score_mod included (the rollout's softcap)
         q, k, v = _qkv(seq)
-        torch.testing.assert_close(ours(q, k, v), flex_attention(q, k, v))
+        torch.testing.assert_close(ours(q, k, v, score_mod=softcap, scale=0.5),
+                                   flex_attention(q, k, v, score_mod=softcap, scale=0.5))
     assert len(our_calls) == 2  # each new shape compiled under the product's own code object
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from benchmarks.row_process import measured
 
 FORMATS = {"tps": "{:,.0f}", "ratio": "{:.2f}x", "gib": "{:.1f}", "pct": "{:.1%}", "ms": "{:.1f}", "op_ms": "{:.3f}",
-           "s": "{:.2f}"}
+           "s": "{:.2f}", "mhz": "{:.0f}", "w": "{:.0f}"}
 DASH = "—"
 # The scripts' row order (train_rows.ROWS, full_depth_lora.ROWS, rollout.KINDS): each label compares with a
 # neighbour, so tables keep it; rows of other names (ablations, older files) follow in file order.
@@ -123,6 +123,13 @@ def _used(table: Table) -> list[bool]:
     return [any(r[i] not in ("", "n/a") for r in table.body) for i in range(len(table.head))]
 
 
+def _dotted(row: dict[str, Any], field: str) -> Any:
+    """`row["a"]["b"]` for "a.b"; None where any part is missing."""
+    for part in field.split("."):
+        row = row.get(part) if isinstance(row, dict) else None
+    return row
+
+
 def seq_tables(rec: dict[str, Any], link: str, tps: str, order: tuple[str, ...], ratios: dict[str, str],
                ref: str, detail: list[tuple[str, str, str]], label: str, last: tuple[str, ...] = ()) -> list[str]:
     """Throughput by row x seq (with ours' summary ratios), then step time, memory and MFU of measured rows."""
@@ -166,7 +173,8 @@ def seq_tables(rec: dict[str, Any], link: str, tps: str, order: tuple[str, ...],
                     cells.append(f"{fmt('ms', row.get(field))} ({fmt('ms', row.get('step_ms_min'))}–"
                                  f"{fmt('ms', row.get('step_ms_max'))})" if field in row else "")
                 else:
-                    cells.append(fmt(kind, row[field]) if field in row else "")
+                    value = _dotted(row, field)
+                    cells.append("" if value is None else fmt(kind, value))
             d.add(cells)
     d.keep([u or i < 2 for i, u in enumerate(_used(d))])
     out = [*t.render(), "", *notes.lines]
@@ -181,7 +189,9 @@ TRAIN_DETAIL = [("step ms, median (min–max)", "step_ms_median", "ms"), ("step 
                 ("peak allocated GiB, all rows in one process", "peak_mem_gb", "gib"),
                 ("MFU of the datasheet bf16 peak", "mfu_spec", "pct"),
                 ("MFU of the measured matmul peak", "mfu_measured_peak", "pct"),
-                ("MFU of the measured bf16 peak", "mfu", "pct")]
+                ("MFU of the measured bf16 peak", "mfu", "pct"),
+                ("SM clock over the timed steps, median MHz", "gpu_clocks.sm_clock_mhz_median", "mhz"),
+                ("power over the timed steps, median W", "gpu_clocks.power_w_median", "w")]
 
 
 def training(rec: dict[str, Any], link: str) -> list[str]:
@@ -244,7 +254,8 @@ def decode_kernel_time(rec: dict[str, Any], link: str) -> list[str]:
 
 
 def full_depth_lora(rec: dict[str, Any], link: str) -> list[str]:
-    detail = [TRAIN_DETAIL[0], *TRAIN_DETAIL[2:4], ("MFU of the datasheet bf16 peak, LoRA FLOPs", "mfu_spec", "pct")]
+    detail = [TRAIN_DETAIL[0], *TRAIN_DETAIL[2:4], ("MFU of the datasheet bf16 peak, LoRA FLOPs", "mfu_spec", "pct"),
+              *TRAIN_DETAIL[-2:]]
     baselines = {k: v for k, v in rec["summary"].items() if k.startswith("full_depth_lora_unsloth_baseline") and v}
     ratios = dict(LORA_RATIOS)  # the Unsloth ratio sits beside the option row it divides by (its faster)
     ratios[next(iter(baselines.values()), "unsloth_lora")] = ratios.pop("unsloth_lora")

@@ -41,7 +41,7 @@ def compiled_flex(backend: str | Callable = "inductor") -> Callable:
     Static shapes: with automatic dynamic shapes inductor finds no flex template for a symbolic sequence
     length at small head dims (NoValidChoicesError on an H200, torch 2.11); a shape recompiles instead.
     ``fullgraph``: past dynamo's recompile limit a call raises (naming ``torch._dynamo.config.recompile_limit``)
-    instead of running flex unfused, which is many times slower and holds the full score matrix.
+    instead of running flex unfused (the full score matrix, no fused kernel).
     ``backend`` is for tests.
     """
     torch_compat.raise_recompile_limit()

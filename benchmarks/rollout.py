@@ -58,7 +58,7 @@ def build_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     batches = [int(b) for b in args.batches.split(",") if b]
     only = {o for o in (args.only or "").split(",") if o}
     common = {k: getattr(args, k) for k in ("layers", "prompt_len", "new_tokens", "preset", "device", "page_size",
-                                            "bandwidth_gb", "kernel_options")}
+                                            "bandwidth_gb", "kernel_options", "compile_mode")}
     specs = []
     for bs in batches:
         for kind in kinds:
@@ -219,6 +219,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--preset", default="gemma4-31b", help="model shape (tiny: CPU smoke test of this script)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--page-size", type=int, default=128)
+    ap.add_argument("--compile-mode", default=None,
+                    help="torch.compile mode of the engine's decode step (EngineConfig.compile_mode)")
     ap.add_argument("--bandwidth-gb", type=float, default=4.0)
     ap.add_argument("--no-pipeline", action="store_true", help="read every decode step back before the next")
     ap.add_argument("--kernel-options", default=None,

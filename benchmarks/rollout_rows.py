@@ -113,7 +113,8 @@ def run_ours(model, prompts, new: int, bw: dict, wbytes: int, spec: dict, device
     max_len = -(-(plen + new) // page) * page
     ecfg = EngineConfig(page_size=page, num_pages=bs * (max_len // page) + 2, max_batch_size=bs,
                         max_seq_len=max_len, max_prefill_tokens=16384, pipeline=spec.get("pipeline", True),
-                        compile_decode=False if spec["kind"].endswith("eager_step") else None)
+                        compile_decode=False if spec["kind"].endswith("eager_step") else None,
+                        compile_mode=None if spec["kind"].endswith("eager_step") else spec.get("compile_mode"))
     eng = RolloutEngine(model, ecfg)
     sampling = SamplingParams(temperature=0.0) if spec["mode"] == "greedy" else SamplingParams(temperature=1.0,
                                                                                                top_p=1.0, top_k=0)
@@ -138,7 +139,7 @@ def run_ours(model, prompts, new: int, bw: dict, wbytes: int, spec: dict, device
            "total_s": t_total, "prefill_s": t_prefill, "warmup_s": t_warm, **peaks(device),
            "graph_replays": eng.stats["graph_replays"], "eager_decodes": eng.stats["eager_decodes"],
            "syncs": eng.stats["syncs"], "preemptions": eng.stats["preemptions"], "pipeline": ecfg.pipeline,
-           "decode_path": eng.decode_path, "attention_path": eng.attention_path,
+           "compile_mode": ecfg.compile_mode, "decode_path": eng.decode_path, "attention_path": eng.attention_path,
            "tokens_generated": sum(len(s.output) for s in seqs)}
     return res, eng, seqs
 

@@ -69,6 +69,7 @@ from lightning_ffpa.rollout.walker import DecoderWalker
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
+COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -96,6 +97,10 @@ class EngineConfig:
     compile_decode: bool | None = None
     """torch.compile the whole decode step (layers, masks, sampler) before capture, fusing the small ops.
     None: on for CUDA, off on CPU (which runs eagerly). Measured gain: `benchmarks/results/rollout.json`."""
+    compile_mode: str | None = None
+    """torch.compile mode of the decode step, with `compile_decode`: None (inductor's default) or
+    "max-autotune-no-cudagraphs" (inductor tunes the step's matmuls and fused kernels; a longer first
+    compile). Modes that add inductor's own CUDA graphs are refused: the engine captures its own."""
     pipeline: bool = True
     """Queue each decode step before reading back the previous one (stops are seen one step late)."""
 
@@ -112,6 +117,12 @@ class EngineConfig:
                               f"must be a multiple of `{option}.page_size={self.page_size}`")
         if self.attention not in ("flex", "dense"):
             raise ConfigError(f"{option}.attention", self.attention, "must be 'flex' or 'dense'")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"{option}.compile_mode", self.compile_mode,
+                              f"must be one of {list(COMPILE_MODES)} (the engine captures its own CUDA graphs)")
+        if self.compile_mode is not None and self.compile_decode is False:
+            raise ConfigError(f"{option}.compile_mode", self.compile_mode,
+                              f"needs `{option}.compile_decode` on (it is the mode of the compiled decode step)")
 
     def check_fits(self, prompt_len: int, max_new_tokens: int, option: str = "engine", where: str = "") -> None:
         """Raise unless a prompt of `prompt_len` tokens plus `max_new_tokens` fits `max_seq_len` (else the
@@ -171,6 +182,13 @@ class RolloutEngine:
         self.on_cuda = self.device.type == "cuda"
         if self.on_cuda and cfg.page_size % 16:
             raise ConfigError(f"{option}.page_size", cfg.page_size, "must be a multiple of 16 on CUDA (flex decode tiles)")
+        if cfg.compile_decode and not self.on_cuda:
+            raise ConfigError(f"{option}.compile_decode", True, "needs CUDA (the CPU path runs eagerly)")
+        compile_step = self.on_cuda if cfg.compile_decode is None else cfg.compile_decode
+        if cfg.compile_mode is not None and not compile_step:
+            raise ConfigError(f"{option}.compile_mode", cfg.compile_mode,
+                              f"has no effect: the decode step runs eagerly here (`{option}.compile_decode` "
+                              "off, or not on CUDA)")
         self.eos_token_ids = set(eos_token_ids or ())
         self.page_table = PageTable(cfg.num_pages, cfg.page_size, cfg.max_batch_size + 1,
                                     cfg.max_seq_len // cfg.page_size, self.device)
@@ -184,14 +202,13 @@ class RolloutEngine:
             self.flex, self.attention_path = dense_reference, "dense_reference"
         elif self.on_cuda and cfg.compile_flex:
             self.flex, self.attention_path = compiled_flex(), "flex_compiled"
-        if cfg.compile_decode and not self.on_cuda:
-            raise ConfigError(f"{option}.compile_decode", True, "needs CUDA (the CPU path runs eagerly)")
         for head_dim in {spec.head_dim for spec in self.walker.specs}:  # a bad override fails here, before compile
             kernel_options(head_dim, True, self.dtype, page_size=cfg.page_size)
         self._step, self.decode_path = self._decode_step, "eager"
-        if self.on_cuda if cfg.compile_decode is None else cfg.compile_decode:
+        if compile_step:
             torch_compat.raise_recompile_limit()
-            self._step, self.decode_path = torch.compile(self._decode_step, dynamic=False), "compiled"
+            self._step, self.decode_path = (torch.compile(self._decode_step, dynamic=False, mode=cfg.compile_mode),
+                                            "compiled")
         self.buckets = _buckets(cfg.max_batch_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._graph_pool = None

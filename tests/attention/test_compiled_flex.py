@@ -56,3 +56,23 @@ def test_past_the_recompile_limit_a_call_raises_instead_of_running_unfused():
             ours(*_qkv(64))
     assert "recompile" in str(info.value.__cause__)
     assert len(calls) == 2
+
+
+def test_the_cp_rings_call_traces_as_one_graph():
+    """The Flex ring's call (cp/flex_blocks.py): a mask closing over tensors, GQA, log-sum-exp returned."""
+    from lightning_ffpa.attention.masks import build_block_mask
+
+    calls = []
+    docs = torch.tensor([[0] * 40 + [1] * 24])  # two packed documents
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (docs[b, q_idx] == docs[b, kv_idx]) & (kv_idx <= q_idx)
+
+    q, k, v = torch.randn(1, 4, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    mask = build_block_mask(document_causal, 1, 64, 64, "cpu", block_size=16)
+    kwargs = dict(block_mask=mask, scale=0.25, enable_gqa=True, return_lse=True)
+    out, lse = compiled_flex(_counting_backend(calls))(q, k, v, **kwargs)
+    want_out, want_lse = flex_attention(q, k, v, **kwargs)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+    assert len(calls) == 1

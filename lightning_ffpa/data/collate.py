@@ -18,13 +18,18 @@ Row = dict[str, torch.Tensor]
 
 
 class PadCollate:
-    """Right-pad `input_ids`/`labels` to the longest row of the batch and build the 2D attention mask."""
+    """Right-pad `input_ids`/`labels` to the longest row of the batch, rounded up to `multiple` (at most
+    `max_length`, never below the longest row), and build the 2D attention mask. Rounding bounds how many
+    distinct batch lengths a run sees: each compiles the model's kernels once."""
 
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, multiple: int = 1, max_length: int | None = None) -> None:
+        self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
 
     def __call__(self, rows: Sequence[Row]) -> dict[str, torch.Tensor]:
-        length = max(len(r["input_ids"]) for r in rows)
+        longest = max(len(r["input_ids"]) for r in rows)
+        length = -(-longest // self.multiple) * self.multiple
+        if self.max_length is not None:
+            length = max(longest, min(length, self.max_length))
         input_ids = torch.full((len(rows), length), self.pad_id, dtype=torch.long)  # (B, S)
         labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)  # (B, S)
         attention_mask = torch.zeros((len(rows), length), dtype=torch.long)  # (B, S)

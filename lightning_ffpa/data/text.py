@@ -77,6 +77,7 @@ class TextDataModule(SeededDataModule):
         max_seq_length: int = 256,
         batch_size: int = 8,
         pack: bool = False,
+        pad_to_multiple_of: int = 256,
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
@@ -96,6 +97,9 @@ class TextDataModule(SeededDataModule):
             max_seq_length: Longest row in tokens; longer documents are cut into windows of this length.
             batch_size: Rows per batch on each data-parallel rank.
             pack: Pack documents greedily into rows of `max_seq_length` with position and document ids.
+            pad_to_multiple_of: Unpacked batches are padded to their longest row rounded up to this multiple (at most
+                `max_seq_length`), so a run sees few distinct lengths: each new one compiles the layers and the
+                attention kernels once, and the compiled Flex path refuses more than 64.
             num_workers: DataLoader worker processes.
             seed: Seed of the train/val split and of the shuffle order (with the epoch).
         """
@@ -119,12 +123,14 @@ class TextDataModule(SeededDataModule):
         if not 0.0 <= val_fraction < 1.0:
             raise ConfigError(option("val_fraction"), val_fraction, "must be in [0, 1)")
         require_at_least(2, max_seq_length=max_seq_length)
+        require_at_least(1, pad_to_multiple_of=pad_to_multiple_of)
         self.train_file, self.val_file, self.val_fraction = train_file, val_file, val_fraction
         self.dataset, self.dataset_config = dataset, dataset_config
         self.train_split, self.val_split = train_split, val_split
         self.text_field, self.messages_field = text_field, messages_field
         self.max_seq_length = max_seq_length
         self.pack = pack
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.tokenizer = load_tokenizer(tokenizer)
         self.vocab_size = len(self.tokenizer)
         self.pad_id = pad_id_of(self.tokenizer)
@@ -207,7 +213,7 @@ class TextDataModule(SeededDataModule):
         return TokenDataset.from_documents(docs)
 
     def _collate(self):
-        return PackedCollate() if self.pack else PadCollate(self.pad_id)
+        return PackedCollate() if self.pack else PadCollate(self.pad_id, self.pad_to_multiple_of, self.max_seq_length)
 
     def train_dataloader(self):
         """Shuffled (seed, epoch) loader over the training rows."""

@@ -53,6 +53,7 @@ ROWS = [
     (f"{F} --data.init_args.train_file /nonexistent/train.txt", "data.init_args.train_file"),
     (f"{F} --data.init_args.tokenizer /nonexistent/tok", "data.init_args.tokenizer"),
     (f"{F} --data.init_args.batch_size 0", "data.init_args.batch_size"),
+    (f"{F} --data.init_args.pad_to_multiple_of 0", "data.init_args.pad_to_multiple_of"),
     (f"{F} --model.init_args.warmup_steps -10", "model.warmup_steps"),
     (f"{F} --model.init_args.learning_rate -1", "model.learning_rate"),
     (f"{F} --model.init_args.weight_decay -1", "model.weight_decay"),

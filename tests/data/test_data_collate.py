@@ -22,6 +22,18 @@ def test_pad_collate_right_pads_and_masks():
     assert batch["labels"].tolist() == [[1, 2, 3, -100, -100], [-100, 5, -100, -100, -100], [6, 7, 8, 9, 10]]
 
 
+def test_pad_collate_rounds_up_to_the_multiple_within_the_longest_row_and_the_cap():
+    rows = [_row([1, 2, 3]), _row([4, 5, 6, 7, 8])]
+    batch = PadCollate(pad_id=PAD, multiple=4)(rows)
+    assert batch["input_ids"].shape == (2, 8) and batch["attention_mask"].sum().item() == 8
+    assert batch["input_ids"][1].tolist() == [4, 5, 6, 7, 8, PAD, PAD, PAD]
+    assert PadCollate(pad_id=PAD, multiple=4, max_length=6)(rows)["input_ids"].shape == (2, 6)  # capped
+    assert PadCollate(pad_id=PAD, multiple=4, max_length=4)(rows)["input_ids"].shape == (2, 5)  # never cut
+    lengths = {PadCollate(pad_id=PAD, multiple=4, max_length=16)([_row(list(range(n)))])["input_ids"].shape[1]
+               for n in range(1, 17)}
+    assert lengths == {4, 8, 12, 16}
+
+
 def test_packing_ids_and_boundaries():
     docs = [
         Document([10, 11, 12], [10, 11, 12]),

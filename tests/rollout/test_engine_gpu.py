@@ -61,6 +61,17 @@ def test_graphed_eager_step_matches_compiled_step_fp32():
 
 
 @pytest.mark.timeout(600)
+def test_max_autotune_decode_step_matches_the_eager_step_fp32():
+    model = _model(torch.float32)
+    prompts = _prompts()
+    plain = [s.output for s in RolloutEngine(model, _cfg(compile_decode=False)).generate(prompts, 24)]
+    eng = RolloutEngine(model, _cfg(compile_mode="max-autotune-no-cudagraphs"))
+    assert eng.decode_path == "compiled"
+    assert [s.output for s in eng.generate(prompts, 24)] == plain
+    assert eng.stats["graph_replays"] > 0
+
+
+@pytest.mark.timeout(600)
 def test_graph_sampling_bf16_finite_and_seeded():
     model = _model(torch.bfloat16)
     assert all(p.requires_grad for p in model.parameters())  # capture must not trace flex for backward

@@ -111,10 +111,11 @@ def run_ours(model, prompts, new: int, bw: dict, wbytes: int, spec: dict, device
 
     bs, plen, page = len(prompts), len(prompts[0]), spec["page_size"]
     max_len = -(-(plen + new) // page) * page
+    eager_step = spec["kind"].endswith("eager_step")
     ecfg = EngineConfig(page_size=page, num_pages=bs * (max_len // page) + 2, max_batch_size=bs,
                         max_seq_len=max_len, max_prefill_tokens=16384, pipeline=spec.get("pipeline", True),
-                        compile_decode=False if spec["kind"].endswith("eager_step") else None,
-                        compile_mode=None if spec["kind"].endswith("eager_step") else spec.get("compile_mode"))
+                        compile_decode=False if eager_step else None,
+                        compile_mode=None if eager_step else spec.get("compile_mode"))
     eng = RolloutEngine(model, ecfg)
     sampling = SamplingParams(temperature=0.0) if spec["mode"] == "greedy" else SamplingParams(temperature=1.0,
                                                                                                top_p=1.0, top_k=0)

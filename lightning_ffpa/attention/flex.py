@@ -7,6 +7,7 @@ nor when flex runs (``backend.py`` decides).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -62,14 +63,12 @@ def flex_forward(query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMas
         # Eager on CPU is the unfused reference path: fine for tests, never used for speed.
         return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                               kernel_options=options)
-    if torch_compat.dispatch_mode_active():
-        # An eager activation-checkpoint region (SAC's caching mode, or its replay during backward) or a
-        # user's TorchDispatchMode: dynamo cannot trace a dispatch mode (gb0008), so the compiled kernel
-        # runs with the modes set aside. SAC then does not see this call and replays it in backward like
-        # any PREFER_RECOMPUTE op; the FFPA forwards stay must-save.
-        with torch_compat.without_dispatch_modes():
-            return compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                                    kernel_options=options)
-    return compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                            kernel_options=options)
+    # An eager activation-checkpoint region (SAC's caching mode, or its replay during backward) or a user's
+    # TorchDispatchMode: dynamo cannot trace a dispatch mode (gb0008), so the compiled kernel runs with the modes
+    # set aside. SAC then does not see this call and replays it in backward like any PREFER_RECOMPUTE op; the
+    # FFPA forwards stay must-save.
+    modes = torch_compat.without_dispatch_modes() if torch_compat.dispatch_mode_active() else contextlib.nullcontext()
+    with modes:
+        return compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                               kernel_options=options)
 

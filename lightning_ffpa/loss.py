@@ -19,6 +19,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from lightning_ffpa import compile_fallbacks
+
 # Labels with this value take no loss (torch's and HF's convention); the one definition the package uses.
 IGNORE_INDEX = -100
 
@@ -67,6 +69,7 @@ def _chunk_fn(compile: bool):
         return _chunk_loss_and_grad
     if _COMPILED_CHUNK is None:
         # dynamic=False: chunk shapes repeat (all chunks but the last share one shape).
+        compile_fallbacks.prepare()
         _COMPILED_CHUNK = torch.compile(_chunk_loss_and_grad, dynamic=False)
     return _COMPILED_CHUNK
 

@@ -8,6 +8,8 @@ Does not own what they are used for: callers import these names so a torch upgra
 from __future__ import annotations
 
 import inspect
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ __all__ = [
     "hf_storage_writer",
     "in_backward",
     "load_dcp_keys",
+    "on_recompile_limit_hit",
     "raise_recompile_limit",
     "read_dcp_metadata",
     "without_dispatch_modes",
@@ -98,6 +101,33 @@ def raise_recompile_limit(limit: int = 64) -> None:
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     setattr(cfg, name, max(getattr(cfg, name), limit))
+
+
+class _RecompileLimitFilter(logging.Filter):
+    """Passes every record on; calls `hook(function, limit)` for dynamo's one "hit config.<limit>" warning."""
+
+    def __init__(self, hook: Callable[[str, str], None]) -> None:
+        super().__init__()
+        self.hook = hook
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # torch 2.11 and 2.13 log this once per code object when they stop compiling it (convert_frame.py):
+        # args = (limit name, limit value, "'fn' (file:line)", last recompile reason, url).
+        if isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config.") and record.args:
+            args = record.args if isinstance(record.args, tuple) else (record.args,)
+            self.hook(str(args[2]) if len(args) > 2 else "?", f"{args[0]}={args[1]}" if len(args) > 1 else "?")
+        return True
+
+
+def on_recompile_limit_hit(hook: Callable[[str, str], None]) -> None:
+    """Call `hook(function, "limit=value")` whenever dynamo gives up compiling a function (idempotent per hook).
+
+    Past `recompile_limit` graphs per code object (or `accumulated_recompile_limit` in all) dynamo runs that
+    function eagerly for the rest of the process, saying so in one log line only; there is no public event.
+    """
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    if not any(isinstance(f, _RecompileLimitFilter) and f.hook is hook for f in logger.filters):
+        logger.addFilter(_RecompileLimitFilter(hook))
 
 
 # --------------------------------------------------------------------------- flex attention

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from lightning_ffpa import compile_fallbacks
 from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa.flex_options import LARGE_HEAD_DIM_CANDIDATES, flex_kernel_options
 
@@ -45,7 +46,7 @@ def compiled_flex(backend: str | Callable = "inductor") -> Callable:
     instead of running flex unfused (the full score matrix, no fused kernel).
     ``backend`` is for tests.
     """
-    torch_compat.raise_recompile_limit()
+    compile_fallbacks.prepare()
     return torch.compile(_product_flex, backend=backend, dynamic=False, fullgraph=True)
 
 

@@ -19,10 +19,10 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
+from lightning_ffpa import compile_fallbacks
 from lightning_ffpa._compat.torch import (
     allow_checkpoint_side_effects_under_compile,
     flatten_mesh,
-    raise_recompile_limit,
 )
 from lightning_ffpa._compat.transformers import find_decoder_layers
 from lightning_ffpa.hidden_states import (
@@ -67,7 +67,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
     if compile and activation_checkpointing != "none":
         allow_checkpoint_side_effects_under_compile()
     if compile:
-        raise_recompile_limit()
+        compile_fallbacks.prepare()
 
     for i, layer in enumerate(layers):
         # AC wraps the raw layer so the checkpoint region is exactly one decoder layer.

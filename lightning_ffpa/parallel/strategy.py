@@ -10,6 +10,7 @@ Trainer's `precision` at "32-true": mixed precision comes from `param_dtype` / `
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -20,6 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
+from lightning_ffpa import compile_fallbacks
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat import transformers as hf_compat
 from lightning_ffpa.checkpoint.atomic import AtomicCheckpointIO
@@ -310,10 +312,13 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._offload is None:
-            return super().training_step(*args, **kwargs)
-        with self._offload.hooks():  # backward runs later, outside: the hooks were attached at save time
-            return super().training_step(*args, **kwargs)
+        hooks = self._offload.hooks() if self._offload is not None else contextlib.nullcontext()
+        with hooks:  # backward runs later, outside: offload's hooks were attached at save time
+            out = super().training_step(*args, **kwargs)
+        if compile_fallbacks.total():  # functions torch.compile gave up on, now running eagerly
+            self.lightning_module.log("compile/fallbacks", float(compile_fallbacks.total()), on_step=True,
+                                      on_epoch=False, rank_zero_only=True)
+        return out
 
     @property
     def checkpoint_io(self):

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from lightning_ffpa._compat import torch as torch_compat
+from lightning_ffpa import compile_fallbacks
 from lightning_ffpa.attention.flex import compiled_flex
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.rollout.attention import StepContext, dense_reference, kernel_options
@@ -206,7 +206,7 @@ class RolloutEngine:
             kernel_options(head_dim, True, self.dtype, page_size=cfg.page_size)
         self._step, self.decode_path = self._decode_step, "eager"
         if compile_step:
-            torch_compat.raise_recompile_limit()
+            compile_fallbacks.prepare()
             self._step, self.decode_path = (torch.compile(self._decode_step, dynamic=False, mode=cfg.compile_mode),
                                             "compiled")
         self.buckets = _buckets(cfg.max_batch_size)

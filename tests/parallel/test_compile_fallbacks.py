@@ -5,6 +5,7 @@ that into `compile_fallbacks.counts()`, a `CompileFallbackWarning` and the strat
 """
 
 import functools
+import os
 
 import lightning as L
 import pytest
@@ -60,8 +61,19 @@ class _TinyLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+@pytest.fixture
+def in_process_group():
+    """Lightning's in-process group of one: torn down after, with the env vars it set (the port stays free)."""
+    env = dict(os.environ)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+
+
 @pytest.mark.timeout(300)
-def test_strategy_logs_decoder_layers_that_fell_back_to_eager(low_limit):
+def test_strategy_logs_decoder_layers_that_fell_back_to_eager(low_limit, in_process_group):
     # Four lengths, one graph each per layer variant: the compiled decoder layers pass the limit of 2.
     batches = [torch.randint(0, 512, (1, n), generator=torch.Generator().manual_seed(n)) for n in (8, 12, 16, 20)]
     strategy = FSDP2Strategy(compile=True, activation_checkpointing="none", param_dtype="fp32", reduce_dtype="fp32")

@@ -47,8 +47,10 @@ KINDS = ("ours_paged_flex", "ours_paged_flex_eager_step", "hf_generate_static", 
 FULL_DEPTH = 60
 
 
-def label(kind: str, mode: str) -> str:
-    return kind + ("_sampled" if mode == "sample" else "")
+def label(kind: str, mode: str, compile_mode: str | None = None) -> str:
+    """A row's name: its kind, then what differs from that kind's default row (compile mode, sampling)."""
+    tuned = "" if compile_mode in (None, "default") else "_" + compile_mode.replace("-", "_")
+    return kind + tuned + ("_sampled" if mode == "sample" else "")
 
 
 def build_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -63,7 +65,7 @@ def build_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     for bs in batches:
         for kind in kinds:
             for mode in modes:
-                name = label(kind, mode)
+                name = label(kind, mode, args.compile_mode if kind == "ours_paged_flex" else None)
                 if only and name not in only and f"{name}@{bs}" not in only:
                     continue
                 spec = {"name": name, "kind": kind, "mode": mode, "batch": bs, **common,
@@ -111,6 +113,13 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
             if "token_match_rate" in check:
                 out[f"greedy_token_match_rate_bs{bs}"] = check["token_match_rate"]
                 out[f"greedy_exact_prompts_bs{bs}"] = f"{check['exact_prompts']} of {check['prompts']}"
+    for tuned in rows:  # an engine row with a non-default compile mode, against the default row beside it
+        if tuned.get("kind") == "ours_paged_flex" and tuned.get("compile_mode") not in (None, "default") \
+                and "tokens_per_s" in tuned:
+            base, key = _row(rows, label("ours_paged_flex", tuned["mode"]), tuned["batch"]), tuned["name"]
+            out[f"roofline_fraction_{key}_bs{tuned['batch']}"] = tuned["roofline_fraction"]
+            if base:
+                out[f"{key}_vs_default_compile_bs{tuned['batch']}"] = tuned["tokens_per_s"] / base["tokens_per_s"]
     ours64, eager64 = _row(rows, "ours_paged_flex", 64), _row(rows, "ours_paged_flex_eager_step", 64)
     for kind, key in (("hf_generate_static", "eager"), ("hf_generate_static_compiled", "compiled")):
         hf = _row(rows, kind, 64)
@@ -192,6 +201,11 @@ def merge(paths: list[str], out: str) -> None:
                              "code or machines are not one result")
         shared[key] = records[0].get(key)
     rows = [row for r in records for row in r["rows"]]
+    for row in rows:  # runs before rows were named by compile mode: the name follows the row's own fields
+        if row.get("kind") in KINDS and "mode" in row:
+            name = label(row["kind"], row["mode"], row.get("compile_mode") if row["kind"] == "ours_paged_flex" else None)
+            if name != row.get("name"):
+                row["name_at_run"], row["name"] = row.get("name"), name
     sources = [{"file": Path(p).name, "commit": r.get("commit"), "date": r.get("date"), "command": r.get("command")}
                for p, r in zip(paths, records)]
     write(rows, out, partial=False, merged_from=sources, merged_by=results_io.provenance("rollout.py --merge"),

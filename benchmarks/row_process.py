@@ -121,8 +121,9 @@ def run_row(script: Path, spec: dict[str, Any], log: Path, timeout_s: float,
         # threads): the row stands, and its record says how the process ended.
         row["process"]["exit"] = KILLED_AFTER_ROW
     elif timed_out:
-        row["error"] = (f"timeout: the row's process was killed after {timeout_s:.0f} s (its log ends with "
-                        "the Python stacks it had then)")
+        stacks = any(ln.startswith(_DUMP_LINES[:2]) for ln in _tail(log, 1_000_000).splitlines())
+        where = "its log ends with the Python stacks it had then" if stacks else "no Python stack reached its log"
+        row["error"] = f"timeout: the row's process was killed after {timeout_s:.0f} s ({where})"
     elif not wrote:
         row["error"] = f"the row's process exited with rc={rc} without writing its row"
     if timed_out:  # what it printed last; its stacks at the kill follow in the log

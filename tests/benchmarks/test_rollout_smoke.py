@@ -87,12 +87,26 @@ def test_row_timeout_and_budget(tmp_path, monkeypatch):
     rows = run_rows(script, [{"name": "slow", "batch": 1}, {"name": "late", "batch": 1}], tmp_path, 4.0, 21.0,
                     lambda done: seen.append(len(done)))
     assert rows[0]["error"].startswith("timeout") and rows[0]["process"]["rc"] == -9
+    assert rows[0]["error"].endswith("(its log ends with the Python stacks it had then)")
     assert rows[0]["log_tail"] == "row started\nstill going"  # what it printed, not the stack dumps
     log = (tmp_path / rows[0]["process"]["log"]).read_text()
     assert "(most recent call first)" in log and "in stuck_here" in log
     assert log.count("Stack sample (") >= 2 and log.index("Stack sample (") < log.index("still going")
     assert "in stuck_here" in log[:log.index("still going")]  # a sample taken while it ran, not at the kill
     assert "skipped" in rows[1] and seen == [1, 2]  # the result is rewritten after every row
+
+
+def test_a_killed_row_without_a_stack_dump_says_so(tmp_path, monkeypatch):
+    from benchmarks.row_process import run_row
+
+    script = tmp_path / "deaf.py"  # stops listening for the stack signal, as a stuck native call would not answer
+    script.write_text("import faulthandler, signal, time\nfrom benchmarks.row_process import row_main\n\n"
+                      "def deaf(spec):\n    faulthandler.unregister(signal.SIGUSR1)\n"
+                      "    signal.signal(signal.SIGUSR1, signal.SIG_IGN)\n    time.sleep(60)\n\n"
+                      "row_main(None, deaf)\n")
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    row = run_row(script, {"name": "deaf"}, tmp_path / "deaf.log", 3.0)
+    assert row["error"] == "timeout: the row's process was killed after 3 s (no Python stack reached its log)"
 
 
 def test_reference_check_finds_a_divergence():
@@ -133,3 +147,27 @@ def test_a_bad_result_path_is_one_line_naming_the_option(tmp_path, args, says):
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
     assert says.format(tmp=tmp_path) in lines[0] and proc.stdout == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+def test_a_compile_mode_row_is_named_by_it_and_compared_with_the_default_row(tmp_path):
+    args = rollout.parse_args([*TINY, "--rows", "ours_paged_flex,hf_generate_static", "--modes", "greedy",
+                               "--compile-mode", "max-autotune-no-cudagraphs"])
+    assert [s["name"] for s in rollout.build_specs(args)] == ["ours_paged_flex_max_autotune_no_cudagraphs",
+                                                              "hf_generate_static"]
+    # two runs from before rows were named by compile mode: both rows were called "ours_paged_flex"
+    base = dict(name="ours_paged_flex", kind="ours_paged_flex", mode="greedy", batch=64, layers=12, prompt_len=256,
+                new_tokens=512, process={"pid": 1})
+    files = []
+    for mode, tps, roof in (("default", 8000.0, 0.75), ("max-autotune-no-cudagraphs", 8400.0, 0.79)):
+        files.append(str(tmp_path / f"{mode}.json"))
+        rollout.write([dict(base, compile_mode=mode, tokens_per_s=tps, roofline_fraction=roof)], files[-1],
+                      partial=False)
+    merged = tmp_path / "merged.json"
+    rollout.main(["--merge", *files, "--out", str(merged)])
+    m = json.loads(merged.read_text())
+    tuned = "ours_paged_flex_max_autotune_no_cudagraphs"
+    assert [r["name"] for r in m["rows"]] == ["ours_paged_flex", tuned]
+    assert "name_at_run" not in m["rows"][0] and m["rows"][1]["name_at_run"] == "ours_paged_flex"
+    s = m["summary"]
+    assert s["roofline_fraction_bs64"] == 0.75 and s[f"roofline_fraction_{tuned}_bs64"] == 0.79
+    assert s[f"{tuned}_vs_default_compile_bs64"] == pytest.approx(8400 / 8000)

@@ -22,6 +22,7 @@ import re
 import signal
 import sys
 import tempfile
+import textwrap
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -119,6 +120,50 @@ def _union_reason(text: str) -> tuple[str, str | None]:
     return "; ".join(_readable(b) for b in bullets if not b.startswith(("Problem with", "Parser key"))), value
 
 
+_CLASS_BULLET = re.compile(r"^(\s*)- Problem with given class_path '([^']+)':\s*$")
+
+
+def _class_alternative(text: str, keys: list[str]) -> ConfigError | None:
+    """A Union error whose value was nested init args (`--trainer.strategy.init_args.compile maybe`), folded to
+    its class alternative's own error. The other alternatives (a plain `str`) are not what the user meant, but
+    jsonargparse chains only the first of them as the cause."""
+    if not re.search(r"^Given value type: <class 'jsonargparse\._util\.NestedArg'>", text, re.M):
+        return None  # this Union's own value (its unindented line), not one nested in an alternative's error
+    nested = re.search(r"^Given value: NestedArg\(key='([^']*)', val=(.*)\)\s*$", text, re.M)
+    if (plain := re.search(r"^ {0,2}- Expected a dot import path string: (.*)$", text, re.M)) and nested:
+        where = ".".join(keys)  # init args given to an option that holds a name (`strategy: auto`), not a class
+        return ConfigError(f"{where}.init_args.{nested.group(1)}", nested.group(2).strip("'\""),
+                           f"`{where}` is {plain.group(1).strip()!r}, not a class: set `{where}.class_path` first")
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if not (m := _CLASS_BULLET.match(line)):
+            continue
+        depth, path = len(m.group(1)), m.group(2)
+        block = []
+        for nxt in lines[i + 1:]:
+            if nxt.strip() and len(nxt) - len(nxt.lstrip()) <= depth:
+                break
+            block.append(nxt)
+        inner = textwrap.dedent("\n".join(block)).strip()
+        prefix = [*keys, *([] if _is_dataclass_path(path) else ["init_args"])]
+        if rejected := _NOT_ACCEPTED.match(inner):
+            return ConfigError(".".join([*prefix, rejected.group(1)]), _given_value(text),
+                               f"is not an argument of {path.rsplit('.', 1)[-1]}")
+        if not (key := _KEY.match(inner)):
+            return None
+        rest = textwrap.dedent(inner[key.end():].strip("\n")).strip()
+        if "Problem with given class_path" in rest:
+            return None  # a class inside the class: the cause chain reaches that Union on its own
+        if rest.startswith(_UNION):
+            reason, value = _union_reason(rest)
+        else:
+            got = _GOT.search(rest)
+            reason = _readable(rest[: got.start()] if got else rest.splitlines()[0])
+            value = got.group(1).strip() if got else None
+        return ConfigError(".".join([*prefix, key.group(1)]), value, reason)
+    return None
+
+
 def describe_parse_error(err: BaseException) -> BaseException:
     """A jsonargparse parse error as a ConfigError naming the option (`model.init_args.loss_impl`) and value.
 
@@ -146,6 +191,8 @@ def describe_parse_error(err: BaseException) -> BaseException:
             if not _is_dataclass_path(m.group(1)):  # users spell a dataclass's fields without `init_args`
                 keys.append("init_args")
         elif text.startswith(_UNION):
+            if folded := _class_alternative(text, keys):
+                return folded
             reason, value = _union_reason(text)
             nested = e.__cause__
             if nested is not None and _CLASS.match(str(nested).strip()):

@@ -68,6 +68,12 @@ ROWS = [
      "context_parallel_size"),
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.replicate_frozen true "
      "--trainer.strategy.param_dtype bf16 --model.init_args.lora '{r: 2, lora_alpha: 4}'", "replicate_frozen"),
+    # nested init args of a class held in a Union with `str` (Trainer.strategy): the class's own error, not `str`'s
+    (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.init_args.compile maybe",
+     "`trainer.strategy.init_args.compile='maybe'`: expected bool"),
+    (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.init_args.bogus 1",
+     "`trainer.strategy.init_args.bogus='1'`: is not an argument of FSDP2Strategy"),
+    (f"{F} --trainer.strategy.init_args.compile true", "set `trainer.strategy.class_path` first"),
     ("lightning-ffpa cp no_such_recipe out.yaml", "recipe"),
     ("lightning-ffpa cp tiny afile", "dest"),
     (f"{G} --trainer.callbacks.init_args.num_generations 1", "num_generations"),

@@ -11,13 +11,13 @@ import lightning as L
 import pytest
 import torch
 import torch._dynamo
-import transformers
 
 from lightning_ffpa import compile_fallbacks
 from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa.compile_fallbacks import CompileFallbackWarning
-from lightning_ffpa.parallel import FSDP2Strategy, causal_lm_hidden_states
-from lightning_ffpa.presets import build_text_config
+from lightning_ffpa.parallel import FSDP2Strategy
+
+from ._fit_tiny import TinyLM  # the plain module the strategy tests fit
 
 
 @pytest.fixture
@@ -45,22 +45,6 @@ def test_a_function_dynamo_gives_up_on_is_counted_and_warned(low_limit):
     assert compile_fallbacks.total() == 1 and "'doubled'" in next(iter(compile_fallbacks.counts()))
 
 
-class _TinyLM(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        cfg = build_text_config("tiny")
-        cfg._attn_implementation = "sdpa"
-        self.model = transformers.Gemma4ForCausalLM(cfg)
-
-    def training_step(self, batch, batch_idx):
-        hidden = causal_lm_hidden_states(self.model, input_ids=batch)
-        return hidden.float().square().mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
 @pytest.fixture
 def in_process_group():
     """Lightning's in-process group of one: torn down after, with the env vars it set (the port stays free)."""
@@ -80,6 +64,6 @@ def test_strategy_logs_decoder_layers_that_fell_back_to_eager(low_limit, in_proc
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.warns(CompileFallbackWarning, match="gave up on"):
-        trainer.fit(_TinyLM(), torch.utils.data.DataLoader(batches, batch_size=None))
+        trainer.fit(TinyLM(), torch.utils.data.DataLoader([(ids,) for ids in batches], batch_size=None))
     assert compile_fallbacks.total() >= 1
     assert trainer.logged_metrics["compile/fallbacks"] == compile_fallbacks.total()

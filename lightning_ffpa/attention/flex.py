@@ -46,7 +46,7 @@ def compiled_flex(backend: str | Callable = "inductor") -> Callable:
     instead of running flex unfused (the full score matrix, no fused kernel).
     ``backend`` is for tests.
     """
-    compile_fallbacks.prepare()
+    compile_fallbacks.prepare(fullgraph=_product_flex)
     return torch.compile(_product_flex, backend=backend, dynamic=False, fullgraph=True)
 
 

@@ -3,11 +3,15 @@
 Runs on CPU with a counting backend: what is checked is which calls dynamo compiles, not the kernel.
 """
 
+import warnings
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
+from lightning_ffpa import compile_fallbacks
 from lightning_ffpa.attention.flex import compiled_flex
+from lightning_ffpa.compile_fallbacks import CompileFallbackWarning
 
 
 def _counting_backend(calls: list[int]):
@@ -48,14 +52,18 @@ def test_a_full_cache_of_flex_attention_elsewhere_does_not_send_ours_to_eager():
 
 def test_past_the_recompile_limit_a_call_raises_instead_of_running_unfused():
     calls = []
+    compile_fallbacks.reset()
     ours = compiled_flex(_counting_backend(calls))
-    with torch._dynamo.config.patch(recompile_limit=2):
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         ours(*_qkv(32))
         ours(*_qkv(48))
         with pytest.raises(Exception, match="fullgraph") as info:
             ours(*_qkv(64))
     assert "recompile" in str(info.value.__cause__)
     assert len(calls) == 2
+    # it raised: not a fallback to eager, so neither counted nor warned about as one
+    assert not compile_fallbacks.counts() and not [w for w in seen if w.category is CompileFallbackWarning]
 
 
 def test_the_cp_rings_call_traces_as_one_graph():

@@ -48,8 +48,11 @@ FULL_DEPTH = 60
 
 
 def label(kind: str, mode: str, compile_mode: str | None = None) -> str:
-    """A row's name: its kind, then what differs from that kind's default row (compile mode, sampling)."""
-    tuned = "" if compile_mode in (None, "default") else "_" + compile_mode.replace("-", "_")
+    """A row's name: its kind, then what differs from that kind's default row (compile mode, sampling).
+
+    Only the compiled engine row takes a compile mode; the other kinds ignore it."""
+    plain = kind != "ours_paged_flex" or compile_mode in (None, "default")
+    tuned = "" if plain else "_" + compile_mode.replace("-", "_")
     return kind + tuned + ("_sampled" if mode == "sample" else "")
 
 
@@ -65,7 +68,7 @@ def build_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     for bs in batches:
         for kind in kinds:
             for mode in modes:
-                name = label(kind, mode, args.compile_mode if kind == "ours_paged_flex" else None)
+                name = label(kind, mode, args.compile_mode)
                 if only and name not in only and f"{name}@{bs}" not in only:
                     continue
                 spec = {"name": name, "kind": kind, "mode": mode, "batch": bs, **common,
@@ -203,7 +206,7 @@ def merge(paths: list[str], out: str) -> None:
     rows = [row for r in records for row in r["rows"]]
     for row in rows:  # runs before rows were named by compile mode: the name follows the row's own fields
         if row.get("kind") in KINDS and "mode" in row:
-            name = label(row["kind"], row["mode"], row.get("compile_mode") if row["kind"] == "ours_paged_flex" else None)
+            name = label(row["kind"], row["mode"], row.get("compile_mode"))
             if name != row.get("name"):
                 row["name_at_run"], row["name"] = row.get("name"), name
     sources = [{"file": Path(p).name, "commit": r.get("commit"), "date": r.get("date"), "command": r.get("command")}

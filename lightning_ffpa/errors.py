@@ -129,10 +129,10 @@ def _class_alternative(text: str, keys: list[str]) -> ConfigError | None:
     jsonargparse chains only the first of them as the cause."""
     if not re.search(r"^Given value type: <class 'jsonargparse\._util\.NestedArg'>", text, re.M):
         return None  # this Union's own value (its unindented line), not one nested in an alternative's error
-    nested = re.search(r"^Given value: NestedArg\(key='([^']*)', val=(.*)\)\s*$", text, re.M)
+    nested = _nested_arg(text)
     if (plain := re.search(r"^ {0,2}- Expected a dot import path string: (.*)$", text, re.M)) and nested:
         where = ".".join(keys)  # init args given to an option that holds a name (`strategy: auto`), not a class
-        return ConfigError(f"{where}.init_args.{nested.group(1)}", nested.group(2).strip("'\""),
+        return ConfigError(f"{where}.init_args.{nested[0]}", nested[1],
                            f"`{where}` is {plain.group(1).strip()!r}, not a class: set `{where}.class_path` first")
     lines = text.splitlines()
     for i, line in enumerate(lines):
@@ -147,7 +147,7 @@ def _class_alternative(text: str, keys: list[str]) -> ConfigError | None:
         inner = textwrap.dedent("\n".join(block)).strip()
         prefix = [*keys, *([] if _is_dataclass_path(path) else ["init_args"])]
         if rejected := _NOT_ACCEPTED.match(inner):
-            return ConfigError(".".join([*prefix, rejected.group(1)]), _given_value(text),
+            return ConfigError(".".join([*prefix, rejected.group(1)]), nested[1] if nested else None,
                                f"is not an argument of {path.rsplit('.', 1)[-1]}")
         if not (key := _KEY.match(inner)):
             return None
@@ -212,9 +212,15 @@ def describe_parse_error(err: BaseException) -> BaseException:
     return InputError(one_line(err))
 
 
+def _nested_arg(text: str) -> tuple[str, str] | None:
+    """(key, value) of the first `NestedArg` (an option given inside a class's init args) in an error's text."""
+    m = re.search(r"NestedArg\(key='([^']*)', val=(.*)\)\s*$", text, re.M)
+    return (m.group(1), m.group(2).strip("'\"")) if m else None
+
+
 def _given_value(err: BaseException) -> Any:
-    m = re.search(r"NestedArg\(key='[^']*', val=(.*)\)\s*$", str(err), re.M)
-    return m.group(1).strip("'\"") if m else None
+    nested = _nested_arg(str(err))
+    return nested[1] if nested else None
 
 
 def describe_constructor_error(err: BaseException) -> BaseException | None:

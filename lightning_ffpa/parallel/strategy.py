@@ -315,9 +315,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         hooks = self._offload.hooks() if self._offload is not None else contextlib.nullcontext()
         with hooks:  # backward runs later, outside: offload's hooks were attached at save time
             out = super().training_step(*args, **kwargs)
-        if compile_fallbacks.total():  # functions torch.compile gave up on, now running eagerly
-            self.lightning_module.log("compile/fallbacks", float(compile_fallbacks.total()), on_step=True,
-                                      on_epoch=False, rank_zero_only=True)
+        fallbacks = compile_fallbacks.total()  # functions torch.compile gave up on, now running eagerly
+        if fallbacks:
+            self.lightning_module.log("compile/fallbacks", float(fallbacks), on_step=True, on_epoch=False,
+                                      rank_zero_only=True)
         return out
 
     @property

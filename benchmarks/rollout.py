@@ -10,9 +10,11 @@ Rows (`--rows`, one process each, launched by this driver; the result file is re
 (ablation: `compile_decode=False`), `hf_generate_static` (HF `generate`, static cache, eager),
 `hf_generate_static_compiled` (HF's own CUDA default for static caches: compiled decoding forward; slow to
 compile at full depth, so it is left out of the default rows and is run in a call of its own), and
-`hf_continuous_batching`. A sampled row's name ends in `_sampled`. `vs_hf_generate_*` divides by the faster HF
-static-cache row measured; when no compiled row ran or it failed, `hf_baseline_*` and `depth_note` say
-"eager only".
+`hf_continuous_batching`. An engine row at a `--compile-mode` other than the default, or a `--page-size` other
+than 128, is named by it (`ours_paged_flex_page64`), and the summary divides it by the default row of the same
+batch (`<name>_vs_default_{compile,page}_bs*`). A sampled row's name ends in `_sampled`. `vs_hf_generate_*`
+divides by the faster HF static-cache row measured; when no compiled row ran or it failed, `hf_baseline_*` and
+`depth_note` say "eager only".
 
 Correctness: each engine row runs HF on its first `--check-prompts` prompts for `--check-tokens` tokens:
 greedy rows record the token match rate, first-divergence positions and HF's logit gap there; all rows record
@@ -45,15 +47,25 @@ ROWS_SCRIPT = Path(__file__).resolve().parent / "rollout_rows.py"
 KINDS = ("ours_paged_flex", "ours_paged_flex_eager_step", "hf_generate_static", "hf_generate_static_compiled",
          "hf_continuous_batching")
 FULL_DEPTH = 60
+DEFAULT_PAGE_SIZE = 128  # EngineConfig.page_size; a row at another size is named by it
 
 
-def label(kind: str, mode: str, compile_mode: str | None = None) -> str:
-    """A row's name: its kind, then what differs from that kind's default row (compile mode, sampling).
+def label(kind: str, mode: str, compile_mode: str | None = None, page_size: int | None = None) -> str:
+    """A row's name: its kind, then what differs from that kind's default row (compile mode, page size, sampling).
 
-    Only the compiled engine row takes a compile mode; the other kinds ignore it."""
+    Only the compiled engine row takes a compile mode; both engine kinds take a page size; HF rows ignore both."""
     plain = kind != "ours_paged_flex" or compile_mode in (None, "default")
     tuned = "" if plain else "_" + compile_mode.replace("-", "_")
-    return kind + tuned + ("_sampled" if mode == "sample" else "")
+    engine = kind.startswith("ours_paged_flex")
+    page = "" if not engine or page_size in (None, DEFAULT_PAGE_SIZE) else f"_page{page_size}"
+    return kind + tuned + page + ("_sampled" if mode == "sample" else "")
+
+
+def _variant(row: dict) -> list[str]:
+    """What an engine row changes from its kind's default row: "compile" and/or "page" (empty: it is that row)."""
+    kind, mode, plain = row["kind"], row["mode"], label(row["kind"], row["mode"])
+    return [what for what, name in (("compile", label(kind, mode, compile_mode=row.get("compile_mode"))),
+                                    ("page", label(kind, mode, page_size=row.get("page_size")))) if name != plain]
 
 
 def build_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -68,7 +80,7 @@ def build_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     for bs in batches:
         for kind in kinds:
             for mode in modes:
-                name = label(kind, mode, args.compile_mode)
+                name = label(kind, mode, args.compile_mode, args.page_size)
                 if only and name not in only and f"{name}@{bs}" not in only:
                     continue
                 spec = {"name": name, "kind": kind, "mode": mode, "batch": bs, **common,
@@ -116,13 +128,13 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
             if "token_match_rate" in check:
                 out[f"greedy_token_match_rate_bs{bs}"] = check["token_match_rate"]
                 out[f"greedy_exact_prompts_bs{bs}"] = f"{check['exact_prompts']} of {check['prompts']}"
-    for tuned in rows:  # an engine row with a non-default compile mode, against the default row beside it
-        if tuned.get("kind") == "ours_paged_flex" and tuned.get("compile_mode") not in (None, "default") \
-                and "tokens_per_s" in tuned:
-            base, key = _row(rows, label("ours_paged_flex", tuned["mode"]), tuned["batch"]), tuned["name"]
-            out[f"roofline_fraction_{key}_bs{tuned['batch']}"] = tuned["roofline_fraction"]
+    for row in rows:  # an engine row with a non-default compile mode or page size, against the default row beside it
+        changed = _variant(row) if row.get("kind") in KINDS and "mode" in row else []
+        if changed and "tokens_per_s" in row:
+            base, key, bs = _row(rows, label(row["kind"], row["mode"]), row["batch"]), row["name"], row["batch"]
+            out[f"roofline_fraction_{key}_bs{bs}"] = row.get("roofline_fraction")
             if base:
-                out[f"{key}_vs_default_compile_bs{tuned['batch']}"] = tuned["tokens_per_s"] / base["tokens_per_s"]
+                out[f"{key}_vs_default_{'_'.join(changed)}_bs{bs}"] = row["tokens_per_s"] / base["tokens_per_s"]
     ours64, eager64 = _row(rows, "ours_paged_flex", 64), _row(rows, "ours_paged_flex_eager_step", 64)
     for kind, key in (("hf_generate_static", "eager"), ("hf_generate_static_compiled", "compiled")):
         hf = _row(rows, kind, 64)
@@ -206,7 +218,7 @@ def merge(paths: list[str], out: str) -> None:
     rows = [row for r in records for row in r["rows"]]
     for row in rows:  # runs before rows were named by compile mode: the name follows the row's own fields
         if row.get("kind") in KINDS and "mode" in row:
-            name = label(row["kind"], row["mode"], row.get("compile_mode"))
+            name = label(row["kind"], row["mode"], row.get("compile_mode"), row.get("page_size"))
             if name != row.get("name"):
                 row["name_at_run"], row["name"] = row.get("name"), name
     sources = [{"file": Path(p).name, "commit": r.get("commit"), "date": r.get("date"), "command": r.get("command")}
@@ -235,7 +247,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--logs", default=None, help="per-row logs (default: <out>.logs next to the result file)")
     ap.add_argument("--preset", default="gemma4-31b", help="model shape (tiny: CPU smoke test of this script)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--page-size", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     ap.add_argument("--compile-mode", default=None,
                     help="torch.compile mode of the engine's decode step (EngineConfig.compile_mode)")
     ap.add_argument("--bandwidth-gb", type=float, default=4.0)

@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of scripts
 from benchmarks import rollout  # noqa: E402
 
 TINY = ["--preset", "tiny", "--device", "cpu", "--layers", "2", "--batches", "2", "--prompt-len", "8",
-        "--new-tokens", "12", "--page-size", "4", "--bandwidth-gb", "0.01", "--check-prompts", "2",
+        "--new-tokens", "12", "--bandwidth-gb", "0.01", "--check-prompts", "2",
         "--check-tokens", "10"]
 
 
@@ -171,3 +171,29 @@ def test_a_compile_mode_row_is_named_by_it_and_compared_with_the_default_row(tmp
     s = m["summary"]
     assert s["roofline_fraction_bs64"] == 0.75 and s[f"roofline_fraction_{tuned}_bs64"] == 0.79
     assert s[f"{tuned}_vs_default_compile_bs64"] == pytest.approx(8400 / 8000)
+
+
+def test_a_page_size_row_is_named_by_it_and_compared_with_the_default_row(tmp_path):
+    args = rollout.parse_args([*TINY, "--rows", "ours_paged_flex,ours_paged_flex_eager_step,hf_generate_static",
+                               "--modes", "greedy", "--page-size", "64"])
+    assert [s["name"] for s in rollout.build_specs(args)] == ["ours_paged_flex_page64",
+                                                              "ours_paged_flex_eager_step_page64",
+                                                              "hf_generate_static"]  # HF rows hold no pages
+    base = dict(kind="ours_paged_flex", mode="greedy", batch=64, process={"pid": 1})
+    rows = [dict(base, name="ours_paged_flex", page_size=128, tokens_per_s=2000.0, roofline_fraction=0.75),
+            dict(base, name="ours_paged_flex", page_size=64, tokens_per_s=2100.0, roofline_fraction=0.78),
+            dict(base, name="ours_paged_flex", page_size=64, compile_mode="max-autotune-no-cudagraphs",
+                 tokens_per_s=2200.0, roofline_fraction=0.8)]
+    files = [str(tmp_path / f"{i}.json") for i in range(len(rows))]
+    for row, f in zip(rows, files):
+        rollout.write([row], f, partial=False)
+    merged = tmp_path / "merged.json"
+    rollout.main(["--merge", *files, "--out", str(merged)])
+    m = json.loads(merged.read_text())
+    both = "ours_paged_flex_max_autotune_no_cudagraphs_page64"
+    assert [r["name"] for r in m["rows"]] == ["ours_paged_flex", "ours_paged_flex_page64", both]
+    s = m["summary"]
+    assert s["roofline_fraction_bs64"] == 0.75 and s["roofline_fraction_ours_paged_flex_page64_bs64"] == 0.78
+    assert s["ours_paged_flex_page64_vs_default_page_bs64"] == pytest.approx(2100 / 2000)
+    assert s[f"{both}_vs_default_compile_page_bs64"] == pytest.approx(2200 / 2000)
+    assert not any(k.startswith("ours_paged_flex_vs_default") for k in s)  # the default row is no variant of itself

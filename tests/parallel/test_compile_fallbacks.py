@@ -6,6 +6,7 @@ that into `compile_fallbacks.counts()`, a `CompileFallbackWarning` and the strat
 
 import functools
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,38 @@ def test_a_function_dynamo_gives_up_on_is_counted_and_warned(low_limit):
         for n in (2, 3, 4, 5):  # one graph per length: the third length passes the limit
             assert torch.equal(fn(torch.ones(n)), torch.full((n,), 2.0))
     assert compile_fallbacks.total() == 1 and "'doubled'" in next(iter(compile_fallbacks.counts()))
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize("dynamo_level", [logging.ERROR, logging.WARNING], ids=["dynamo_silenced", "dynamo_warns"])
+def test_a_fallback_is_counted_where_the_user_silenced_dynamo_and_stays_silent_there(low_limit, dynamo_level):
+    def tripled(x):
+        return x * 3
+
+    dynamo = logging.getLogger("torch._dynamo")
+    seen, level = _Records(), dynamo.level
+    dynamo.addHandler(seen)
+    dynamo.setLevel(dynamo_level)  # e.g. TORCH_LOGS="-dynamo"
+    try:
+        compile_fallbacks.prepare()
+        fn = torch.compile(tripled, dynamic=False)
+        with pytest.warns(CompileFallbackWarning, match=r"gave up on 'tripled'"):
+            for n in (2, 3, 4, 5):
+                fn(torch.ones(n))
+    finally:
+        dynamo.removeHandler(seen)
+        dynamo.setLevel(level)
+    assert compile_fallbacks.total() == 1
+    dynamo_said = any("hit config." in m for m in seen.messages)
+    assert dynamo_said == (dynamo_level <= logging.WARNING)  # dynamo's own line only where the user allows it
 
 
 @pytest.mark.timeout(300)

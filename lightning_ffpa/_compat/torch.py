@@ -104,19 +104,20 @@ def raise_recompile_limit(limit: int = 64) -> None:
 
 
 class _RecompileLimitFilter(logging.Filter):
-    """Calls `hook(function, limit)` for dynamo's one "hit config.<limit>" warning; passes on what the user's
-    logging settings would have emitted anyway (`user_enabled`, the logger's own `isEnabledFor`)."""
+    """Calls each `hook(function, limit)` on dynamo's one "hit config.<limit>" warning; passes on what the user's
+    logging settings would have emitted anyway (`user_enabled`: the logger's own `isEnabledFor`)."""
 
-    def __init__(self, hook: Callable[[str, str], None], user_enabled: Callable[[int], bool]) -> None:
+    def __init__(self, user_enabled: Callable[[int], bool]) -> None:
         super().__init__()
-        self.hook, self.user_enabled = hook, user_enabled
+        self.user_enabled, self.hooks = user_enabled, []
 
     def filter(self, record: logging.LogRecord) -> bool:
         # torch 2.11 and 2.13 log this once per code object when they stop compiling it (convert_frame.py):
         # args = (limit name, limit value, "'fn' (file:line)", last recompile reason, url).
         if isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config.") and record.args:
             args = record.args if isinstance(record.args, tuple) else (record.args,)
-            self.hook(str(args[2]) if len(args) > 2 else "?", f"{args[0]}={args[1]}" if len(args) > 1 else "?")
+            for hook in self.hooks:
+                hook(str(args[2]) if len(args) > 2 else "?", f"{args[0]}={args[1]}" if len(args) > 1 else "?")
         return self.user_enabled(record.levelno)
 
 
@@ -126,16 +127,16 @@ def on_recompile_limit_hit(hook: Callable[[str, str], None]) -> None:
     Past `recompile_limit` graphs per code object (or `accumulated_recompile_limit` in all) dynamo runs that
     function eagerly for the rest of the process, saying so in one log line only; there is no public event.
     The logger makes its WARNING records even where the user silenced dynamo's logs (`TORCH_LOGS`, `setLevel`),
-    so the hook still runs; those records reach handlers only where the user's settings let them.
+    so the hooks still run; those records reach handlers only where the user's settings let them.
     """
     logger = logging.getLogger("torch._dynamo.convert_frame")
-    filters = [f for f in logger.filters if isinstance(f, _RecompileLimitFilter)]
-    if any(f.hook is hook for f in filters):
-        return
-    user_enabled = filters[0].user_enabled if filters else logger.isEnabledFor
-    if not filters:
-        logger.isEnabledFor = lambda level: level >= logging.WARNING or user_enabled(level)
-    logger.addFilter(_RecompileLimitFilter(hook, user_enabled))
+    watch = next((f for f in logger.filters if isinstance(f, _RecompileLimitFilter)), None)
+    if watch is None:
+        watch = _RecompileLimitFilter(logger.isEnabledFor)
+        logger.isEnabledFor = lambda level: level >= logging.WARNING or watch.user_enabled(level)
+        logger.addFilter(watch)
+    if hook not in watch.hooks:
+        watch.hooks.append(hook)
 
 
 # --------------------------------------------------------------------------- flex attention

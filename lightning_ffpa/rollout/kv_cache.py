@@ -8,7 +8,7 @@ Under torch.compile the write goes through the custom op `lightning_ffpa::kv_wri
 `index_copy_` into a graph input is functionalized into an out-of-place copy: inductor then rewrites
 the whole pool every layer every step (which can make the compiled decode step slower than the uncompiled
 one). A custom op that declares the mutation is re-inplaced by inductor into one in-place
-call; `tests/rollout/test_kv_write.py` checks the generated code allocates no pool-sized buffer.
+call; `tests/rollout/test_compiled_decode_step.py` checks the generated code allocates no pool-sized buffer.
 Eager runs call `index_copy_` directly (same kernel, no custom-op dispatch).
 """
 

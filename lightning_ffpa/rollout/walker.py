@@ -1,7 +1,8 @@
 """Layer walker: runs an HF causal-LM decoder (Gemma4, Llama, Qwen2/3, ...) layer by layer for rollouts.
 
 Owns the forward order (embed, per-layer inputs, RoPE, decoder layers, norm, head, final softcap) and
-the per-layer facts the cache needs (`LayerSpec`). Attention itself is HF's module calling our
+the per-layer facts the cache needs (`LayerSpec`). Under torch.compile the RoPE tables go through the
+custom op `lightning_ffpa::rope_table`, so they are computed once per step, not once per layer. Attention itself is HF's module calling our
 registered paged attention function; this file does not know about pages or masks.
 """
 
@@ -15,6 +16,24 @@ from torch import nn
 from lightning_ffpa._compat import transformers as hf_compat
 from lightning_ffpa.rollout.attention import ATTENTION_NAME, StepContext
 from lightning_ffpa.rollout.kv_cache import LayerSpec, PagedKVCache
+
+
+@torch.library.custom_op("lightning_ffpa::rope_table", mutates_args=())
+def rope_table(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's RoPE cos/sin, materialized once: opaque to inductor, which would otherwise inline their
+    fp32 cos/sin math into every layer's query and key norm + RoPE kernel (13.6 against 2.5 us per call at
+    batch 64 on an H200)."""
+    return cos.clone(), sin.clone()
+
+
+@rope_table.register_fake
+def _(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(cos), torch.empty_like(sin)
+
+
+def _rope(rotary: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, *layer_type: str):
+    cos, sin = rotary(hidden, position_ids, *layer_type)
+    return rope_table(cos, sin) if torch.compiler.is_compiling() else (cos, sin)
 
 
 def _decoder(model: nn.Module) -> nn.Module:
@@ -79,9 +98,9 @@ class DecoderWalker:
             per_layer = self.base.get_per_layer_inputs(input_ids, hidden)
             per_layer = self.base.project_per_layer_inputs(hidden, per_layer)
         if self.rotary_by_type:
-            rope = {t: self.base.rotary_emb(hidden, position_ids, t) for t in set(self.layer_types)}
+            rope = {t: _rope(self.base.rotary_emb, hidden, position_ids, t) for t in set(self.layer_types)}
         else:
-            shared_rope = self.base.rotary_emb(hidden, position_ids)
+            shared_rope = _rope(self.base.rotary_emb, hidden, position_ids)
             rope = {t: shared_rope for t in set(self.layer_types)}
         shared: dict = {}
         for i, layer in enumerate(self.base.layers):

@@ -1,9 +1,12 @@
-"""The KV write stays in place under inductor: a compiled decode step never copies a KV pool.
+"""The compiled decode step's generated code: KV writes in place, RoPE tables computed once per step.
 
-Why it matters: functionalized `index_copy_` into a graph input made inductor rewrite every pool in full
-each layer each step (the H200's compiled decode step was slower than the uncompiled one). The proof is
-the generated code: it allocates no buffer shaped like a pool, and it writes each pool with one in-place
+KV writes: functionalized `index_copy_` into a graph input made inductor rewrite every pool in full each
+layer each step (the H200's compiled decode step was slower than the uncompiled one). The proof is the
+generated code: it allocates no buffer shaped like a pool, and it writes each pool with one in-place
 `lightning_ffpa::kv_write` call on the pool itself. CPU (dense attention, fast) and GPU (compiled flex).
+
+RoPE: inductor inlined the cos/sin math into every layer's query and key norm + RoPE kernel. The proof is
+that only the `lightning_ffpa::rope_table` kernels compute cos or sin, one per layer type.
 """
 
 import re
@@ -86,9 +89,31 @@ def test_compiled_decode_step_writes_pools_in_place():
     _assert_writes_in_place("\n".join(codes), pools)
 
 
+def _cos_kernels(code: str) -> list[str]:
+    """Names of the generated kernels that compute cos (C++ `cpp_fused_*` or Triton `triton_*_fused_*`)."""
+    return sorted({n for n in re.findall(r"\b((?:cpp|triton_\w+?)_fused\w*)\(", code) if "_cos_" in n})
+
+
+def _assert_rope_once_per_type(code: str, layer_types: list[str]) -> None:
+    assert code.count("torch.ops.lightning_ffpa.rope_table.default(") == len(set(layer_types))
+    kernels = _cos_kernels(code)
+    assert kernels and all("rope_table" in k for k in kernels), kernels  # no layer kernel recomputes them
+
+
+def test_compiled_decode_step_computes_rope_tables_once_per_layer_type():
+    model = _model()
+    cfg = EngineConfig(page_size=4, num_pages=64, max_batch_size=4, max_seq_len=64, max_prefill_tokens=64,
+                       attention="dense")
+    eng = RolloutEngine(model, cfg)
+    torch._dynamo.reset()
+    codes = _record_code(eng, torch.compile(eng._decode_step, dynamic=False))
+    eng.generate(_prompts(), 6)
+    _assert_rope_once_per_type("\n".join(codes), model.config.layer_types)
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-def test_compiled_decode_step_writes_pools_in_place_gpu():
+def test_compiled_decode_step_writes_in_place_and_ropes_once_gpu():
     model = _model(torch.bfloat16, "cuda")
     cfg = EngineConfig(page_size=16, num_pages=32, max_batch_size=4, max_seq_len=128)
     eng = RolloutEngine(model, EngineConfig(**{**vars(cfg), "compile_decode": True, "cuda_graphs": False}))
@@ -98,3 +123,4 @@ def test_compiled_decode_step_writes_pools_in_place_gpu():
     seqs = eng.generate(_prompts(), 6)
     assert all(len(s.output) == 6 and all(torch.isfinite(torch.tensor(s.logprobs))) for s in seqs)
     _assert_writes_in_place("\n".join(codes), [*eng.cache.k.values(), *eng.cache.v.values()])
+    _assert_rope_once_per_type("\n".join(codes), model.config.layer_types)

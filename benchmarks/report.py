@@ -160,7 +160,8 @@ def harness_flaw(stem: str, record: dict[str, Any]) -> str | None:
     """The harness flaw a result file carries, if any (one fixed since applies only to its commit's file)."""
     at = FLAWED_COMMITS.get(stem)
     return HARNESS_FLAWS.get(stem) if at is None or str(record.get("commit", "")).startswith(at) else None
-STANDARD_KEYS = ("benchmark", "command", "commit", "date", "device", "versions", "rows", "summary", "script_doc")
+STANDARD_KEYS = ("benchmark", "command", "commit", "date", "finished_at", "device", "versions", "rows", "summary",
+                 "script_doc")
 NOTE_KEYS = ("depth_note", "model_slice", "memory_note", "history_note", "partial_run")  # strings that qualify a file's headlines
 # A file whose summary has a `history_note` is an earlier state kept for comparison: docs/benchmarks.md
 # lists it, the README does not.

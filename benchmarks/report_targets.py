@@ -58,9 +58,10 @@ def _newest(results: list[tuple[Path, dict[str, Any]]], key: str, stem: str | No
 
 
 def measured_at(record: dict[str, Any]) -> str:
-    """When a file's last call ran ("YYYY-MM-DD HH:MM:SS" where the script records its calls, else the day): two
-    files of one day are told apart by the time of day."""
-    return max([str(c.get("date", "")) for c in record.get("calls") or []] + [str(record.get("date", ""))])
+    """When a file's last call ran ("YYYY-MM-DD HH:MM:SS" where the script records its calls or the writer its
+    `finished_at`, else the day): two files of one day are told apart by the time of day."""
+    return max([str(c.get("date", "")) for c in record.get("calls") or []]
+               + [str(record.get(k, "")) for k in ("date", "finished_at")])
 
 
 def target_status(value: float | None, bar: float, strict: bool) -> str:

@@ -58,6 +58,7 @@ def write_result(benchmark: str, rows: list[dict[str, Any]], summary: dict[str, 
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": _commit(),
         "date": _dt.date.today().isoformat(),
+        "finished_at": _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S"),  # orders two files of one day
         "device": device_name(),
         "versions": {m: _version(m) for m in ("torch", "transformers", "ffpa_attn", "lightning", "triton")},
         "script_doc": _script_doc(),  # what the rows meant when they ran, for docs rendered after the script changes

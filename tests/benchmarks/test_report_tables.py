@@ -371,6 +371,23 @@ def test_targets_table_tells_two_files_of_one_day_apart_by_their_calls():
         assert any("| 45.0% | missed |" in ln and "(`bbbbbbb`)" in ln for ln in lines)
 
 
+def test_two_files_of_one_day_without_calls_are_told_apart_by_when_the_writer_finished(tmp_path, monkeypatch):
+    from benchmarks import report_targets
+
+    monkeypatch.setattr(sys, "argv", ["bench.py"])
+    first = json.loads(results_io.write_result("b", [], {"ours_mfu_spec_16k": 0.45}, out=tmp_path / "z.json").read_text())
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", first["finished_at"])
+    earlier = dict(first, commit="aaaaaaa", finished_at=f"{first['date']} 00:00:01", summary={"ours_mfu_spec_16k": 0.4})
+    later = dict(first, commit="bbbbbbb", finished_at=f"{first['date']} 23:59:59")
+    for order in ((earlier, later), (later, earlier)):  # "a.json" sorts first either way: the time decides
+        results = [(tmp_path / name, r) for name, r in zip(("a.json", "b.json"), order)]
+        assert report_targets._newest(results, "ours_mfu_spec_16k", None)[1]["commit"] == "bbbbbbb"
+        assert "(`bbbbbbb`)" in next(ln for ln in report_targets.render_targets(results, tmp_path, lambda p, s: p.name)
+                                     if "ours_mfu_spec_16k" in ln)
+        bullets = [ln for ln in report.render_headline(results).splitlines() if "ours_mfu_spec_16k" in ln]
+        assert len(bullets) == 1 and "45.0%" in bullets[0]
+
+
 def test_kernel_kinds_sum_the_top_list_by_kind_and_leave_profiler_ranges_out():
     from benchmarks.step_probe import kernel_kinds
 

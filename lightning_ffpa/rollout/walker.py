@@ -1,9 +1,10 @@
 """Layer walker: runs an HF causal-LM decoder (Gemma4, Llama, Qwen2/3, ...) layer by layer for rollouts.
 
 Owns the forward order (embed, per-layer inputs, RoPE, decoder layers, norm, head, final softcap) and
-the per-layer facts the cache needs (`LayerSpec`). Under torch.compile the RoPE tables go through the
-custom op `lightning_ffpa::rope_table`, so they are computed once per step, not once per layer. Attention itself is HF's module calling our
-registered paged attention function; this file does not know about pages or masks.
+the per-layer facts the cache needs (`LayerSpec`). Attention itself is HF's module calling our
+registered paged attention function; this file does not know about pages or masks. Under torch.compile
+the RoPE tables go through the custom op `lightning_ffpa::rope_table`, so they are computed once per
+step, not once per layer.
 """
 
 from __future__ import annotations

@@ -96,7 +96,9 @@ def test_compiled_sac_ffpa_layers_match_eager_without_breaks_or_recompiles(aot_e
 
 def test_eager_counts_skip_the_checkpoint_recompute():
     attention.register_ffpa()
-    model = transformers.Gemma4ForCausalLM(build_text_config("tiny", _attn_implementation="ffpa"))
+    cfg = build_text_config("tiny")
+    cfg._attn_implementation = "ffpa"  # transformers 5.25 drops `_attn_implementation` as a config kwarg
+    model = transformers.Gemma4ForCausalLM(cfg)
     parallelize(model, None, activation_checkpointing="full")
     ids = torch.randint(0, 512, (1, 24))
     *_, dispatch, kernel = _run(model, ids, steps=2)

@@ -53,6 +53,9 @@ class DecoderWalker:
         self.config = model.config
         n = len(self.base.layers)
         self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * n)
+        # First-appearance order, not a set's: the traced step (and inductor's cache key) must not depend on
+        # the process's string hashing.
+        self.rope_types = list(dict.fromkeys(self.layer_types))
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.per_layer_dim = getattr(self.base, "hidden_size_per_layer_input", 0) or 0
         self.rotary_by_type = hf_compat.rotary_takes_layer_type(self.base.rotary_emb)
@@ -98,10 +101,10 @@ class DecoderWalker:
             per_layer = self.base.get_per_layer_inputs(input_ids, hidden)
             per_layer = self.base.project_per_layer_inputs(hidden, per_layer)
         if self.rotary_by_type:
-            rope = {t: _rope(self.base.rotary_emb, hidden, position_ids, t) for t in set(self.layer_types)}
+            rope = {t: _rope(self.base.rotary_emb, hidden, position_ids, t) for t in self.rope_types}
         else:
             shared_rope = _rope(self.base.rotary_emb, hidden, position_ids)
-            rope = {t: shared_rope for t in set(self.layer_types)}
+            rope = {t: shared_rope for t in self.rope_types}
         shared: dict = {}
         for i, layer in enumerate(self.base.layers):
             kw = {"position_embeddings": rope[self.layer_types[i]], "attention_mask": ctx,

@@ -111,6 +111,26 @@ def test_compiled_decode_step_computes_rope_tables_once_per_layer_type():
     _assert_rope_once_per_type("\n".join(codes), model.config.layer_types)
 
 
+def test_rope_tables_are_made_in_layer_order_whatever_the_string_hashing(monkeypatch):
+    """A set's order of layer types follows the process's string hashing, so a traced step (and inductor's cache
+    key) would differ between runs; the walker makes the tables in first-appearance order."""
+    torch.manual_seed(0)
+    cfg = build_text_config("tiny", num_hidden_layers=3, layer_types=["sliding_attention", "full_attention",
+                                                                      "sliding_attention"])
+    model = Gemma4ForCausalLM(cfg).eval()
+    rotary, made = model.model.rotary_emb, []
+
+    def spy(x, pos, layer_type=None):
+        made.append(layer_type)
+        return type(rotary).forward(rotary, x, pos, layer_type)
+
+    monkeypatch.setattr(rotary, "forward", spy)
+    eng = RolloutEngine(model, EngineConfig(page_size=4, num_pages=64, max_batch_size=4, max_seq_len=64,
+                                            max_prefill_tokens=64, attention="dense"))
+    eng.generate(_prompts(), 2)
+    assert made and made == ["sliding_attention", "full_attention"] * (len(made) // 2)
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 def test_compiled_decode_step_writes_in_place_and_ropes_once_gpu():

@@ -116,8 +116,9 @@ class _RecompileLimitFilter(logging.Filter):
         # args = (limit name, limit value, "'fn' (file:line)", last recompile reason, url).
         if isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config.") and record.args:
             args = record.args if isinstance(record.args, tuple) else (record.args,)
+            function, limit = str(args[2]) if len(args) > 2 else "?", f"{args[0]}={args[1]}" if len(args) > 1 else "?"
             for hook in self.hooks:
-                hook(str(args[2]) if len(args) > 2 else "?", f"{args[0]}={args[1]}" if len(args) > 1 else "?")
+                hook(function, limit)
         return self.user_enabled(record.levelno)
 
 

@@ -115,7 +115,8 @@ def run_ours(model, prompts, new: int, bw: dict, wbytes: int, spec: dict, device
     ecfg = EngineConfig(page_size=page, num_pages=bs * (max_len // page) + 2, max_batch_size=bs,
                         max_seq_len=max_len, max_prefill_tokens=16384, pipeline=spec.get("pipeline", True),
                         compile_decode=False if eager_step else None,
-                        compile_mode=None if eager_step else spec.get("compile_mode"))
+                        compile_mode=None if eager_step else spec.get("compile_mode"),
+                        fuse_projections=spec.get("fuse_projections", True))
     eng = RolloutEngine(model, ecfg)
     sampling = SamplingParams(temperature=0.0) if spec["mode"] == "greedy" else SamplingParams(temperature=1.0,
                                                                                                top_p=1.0, top_k=0)
@@ -141,6 +142,7 @@ def run_ours(model, prompts, new: int, bw: dict, wbytes: int, spec: dict, device
            "graph_replays": eng.stats["graph_replays"], "eager_decodes": eng.stats["eager_decodes"],
            "syncs": eng.stats["syncs"], "preemptions": eng.stats["preemptions"], "pipeline": ecfg.pipeline,
            "compile_mode": ecfg.compile_mode, "decode_path": eng.decode_path, "attention_path": eng.attention_path,
+           "projection_path": eng.projection_path,
            "tokens_generated": sum(len(s.output) for s in seqs)}
     return res, eng, seqs
 

@@ -191,7 +191,8 @@ class RolloutCallback(L.Callback):
         self.engine = RolloutEngine(inference, self.engine_config, set(eos), option=f"{OPTION}.engine")
         e = self.engine
         rank_zero_info(f"RolloutCallback: {dtype} inference copy; attention {e.attention_path}, decode step "
-                       f"{e.decode_path}, CUDA graphs {'on' if e.on_cuda and e.config.cuda_graphs else 'off'}")
+                       f"{e.decode_path}, projections {e.projection_path}, CUDA graphs "
+                       f"{'on' if e.on_cuda and e.config.cuda_graphs else 'off'}")
         self.tokenizer = None
         if self.tokenizer_name:
             from transformers import AutoTokenizer

@@ -33,6 +33,9 @@ custom op under compile so inductor keeps them in place instead of copying every
 over the graphed eager step is in `benchmarks/results/rollout.json`. The price is one compile
 per batch bucket at capture, logged with its time and counted in `stats["capture_s"]`.
 
+`EngineConfig.fuse_projections` (on by default, CPU too) runs the projections that read one input (q/k/v,
+gate/up) as one GEMM per group (`fused_linear.py`): a skinny decode GEMM streams its weights faster when larger.
+
 Sliding-window pages are not freed early. One page table serves every layer, and Gemma4's full layers
 read every page, so freeing a sliding layer's out-of-window pages needs a second page pool and table
 for sliding layers (a second set of masks and index maps per step). It saves memory, not bytes read:
@@ -104,6 +107,10 @@ class EngineConfig:
     compile). Modes that add inductor's own CUDA graphs are refused: the engine captures its own."""
     pipeline: bool = True
     """Queue each decode step before reading back the previous one (stops are seen one step late)."""
+    fuse_projections: bool = True
+    """Run the projections that read one input (q/k/v, gate/up) as one GEMM over their weights, moved into one
+    buffer per group (the Parameters stay, as views of it). Groups that cannot fuse (adapter layers, sharded
+    weights) stay separate and `projection_path` says why. Gain: `benchmarks/results/rollout_fused_projections.json`."""
 
     def check(self, option: str = "engine") -> None:
         """Raise ConfigError naming `<option>.<field>` for the first value out of range or inconsistent."""
@@ -121,6 +128,8 @@ class EngineConfig:
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError(f"{option}.compile_mode", self.compile_mode,
                               f"must be one of {list(COMPILE_MODES)} (the engine captures its own CUDA graphs)")
+        if not isinstance(self.fuse_projections, bool):
+            raise ConfigError(f"{option}.fuse_projections", self.fuse_projections, "must be a bool")
         if self.compile_mode is not None and self.compile_decode is False:
             raise ConfigError(f"{option}.compile_mode", self.compile_mode,
                               f"needs `{option}.compile_decode` on (it is the mode of the compiled decode step)")
@@ -191,6 +200,11 @@ class RolloutEngine:
                               f"has no effect: the decode step runs eagerly here (`{option}.compile_decode` "
                               "off, or not on CUDA)")
         self.eos_token_ids = set(eos_token_ids or ())
+        if cfg.fuse_projections:  # after the config checks (it moves the model's weights), before the pool's room check
+            self.walker.fuse()
+            if self.on_cuda:
+                torch.cuda.empty_cache()  # the weights' old blocks: cached, they would hold a second copy's worth
+        self.projection_path = self.walker.projection_path
         self.page_table = PageTable(cfg.num_pages, cfg.page_size, cfg.max_batch_size + 1,
                                     cfg.max_seq_len // cfg.page_size, self.device)
         check_pool_fits(pool_bytes(self.walker.specs, cfg.num_pages, cfg.page_size, self.dtype), cfg.num_pages,

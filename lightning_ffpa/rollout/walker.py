@@ -2,7 +2,8 @@
 
 Owns the forward order (embed, per-layer inputs, RoPE, decoder layers, norm, head, final softcap) and
 the per-layer facts the cache needs (`LayerSpec`). Attention itself is HF's module calling our
-registered paged attention function; this file does not know about pages or masks. Under torch.compile
+registered paged attention function; this file does not know about pages or masks. After `fuse()` the
+projections that read one input run as one GEMM while the engine runs (`fused_linear.py`). Under torch.compile
 the RoPE tables go through the custom op `lightning_ffpa::rope_table`, so they are computed once per
 step, not once per layer.
 """
@@ -16,6 +17,7 @@ from torch import nn
 
 from lightning_ffpa._compat import transformers as hf_compat
 from lightning_ffpa.rollout.attention import ATTENTION_NAME, StepContext
+from lightning_ffpa.rollout.fused_linear import fuse_projections, serving
 from lightning_ffpa.rollout.kv_cache import LayerSpec, PagedKVCache
 
 
@@ -64,6 +66,23 @@ class DecoderWalker:
         self._shared_kw = "shared_kv_states" in params
         self._per_layer_kw = "per_layer_input" in params
         self.specs = [self._spec(layer) for layer in self.base.layers]
+        self.groups: list = []
+        self.unfused: list[str] = []
+
+    def fuse(self) -> None:
+        """Fuse the projections that read one input (`fused_linear.py`); they serve fused inside
+        `paged_attention()` only."""
+        self.groups, self.unfused = fuse_projections(self.base.layers)
+
+    @property
+    def projection_path(self) -> str:
+        """What the projections run as: "fused (N groups)", with how many were left separate and why."""
+        if not self.groups and not self.unfused:
+            return "separate"
+        path = f"fused ({len(self.groups)} groups)"
+        if self.unfused:
+            path += f"; {len(self.unfused)} separate, first: {self.unfused[0]}"
+        return path
 
     @staticmethod
     def _spec(layer: nn.Module) -> LayerSpec:
@@ -80,12 +99,14 @@ class DecoderWalker:
 
     @contextmanager
     def paged_attention(self):
-        """Route the model's attention modules to the paged flex function while inside."""
+        """Route the model's attention modules to the paged flex function, and serve fused projections, while
+        inside."""
         cfg = self.config
         saved = hf_compat.config_attn_implementation(cfg)
         hf_compat.set_config_attn_implementation(cfg, ATTENTION_NAME)
         try:
-            yield
+            with serving(self.groups):
+                yield
         finally:
             hf_compat.set_config_attn_implementation(cfg, saved)
 

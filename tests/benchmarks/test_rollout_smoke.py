@@ -35,6 +35,7 @@ def test_rows_run_in_own_processes_with_hf_check(tmp_path, monkeypatch):
     greedy, sampled = record["rows"][0], record["rows"][1]
     assert greedy["mode"] == "greedy" and sampled["mode"] == "sample"
     assert greedy["tokens_generated"] == sampled["tokens_generated"] == 2 * 12
+    assert greedy["projection_path"] == "fused (4 groups)"  # the engine's default: q/k/v and gate/up per layer
     check = greedy["hf_check"]  # fp32 CPU: the engine's greedy tokens equal HF's
     assert check["token_match_rate"] == 1.0 and check["first_divergence"] == [None, None]
     assert check["exact_prompts"] == 2 and check["logprob_max_abs_diff"] < 1e-3
@@ -197,3 +198,20 @@ def test_a_page_size_row_is_named_by_it_and_compared_with_the_default_row(tmp_pa
     assert s["ours_paged_flex_page64_vs_default_page_bs64"] == pytest.approx(2100 / 2000)
     assert s[f"{both}_vs_default_compile_page_bs64"] == pytest.approx(2200 / 2000)
     assert not any(k.startswith("ours_paged_flex_vs_default") for k in s)  # the default row is no variant of itself
+
+
+@pytest.mark.timeout(120)
+def test_an_unfused_row_runs_unfused_and_is_compared_with_the_default_row(tmp_path):
+    out = tmp_path / "unfused.json"
+    rollout.main([*TINY, "--rows", "ours_paged_flex", "--modes", "greedy", "--no-fuse-projections",
+                  "--check-prompts", "1", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["name"] == "ours_paged_flex_unfused" and row["fuse_projections"] is False
+    assert row["projection_path"] == "separate" and row["hf_check"]["token_match_rate"] == 1.0
+    default = dict(row, name="ours_paged_flex", fuse_projections=True, tokens_per_s=row["tokens_per_s"] * 1.25)
+    other = tmp_path / "default.json"
+    rollout.write([default], str(other), partial=False)
+    merged = tmp_path / "merged.json"
+    rollout.main(["--merge", str(other), str(out), "--out", str(merged)])
+    s = json.loads(merged.read_text())["summary"]
+    assert s["ours_paged_flex_unfused_vs_default_fuse_bs2"] == pytest.approx(1 / 1.25)

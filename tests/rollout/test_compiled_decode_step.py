@@ -7,6 +7,8 @@ generated code: it allocates no buffer shaped like a pool, and it writes each po
 
 RoPE: inductor inlined the cos/sin math into every layer's query and key norm + RoPE kernel. The proof is
 that only the `lightning_ffpa::rope_table` kernels compute cos or sin, one per layer type.
+
+Fused projections: the step issues one matmul per projection group (q/k/v, gate/up), counted in the code.
 """
 
 import re
@@ -89,6 +91,12 @@ def test_compiled_decode_step_writes_pools_in_place():
     _assert_writes_in_place("\n".join(codes), pools)
 
 
+def _assert_one_matmul_per_group(code: str, eng: RolloutEngine) -> None:
+    linears = sum(isinstance(m, torch.nn.Linear) for m in eng.model.modules())  # lm_head included
+    saved = sum(g.num_members - 1 for g in eng.walker.groups)
+    assert saved > 0 and len(re.findall(r"extern_kernels\.(?:mm|addmm)\(", code)) == linears - saved
+
+
 def _cos_kernels(code: str) -> list[str]:
     """Names of the generated kernels that compute cos (C++ `cpp_fused_*` or Triton `triton_*_fused_*`)."""
     return sorted({n for n in re.findall(r"\b((?:cpp|triton_\w+?)_fused\w*)\(", code) if "_cos_" in n})
@@ -100,7 +108,7 @@ def _assert_rope_once_per_type(code: str, layer_types: list[str]) -> None:
     assert kernels and all("rope_table" in k for k in kernels), kernels  # no layer kernel recomputes them
 
 
-def test_compiled_decode_step_computes_rope_tables_once_per_layer_type():
+def test_compiled_decode_step_computes_rope_tables_once_per_layer_type_and_one_matmul_per_group():
     model = _model()
     cfg = EngineConfig(page_size=4, num_pages=64, max_batch_size=4, max_seq_len=64, max_prefill_tokens=64,
                        attention="dense")
@@ -109,6 +117,7 @@ def test_compiled_decode_step_computes_rope_tables_once_per_layer_type():
     codes = _record_code(eng, torch.compile(eng._decode_step, dynamic=False))
     eng.generate(_prompts(), 6)
     _assert_rope_once_per_type("\n".join(codes), model.config.layer_types)
+    _assert_one_matmul_per_group("\n".join(codes), eng)
 
 
 def test_rope_tables_are_made_in_layer_order_whatever_the_string_hashing(monkeypatch):
@@ -133,7 +142,7 @@ def test_rope_tables_are_made_in_layer_order_whatever_the_string_hashing(monkeyp
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-def test_compiled_decode_step_writes_in_place_and_ropes_once_gpu():
+def test_compiled_decode_step_writes_in_place_ropes_once_and_fuses_projections_gpu():
     model = _model(torch.bfloat16, "cuda")
     cfg = EngineConfig(page_size=16, num_pages=32, max_batch_size=4, max_seq_len=128)
     eng = RolloutEngine(model, EngineConfig(**{**vars(cfg), "compile_decode": True, "cuda_graphs": False}))
@@ -144,3 +153,4 @@ def test_compiled_decode_step_writes_in_place_and_ropes_once_gpu():
     assert all(len(s.output) == 6 and all(torch.isfinite(torch.tensor(s.logprobs))) for s in seqs)
     _assert_writes_in_place("\n".join(codes), [*eng.cache.k.values(), *eng.cache.v.values()])
     _assert_rope_once_per_type("\n".join(codes), model.config.layer_types)
+    _assert_one_matmul_per_group("\n".join(codes), eng)

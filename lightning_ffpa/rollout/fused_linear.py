@@ -1,0 +1,136 @@
+"""Fused projections for rollouts: the Linear layers that read one input (q/k/v, gate/up) run as one GEMM.
+
+At decode batch 64 every projection is a skinny GEMM bound by its weight bytes, and the small ones (Gemma4's
+sliding k and v) stream well below the bandwidth a larger one reaches; one GEMM over the concatenated
+weights streams the same bytes faster and launches fewer kernels (docs/performance.md).
+
+Owns: `fuse_projections`, which moves each group's weights into one buffer, and the `SlicedLinear` layers
+that serve their rows of it. The Parameters keep their names and identities: their `.data` becomes a row
+view of the buffer, so in-place writes (the LoRA refresh, an optimizer step) land in the fused weight and
+captured CUDA graphs stay valid. Outside `serving(groups)` a `SlicedLinear` is a plain
+`nn.Linear` (HF's own forward, training, `generate` run unchanged); inside it, the first member called on an
+input computes the group's GEMM and every member returns its columns of that output. It does not know about
+attention, caches or the decode step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Groups looked for under each decoder layer: (submodule, Linear names that read the same input).
+GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+class ProjectionGroup:
+    """Linears that read the same input, stored as row blocks of one weight (out_total, in)."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.weight = torch.cat([lin.weight.detach() for lin in linears])  # (sum of out, in)
+        has_bias = linears[0].bias is not None
+        self.bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+        self.spans: list[tuple[int, int]] = []
+        lo = 0
+        for i, lin in enumerate(linears):
+            hi = lo + lin.out_features
+            self.spans.append((lo, hi))
+            with torch.no_grad():
+                lin.weight.data = self.weight[lo:hi]  # same Parameter object, now a view of the buffer
+                if has_bias:
+                    lin.bias.data = self.bias[lo:hi]
+            lin.__class__ = SlicedLinear  # same object, hooks and state-dict keys; only `forward` differs
+            lin.group, lin.index = self, i
+            lo = hi
+        self.active = False
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._pending = 0
+
+    @property
+    def num_members(self) -> int:
+        return len(self.spans)
+
+    def take(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Member `index`'s output for `x`: its columns of the group's GEMM, computed once per input."""
+        if self._input is not x:
+            self._input, self._output, self._pending = x, F.linear(x, self.weight, self.bias), self.num_members
+        lo, hi = self.spans[index]
+        out = self._output[..., lo:hi]
+        self._pending -= 1
+        if self._pending == 0:  # every member has its columns: drop the output now, not at the next input
+            self.release()
+        return out
+
+    def release(self) -> None:
+        """Forget the held input and output (a member that was never called would otherwise keep them)."""
+        self._input = self._output = None
+        self._pending = 0
+
+
+class SlicedLinear(nn.Linear):
+    """An `nn.Linear` whose weight is a row block of its group's buffer (made by class swap, never built)."""
+
+    group: ProjectionGroup
+    index: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group.active:
+            return self.group.take(self.index, x)
+        return super().forward(x)
+
+
+def _fusable(linears: list[nn.Module]) -> str | None:
+    """Why these modules cannot share one GEMM, or None when they can."""
+    if any(type(m) not in (nn.Linear, SlicedLinear) for m in linears):
+        return "not plain nn.Linear (adapter layers: fuse the merged inference copy instead)"
+    weights = [m.weight for m in linears]
+    if any(type(w.data) is not torch.Tensor for w in weights):
+        return "weights are not plain tensors (sharded or subclassed)"
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) > 1:
+        return "members differ in dtype, device or input width"
+    if len({m.bias is None for m in linears}) > 1:
+        return "some members have a bias and some do not"
+    return None
+
+
+def fuse_projections(layers: nn.ModuleList) -> tuple[list[ProjectionGroup], list[str]]:
+    """Fuse every group in `GROUPS` under each layer; returns (groups, why any group was left separate).
+
+    Idempotent: layers fused before keep their groups (a second engine on the same model reuses them).
+    """
+    groups: list[ProjectionGroup] = []
+    skipped: list[str] = []
+    for i, layer in enumerate(layers):
+        for parent_name, names in GROUPS:
+            parent = getattr(layer, parent_name, None)
+            members = [getattr(parent, n, None) for n in names] if parent is not None else []
+            members = [m for m in members if m is not None]
+            if len(members) < 2:
+                continue  # e.g. Gemma4's KV-shared layers have only q_proj
+            if all(isinstance(m, SlicedLinear) for m in members) and len({id(m.group) for m in members}) == 1:
+                if members[0].group.num_members == len(members):
+                    groups.append(members[0].group)
+                    continue
+            why = _fusable(members)
+            if why is not None:
+                skipped.append(f"layers.{i}.{parent_name}: {why}")
+                continue
+            groups.append(ProjectionGroup(members))
+    return groups, skipped
+
+
+@contextmanager
+def serving(groups: list[ProjectionGroup]) -> Iterator[None]:
+    """Inside: every fused member returns its slice of its group's one GEMM."""
+    for g in groups:
+        g.active = True
+    try:
+        yield
+    finally:
+        for g in groups:
+            g.active = False
+            g.release()

@@ -10,11 +10,11 @@ Rows (`--rows`, one process each, launched by this driver; the result file is re
 (ablation: `compile_decode=False`), `hf_generate_static` (HF `generate`, static cache, eager),
 `hf_generate_static_compiled` (HF's own CUDA default for static caches: compiled decoding forward; slow to
 compile at full depth, so it is left out of the default rows and is run in a call of its own), and
-`hf_continuous_batching`. An engine row at a `--compile-mode` other than the default, or a `--page-size` other
-than 128, or with `--no-fuse-projections`, is named by it (`ours_paged_flex_page64`, `ours_paged_flex_unfused`),
-and the summary divides it by the default row of the same batch (`<name>_vs_default_{compile,page,fuse}_bs*`). A sampled row's name ends in `_sampled`. `vs_hf_generate_*`
-divides by the faster HF static-cache row measured; when no compiled row ran or it failed, `hf_baseline_*` and
-`depth_note` say "eager only".
+`hf_continuous_batching`. An engine row at a `--compile-mode` other than the default, a `--page-size` other
+than 128, or with `--no-fuse-projections` is named by it (`ours_paged_flex_page64`, `ours_paged_flex_unfused`),
+and the summary divides it by the default row of the same batch (`<name>_vs_default_{compile,page,fuse}_bs*`).
+A sampled row's name ends in `_sampled`. `vs_hf_generate_*` divides by the faster HF static-cache row
+measured; when no compiled row ran or it failed, `hf_baseline_*` and `depth_note` say "eager only".
 
 Correctness: each engine row runs HF on its first `--check-prompts` prompts for `--check-tokens` tokens:
 greedy rows record the token match rate, first-divergence positions and HF's logit gap there; all rows record

@@ -15,12 +15,15 @@ attention, caches or the decode step.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 # Groups looked for under each decoder layer: (submodule, Linear names that read the same input).
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
@@ -29,7 +32,8 @@ GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "
 class ProjectionGroup:
     """Linears that read the same input, stored as row blocks of one weight (out_total, in)."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], name: str = "") -> None:
+        self.name, self.members = name, linears
         self.weight = torch.cat([lin.weight.detach() for lin in linears])  # (sum of out, in)
         has_bias = linears[0].bias is not None
         self.bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
@@ -49,14 +53,28 @@ class ProjectionGroup:
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
         self._pending = 0
+        self.num_split_inputs = 0  # members called on different inputs: the GEMM ran more than once per forward
+        self._warned = False
 
     @property
     def num_members(self) -> int:
         return len(self.spans)
 
+    def intact(self) -> bool:
+        """Whether every member's weight (and bias) is still its row block of the buffer: `.to()`, a deepcopy
+        or `load_state_dict(assign=True)` after fusing give members new tensors the fused GEMM would not read."""
+        for lin, (lo, hi) in zip(self.members, self.spans):
+            pairs = [(lin.weight, self.weight)] + ([(lin.bias, self.bias)] if self.bias is not None else [])
+            for p, buf in pairs:
+                if p.dtype != buf.dtype or p.device != buf.device or p.data_ptr() != buf[lo:hi].data_ptr():
+                    return False
+        return True
+
     def take(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member `index`'s output for `x`: its columns of the group's GEMM, computed once per input."""
         if self._input is not x:
+            if self._pending:
+                self.num_split_inputs += 1
             self._input, self._output, self._pending = x, F.linear(x, self.weight, self.bias), self.num_members
         lo, hi = self.spans[index]
         out = self._output[..., lo:hi]
@@ -112,20 +130,26 @@ def fuse_projections(layers: nn.ModuleList) -> tuple[list[ProjectionGroup], list
             if len(members) < 2:
                 continue  # e.g. Gemma4's KV-shared layers have only q_proj
             if all(isinstance(m, SlicedLinear) for m in members) and len({id(m.group) for m in members}) == 1:
-                if members[0].group.num_members == len(members):
-                    groups.append(members[0].group)
+                group = members[0].group
+                if group.num_members == len(members) and group.intact():
+                    groups.append(group)
                     continue
             why = _fusable(members)
             if why is not None:
                 skipped.append(f"layers.{i}.{parent_name}: {why}")
                 continue
-            groups.append(ProjectionGroup(members))
+            groups.append(ProjectionGroup(members, f"layers.{i}.{parent_name}"))
     return groups, skipped
 
 
 @contextmanager
 def serving(groups: list[ProjectionGroup]) -> Iterator[None]:
     """Inside: every fused member returns its slice of its group's one GEMM."""
+    broken = next((g for g in groups if not g.intact()), None)
+    if broken is not None:
+        raise RuntimeError(f"fused projections of {broken.name}: a member's weight is no longer its block of the "
+                           "fused buffer (moved by `.to()`, copied, or loaded with `assign=True` after the engine "
+                           "fused it); build the engine again on the model as it is now")
     for g in groups:
         g.active = True
     try:
@@ -134,3 +158,8 @@ def serving(groups: list[ProjectionGroup]) -> Iterator[None]:
         for g in groups:
             g.active = False
             g.release()
+            if g.num_split_inputs and not g._warned:
+                g._warned = True
+                log.warning("fused projections of %s: members were called on different inputs %d times, so the "
+                            "group's GEMM ran more than once per forward (slower than unfused); set "
+                            "`fuse_projections: false` for this model", g.name, g.num_split_inputs)

@@ -91,7 +91,7 @@ def test_one_matmul_per_group_inside_serving_and_plain_linears_outside():
     assert groups[0]._output is None  # every member took its columns: nothing is held
 
 
-def test_a_member_called_on_a_new_input_recomputes_and_leaving_serving_drops_the_held_output():
+def test_a_member_called_on_a_new_input_recomputes_and_leaving_serving_drops_the_held_output(caplog):
     model = _model()
     groups, _ = fuse_projections(model.model.layers)
     mlp = model.model.layers[1].mlp
@@ -103,6 +103,34 @@ def test_a_member_called_on_a_new_input_recomputes_and_leaving_serving_drops_the
     torch.testing.assert_close(gate_x, torch.nn.functional.linear(x, mlp.gate_proj.weight))
     torch.testing.assert_close(up_y, torch.nn.functional.linear(y, mlp.up_proj.weight))
     assert groups[3]._output is None and not groups[3].active
+    # counted and said once: a model whose members read different inputs runs the GEMM more than once
+    assert groups[3].num_split_inputs == 1
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["fused projections of layers.1.mlp"]
+
+
+def test_weights_moved_after_fusing_are_refused_then_fused_again_by_a_new_engine():
+    model = _model()
+    engine = RolloutEngine(model, EngineConfig(**CFG))
+    model.double()  # every Parameter gets a new tensor: the fused buffers would be stale
+    with pytest.raises(RuntimeError, match=r"^fused projections of layers.0.self_attn: .* build the engine again"):
+        engine.generate(_prompts(), 2)
+    again = RolloutEngine(model, EngineConfig(**CFG))
+    assert again.projection_path == "fused (4 groups)" and all(g.intact() for g in again.walker.groups)
+    assert again.walker.groups[0] is not engine.walker.groups[0]
+
+
+def test_a_deep_copy_of_a_fused_model_is_fused_again_and_serves_its_own_weights():
+    model = _model()
+    RolloutEngine(model, EngineConfig(**CFG))
+    twin = copy.deepcopy(model)  # Parameters deep-copy by clone: no longer views of the copied buffers
+    with torch.no_grad():
+        twin.model.layers[0].mlp.up_proj.weight.mul_(3.0)  # (q/k/v are normed after projection)
+    got = RolloutEngine(twin, EngineConfig(**CFG)).generate(_prompts(), 6)
+    ref = _model()
+    with torch.no_grad():
+        ref.model.layers[0].mlp.up_proj.weight.mul_(3.0)
+    want = RolloutEngine(ref, EngineConfig(**CFG, fuse_projections=False)).generate(_prompts(), 6)
+    assert [s.output for s in got] == [s.output for s in want]
 
 
 def test_in_place_weight_writes_reach_the_fused_gemm_and_gradients_reach_the_parameters():

@@ -110,7 +110,8 @@ class EngineConfig:
     fuse_projections: bool = True
     """Run the projections that read one input (q/k/v, gate/up) as one GEMM over their weights, moved into one
     buffer per group (the Parameters stay, as views of it). Groups that cannot fuse (adapter layers, sharded
-    weights) stay separate and `projection_path` says why. Gain: `benchmarks/results/rollout_fused_projections.json`."""
+    weights) stay separate and `projection_path` says why. Gain: `benchmarks/results/rollout_full_depth.json`
+    (row `ours_paged_flex_unfused` is this off)."""
 
     def check(self, option: str = "engine") -> None:
         """Raise ConfigError naming `<option>.<field>` for the first value out of range or inconsistent."""
@@ -200,7 +201,7 @@ class RolloutEngine:
                               f"has no effect: the decode step runs eagerly here (`{option}.compile_decode` "
                               "off, or not on CUDA)")
         self.eos_token_ids = set(eos_token_ids or ())
-        if cfg.fuse_projections:  # after the config checks (it moves the model's weights), before the pool's room check
+        if cfg.fuse_projections:  # after the config checks (it moves the weights), before the pool's room check
             self.walker.fuse()
             if self.on_cuda:
                 torch.cuda.empty_cache()  # the weights' old blocks: cached, they would hold a second copy's worth

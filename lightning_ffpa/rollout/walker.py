@@ -2,10 +2,10 @@
 
 Owns the forward order (embed, per-layer inputs, RoPE, decoder layers, norm, head, final softcap) and
 the per-layer facts the cache needs (`LayerSpec`). Attention itself is HF's module calling our
-registered paged attention function; this file does not know about pages or masks. After `fuse()` the
-projections that read one input run as one GEMM while the engine runs (`fused_linear.py`). Under torch.compile
-the RoPE tables go through the custom op `lightning_ffpa::rope_table`, so they are computed once per
-step, not once per layer.
+registered paged attention function; this file does not know about pages or masks. After `fuse()`
+the projections that read one input run as one GEMM while the engine runs (`fused_linear.py`). Under
+torch.compile the RoPE tables go through the custom op `lightning_ffpa::rope_table`, so they are computed
+once per step, not once per layer.
 """
 
 from __future__ import annotations

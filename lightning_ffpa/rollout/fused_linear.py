@@ -63,10 +63,11 @@ class ProjectionGroup:
     def intact(self) -> bool:
         """Whether every member's weight (and bias) is still its row block of the buffer: `.to()`, a deepcopy
         or `load_state_dict(assign=True)` after fusing give members new tensors the fused GEMM would not read."""
-        for lin, (lo, hi) in zip(self.members, self.spans):
+        for lin, (lo, _) in zip(self.members, self.spans):
             pairs = [(lin.weight, self.weight)] + ([(lin.bias, self.bias)] if self.bias is not None else [])
             for p, buf in pairs:
-                if p.dtype != buf.dtype or p.device != buf.device or p.data_ptr() != buf[lo:hi].data_ptr():
+                row_block = buf.data_ptr() + lo * buf.stride(0) * buf.element_size()
+                if p.dtype != buf.dtype or p.device != buf.device or p.data_ptr() != row_block:
                     return False
         return True
 

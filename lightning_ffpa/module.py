@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from lightning_ffpa.attention.documents import check_packing, packed_inputs
 from lightning_ffpa.cp import cp_group_info, cp_loss_reduce, shard_batch
@@ -201,6 +200,9 @@ class Gemma4LM(HFModule):
 
     # ---- optimizer ------------------------------------------------------------------------------------
     def configure_optimizers(self) -> dict[str, Any]:
+        # imported here: it pulls in peft and transformers' trainer utilities, half a second of every CLI start
+        from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
         hp = self.hparams
         opt = build_adamw(self.model, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
         total = max(int(self.trainer.estimated_stepping_batches), hp.warmup_steps + 1)

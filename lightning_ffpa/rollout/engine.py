@@ -205,7 +205,6 @@ class RolloutEngine:
             self.walker.fuse()
             if self.on_cuda:
                 torch.cuda.empty_cache()  # the weights' old blocks: cached, they would hold a second copy's worth
-        self.projection_path = self.walker.projection_path
         self.page_table = PageTable(cfg.num_pages, cfg.page_size, cfg.max_batch_size + 1,
                                     cfg.max_seq_len // cfg.page_size, self.device)
         check_pool_fits(pool_bytes(self.walker.specs, cfg.num_pages, cfg.page_size, self.dtype), cfg.num_pages,
@@ -233,6 +232,11 @@ class RolloutEngine:
         self.last_token = torch.zeros(cfg.max_batch_size + 1, dtype=torch.long, device=self.device)
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "graph_replays": 0, "eager_decodes": 0,
                       "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0, "syncs": 0, "capture_s": 0.0}
+
+    @property
+    def projection_path(self) -> str:
+        """What the projections run as (`DecoderWalker.projection_path`)."""
+        return self.walker.projection_path
 
     # ---- public -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -130,11 +130,10 @@ def fuse_projections(layers: nn.ModuleList) -> tuple[list[ProjectionGroup], list
             members = [m for m in members if m is not None]
             if len(members) < 2:
                 continue  # e.g. Gemma4's KV-shared layers have only q_proj
-            if all(isinstance(m, SlicedLinear) for m in members) and len({id(m.group) for m in members}) == 1:
-                group = members[0].group
-                if group.num_members == len(members) and group.intact():
-                    groups.append(group)
-                    continue
+            group = getattr(members[0], "group", None)
+            if group is not None and group.members == members and group.intact():
+                groups.append(group)
+                continue
             why = _fusable(members)
             if why is not None:
                 skipped.append(f"layers.{i}.{parent_name}: {why}")

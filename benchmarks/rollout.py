@@ -11,8 +11,9 @@ Rows (`--rows`, one process each, launched by this driver; the result file is re
 `hf_generate_static_compiled` (HF's own CUDA default for static caches: compiled decoding forward; slow to
 compile at full depth, so it is left out of the default rows and is run in a call of its own), and
 `hf_continuous_batching`. An engine row at a `--compile-mode` other than the default, a `--page-size` other
-than 128, or with `--no-fuse-projections` is named by it (`ours_paged_flex_page64`, `ours_paged_flex_unfused`),
-and the summary divides it by the default row of the same batch (`<name>_vs_default_{compile,page,fuse}_bs*`).
+than 128, a `--kv-block-size`, or with `--no-fuse-projections` is named by it (`ours_paged_flex_page64`,
+`ours_paged_flex_block128`, `ours_paged_flex_unfused`), and the summary divides it by the default row of the same
+batch (`<name>_vs_default_{compile,page,block,fuse}_bs*`).
 A sampled row's name ends in `_sampled`. `vs_hf_generate_*` divides by the faster HF static-cache row
 measured; when no compiled row ran or it failed, `hf_baseline_*` and `depth_note` say "eager only".
 
@@ -51,26 +52,28 @@ DEFAULT_PAGE_SIZE = 128  # EngineConfig.page_size; a row at another size is name
 
 
 def label(kind: str, mode: str, compile_mode: str | None = None, page_size: int | None = None,
-          fuse_projections: bool | None = None) -> str:
-    """A row's name: its kind, then what differs from that kind's default row (compile mode, page size, fused
-    projections off, sampling).
+          fuse_projections: bool | None = None, kv_block_size: int | None = None) -> str:
+    """A row's name: its kind, then what differs from that kind's default row (compile mode, page size, KV block
+    set, fused projections off, sampling).
 
-    Only the compiled engine row takes a compile mode; both engine kinds take a page size and the fusion switch;
-    HF rows ignore all three."""
+    Only the compiled engine row takes a compile mode; both engine kinds take a page size, a KV block and the
+    fusion switch; HF rows ignore them all."""
     plain = kind != "ours_paged_flex" or compile_mode in (None, "default")
     tuned = "" if plain else "_" + compile_mode.replace("-", "_")
     engine = kind.startswith("ours_paged_flex")
     page = "" if not engine or page_size in (None, DEFAULT_PAGE_SIZE) else f"_page{page_size}"
+    block = "" if not engine or kv_block_size is None else f"_block{kv_block_size}"
     unfused = "_unfused" if engine and fuse_projections is False else ""
-    return kind + tuned + page + unfused + ("_sampled" if mode == "sample" else "")
+    return kind + tuned + page + block + unfused + ("_sampled" if mode == "sample" else "")
 
 
 def _variant(row: dict) -> list[str]:
-    """What an engine row changes from its kind's default row: "compile", "page" and/or "fuse" (empty: it is that
-    row)."""
+    """What an engine row changes from its kind's default row: "compile", "page", "block" and/or "fuse" (empty: it
+    is that row)."""
     kind, mode, plain = row["kind"], row["mode"], label(row["kind"], row["mode"])
     return [what for what, name in (("compile", label(kind, mode, compile_mode=row.get("compile_mode"))),
                                     ("page", label(kind, mode, page_size=row.get("page_size"))),
+                                    ("block", label(kind, mode, kv_block_size=row.get("kv_block_size"))),
                                     ("fuse", label(kind, mode, fuse_projections=row.get("fuse_projections"))))
             if name != plain]
 
@@ -82,12 +85,14 @@ def build_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     batches = [int(b) for b in args.batches.split(",") if b]
     only = {o for o in (args.only or "").split(",") if o}
     common = {k: getattr(args, k) for k in ("layers", "prompt_len", "new_tokens", "preset", "device", "page_size",
-                                            "bandwidth_gb", "kernel_options", "compile_mode", "fuse_projections")}
+                                            "bandwidth_gb", "kernel_options", "compile_mode", "fuse_projections",
+                                            "kv_block_size")}
     specs = []
     for bs in batches:
         for kind in kinds:
             for mode in modes:
-                name = label(kind, mode, args.compile_mode, args.page_size, args.fuse_projections)
+                name = label(kind, mode, args.compile_mode, args.page_size, args.fuse_projections,
+                             args.kv_block_size)
                 if only and name not in only and f"{name}@{bs}" not in only:
                     continue
                 spec = {"name": name, "kind": kind, "mode": mode, "batch": bs, **common,
@@ -135,7 +140,7 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
             if "token_match_rate" in check:
                 out[f"greedy_token_match_rate_bs{bs}"] = check["token_match_rate"]
                 out[f"greedy_exact_prompts_bs{bs}"] = f"{check['exact_prompts']} of {check['prompts']}"
-    for row in rows:  # an engine row that differs from the default (compile mode, page size, fusion), against it
+    for row in rows:  # an engine row that differs from the default (compile mode, page, KV block, fusion), against it
         changed = _variant(row) if row.get("kind") in KINDS and "mode" in row else []
         if changed and "tokens_per_s" in row:
             base, key, bs = _row(rows, label(row["kind"], row["mode"]), row["batch"]), row["name"], row["batch"]
@@ -226,7 +231,7 @@ def merge(paths: list[str], out: str) -> None:
     for row in rows:  # runs before rows were named by compile mode: the name follows the row's own fields
         if row.get("kind") in KINDS and "mode" in row:
             name = label(row["kind"], row["mode"], row.get("compile_mode"), row.get("page_size"),
-                         row.get("fuse_projections"))
+                         row.get("fuse_projections"), row.get("kv_block_size"))
             if name != row.get("name"):
                 row["name_at_run"], row["name"] = row.get("name"), name
     sources = [{"file": Path(p).name, "commit": r.get("commit"), "date": r.get("date"), "command": r.get("command")}
@@ -256,6 +261,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--preset", default="gemma4-31b", help="model shape (tiny: CPU smoke test of this script)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+    ap.add_argument("--kv-block-size", type=int, default=None,
+                    help="EngineConfig.kv_block_size of engine rows (the ablation row `*_block<N>`; default: the "
+                    "engine's)")
     ap.add_argument("--compile-mode", default=None,
                     help="torch.compile mode of the engine's decode step (EngineConfig.compile_mode)")
     ap.add_argument("--no-fuse-projections", dest="fuse_projections", action="store_false",

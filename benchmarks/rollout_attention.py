@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results_io import write_result  # noqa: E402
 from lightning_ffpa.dtypes import parse_dtype  # noqa: E402
 from lightning_ffpa.rollout import attention as attn  # noqa: E402
+from lightning_ffpa.rollout.engine import EngineConfig  # noqa: E402
 from lightning_ffpa.rollout.masks import decode_block_mask, logical_block_mask  # noqa: E402
 from lightning_ffpa.rollout.page_table import PageTable  # noqa: E402
 
@@ -70,7 +71,7 @@ class Case:
     ref: torch.Tensor  # (B, 1, Hq, D) fp32, what paged_attention returns
     num_real: int
     needed_bytes: int  # K+V bytes the real rows' mask allows (window-capped)
-    paged_bytes: int  # K+V bytes of every page the mask lists (what the kernel loads)
+    paged_bytes: int  # K+V bytes of every KV block the mask lists (what the kernel loads)
 
 
 def _sync(device: str) -> None:
@@ -98,7 +99,7 @@ def smem_estimate(head_dim: int, block_n: int, num_stages: int, elem: int, block
     return elem * head_dim * (block_m + 2 * block_n * num_stages)
 
 
-def grid_candidates(head_dim: int, dtype: torch.dtype, limit: int, page_size: int, tiny: bool):
+def grid_candidates(head_dim: int, dtype: torch.dtype, limit: int, kv_block: int, tiny: bool):
     """(name, options, skip reason or None) for the built-ins, flex defaults and the tile grid."""
     out = [("builtin", attn.builtin_kernel_options(head_dim, True, dtype), None), ("flex_defaults", None, None)]
     if tiny:
@@ -110,8 +111,8 @@ def grid_candidates(head_dim: int, dtype: torch.dtype, limit: int, page_size: in
         opts = {"BLOCK_N": bn, "num_stages": stages, "num_warps": warps}
         need = smem_estimate(head_dim, bn, stages, elem)
         skip = None
-        if page_size % bn:
-            skip = f"page_size {page_size} is not a multiple of BLOCK_N {bn}"
+        if kv_block % bn:
+            skip = f"the KV block {kv_block} is not a multiple of BLOCK_N {bn}"
         elif need > limit:
             skip = f"estimated shared memory {need // 1024} KB > {limit // 1024} KB"
         out.append((f"bn{bn}_s{stages}_w{warps}", opts, skip))
@@ -130,8 +131,8 @@ def _canon(options: dict[str, Any] | None) -> tuple:
 
 
 # ---- inputs ---------------------------------------------------------------------------------------
-def build_cases(kind: LayerKind, contexts: list[int], batch: int, padded: int, page_size: int, q_heads: int,
-                dtype: torch.dtype, device: str, ref_chunk: int, seed: int = 0):
+def build_cases(kind: LayerKind, contexts: list[int], batch: int, padded: int, page_size: int, kv_block: int,
+                q_heads: int, dtype: torch.dtype, device: str, ref_chunk: int, seed: int = 0):
     """Pools shared by every context (same shapes: one compile per candidate) and one Case per context."""
     g = torch.Generator().manual_seed(seed)
     real = batch - padded
@@ -143,7 +144,7 @@ def build_cases(kind: LayerKind, contexts: list[int], batch: int, padded: int, p
     k_pool = torch.randn(shape, generator=g).to(device, dtype)
     v_pool = torch.randn(shape, generator=g).to(device, dtype)
     k32, v32 = k_pool.float(), v_pool.float()
-    logical = logical_block_mask(max_len, page_size, kind.window, device)
+    logical = logical_block_mask(max_len, kv_block, kind.window, device)
     elem = k_pool.element_size()
     per_tok = 2 * kind.kv_heads * kind.head_dim * elem
     cases = []
@@ -154,7 +155,7 @@ def build_cases(kind: LayerKind, contexts: list[int], batch: int, padded: int, p
         slots = pt.fill_scrambled(lens, g)  # pages not consecutive, as in a running engine
         slot_t = torch.tensor(slots + [0] * padded, device=device)
         pos_t = torch.tensor([n - 1 for n in lens] + [0] * padded, device=device)
-        bm = decode_block_mask(logical, pt.table, pt.owner, slot_t, pos_t, page_size, kind.window)
+        bm = decode_block_mask(logical, pt.table, pt.owner, slot_t, pos_t, page_size, kv_block, kind.window)
         # q ~ N(0, 1/D) so scores ~ N(0, 1) at scale 1 (Gemma4's): a spread softmax, where a missed or extra
         # page moves the output far more than bf16 rounding does (a near one-hot softmax would hide it)
         q = (torch.randn(batch, 1, q_heads, kind.head_dim, generator=g) * kind.head_dim ** -0.5)
@@ -162,13 +163,14 @@ def build_cases(kind: LayerKind, contexts: list[int], batch: int, padded: int, p
         ref = torch.empty(batch, q_heads, 1, kind.head_dim, dtype=torch.float32, device=device)
         for c in range(0, batch, ref_chunk):  # chunks: SDPA's GQA path materialises K/V per query head
             sl = slice(c, c + ref_chunk)
-            bm_c = decode_block_mask(logical, pt.table, pt.owner, slot_t[sl], pos_t[sl], page_size, kind.window)
+            bm_c = decode_block_mask(logical, pt.table, pt.owner, slot_t[sl], pos_t[sl], page_size, kv_block,
+                                     kind.window)
             ref[sl] = attn.dense_reference(q[sl].float(), k32, v32, block_mask=bm_c, scale=1.0, enable_gqa=True)
         window = kind.window or max_len
         needed = sum(min(n, window) for n in lens) * per_tok
         listed = bm.kv_num_blocks[:real].sum() + (bm.full_kv_num_blocks[:real].sum()
                                                    if bm.full_kv_num_blocks is not None else 0)
-        cases.append(Case(ctx, q, bm, ref.transpose(1, 2), real, needed, int(listed) * page_size * per_tok))
+        cases.append(Case(ctx, q, bm, ref.transpose(1, 2), real, needed, int(listed) * kv_block * per_tok))
     del k32, v32
     return k_pool, v_pool, cases
 
@@ -261,9 +263,9 @@ def _mean_us(rows: list[dict[str, Any]]) -> float | None:
 def sweep_kind(kind: LayerKind, args, dtype: torch.dtype, deadline: float) -> tuple[list[dict], dict]:
     """All candidates for one layer kind (no new compile after `deadline`); returns rows and its summary entry."""
     k_pool, v_pool, cases = build_cases(kind, args.contexts, args.batch, args.padded, args.page_size,
-                                        args.q_heads, dtype, args.device, args.ref_chunk)
+                                        args.kv_block, args.q_heads, dtype, args.device, args.ref_chunk)
     rows, by_name, seen = [], {}, set()
-    queue = grid_candidates(kind.head_dim, dtype, smem_limit(args.device), args.page_size, args.tiny)
+    queue = grid_candidates(kind.head_dim, dtype, smem_limit(args.device), args.kv_block, args.tiny)
     followed = args.tiny
     while queue or not followed:
         if not queue:  # grid done: SPLIT_KV / TMA on top of the best valid grid entry
@@ -310,6 +312,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--padded", type=int, default=2, help="rows that are padding (slot 0, fully masked)")
     ap.add_argument("--contexts", default="512,768", help="context lengths (each row ends in the last half page)")
     ap.add_argument("--page-size", type=int, default=128)
+    ap.add_argument("--kv-block", type=int, default=None,
+                    help="the decode masks' KV block (EngineConfig.kv_block_size; default: the engine's for the page)")
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kinds", default="sliding,full", help="which layer kinds to sweep")
     ap.add_argument("--dtype", default="bfloat16")
@@ -330,6 +334,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.contexts = [int(c) for c in str(args.contexts).split(",")]
+    if args.kv_block is None:
+        args.kv_block = EngineConfig(page_size=args.page_size).decode_block
+    if args.kv_block < 1 or args.page_size % args.kv_block:
+        raise ValueError(f"`--kv-block={args.kv_block}` must divide `--page-size={args.page_size}`")
     args.compile = args.device == "cuda"  # the engine compiles flex on CUDA and runs it eagerly on CPU
     dtype = parse_dtype("--dtype", args.dtype, allow_auto=False)
     kinds = [k for k in (TINY if args.tiny else GEMMA4_31B) if k.name in args.kinds.split(",")]
@@ -364,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary["flex_ms_per_step_builtin"] = sum(e["ms_per_step_builtin"] for e in steps)
         summary["flex_ms_per_step_best"] = sum(e["ms_per_step_best"] for e in steps)
     summary["shape_note"] = (f"batch {args.batch} ({args.padded} padded), contexts {args.contexts}, "
-                             f"page {args.page_size}, {args.q_heads} q heads, {args.dtype}")
+                             f"page {args.page_size}, KV block {args.kv_block}, {args.q_heads} q heads, {args.dtype}")
     write_result("rollout_attention", rows, summary, out=args.out)
     print(f"{'kind':12} {'ctx':>5} {'candidate':16} {'us/call':>9} {'GB/s':>7} {'max_err':>8}  valid / error")
     for r in rows:

@@ -10,7 +10,7 @@ row needs (its positions so far, capped at the window on sliding layers; Gemma4'
 V = v_norm(k) apart from K = rope(k_norm(k)), so both count), averaged exactly over the decode positions. The
 fraction divides the ideal step time at the measured copy bandwidth (read + write bytes / s, this process) by the
 measured step; `roofline_fraction_datasheet` uses the datasheet HBM figure instead, `roofline_fraction_read_bw` a
-measured read bandwidth (a bf16 sum). Flex reads whole pages: `kv_bytes_read_paged` is reported, not counted.
+measured read bandwidth (a bf16 sum). Flex reads whole KV blocks: `kv_bytes_read_paged` is reported, not counted.
 """
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
 def kv_bytes_per_step(eng, plen: int, new: int) -> tuple[float, float]:
     """Mean K+V bytes one row needs / flex reads per decode step, over positions plen..plen+new-2.
 
-    Needed: positions 0..p, the last `window` of them on sliding layers. Read: every page the step's
-    block-mask row lists (whole pages, the union over the row's query block), i.e. what the kernel loads.
+    Needed: positions 0..p, the last `window` of them on sliding layers. Read: every KV block the step's
+    block-mask row lists (whole blocks, the union over the row's query block), i.e. what the kernel loads.
     """
-    page = eng.config.page_size
+    block = eng.config.decode_block
     need = paged = 0.0
     positions = range(plen, plen + new - 1)  # decode step k writes position plen + k and attends 0..itself
     listed = {}
@@ -100,7 +100,7 @@ def kv_bytes_per_step(eng, plen: int, new: int) -> tuple[float, float]:
         for p in positions:
             lo = 0 if spec.window is None else max(0, p - spec.window + 1)
             need += per_tok * (p + 1 - lo)
-            paged += per_tok * listed[spec.window][p // page] * page
+            paged += per_tok * listed[spec.window][p // block] * block
     n = max(len(positions), 1)
     return need / n, paged / n
 
@@ -116,7 +116,8 @@ def run_ours(model, prompts, new: int, bw: dict, wbytes: int, spec: dict, device
                         max_seq_len=max_len, max_prefill_tokens=16384, pipeline=spec.get("pipeline", True),
                         compile_decode=False if eager_step else None,
                         compile_mode=None if eager_step else spec.get("compile_mode"),
-                        fuse_projections=spec.get("fuse_projections", True))
+                        fuse_projections=spec.get("fuse_projections", True),
+                        kv_block_size=spec.get("kv_block_size"))
     eng = RolloutEngine(model, ecfg)
     sampling = SamplingParams(temperature=0.0) if spec["mode"] == "greedy" else SamplingParams(temperature=1.0,
                                                                                                top_p=1.0, top_k=0)
@@ -142,7 +143,7 @@ def run_ours(model, prompts, new: int, bw: dict, wbytes: int, spec: dict, device
            "graph_replays": eng.stats["graph_replays"], "eager_decodes": eng.stats["eager_decodes"],
            "syncs": eng.stats["syncs"], "preemptions": eng.stats["preemptions"], "pipeline": ecfg.pipeline,
            "compile_mode": ecfg.compile_mode, "decode_path": eng.decode_path, "attention_path": eng.attention_path,
-           "projection_path": eng.projection_path,
+           "projection_path": eng.projection_path, "decode_kv_block": eng.config.decode_block,
            "tokens_generated": sum(len(s.output) for s in seqs)}
     return res, eng, seqs
 

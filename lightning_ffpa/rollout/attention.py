@@ -48,39 +48,40 @@ _BOOL_KEYS = ("USE_TMA", "PRESCALE_QK")
 _OVERRIDES: dict[tuple[int, bool, torch.dtype], dict[str, Any] | None] = {}
 
 
-def _fit_block_n(options: dict[str, Any] | None, page_size: int | None) -> dict[str, Any] | None:
-    """Halve BLOCK_N until it divides the page size (a flex KV block is one page)."""
-    if options is None or page_size is None or "BLOCK_N" not in options:
+def _fit_block_n(options: dict[str, Any] | None, kv_block: int | None) -> dict[str, Any] | None:
+    """Halve BLOCK_N until it divides the decode masks' KV block."""
+    if options is None or kv_block is None or "BLOCK_N" not in options:
         return options
     block_n = options["BLOCK_N"]
-    while block_n > 1 and page_size % block_n:
+    while block_n > 1 and kv_block % block_n:
         block_n //= 2
     return {**options, "BLOCK_N": block_n}
 
 
 def builtin_kernel_options(head_dim: int, decode: bool, dtype: torch.dtype = torch.bfloat16,
-                           page_size: int | None = None) -> dict[str, Any] | None:
+                           kv_block: int | None = None) -> dict[str, Any] | None:
     """The shipped flex kernel options for one head_dim, phase and dtype (`lightning_ffpa.flex_options`), with
-    BLOCK_N fitted to the page size for decode (None: flex's defaults)."""
+    BLOCK_N fitted to the decode masks' KV block (None: flex's defaults)."""
     options = flex_kernel_options(head_dim, "decode" if decode else "prefill", dtype)
-    return _fit_block_n(options, page_size) if decode else options
+    return _fit_block_n(options, kv_block) if decode else options
 
 
 def kernel_options(head_dim: int, decode: bool, dtype: torch.dtype = torch.bfloat16,
-                   page_size: int | None = None) -> dict[str, Any] | None:
+                   kv_block: int | None = None) -> dict[str, Any] | None:
     """Flex kernel options the engine uses: an override set for this key, else the built-in ones.
 
-    With `page_size`, an override whose BLOCK_N does not divide it raises (flex would fail to lower).
+    With `kv_block` (the decode masks' KV block), an override whose BLOCK_N does not divide it raises (flex would
+    fail to lower).
     """
     key = (head_dim, decode, dtype)
     if key not in _OVERRIDES:
-        return builtin_kernel_options(head_dim, decode, dtype, page_size)
+        return builtin_kernel_options(head_dim, decode, dtype, kv_block)
     options = _OVERRIDES[key]
     if options is None:
         return None
-    if page_size is not None and page_size % options.get("BLOCK_N", 1):
+    if kv_block is not None and kv_block % options.get("BLOCK_N", 1):
         raise ValueError(f"kernel option `BLOCK_N={options['BLOCK_N']}` set for head_dim {head_dim} must divide "
-                         f"`page_size={page_size}`")
+                         f"the decode KV block (`kv_block_size={kv_block}`)")
     return dict(options)
 
 
@@ -177,7 +178,7 @@ class StepContext:
     flex: Callable = flex_attention
     options: Callable[..., dict[str, Any] | None] = kernel_options
     calls: dict[str, int] = field(default_factory=dict)  # per-window call counts (tests count layers)
-    page_size: int | None = None  # decode: BLOCK_N must divide it
+    kv_block: int | None = None  # decode: the masks' KV block, which BLOCK_N must divide
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -197,7 +198,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             return softcap * torch.tanh(score / softcap)
     out = ctx.flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling,
                    enable_gqa=query.shape[1] != key.shape[1],
-                   kernel_options=ctx.options(query.shape[-1], ctx.decode, query.dtype, page_size=ctx.page_size))
+                   kernel_options=ctx.options(query.shape[-1], ctx.decode, query.dtype, kv_block=ctx.kv_block))
     return out.transpose(1, 2), None  # (B, S, H, D)
 
 

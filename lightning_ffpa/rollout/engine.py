@@ -47,6 +47,7 @@ window. Worth it only for long rollouts where KV memory limits the batch.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -73,6 +74,7 @@ from lightning_ffpa.rollout.walker import DecoderWalker
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
+DEFAULT_KV_BLOCK = 64  # decode mask block: half the default page, so a last page is read half as far past its end
 COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
 
 
@@ -82,7 +84,11 @@ class EngineConfig:
     option names) calls `check` before anything is allocated."""
 
     page_size: int = 128
-    """Tokens per KV page (= the KV block of every mask)."""
+    """Tokens per KV page: the unit the page table hands out and `num_pages` counts."""
+    kv_block_size: int | None = None
+    """Tokens per KV block of the decode masks: it divides `page_size`, and flex reads a row's last page only up to
+    the block holding its newest token. None: the largest divisor of `page_size` up to 64. One page is the
+    ablation row `ours_paged_flex_block128` of `benchmarks/results/rollout_full_depth.json`."""
     num_pages: int = 1024
     """Physical pages per layer, page 0 reserved. The pools must fit the device's free memory when the engine is
     built (else one ConfigError naming this option, with how many pages would fit)."""
@@ -121,6 +127,11 @@ class EngineConfig:
             if not isinstance(value, int) or value < minimum:
                 why = "page 0 is reserved" if name == "num_pages" else "a count"
                 raise ConfigError(f"{option}.{name}", value, f"must be an int >= {minimum} ({why})")
+        if self.kv_block_size is not None and (isinstance(self.kv_block_size, bool)
+                                               or not isinstance(self.kv_block_size, int) or self.kv_block_size < 1
+                                               or self.page_size % self.kv_block_size):
+            raise ConfigError(f"{option}.kv_block_size", self.kv_block_size,
+                              f"must be None or an int >= 1 that divides `{option}.page_size={self.page_size}`")
         if self.max_seq_len % self.page_size:
             raise ConfigError(f"{option}.max_seq_len", self.max_seq_len,
                               f"must be a multiple of `{option}.page_size={self.page_size}`")
@@ -148,6 +159,11 @@ class EngineConfig:
             raise ConfigError(f"{option}.num_pages", self.num_pages,
                               f"must be >= {pages + 1}: {need} tokens take {pages} pages of {self.page_size}, "
                               f"plus the reserved page 0{where}")
+
+    @property
+    def decode_block(self) -> int:
+        """The decode masks' KV block in tokens (`kv_block_size`, or its default)."""
+        return self.kv_block_size or math.gcd(self.page_size, DEFAULT_KV_BLOCK)
 
 
 def free_device_bytes(device: torch.device) -> int | None:
@@ -193,6 +209,9 @@ class RolloutEngine:
         self.on_cuda = self.device.type == "cuda"
         if self.on_cuda and cfg.page_size % 16:
             raise ConfigError(f"{option}.page_size", cfg.page_size, "must be a multiple of 16 on CUDA (flex decode tiles)")
+        if self.on_cuda and cfg.decode_block % 16:
+            raise ConfigError(f"{option}.kv_block_size", cfg.kv_block_size,
+                              "must be a multiple of 16 on CUDA (flex decode tiles)")
         if cfg.compile_decode and not self.on_cuda:
             raise ConfigError(f"{option}.compile_decode", True, "needs CUDA (the CPU path runs eagerly)")
         compile_step = self.on_cuda if cfg.compile_decode is None else cfg.compile_decode
@@ -210,7 +229,7 @@ class RolloutEngine:
         check_pool_fits(pool_bytes(self.walker.specs, cfg.num_pages, cfg.page_size, self.dtype), cfg.num_pages,
                         free_device_bytes(self.device), self.device, option)
         self.cache = PagedKVCache(self.walker.specs, cfg.num_pages, cfg.page_size, self.dtype, self.device)
-        self.logical = {w: logical_block_mask(cfg.max_seq_len, cfg.page_size, w, self.device)
+        self.logical = {w: logical_block_mask(cfg.max_seq_len, cfg.decode_block, w, self.device)
                         for w in self.walker.windows}
         self.flex, self.attention_path = flex_attention, "flex_eager"
         if cfg.attention == "dense":
@@ -218,7 +237,7 @@ class RolloutEngine:
         elif self.on_cuda and cfg.compile_flex:
             self.flex, self.attention_path = compiled_flex(), "flex_compiled"
         for head_dim in {spec.head_dim for spec in self.walker.specs}:  # a bad override fails here, before compile
-            kernel_options(head_dim, True, self.dtype, page_size=cfg.page_size)
+            kernel_options(head_dim, True, self.dtype, kv_block=cfg.decode_block)
         self._step, self.decode_path = self._decode_step, "eager"
         if compile_step:
             compile_fallbacks.prepare()
@@ -341,9 +360,10 @@ class RolloutEngine:
         pt = self.page_table
         ids = self.last_token[slots]  # (B,)
         self.cache.begin(pt.physical_index(slots, pos), decode=True)
-        masks = {w: decode_block_mask(self.logical[w], pt.table, pt.owner, slots, pos, pt.page_size, w)
+        block = self.config.decode_block
+        masks = {w: decode_block_mask(self.logical[w], pt.table, pt.owner, slots, pos, pt.page_size, block, w)
                  for w in self.walker.windows}
-        ctx = StepContext(masks, decode=True, flex=self.flex, page_size=pt.page_size)
+        ctx = StepContext(masks, decode=True, flex=self.flex, kv_block=block)
         logits = self.walker.logits(ids[:, None], pos[:, None], ctx, self.cache)  # (B, V)
         tokens, logprobs = sample(logits, sampling, generator)
         self.last_token.index_copy_(0, slots, tokens)  # padded rows all write slot 0, which nobody reads

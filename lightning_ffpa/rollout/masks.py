@@ -5,9 +5,11 @@ Owns mask construction only. It reads the page table's device tensors but never 
 does not run attention (`attention.py`).
 
 Decode: one logical `BlockMask` per layer kind (full, sliding) is built once over
-[max_seq_len x max_seq_len] with KV blocks of one page. Each step slices the row block of every
-sequence's current position and maps its logical KV blocks to physical pages through the page table,
-so sliding layers only list the pages inside their window.
+[max_seq_len x max_seq_len] with KV blocks of `kv_block` tokens, a divisor of the page. Each step slices the
+row block of every sequence's current position and maps its logical KV blocks to physical blocks through the
+page table (block j of a row lives in page table[j // r] at sub-block j % r, r = pages' blocks), so sliding
+layers only list the blocks inside their window, and a row's last page is read only up to its newest token's
+block: flex's decode kernel reads whole KV blocks.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from lightning_ffpa.attention.masks import build_block_mask, generate_causal
 PREFILL_BLOCK = 128  # packed prefill is padded to a multiple of this (flex's default sparse block)
 
 
-def logical_block_mask(max_seq_len: int, page_size: int, window: int | None, device) -> BlockMask:
+def logical_block_mask(max_seq_len: int, kv_block: int, window: int | None, device) -> BlockMask:
     """The one logical mask per layer kind that every decode step slices."""
-    return build_block_mask(generate_causal(window=window), 1, max_seq_len, max_seq_len, device, block_size=page_size)
+    return build_block_mask(generate_causal(window=window), 1, max_seq_len, max_seq_len, device, block_size=kv_block)
 
 
 def generate_paged_decode(owner: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, page_size: int,
@@ -42,30 +44,35 @@ def generate_paged_decode(owner: torch.Tensor, slots: torch.Tensor, positions: t
     return paged_decode
 
 
-def _to_physical(num: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, num_pages: int):
-    """Map logical KV block indices (B, n) through page-table rows (B, max_blocks) to pages (B, num_pages)."""
-    pages = torch.gather(rows, 1, idx.long())  # (B, n)
-    out = torch.zeros(idx.shape[0], num_pages, dtype=torch.int32, device=idx.device)
-    n = min(pages.shape[1], num_pages)  # a slot never owns more than num_pages - 1 pages
-    out[:, :n] = pages[:, :n]
-    return num.to(torch.int32).view(-1, 1, 1), out.view(-1, 1, 1, num_pages)
+def _to_physical(num: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, per_page: int, num_blocks: int):
+    """Map logical KV block indices (B, n) through page-table rows (B, max_pages) to physical blocks
+    (B, num_blocks): block j is sub-block j % per_page of page rows[j // per_page]."""
+    idx = idx.long()
+    blocks = torch.gather(rows, 1, idx // per_page) * per_page + idx % per_page  # (B, n)
+    out = torch.zeros(idx.shape[0], num_blocks, dtype=torch.int32, device=idx.device)
+    n = min(blocks.shape[1], num_blocks)  # a slot never owns more than num_pages - 1 pages
+    out[:, :n] = blocks[:, :n]
+    return num.to(torch.int32).view(-1, 1, 1), out.view(-1, 1, 1, num_blocks)
 
 
 def decode_block_mask(logical: BlockMask, table: torch.Tensor, owner: torch.Tensor, slots: torch.Tensor,
-                      positions: torch.Tensor, page_size: int, window: int | None) -> BlockMask:
-    """Slice `logical` at each row's position block and convert it to physical pages (graph-capturable)."""
-    num_pages = owner.shape[1]
-    qblk = (positions // page_size).long()  # (B,)
-    rows = table[slots.long()]  # (B, max_blocks)
-    kv_num, kv_idx = _to_physical(logical.kv_num_blocks[0, 0, qblk], logical.kv_indices[0, 0, qblk], rows, num_pages)
+                      positions: torch.Tensor, page_size: int, kv_block: int, window: int | None) -> BlockMask:
+    """Slice `logical` (KV blocks of `kv_block` tokens) at each row's position block and convert it to physical
+    blocks (graph-capturable)."""
+    per_page = page_size // kv_block
+    num_blocks = owner.shape[1] * per_page
+    qblk = (positions // kv_block).long()  # (B,)
+    rows = table[slots.long()]  # (B, max_pages)
+    kv_num, kv_idx = _to_physical(logical.kv_num_blocks[0, 0, qblk], logical.kv_indices[0, 0, qblk], rows,
+                                  per_page, num_blocks)
     full_num = full_idx = None
     if logical.full_kv_num_blocks is not None:
         full_num, full_idx = _to_physical(logical.full_kv_num_blocks[0, 0, qblk],
-                                          logical.full_kv_indices[0, 0, qblk], rows, num_pages)
+                                          logical.full_kv_indices[0, 0, qblk], rows, per_page, num_blocks)
     return block_mask_from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(page_size, page_size),
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(kv_block, kv_block),
         mask_mod=generate_paged_decode(owner, slots, positions, page_size, window),
-        seq_lengths=(1, num_pages * page_size), compute_q_blocks=False,
+        seq_lengths=(1, owner.shape[1] * page_size), compute_q_blocks=False,
     )
 
 

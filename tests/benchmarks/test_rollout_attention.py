@@ -71,13 +71,14 @@ def test_disagreeing_reference_makes_rows_invalid(tmp_path, monkeypatch):
 def test_cases_scramble_pages_pad_rows_and_count_bytes():
     kind = bench.TINY[0]  # sliding, window 16
     with torch.inference_mode():
-        k, v, cases = bench.build_cases(kind, [20, 30], 4, 1, 4, 4, torch.float32, "cpu", 2)
+        # 8-token pages read in 4-token blocks
+        k, v, cases = bench.build_cases(kind, [20, 30], 4, 1, 8, 4, 4, torch.float32, "cpu", 2)
     for case in cases:
         bm = case.block_mask
         pages = torch.cat([bm.kv_indices[0, 0, 0, :bm.kv_num_blocks[0, 0, 0]],
                            bm.full_kv_indices[0, 0, 0, :bm.full_kv_num_blocks[0, 0, 0]]]).sort().values
         assert len(pages) > 1 and not torch.equal(pages, torch.arange(pages[0], pages[0] + len(pages)))
-        dense = bm.to_dense()[:, 0, 0]  # (B, pages listed)
+        dense = bm.to_dense()[:, 0, 0]  # (B, blocks listed)
         per_tok = 2 * kind.kv_heads * kind.head_dim * 4
         assert case.paged_bytes == int(dense[:case.num_real].sum()) * 4 * per_tok
         # needed = allowed (row, key) pairs of the real rows' mask, counted densely

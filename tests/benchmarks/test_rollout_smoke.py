@@ -36,6 +36,7 @@ def test_rows_run_in_own_processes_with_hf_check(tmp_path, monkeypatch):
     assert greedy["mode"] == "greedy" and sampled["mode"] == "sample"
     assert greedy["tokens_generated"] == sampled["tokens_generated"] == 2 * 12
     assert greedy["projection_path"] == "fused (4 groups)"  # the engine's default: q/k/v and gate/up per layer
+    assert greedy["decode_kv_block"] == 64  # the engine's default for 128-token pages
     check = greedy["hf_check"]  # fp32 CPU: the engine's greedy tokens equal HF's
     assert check["token_match_rate"] == 1.0 and check["first_divergence"] == [None, None]
     assert check["exact_prompts"] == 2 and check["logprob_max_abs_diff"] < 1e-3
@@ -198,6 +199,26 @@ def test_a_page_size_row_is_named_by_it_and_compared_with_the_default_row(tmp_pa
     assert s["ours_paged_flex_page64_vs_default_page_bs64"] == pytest.approx(2100 / 2000)
     assert s[f"{both}_vs_default_compile_page_bs64"] == pytest.approx(2200 / 2000)
     assert not any(k.startswith("ours_paged_flex_vs_default") for k in s)  # the default row is no variant of itself
+
+
+def test_a_kv_block_row_is_named_by_it_and_compared_with_the_default_row(tmp_path):
+    args = rollout.parse_args([*TINY, "--rows", "ours_paged_flex,hf_generate_static", "--modes", "greedy",
+                               "--kv-block-size", "128"])
+    specs = rollout.build_specs(args)
+    assert [s["name"] for s in specs] == ["ours_paged_flex_block128", "hf_generate_static"]
+    assert specs[0]["kv_block_size"] == 128
+    base = dict(kind="ours_paged_flex", mode="greedy", batch=64, process={"pid": 1}, page_size=128)
+    rows = [dict(base, name="ours_paged_flex", tokens_per_s=2000.0, roofline_fraction=0.8),
+            dict(base, name="ours_paged_flex_block128", kv_block_size=128, tokens_per_s=1950.0,
+                 roofline_fraction=0.78)]
+    files = [str(tmp_path / f"{i}.json") for i in range(len(rows))]
+    for row, f in zip(rows, files):
+        rollout.write([row], f, partial=False)
+    merged = tmp_path / "merged.json"
+    rollout.main(["--merge", *files, "--out", str(merged)])
+    s = json.loads(merged.read_text())["summary"]
+    assert s["ours_paged_flex_block128_vs_default_block_bs64"] == pytest.approx(1950 / 2000)
+    assert s["roofline_fraction_ours_paged_flex_block128_bs64"] == 0.78
 
 
 @pytest.mark.timeout(120)

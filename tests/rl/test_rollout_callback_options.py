@@ -42,6 +42,7 @@ CASES = [
     (dict(engine={"max_prefill_tokens": 0}), "RolloutCallback.engine.max_prefill_tokens"),
     (dict(engine={"attention": "sdpa"}), "RolloutCallback.engine.attention"),
     (dict(engine={"fuse_projections": "yes"}), "RolloutCallback.engine.fuse_projections"),
+    (dict(engine={"kv_block_size": 3}), "RolloutCallback.engine.kv_block_size"),  # does not divide the page
     (dict(sampling={"max_new_tokens": 32}), "RolloutCallback.engine.max_seq_len"),  # no room for a prompt
     (dict(eos_token_ids=[-1]), "RolloutCallback.eos_token_ids"),
     (dict(pad_token_id=-1), "RolloutCallback.pad_token_id"),

@@ -125,14 +125,14 @@ def test_compiled_flex_honours_decode_override_on_gpu():
     assert (out[:case.num_real].float() - case.ref[:case.num_real]).abs().max() < 5e-3
 
 
-def test_builtin_block_n_is_clamped_to_divide_the_page_size():
-    assert attn.builtin_kernel_options(256, True, torch.bfloat16, page_size=128)["BLOCK_N"] == 64
-    assert attn.builtin_kernel_options(256, True, torch.bfloat16, page_size=48)["BLOCK_N"] == 16
-    assert attn.builtin_kernel_options(512, True, torch.bfloat16, page_size=16)["BLOCK_N"] == 16
-    assert attn.builtin_kernel_options(256, True, torch.bfloat16)["BLOCK_N"] == 64  # no page size: as swept
+def test_builtin_block_n_is_clamped_to_divide_the_decode_kv_block():
+    assert attn.builtin_kernel_options(256, True, torch.bfloat16, kv_block=128)["BLOCK_N"] == 64
+    assert attn.builtin_kernel_options(256, True, torch.bfloat16, kv_block=48)["BLOCK_N"] == 16
+    assert attn.builtin_kernel_options(512, True, torch.bfloat16, kv_block=16)["BLOCK_N"] == 16
+    assert attn.builtin_kernel_options(256, True, torch.bfloat16)["BLOCK_N"] == 64  # no KV block: as swept
 
 
-def test_override_block_n_not_dividing_the_page_size_fails_at_engine_start():
+def test_override_block_n_not_dividing_the_kv_block_fails_at_engine_start():
     from transformers import Gemma4ForCausalLM
 
     from lightning_ffpa.presets import build_text_config
@@ -144,5 +144,7 @@ def test_override_block_n_not_dividing_the_page_size_fails_at_engine_start():
     assert eng.decode_path == "eager"  # compile_decode=None: off on CPU
     head_dim = eng.walker.specs[0].head_dim
     attn.set_kernel_options(head_dim, True, {"BLOCK_N": 16}, torch.float32)
-    with pytest.raises(ValueError, match=r"`BLOCK_N=16`.*`page_size=8`"):
+    with pytest.raises(ValueError, match=r"`BLOCK_N=16`.*`kv_block_size=8`"):
         RolloutEngine(model, cfg)
+    with pytest.raises(ValueError, match=r"`BLOCK_N=16`.*`kv_block_size=8`"):  # a block under the page: same check
+        RolloutEngine(model, EngineConfig(**{**vars(cfg), "page_size": 16, "kv_block_size": 8}))

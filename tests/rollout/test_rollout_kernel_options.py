@@ -16,8 +16,10 @@ from lightning_ffpa.rollout.masks import decode_block_mask, logical_block_mask
 from lightning_ffpa.rollout.page_table import PageTable
 
 
-def _paged_case(device, dtype, head_dim, page_size, lens, window, num_pages=40, hq=4, hkv=2, seed=0):
-    """Scrambled pages for `lens` sequences plus one padded row (slot 0); returns inputs and SDPA reference."""
+def _paged_case(device, dtype, head_dim, page_size, lens, window, num_pages=40, hq=4, hkv=2, seed=0, kv_block=None):
+    """Scrambled pages for `lens` sequences plus one padded row (slot 0); returns inputs and SDPA reference.
+    `kv_block`: the masks' KV block (default: one page)."""
+    kv_block = kv_block or page_size
     g = torch.Generator().manual_seed(seed)
     max_len = 16 * page_size
     pt = PageTable(num_pages, page_size, len(lens) + 1, max_len // page_size, device)
@@ -28,8 +30,8 @@ def _paged_case(device, dtype, head_dim, page_size, lens, window, num_pages=40, 
     q = torch.randn(len(lens) + 1, hq, 1, head_dim, generator=g).to(device, dtype)
     slot_t = torch.tensor([*slots, 0], device=device)
     pos_t = torch.tensor([n - 1 for n in lens] + [0], device=device)
-    logical = logical_block_mask(max_len, page_size, window, device)
-    bm = decode_block_mask(logical, pt.table, pt.owner, slot_t, pos_t, page_size, window)
+    logical = logical_block_mask(max_len, kv_block, window, device)
+    bm = decode_block_mask(logical, pt.table, pt.owner, slot_t, pos_t, page_size, kv_block, window)
     ref = torch.zeros_like(q)
     for b, (s, n) in enumerate(zip(slots, lens)):
         idx = pt.physical_index(torch.full((n,), s, device=device), torch.arange(n, device=device))
@@ -43,34 +45,40 @@ def _paged_case(device, dtype, head_dim, page_size, lens, window, num_pages=40, 
     return q, k_pool, v_pool, bm, ref, pt, slot_t, pos_t
 
 
+@pytest.mark.parametrize("kv_block", [8, 4, 2])
 @pytest.mark.parametrize("window", [None, 6])
-def test_eager_paged_decode_matches_sdpa_with_padded_row(window):
-    q, k, v, bm, ref, *_ = _paged_case("cpu", torch.float32, 32, 4, [9, 30, 17], window)
+def test_eager_paged_decode_matches_sdpa_with_padded_row(window, kv_block):
+    q, k, v, bm, ref, *_ = _paged_case("cpu", torch.float32, 32, 8, [9, 30, 17], window, kv_block=kv_block)
     out = flex_attention(q, k, v, block_mask=bm, scale=1.0, enable_gqa=True)
     torch.testing.assert_close(out[:-1], ref[:-1], atol=1e-5, rtol=1e-5)
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # padded row: fully masked, zeros, no NaN
 
 
+@pytest.mark.parametrize("kv_block", [8, 4, 2])
 @pytest.mark.parametrize("window", [None, 6])
-def test_blocks_cover_mask_and_sliding_rows_skip_old_pages(window):
-    *_, bm, _, pt, slots, pos = _paged_case("cpu", torch.float32, 32, 4, [9, 30, 17], window)
-    dense = bm.to_dense()[:, 0, 0].bool()  # (B, num_pages): pages listed per row
+def test_blocks_cover_mask_and_rows_list_no_block_they_do_not_read(window, kv_block):
+    *_, bm, _, pt, slots, pos = _paged_case("cpu", torch.float32, 32, 8, [9, 30, 17], window, kv_block=kv_block)
+    dense = bm.to_dense()[:, 0, 0].bool()  # (B, num_pages * page_size / kv_block): blocks listed per row
+    assert dense.shape[1] == pt.num_pages * pt.page_size // kv_block
     kv = torch.arange(pt.num_pages * pt.page_size)
-    for b in range(len(slots)):
+    for b in range(len(slots) - 1):
         allowed = bm.mask_mod(torch.tensor(b), torch.tensor(0), torch.tensor(0), kv)
-        pages_needed = torch.unique(kv[allowed] // pt.page_size)
-        assert dense[b, pages_needed].all(), "an allowed key lies in an unlisted page"
-        if window is not None and b < len(slots) - 1:
-            assert dense[b].sum() <= -(-window // pt.page_size) + 1, "sliding row lists pages past its window"
+        needed = torch.unique(kv[allowed] // kv_block)
+        assert dense[b, needed].all(), "an allowed key lies in an unlisted block"
+        # Full rows list exactly the blocks they read (a last page only up to the newest token's block); a
+        # sliding row's list is its query block's union, at most one block more.
+        assert needed.numel() <= dense[b].sum() <= needed.numel() + (window is not None)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_block", [128, 64])
 @pytest.mark.parametrize("head_dim,window", [(256, None), (256, 64), (512, None)])
-def test_compiled_kernel_options_match_sdpa_on_gpu(head_dim, window):
+def test_compiled_kernel_options_match_sdpa_on_gpu(head_dim, window, kv_block):
     q, k, v, bm, ref, *_ = _paged_case("cuda", torch.bfloat16, head_dim, 128, [300, 1000, 77, 129], window,
-                                       num_pages=24, hq=8, hkv=2 if head_dim == 256 else 1)
+                                       num_pages=24, hq=8, hkv=2 if head_dim == 256 else 1, kv_block=kv_block)
     flex = torch.compile(flex_attention, dynamic=False)
-    out = flex(q, k, v, block_mask=bm, scale=1.0, enable_gqa=True, kernel_options=kernel_options(head_dim, True, torch.bfloat16))
+    out = flex(q, k, v, block_mask=bm, scale=1.0, enable_gqa=True,
+               kernel_options=kernel_options(head_dim, True, torch.bfloat16, kv_block=kv_block))
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[:-1].float(), ref[:-1].float(), atol=2e-2, rtol=2e-2)
     assert not set(kernel_options(head_dim, True) or {}) & set(UNSAFE_OPTIONS)

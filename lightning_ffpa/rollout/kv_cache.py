@@ -1,5 +1,4 @@
-"""Paged KV cache: one K/V pool per caching layer, shaped (2, kv_heads, num_pages * page_size, head_dim): K at
-index 0, V at 1, so one kernel writes both (one launch per layer per decode step, not two).
+"""Paged KV cache: one K and one V pool per caching layer, shaped (1, kv_heads, num_pages * page_size, head_dim).
 
 Owns the KV tensors and the `update` hook HF attention modules call. Where each token goes is decided
 by the engine (`begin`, from the page table); this file never allocates pages. KV-shared layers
@@ -23,8 +22,8 @@ import torch
 
 @torch.library.custom_op("lightning_ffpa::kv_write", mutates_args=("pool",))
 def kv_write(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    """Write `rows` (P, Hkv, T, D) into `pool` (P, Hkv, N, D) at flat token indices `index` (T,), in place."""
-    pool.index_copy_(2, index, rows)
+    """Write `rows` (Hkv, T, D) into `pool` (1, Hkv, N, D) at flat token indices `index` (T,), in place."""
+    pool[0].index_copy_(1, index, rows)
 
 
 @kv_write.register_fake
@@ -36,7 +35,7 @@ def _write(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
     if torch.compiler.is_compiling():
         kv_write(pool, index, rows)  # in place under inductor; see the module docstring
     else:
-        pool.index_copy_(2, index, rows)
+        pool[0].index_copy_(1, index, rows)
 
 
 @dataclass(frozen=True)
@@ -60,34 +59,30 @@ def pool_bytes(specs: list[LayerSpec], num_pages: int, page_size: int, dtype: to
 
 
 class PagedKVCache:
-    """KV pools for every non-shared layer, written through `update(k, v, layer_idx)`.
-
-    `kv[i]` is layer i's pool; `k[i]` and `v[i]` are its (1, Hkv, N, D) halves (views, for readers and tests).
-    """
+    """KV pools for every non-shared layer, written through `update(k, v, layer_idx)`."""
 
     def __init__(self, specs: list[LayerSpec], num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
-        self.kv: dict[int, torch.Tensor] = {}
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         for i, spec in enumerate(specs):
             if spec.shared:
                 continue
-            shape = (2, spec.num_kv_heads, num_pages * page_size, spec.head_dim)
-            self.kv[i] = torch.zeros(shape, dtype=dtype, device=device)
-            self.k[i], self.v[i] = self.kv[i][0:1], self.kv[i][1:2]
+            shape = (1, spec.num_kv_heads, num_pages * page_size, spec.head_dim)
+            self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
+            self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
         self.shared_layers: dict[int, Any] = {}  # older Gemma4 shares KV through the cache object
         self._index: torch.Tensor | None = None
         self._decode = False
 
     def layer_bytes_per_token(self, layer_idx: int) -> int:
         """K+V bytes one cached token costs in `layer_idx` (0 for shared layers)."""
-        if layer_idx not in self.kv:
+        if layer_idx not in self.k:
             return 0
-        kv = self.kv[layer_idx]
-        return 2 * kv.shape[1] * kv.shape[3] * kv.element_size()
+        k = self.k[layer_idx]
+        return 2 * k.shape[1] * k.shape[3] * k.element_size()
 
     def begin(self, index: torch.Tensor, decode: bool) -> None:
         """Set where this forward's tokens are written (flat pool indices, batch-major) and the phase."""
@@ -100,12 +95,14 @@ class PagedKVCache:
 
         Decode reads the whole pool through the paged mask; prefill attends within the packed batch.
         """
-        pool = self.kv[layer_idx]  # the views come from it here, so a compiled step's only input is the pool
+        k_pool, v_pool = self.k[layer_idx], self.v[layer_idx]
         B, H, S, D = key_states.shape
-        rows = torch.stack((key_states, value_states)).to(pool.dtype)  # (2, B, Hkv, S, D)
-        _write(pool, self._index, rows.transpose(1, 2).reshape(2, H, B * S, D))
+        rows_k = key_states.permute(1, 0, 2, 3).reshape(H, B * S, D)  # (Hkv, B*S, D)
+        rows_v = value_states.permute(1, 0, 2, 3).reshape(H, B * S, D)
+        _write(k_pool, self._index, rows_k.to(k_pool.dtype))
+        _write(v_pool, self._index, rows_v.to(v_pool.dtype))
         if self._decode:
-            return pool[0:1], pool[1:2]
+            return k_pool, v_pool
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # some HF paths ask; positions are explicit here

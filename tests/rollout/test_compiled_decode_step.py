@@ -2,8 +2,8 @@
 
 KV writes: functionalized `index_copy_` into a graph input made inductor rewrite every pool in full each
 layer each step (the H200's compiled decode step was slower than the uncompiled one). The proof is the
-generated code: it allocates no buffer shaped like a pool, and it writes each layer's pool (K and V together)
-with one in-place `lightning_ffpa::kv_write` call on the pool itself. CPU (dense attention, fast) and GPU (compiled flex).
+generated code: it allocates no buffer shaped like a pool, and it writes each pool with one in-place
+`lightning_ffpa::kv_write` call on the pool itself. CPU (dense attention, fast) and GPU (compiled flex).
 
 RoPE: inductor inlined the cos/sin math into every layer's query and key norm + RoPE kernel. The proof is
 that only the `lightning_ffpa::rope_table` kernels compute cos or sin, one per layer type.
@@ -52,22 +52,20 @@ def _record_code(eng: RolloutEngine, compiled) -> list[str]:
 
 
 def _assert_writes_in_place(code: str, pools: list[torch.Tensor]) -> None:
-    # One in-place op call per pool (K and V of one caching layer together), none functionalized into a copy.
+    # One in-place op call per pool (K and V of each caching layer), none functionalized into a copy.
     assert code.count("torch.ops.lightning_ffpa.kv_write.default(") == len(pools)
     assert "auto_functionalized" not in code
-    # No temporary shaped like a pool, its K or V half, or a head slab: nothing stages a copy of the KV cache.
-    pool_shapes = {s for p in pools for s in (tuple(p.shape), (1, *p.shape[1:]), tuple(p.shape[1:]),
-                                                tuple(p.shape[2:]))}
+    # No temporary shaped like a pool or a pool's head slab: nothing stages a copy of the KV cache.
+    pool_shapes = {tuple(p.shape) for p in pools} | {tuple(p.shape[1:]) for p in pools}
     allocs = {tuple(int(x) for x in m.split(",") if x.strip()) for m in _ALLOC.findall(code)}
     assert allocs and not allocs & pool_shapes, sorted(allocs & pool_shapes)
 
 
 def test_kv_write_op_matches_index_copy():
-    pool = torch.randn(2, 2, 12, 3)  # (K/V, heads, tokens, head_dim)
-    index, rows = torch.tensor([7, 0, 4]), torch.randn(2, 2, 3, 3)
+    pool = torch.randn(1, 2, 12, 3)
+    index, rows = torch.tensor([7, 0, 4]), torch.randn(2, 3, 3)
     want = pool.clone()
-    for half in range(2):
-        want[half].index_copy_(1, index, rows[half])
+    want[0].index_copy_(1, index, rows)
     ptr = pool.data_ptr()
     kv_write(pool, index, rows)
     assert pool.data_ptr() == ptr and torch.equal(pool, want)
@@ -79,7 +77,7 @@ def test_compiled_decode_step_writes_pools_in_place():
                        attention="dense")
     want = [(s.output, s.logprobs) for s in RolloutEngine(model, cfg).generate(_prompts(), 6)]
     eng = RolloutEngine(model, cfg)  # compile_decode is CUDA-only: compile its step by hand
-    pools = list(eng.cache.kv.values())
+    pools = [*eng.cache.k.values(), *eng.cache.v.values()]
     ptrs = [p.data_ptr() for p in pools]
     torch._dynamo.reset()
     codes = _record_code(eng, torch.compile(eng._decode_step, dynamic=False))
@@ -89,7 +87,7 @@ def test_compiled_decode_step_writes_pools_in_place():
     assert [o for o, _ in got] == [o for o, _ in want]
     torch.testing.assert_close(torch.tensor([lp for _, lp in got]), torch.tensor([lp for _, lp in want]),
                                rtol=0, atol=1e-4)
-    assert [p.data_ptr() for p in pools] == ptrs and len(pools) == 2
+    assert [p.data_ptr() for p in pools] == ptrs and len(pools) == 4
     _assert_writes_in_place("\n".join(codes), pools)
 
 
@@ -153,6 +151,6 @@ def test_compiled_decode_step_writes_in_place_ropes_once_and_fuses_projections_g
     codes = _record_code(eng, eng._step)
     seqs = eng.generate(_prompts(), 6)
     assert all(len(s.output) == 6 and all(torch.isfinite(torch.tensor(s.logprobs))) for s in seqs)
-    _assert_writes_in_place("\n".join(codes), list(eng.cache.kv.values()))
+    _assert_writes_in_place("\n".join(codes), [*eng.cache.k.values(), *eng.cache.v.values()])
     _assert_rope_once_per_type("\n".join(codes), model.config.layer_types)
     _assert_one_matmul_per_group("\n".join(codes), eng)

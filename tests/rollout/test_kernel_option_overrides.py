@@ -107,7 +107,7 @@ def test_compiled_flex_honours_decode_override_on_gpu():
 
     kind = LayerKind("full", 512, 1, None, 1)
     with torch.inference_mode():
-        k, v, (case,) = build_cases(kind, [300], 4, 1, 128, 8, torch.bfloat16, "cuda", 2)
+        k, v, (case,) = build_cases(kind, [300], 4, 1, 128, 128, 8, torch.bfloat16, "cuda", 2)
         module = torch.nn.Module()
 
         def run():

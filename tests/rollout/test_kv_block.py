@@ -1,5 +1,5 @@
 """`EngineConfig.kv_block_size`: decode masks in KV blocks smaller than a page give the same tokens, list fewer
-blocks, and bad values are one error naming the option. Also: one K/V pool per layer, K and V its halves."""
+blocks, and bad values are one error naming the option."""
 
 import pytest
 import torch
@@ -54,13 +54,3 @@ def test_sub_page_blocks_give_the_same_tokens_and_list_fewer_blocks(gemma):
         assert mask.BLOCK_SIZE == (block, block)
         assert int(mask.kv_num_blocks[0, 0, 20 // block] + mask.full_kv_num_blocks[0, 0, 20 // block]) == listed
 
-
-def test_one_pool_per_layer_holds_k_and_v(gemma):
-    eng = _engine(gemma)
-    for i, pool in eng.cache.kv.items():
-        assert pool.shape[0] == 2
-        assert eng.cache.k[i].data_ptr() == pool.data_ptr()
-        assert eng.cache.v[i].data_ptr() == pool[1].data_ptr()
-    seqs = eng.generate(_prompts(), 3)
-    assert all(len(s.output) == 3 for s in seqs)
-    assert all(p[0].abs().sum() > 0 and p[1].abs().sum() > 0 for p in eng.cache.kv.values())

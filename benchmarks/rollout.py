@@ -207,17 +207,20 @@ def depth_note(rows: list[dict], summary: dict[str, Any]) -> str:
     return note + (f"; HF baseline: {', '.join(baselines)}" if baselines else "")
 
 
-def write(rows: list[dict], out: str | None, partial: bool, **extra: Any) -> Path:
+def write(rows: list[dict], out: str | None, partial: bool, history_note: str | None = None, **extra: Any) -> Path:
     summary = summarize(rows)
     if partial:
         summary["partial"] = True
+    if history_note:  # kept for comparison, not a current result: docs/benchmarks.md lists it, the README does not
+        summary["history_note"] = history_note
     return write_result("rollout", rows, summary, out=out, **extra)
 
 
-def merge(paths: list[str], out: str) -> None:
+def merge(paths: list[str], out: str, history_note: str | None = None) -> None:
     """One result file from several runs' rows (e.g. the compiled-HF call and the main call); summary recomputed.
 
     The runs must share commit, device and versions (those are the merged file's); who merged is recorded apart.
+    `history_note` marks the file as kept for comparison (e.g. a variant that does not ship), in its summary.
     """
     records = [results_io.read_result(p, "--merge") for p in paths]
     shared = {}
@@ -236,8 +239,8 @@ def merge(paths: list[str], out: str) -> None:
                 row["name_at_run"], row["name"] = row.get("name"), name
     sources = [{"file": Path(p).name, "commit": r.get("commit"), "date": r.get("date"), "command": r.get("command")}
                for p, r in zip(paths, records)]
-    write(rows, out, partial=False, merged_from=sources, merged_by=results_io.provenance("rollout.py --merge"),
-          **shared)
+    write(rows, out, partial=False, history_note=history_note, merged_from=sources,
+          merged_by=results_io.provenance("rollout.py --merge"), **shared)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -274,7 +277,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="JSON of flex kernel-option overrides (e.g. a benchmarks/rollout_attention.py result)")
     ap.add_argument("--summarize", default=None, metavar="PATH", help="only recompute the summary of a result file")
     ap.add_argument("--merge", nargs="+", default=None, metavar="PATH", help="merge result files into --out")
+    ap.add_argument("--history-note", default=None, help="with --merge: summary.history_note, marking the merged "
+                    "file as kept for comparison (left out of the README's headline)")
     args = ap.parse_args(argv)
+    if args.history_note and not args.merge:
+        ap.error("--history-note: only with --merge (a run's own file is a current result)")
     bad = [k for k in args.rows.split(",") if k and k not in KINDS]
     if bad:
         ap.error(f"--rows: unknown {bad}; choose from {', '.join(KINDS)}")
@@ -291,7 +298,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.summarize:
         return resummarize(args.summarize, summarize, by="rollout.py --summarize")
     if args.merge:
-        return merge(args.merge, args.out)
+        return merge(args.merge, args.out, args.history_note)
     specs = build_specs(args)
     out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / "rollout.json"
     logs = Path(args.logs) if args.logs else out.with_suffix(".logs")

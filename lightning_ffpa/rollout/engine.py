@@ -87,8 +87,8 @@ class EngineConfig:
     """Tokens per KV page: the unit the page table hands out and `num_pages` counts."""
     kv_block_size: int | None = None
     """Tokens per KV block of the decode masks: it divides `page_size`, and flex reads a row's last page only up to
-    the block holding its newest token. None: the largest divisor of `page_size` up to 64. One page is the
-    ablation row `ours_paged_flex_block128` of `benchmarks/results/rollout_full_depth.json`."""
+    the block holding its newest token. None: the largest divisor of `page_size` up to 64. Gain:
+    `benchmarks/results/rollout_kv_block.json` (row `ours_paged_flex_block128` is one block per page)."""
     num_pages: int = 1024
     """Physical pages per layer, page 0 reserved. The pools must fit the device's free memory when the engine is
     built (else one ConfigError naming this option, with how many pages would fit)."""

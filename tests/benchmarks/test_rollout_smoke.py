@@ -236,3 +236,22 @@ def test_an_unfused_row_runs_unfused_and_is_compared_with_the_default_row(tmp_pa
     rollout.main(["--merge", str(other), str(out), "--out", str(merged)])
     s = json.loads(merged.read_text())["summary"]
     assert s["ours_paged_flex_unfused_vs_default_fuse_bs2"] == pytest.approx(1 / 1.25)
+
+
+def test_a_merge_with_a_history_note_is_kept_out_of_the_readme_headline(tmp_path, monkeypatch):
+    from benchmarks import report
+
+    monkeypatch.setenv("LIGHTNING_FFPA_COMMIT", "9c81b9a")  # a clean commit, as the README's files name
+
+    row = dict(name="ours_paged_flex", kind="ours_paged_flex", mode="greedy", batch=64, tokens_per_s=2000.0,
+               roofline_fraction=0.8, process={"pid": 1})
+    run = tmp_path / "run.json"
+    rollout.write([row], str(run), partial=False)
+    kept, current = tmp_path / "kept.json", tmp_path / "current.json"
+    rollout.main(["--merge", str(run), "--out", str(kept), "--history-note", "a variant that does not ship"])
+    rollout.main(["--merge", str(run), "--out", str(current)])
+    records = [(p, json.loads(p.read_text())) for p in (kept, current)]
+    assert records[0][1]["summary"]["history_note"] == "a variant that does not ship"
+    assert [p for p, _ in report.current(records)] == [current]
+    with pytest.raises(SystemExit):
+        rollout.parse_args(["--history-note", "x"])  # only a merge takes one

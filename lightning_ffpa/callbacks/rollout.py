@@ -190,7 +190,8 @@ class RolloutCallback(L.Callback):
             eos = [] if e is None else ([e] if isinstance(e, int) else list(e))
         self.engine = RolloutEngine(inference, self.engine_config, set(eos), option=f"{OPTION}.engine")
         e = self.engine
-        rank_zero_info(f"RolloutCallback: {dtype} inference copy; attention {e.attention_path}, decode step "
+        rank_zero_info(f"RolloutCallback: {dtype} inference copy; attention {e.attention_path} over "
+                       f"{e.config.decode_block}-token KV blocks in {e.config.page_size}-token pages, decode step "
                        f"{e.decode_path}, projections {e.projection_path}, CUDA graphs "
                        f"{'on' if e.on_cuda and e.config.cuda_graphs else 'off'}")
         self.tokenizer = None

@@ -1,8 +1,9 @@
 """Full-depth LoRA on one GPU, the way people fine-tune Gemma4-31B: ours (the product path) against HF + PEFT and Unsloth.
 
 Owns the rows below, the run (one process per (row, seq) through `benchmarks/row_process.py`, a per-row timeout,
-a total `--budget-s`, the result rewritten after every row, `--resume` of an earlier call's file), the LoRA FLOP
-count and the summary. The Unsloth row lives in `benchmarks/unsloth_row.py`.
+a total `--budget-s`, the result rewritten after every row, `--resume` of an earlier call's file) and the
+summary. The Unsloth row lives in `benchmarks/unsloth_row.py`; what the rows share (the LoRA FLOP
+count, static memory, step statistics) in `benchmarks/lora_step.py`.
 
 Rows, each at --seqs (8k, 16k), batch 1, all 60 layers of the gemma4-31b preset (random weights initialised for
 real), LoRA r=16 (lora_alpha 32) on every linear layer of the decoder, bf16 base weights:
@@ -42,7 +43,6 @@ import contextlib
 import json
 import os
 import socket
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,6 +51,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import results_io  # noqa: E402
+from benchmarks.lora_step import config_overrides, lora_train_flops, static_memory, step_stats, sync  # noqa: E402
 from benchmarks.results_io import RESULTS_DIR, resummarize, write_result  # noqa: E402
 from benchmarks.row_process import add_run_options, fastest_row, row_at, row_main, run_rows  # noqa: E402
 from lightning_ffpa._compat import transformers as hf_compat  # noqa: E402
@@ -98,66 +99,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup < 1:
         raise ConfigError("--warmup", args.warmup, "needs at least one untimed step (compile, optimizer states)")
     return args
-
-
-# ----------------------------------------------------------------------------- shared by the rows
-def config_overrides(spec: dict[str, Any]) -> dict[str, Any]:
-    """Text-config overrides of the run: none at full depth; two layers (sliding, full) in the smoke run."""
-    if spec["layers"] is None:
-        return {}
-    return dict(num_hidden_layers=spec["layers"],
-                layer_types=["sliding_attention"] * (spec["layers"] - 1) + ["full_attention"])
-
-
-def lora_train_flops(model, seq: int) -> float:
-    """Model FLOPs of one LoRA step: `train_flops_per_batch` less the weight-gradient matmul of frozen weights."""
-    from lightning_ffpa._compat.transformers import find_decoder_layers
-    from lightning_ffpa.callbacks.throughput import train_flops_per_batch
-
-    full = train_flops_per_batch(model, 1, seq)
-    layers = getattr(*find_decoder_layers(model))
-    frozen = sum(p.numel() for layer in layers for p in layer.parameters() if p.dim() == 2 and not p.requires_grad)
-    head = getattr(model, "lm_head", None)
-    if head is not None and not head.weight.requires_grad:
-        frozen += head.weight.numel()
-    return full - 2.0 * frozen * seq
-
-
-def static_memory(model) -> dict[str, Any]:
-    """Parameters by dtype and trainability, and the bytes they and the AdamW states take (counted on the model)."""
-    by_dtype: dict[str, int] = {}
-    base = trainable = trainable_bytes = 0
-    for p in model.parameters():
-        by_dtype[str(p.dtype)] = by_dtype.get(str(p.dtype), 0) + p.numel()
-        if p.requires_grad:
-            trainable += p.numel()
-            trainable_bytes += p.numel() * (p.element_size() * 2 + 8)  # weight + grad + two fp32 moments
-        else:
-            base += p.numel()
-    frozen_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    return dict(params_by_dtype=by_dtype, frozen_params=base, trainable_params=trainable,
-                frozen_gib=frozen_bytes / 2**30, trainable_with_adamw_gib=trainable_bytes / 2**30)
-
-
-def step_stats(times: list[float], seq: int, flops: float, device) -> dict[str, Any]:
-    """Median/min/max step time, tokens/s, peak memory and MFU of the timed steps."""
-    import torch
-
-    from lightning_ffpa.callbacks.throughput import peak_bf16_flops
-
-    cuda = device.type == "cuda"
-    median, peak = statistics.median(times), peak_bf16_flops(device)
-    return dict(timed_steps=len(times), step_ms_median=median * 1e3, step_ms_min=min(times) * 1e3,
-                step_ms_max=max(times) * 1e3, tokens_per_s=seq / median,
-                peak_mem_allocated_gb=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-                peak_mem_reserved_gb=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
-                lora_tflops_per_step=flops / 1e12, spec_bf16_peak_tflops=peak and peak / 1e12,
-                mfu_spec=flops / median / peak if peak else None)
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        __import__("torch").cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------- row: ours (the product path)
@@ -233,7 +174,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             device = trainer.strategy.root_device
-            _sync(device)
+            sync(device)
             now = time.perf_counter()
             self.losses.append(float(outputs["loss"]))
             if self.profiler is not None and self.profiler.active:
@@ -357,13 +298,13 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
         if i == spec["warmup"]:
             graphs_after_warmup = dynamo["stats"]["unique_graphs"]
             attention.reset_dispatch_counts()
-            _sync(device)
+            sync(device)
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             clocks.start()
         t0 = time.perf_counter()
         step()
-        _sync(device)
+        sync(device)
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
     clocks.stop()

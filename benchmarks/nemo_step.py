@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import nemo_wheel
+from benchmarks.nemo_paths import fell_back, path_record, reset_paths, time_ms
 from benchmarks.row_process import dump_stacks_on_signal, kill_row, progress_tail
 from lightning_ffpa.attention import backend, kernels
 
@@ -44,7 +45,6 @@ def _step_spec(name: str, smoke: bool) -> dict:
 def step_child(args) -> dict:
     """One step row in this process: build, warm up, time `--steps` optimizer steps; returns the row."""
     from benchmarks import train_rows as tt
-    from benchmarks.nemo_backend import fell_back, path_record, reset_paths, time_ms
     from lightning_ffpa import saved_ops
     from lightning_ffpa._compat import torch as torch_compat
     from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES

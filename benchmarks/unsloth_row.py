@@ -8,7 +8,7 @@ on the GPU, through HF's own init), `FastModel.from_pretrained` (bf16, 16-bit Lo
 `FastModel.get_peft_model` (r=16, lora_alpha 32, every linear layer of the decoder, the row's
 `use_gradient_checkpointing`: "unsloth", its offloaded checkpointing and its default, or True, plain), then the timed steps: Unsloth's forward with labels (its compiled loss), backward, clip 1.0,
 fused AdamW. A step that fails ends the row with the exact error (type, message, traceback tail): nothing is
-estimated. Does not own processes, timing statistics or the summary (full_depth_lora.py).
+estimated. Does not own processes or the summary (full_depth_lora.py), nor the step statistics (lora_step.py).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def checkpoint_dir(spec: dict[str, Any], root: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from benchmarks.full_depth_lora import config_overrides
     from benchmarks.grpo_vs_trl import word_tokenizer
+    from benchmarks.lora_step import config_overrides
     from lightning_ffpa.presets import build_text_config
 
     cfg = build_text_config(spec["preset"], **config_overrides(spec))
@@ -100,7 +100,7 @@ def _run(spec: dict[str, Any], row: dict[str, Any], attempt) -> None:
     import torch
     from unsloth import FastModel
 
-    from benchmarks.full_depth_lora import _sync, lora_train_flops, static_memory, step_stats
+    from benchmarks.lora_step import lora_train_flops, static_memory, step_stats, sync
 
     cuda = torch.cuda.is_available() and not spec["smoke"]
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -139,7 +139,7 @@ def _run(spec: dict[str, Any], row: dict[str, Any], attempt) -> None:
         losses.append(attempt(f"warm-up step {i}", step))
 
     def timed() -> None:
-        _sync(device)
+        sync(device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         for _ in range(spec["steps"]):

@@ -112,6 +112,7 @@ def test_lora_flops_drop_only_the_frozen_weight_gradients():
     import transformers
     from peft import LoraConfig, get_peft_model
 
+    from benchmarks.lora_step import lora_train_flops
     from lightning_ffpa.callbacks.throughput import train_flops_per_batch
     from lightning_ffpa.presets import build_text_config
 
@@ -124,7 +125,7 @@ def test_lora_flops_drop_only_the_frozen_weight_gradients():
     peft = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", **fdl.LORA))
     adapters = sum(p.numel() for p in peft.parameters() if p.requires_grad)
     # frozen matmuls: forward + input gradient (4 x params x tokens); adapters: 6 x; attention unchanged
-    assert fdl.lora_train_flops(peft.get_base_model(), seq) == full - 2 * matmul * seq + 6 * adapters * seq
+    assert lora_train_flops(peft.get_base_model(), seq) == full - 2 * matmul * seq + 6 * adapters * seq
 
 
 def test_unsloth_row_records_what_it_tried():

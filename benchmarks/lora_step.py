@@ -1,0 +1,68 @@
+"""What the full-depth LoRA rows share (ours, HF + PEFT, Unsloth): the model's overrides, the LoRA FLOP count,
+static memory and the timed steps' statistics. Owns no row and no run (`full_depth_lora.py`, `unsloth_row.py`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+
+def config_overrides(spec: dict[str, Any]) -> dict[str, Any]:
+    """Text-config overrides of the run: none at full depth; two layers (sliding, full) in the smoke run."""
+    if spec["layers"] is None:
+        return {}
+    return dict(num_hidden_layers=spec["layers"],
+                layer_types=["sliding_attention"] * (spec["layers"] - 1) + ["full_attention"])
+
+
+def lora_train_flops(model, seq: int) -> float:
+    """Model FLOPs of one LoRA step: `train_flops_per_batch` less the weight-gradient matmul of frozen weights."""
+    from lightning_ffpa._compat.transformers import find_decoder_layers
+    from lightning_ffpa.callbacks.throughput import train_flops_per_batch
+
+    full = train_flops_per_batch(model, 1, seq)
+    layers = getattr(*find_decoder_layers(model))
+    frozen = sum(p.numel() for layer in layers for p in layer.parameters() if p.dim() == 2 and not p.requires_grad)
+    head = getattr(model, "lm_head", None)
+    if head is not None and not head.weight.requires_grad:
+        frozen += head.weight.numel()
+    return full - 2.0 * frozen * seq
+
+
+def static_memory(model) -> dict[str, Any]:
+    """Parameters by dtype and trainability, and the bytes they and the AdamW states take (counted on the model)."""
+    by_dtype: dict[str, int] = {}
+    base = trainable = trainable_bytes = 0
+    for p in model.parameters():
+        by_dtype[str(p.dtype)] = by_dtype.get(str(p.dtype), 0) + p.numel()
+        if p.requires_grad:
+            trainable += p.numel()
+            trainable_bytes += p.numel() * (p.element_size() * 2 + 8)  # weight + grad + two fp32 moments
+        else:
+            base += p.numel()
+    frozen_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    return dict(params_by_dtype=by_dtype, frozen_params=base, trainable_params=trainable,
+                frozen_gib=frozen_bytes / 2**30, trainable_with_adamw_gib=trainable_bytes / 2**30)
+
+
+def step_stats(times: list[float], seq: int, flops: float, device) -> dict[str, Any]:
+    """Median/min/max step time, tokens/s, peak memory and MFU of the timed steps."""
+    import torch
+
+    from lightning_ffpa.callbacks.throughput import peak_bf16_flops
+
+    cuda = device.type == "cuda"
+    median, peak = statistics.median(times), peak_bf16_flops(device)
+    return dict(timed_steps=len(times), step_ms_median=median * 1e3, step_ms_min=min(times) * 1e3,
+                step_ms_max=max(times) * 1e3, tokens_per_s=seq / median,
+                peak_mem_allocated_gb=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+                peak_mem_reserved_gb=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
+                lora_tflops_per_step=flops / 1e12, spec_bf16_peak_tflops=peak and peak / 1e12,
+                mfu_spec=flops / median / peak if peak else None)
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on CPU."""
+    if device.type == "cuda":
+        __import__("torch").cuda.synchronize(device)

@@ -2,7 +2,7 @@
 
 Pages of 4 tokens and 24 new tokens cross many pages and the tiny Gemma4's 16-token window; a small
 page pool forces recompute-style preemption. The Gemma4 test runs flex's eager path; the walker tests
-(KV-shared layers, Llama, Qwen2) use the dense reference over the same mask mods to stay fast, and
+(KV-shared layers, MoE layers, Llama, Qwen2) use the dense reference over the same mask mods to stay fast, and
 one test checks dense and flex agree token for token.
 """
 
@@ -62,6 +62,16 @@ def test_gemma4_kv_shared_layers_and_per_layer_inputs_match_hf():
     eng = _check(model, _prompts(512, (5, 11), seed=1),
                  EngineConfig(page_size=4, num_pages=64, max_batch_size=2, max_seq_len=64, attention="dense"), new=20)
     assert sum(s.shared for s in eng.walker.specs) == 2 and len(eng.cache.k) == 2
+
+
+def test_gemma4_moe_layers_match_hf():
+    """The 26B-A4B layout (router + experts beside the dense MLP) decodes through the same walker; the experts'
+    3-D weights stay as HF runs them, only the attention and dense-MLP projections fuse."""
+    torch.manual_seed(4)
+    model = Gemma4ForCausalLM(build_text_config("tiny-moe")).eval()
+    eng = _check(model, _prompts(512, (7, 12), seed=4),
+                 EngineConfig(page_size=4, num_pages=64, max_batch_size=2, max_seq_len=64, attention="dense"), new=20)
+    assert model.config.enable_moe_block and eng.projection_path == "fused (8 groups)"
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

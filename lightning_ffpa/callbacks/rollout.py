@@ -114,6 +114,7 @@ class RolloutCallback(L.Callback):
     def check_before_fit(self, trainer: L.Trainer, pl_module: L.LightningModule, datamodule: Any) -> None:
         """Options against the data's prompts and the module (also run by the CLI's pre-flight, before fit
         writes any file)."""
+        self.engine_config.check_device(trainer.strategy.root_device, f"{OPTION}.engine")
         longest = _longest_prompt(datamodule)
         if longest is None:
             rank_zero_info("RolloutCallback: the datamodule has no `max_prompt_length()`; prompt lengths "

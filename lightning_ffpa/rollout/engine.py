@@ -160,6 +160,25 @@ class EngineConfig:
                               f"must be >= {pages + 1}: {need} tokens take {pages} pages of {self.page_size}, "
                               f"plus the reserved page 0{where}")
 
+    def check_device(self, device: torch.device, option: str = "engine") -> bool:
+        """The checks that depend on where the engine runs (the Callback's pre-flight runs them before a model
+        exists); returns whether the decode step compiles there."""
+        cuda = device.type == "cuda"
+        if cuda and self.page_size % 16:
+            raise ConfigError(f"{option}.page_size", self.page_size,
+                              "must be a multiple of 16 on CUDA (flex decode tiles)")
+        if cuda and self.decode_block % 16:
+            raise ConfigError(f"{option}.kv_block_size", self.kv_block_size,
+                              "must be a multiple of 16 on CUDA (flex decode tiles)")
+        if self.compile_decode and not cuda:
+            raise ConfigError(f"{option}.compile_decode", True, "needs CUDA (the CPU path runs eagerly)")
+        compile_step = cuda if self.compile_decode is None else self.compile_decode
+        if self.compile_mode is not None and not compile_step:
+            raise ConfigError(f"{option}.compile_mode", self.compile_mode,
+                              f"has no effect: the decode step runs eagerly here (`{option}.compile_decode` "
+                              "off, or not on CUDA)")
+        return compile_step
+
     @property
     def decode_block(self) -> int:
         """The decode masks' KV block in tokens (`kv_block_size`, or its default)."""
@@ -207,18 +226,7 @@ class RolloutEngine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.on_cuda = self.device.type == "cuda"
-        if self.on_cuda and cfg.page_size % 16:
-            raise ConfigError(f"{option}.page_size", cfg.page_size, "must be a multiple of 16 on CUDA (flex decode tiles)")
-        if self.on_cuda and cfg.decode_block % 16:
-            raise ConfigError(f"{option}.kv_block_size", cfg.kv_block_size,
-                              "must be a multiple of 16 on CUDA (flex decode tiles)")
-        if cfg.compile_decode and not self.on_cuda:
-            raise ConfigError(f"{option}.compile_decode", True, "needs CUDA (the CPU path runs eagerly)")
-        compile_step = self.on_cuda if cfg.compile_decode is None else cfg.compile_decode
-        if cfg.compile_mode is not None and not compile_step:
-            raise ConfigError(f"{option}.compile_mode", cfg.compile_mode,
-                              f"has no effect: the decode step runs eagerly here (`{option}.compile_decode` "
-                              "off, or not on CUDA)")
+        compile_step = cfg.check_device(self.device, option)
         self.eos_token_ids = set(eos_token_ids or ())
         if cfg.fuse_projections:  # after the config checks (it moves the weights), before the pool's room check
             self.walker.fuse()

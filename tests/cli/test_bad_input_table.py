@@ -82,6 +82,8 @@ ROWS = [
     (f"{G} --trainer.callbacks.init_args.engine.page_size 0", "engine.page_size"),
     (f"{G} --trainer.callbacks.init_args.engine.attention sparse", "engine.attention"),
     (f"{G} --trainer.callbacks.init_args.engine.compile_mode reduce-overhead", "engine.compile_mode"),
+    (f"{G} --trainer.callbacks.init_args.engine.compile_decode true", "engine.compile_decode"),  # CPU
+    (f"{G} --trainer.callbacks.init_args.engine.kv_block_size 3", "engine.kv_block_size"),
     (f"{G} --trainer.callbacks.init_args.sampling.max_new_tokens 0", "sampling.max_new_tokens"),
     (f"{G} --trainer.callbacks.init_args.sampling.top_p 0", "sampling.top_p"),
     (f"{G} --trainer.callbacks.init_args.sampling '{{max_new_tokens: 40}}'", "engine.max_seq_len"),

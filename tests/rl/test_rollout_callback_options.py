@@ -82,6 +82,19 @@ def test_prompt_plus_completion_longer_than_max_seq_len_fails_at_setup_before_an
     assert module.model is None and rollout.engine is None  # nothing was built
 
 
+@pytest.mark.parametrize("engine, option", [({"compile_decode": True}, "RolloutCallback.engine.compile_decode"),
+                                            ({"compile_mode": "default"},  # compile_decode None: eager on CPU
+                                             "RolloutCallback.engine.compile_mode")])
+def test_options_the_device_rules_out_fail_at_setup_before_any_model(engine, option):
+    """On CPU the decode step cannot compile: refused by the pre-flight, not after the policy and copy are built."""
+    rollout = _callback(engine=engine, num_generations=2)
+    module = GRPOModule(preset="tiny")
+    with pytest.raises(ConfigError) as err:
+        _fit(rollout, module)
+    assert err.value.option == option
+    assert module.model is None and rollout.engine is None
+
+
 def test_rollout_temperature_must_match_the_policy_temperature():
     rollout = _callback(sampling={"temperature": 0.7}, num_generations=2)
     module = GRPOModule(preset="tiny", temperature=1.0)

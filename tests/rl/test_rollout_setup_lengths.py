@@ -1,6 +1,9 @@
 """RolloutCallback.setup checks the longest prompt of a PromptDataModule against `engine.max_seq_len`."""
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from lightning_ffpa.callbacks.rollout import RolloutCallback, _longest_prompt
 from lightning_ffpa.errors import ConfigError
@@ -22,6 +25,6 @@ def test_setup_refuses_prompts_longer_than_the_engine_allows():
     dm.setup("fit")
     cb = RolloutCallback([token_range_reward], engine=EngineConfig(page_size=8, num_pages=8, max_seq_len=8),
                          sampling=SamplingParams(max_new_tokens=4), num_generations=2)
-    trainer = type("T", (), {"datamodule": dm})()
+    trainer = SimpleNamespace(datamodule=dm, strategy=SimpleNamespace(root_device=torch.device("cpu")))
     with pytest.raises(ConfigError, match=r"engine\.max_seq_len=8.*5 \+ 4.*longest prompt of the datamodule"):
         cb.setup(trainer, object(), "fit")

@@ -33,6 +33,19 @@ def test_default_block_is_the_largest_divisor_of_the_page_up_to_64(page_size, kv
     assert EngineConfig(page_size=page_size, kv_block_size=kv_block_size).decode_block == block
 
 
+@pytest.mark.parametrize("kw, option", [(dict(page_size=8, max_seq_len=64), "engine.page_size"),
+                                        (dict(page_size=128, max_seq_len=128, kv_block_size=8), "engine.kv_block_size")])
+def test_cuda_tile_rule_is_checked_from_the_device_alone(kw, option):
+    """Flex decode tiles need multiples of 16 on CUDA; the check needs only the device, so the Callback's
+    pre-flight runs it before a model exists (no GPU needed here)."""
+    cuda = torch.device("cuda")
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(**kw).check_device(cuda)
+    assert err.value.option == option
+    assert EngineConfig(**kw).check_device(torch.device("cpu")) is False  # CPU: any divisor, eager step
+    assert EngineConfig(page_size=128, max_seq_len=128, kv_block_size=16).check_device(cuda) is True
+
+
 @pytest.mark.parametrize("value", [0, 3, 32, True, 8.0])
 def test_bad_kv_block_size_is_one_error_naming_it(value):
     with pytest.raises(ConfigError, match=r"^`engine\.kv_block_size=") as err:

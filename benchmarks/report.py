@@ -127,6 +127,18 @@ HEADLINES: dict[str, tuple[str, str]] = {
                         "100% of the HBM roofline, prefill free)", "{:.2f}x"),
     "lora_refresh_fraction": ("GRPO rollouts, batch 64: LoRA refresh time as a fraction of rollout time",
                               "{:.1%}"),
+    # engine ablations: one option changed against the default row of the same run
+    "ours_paged_flex_block128_vs_default_block_bs64": ("GRPO rollouts, batch 64, same run: one KV block per page "
+                                                       "(`kv_block_size: 128`) vs the default 64-token blocks",
+                                                       "{:.3f}x tokens/s"),
+    "ours_paged_flex_page64_vs_default_page_bs64": ("GRPO rollouts, batch 64, same run: 64-token pages vs the "
+                                                    "default 128", "{:.3f}x tokens/s"),
+    "ours_paged_flex_unfused_vs_default_fuse_bs64": ("GRPO rollouts, batch 64, same run: projections unfused "
+                                                     "(`fuse_projections: false`) vs fused (the default)",
+                                                     "{:.3f}x tokens/s"),
+    "ours_paged_flex_max_autotune_no_cudagraphs_vs_default_compile_bs64": (
+        "GRPO rollouts, batch 64, same run: decode step compiled with `max-autotune-no-cudagraphs` vs the default "
+        "mode", "{:.3f}x tokens/s"),
 }
 # Row values worth a README line: (benchmark, the row's identifying fields, metric, what it is, format).
 ROW_HEADLINES: list[tuple[str, dict[str, Any], str, str, str]] = [

@@ -166,14 +166,15 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
     def after_fit(self) -> None:
         """One closing line: the step reached, and where the checkpoints and logs are."""
         trainer = self.trainer
+        log_dir = trainer.log_dir if trainer.loggers else None  # a broadcast: every rank takes part
         if not trainer.is_global_zero:
             return
         parts = [f"fit finished at step {trainer.global_step}"]
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and (ckpt.last_model_path or ckpt.best_model_path):
             parts.append(f"checkpoint {ckpt.last_model_path or ckpt.best_model_path}")
-        if trainer.loggers and trainer.log_dir:
-            parts.append(f"logs {trainer.log_dir}")
+        if log_dir:
+            parts.append(f"logs {log_dir}")
         print("; ".join(parts), flush=True)
 
     def before_validate(self) -> None:  # noqa: D102

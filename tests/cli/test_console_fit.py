@@ -1,5 +1,6 @@
 """Every shipped YAML fits 2 steps on CPU through the installed `lightning-ffpa` console script, with tiny
-overrides, in a folder of its own: exit code 0, the closing line, and an honest screen.
+overrides, in a folder of its own: exit code 0, the closing line, and an honest screen. Two CPU ranks fit the
+same way (the SFT and GRPO recipes).
 
 `TINY` holds each recipe's overrides in one place: a recipe that changes its options changes its row here.
 """
@@ -69,3 +70,29 @@ def test_shipped_recipe_fits_two_steps_through_the_console_script(recipe, tmp_pa
         assert exported.returncode == 0, exported.stderr[-3000:]
         assert exported.stdout.strip().splitlines()[-1].startswith("wrote "), exported.stdout
         assert (tmp_path / "hf" / "config.json").is_file()
+
+
+FSDP2_RANKS = """trainer:
+  devices: 2
+  strategy:
+    class_path: lightning_ffpa.parallel.FSDP2Strategy
+    init_args: {param_dtype: null, reduce_dtype: null, activation_checkpointing: selective}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("recipe, extra", [("tiny", f"--trainer.devices 2 {TINY['tiny']}"),
+                                           ("tiny_grpo", "--config fsdp2_ranks.yaml "
+                                                         "--model.init_args.lora '{r: 4, target_modules: [q_proj]}'")])
+def test_two_ranks_exit_0_with_one_closing_line(recipe, extra, tmp_path):
+    """Two CPU ranks (DDP; FSDP2 + LoRA for GRPO), as `srun` or `devices: N` start them: every rank takes part in
+    finding the log folder for the closing line (rank 0 alone used to wait on a rank that had exited: exit 1)."""
+    (tmp_path / "fsdp2_ranks.yaml").write_text(FSDP2_RANKS)
+    proc = run(["lightning-ffpa", "fit", "--config", recipe, "--trainer.max_steps", "2", *shlex.split(extra)],
+               tmp_path, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    closing = [line for line in proc.stdout.splitlines() if line.startswith("fit finished")]
+    assert len(closing) == 1 and closing[0].startswith("fit finished at step 2"), proc.stdout[-2000:]
+    logs = re.search(r"\blogs ([^;]+)", closing[0])
+    assert logs and (tmp_path / logs.group(1)).is_dir(), closing

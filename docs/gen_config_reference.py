@@ -39,6 +39,7 @@ CLASSES: list[tuple[str, str]] = [
     ("trainer.callbacks", "lightning_ffpa.callbacks.rollout.RolloutCallback"),
     ("trainer.callbacks", "lightning_ffpa.callbacks.nonfinite.NonFiniteGuard"),
     ("trainer.callbacks", "lightning_ffpa.callbacks.preemption.DeferredRequeue"),
+    ("trainer.callbacks", "lightning_ffpa.callbacks.preemption.StopOnSigterm"),
     ("trainer.callbacks", "lightning_ffpa.checkpoint.RunLock"),
     ("trainer.plugins", "lightning_ffpa.checkpoint.AtomicCheckpointIO"),
 ]
@@ -139,10 +140,10 @@ def render_reference() -> str:
     for key, path in CLASSES:
         cls = _import(path)
         summary = _md((inspect.getdoc(cls) or "").split("\n\n")[0])
-        lines += [f"## `{path}`", "", f"{summary} YAML: `{key}` (`class_path: {path}`).", "",
-                  "| argument | type | default | description |", "|---|---|---|---|"]
-        lines += [f"| `{o['name']}` | `{_md(o['type'])}` | `{_md(o['default'])}` | {_md(o['help'])} |"
-                  for o in options(cls)]
+        lines += [f"## `{path}`", "", f"{summary} YAML: `{key}` (`class_path: {path}`).", ""]
+        rows = [f"| `{o['name']}` | `{_md(o['type'])}` | `{_md(o['default'])}` | {_md(o['help'])} |"
+                for o in options(cls)]
+        lines += ["| argument | type | default | description |", "|---|---|---|---|", *rows] if rows else ["No arguments."]
         lines.append("")
     return "\n".join(lines)
 

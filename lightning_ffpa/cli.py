@@ -137,7 +137,9 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs: Any):
-        """The Trainer, with the step progress bar and parameter summary unless the config disables or sets them."""
+        """The Trainer, with `StopOnSigterm`, and the step progress bar and parameter summary unless the config
+        disables or sets them."""
+        from lightning_ffpa.callbacks.preemption import StopOnSigterm
         from lightning_ffpa.callbacks.screen import ParameterSummary, default_callbacks
 
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
@@ -145,6 +147,8 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         callbacks = options.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         extra = default_callbacks(options, callbacks)
+        if not any(isinstance(c, StopOnSigterm) for c in callbacks):
+            extra.append(StopOnSigterm())  # every rank stops at the same step (exit 143)
         kwargs.setdefault("callbacks", callbacks + extra)
         if any(isinstance(c, ParameterSummary) for c in extra):
             kwargs.setdefault("enable_model_summary", False)  # ours replaces Lightning's default summary

@@ -13,6 +13,7 @@ from torch import nn
 
 __all__ = [
     "cluster_environment",
+    "handler_before_trainer",
     "lightning_dcp_meta_filename",
     "loaded_checkpoint",
     "materialize_distributed_module",
@@ -21,6 +22,7 @@ __all__ = [
     "requested_data_parallel_size",
     "resolve_ckpt_path",
     "set_device_mesh",
+    "set_received_sigterm",
     "setup_distributed",
     "should_update_logs",
 ]
@@ -75,6 +77,16 @@ def module_device_mesh(pl_module: Any) -> Any:
 def cluster_environment(trainer: Any) -> Any:
     """The trainer's ClusterEnvironment (SLURM, torchelastic, ...)."""
     return trainer._accelerator_connector.cluster_environment
+
+
+def set_received_sigterm(trainer: Any) -> None:
+    """Mark SIGTERM as received: Lightning's loop raises `SIGTERMException` at the end of the current step."""
+    trainer._signal_connector.received_sigterm = True
+
+
+def handler_before_trainer(trainer: Any, signum: int) -> Any:
+    """The handler `signum` had before the trainer installed its own (None, `SIG_DFL` or `SIG_IGN` included)."""
+    return trainer._signal_connector._original_handlers.get(signum)
 
 
 def should_update_logs(trainer: Any) -> bool:

@@ -1,4 +1,5 @@
-"""SLURM preemption at a step boundary: defer Lightning's SIGUSR1 save-and-requeue to the end of a step.
+"""Preemption at a step boundary: SLURM's SIGUSR1 save-and-requeue (`DeferredRequeue`) and SIGTERM on any
+rank (`StopOnSigterm`), each acted on at the end of a step, by every rank at the same step.
 
 Why: Lightning's SLURM handler (`SLURMEnvironment(auto_requeue=True)`) writes the HPC checkpoint inside the
 signal handler, i.e. wherever the main thread happens to be: between backward and the optimizer step, or
@@ -7,8 +8,9 @@ run redo a step that was already applied, or drop one. This callback only record
 Lightning's own handler (same `hpc_ckpt_N.ckpt`, same `scontrol requeue`) after the step has completed,
 where the checkpoint equals a `ModelCheckpoint` one; then it stops the run cleanly.
 
-Owns: when the HPC checkpoint is written. Does not own requeueing or resuming (Lightning: on the requeued
-job `fit` finds `hpc_ckpt_*.ckpt` in `default_root_dir` by itself).
+Owns: when the HPC checkpoint is written, and at which step a SIGTERM stops the ranks. Does not own
+requeueing or resuming (Lightning: on the requeued job `fit` finds `hpc_ckpt_*.ckpt` in `default_root_dir` by
+itself), nor the exit code (`lightning_ffpa.cli`: 143).
 """
 
 from __future__ import annotations
@@ -65,3 +67,48 @@ class DeferredRequeue(pl.Callback):
         if self._lightning_handler is not None:
             signal.signal(self._signum, self._lightning_handler)
             self._lightning_handler = None
+
+
+class StopOnSigterm(pl.Callback):
+    """A SIGTERM on any rank stops every rank at the end of the same step, with no collective in the handler.
+
+    Why: Lightning 2.6's own SIGTERM handler broadcasts a tensor from inside the handler, wherever each rank's
+    main thread is. Under FSDP2 that broadcast meets another rank's all-gather and the job hangs (two CPU ranks
+    given `kill -TERM`, as `srun` signals every task: both ranks stuck mid-forward). Its step-end check is also
+    per rank, so a rank signalled a moment later starts a step the others never join. Here the handler only
+    records the signal (and runs any handler installed before the Trainer); at each step's end the ranks
+    agree on "any rank was signalled" in one all-reduce, and all of them stop there. The `lightning-ffpa` CLI
+    adds this Callback to every fit.
+    """
+
+    def __init__(self) -> None:
+        self._pending = False
+        self._trainer: pl.Trainer | None = None
+        self._lightning_handler: Any = None
+
+    @property
+    def pending(self) -> bool:
+        """A SIGTERM reached this rank and the ranks have not stopped yet."""
+        return self._pending
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._pending, self._trainer = False, trainer
+        self._lightning_handler = signal.getsignal(signal.SIGTERM)  # Lightning registered it as fit started
+        signal.signal(signal.SIGTERM, self._record)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        rank_zero_info("StopOnSigterm: SIGTERM received; every rank stops at the end of this step")
+        self._pending = True
+        before = lightning_compat.handler_before_trainer(self._trainer, signum) if self._trainer else None
+        if callable(before):
+            before(signum, frame)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if self._trainer is not None and trainer.strategy.reduce_boolean_decision(self._pending, all=False):
+            lightning_compat.set_received_sigterm(trainer)  # the loop raises SIGTERMException after this hook
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._trainer is not None:
+            signal.signal(signal.SIGTERM, self._lightning_handler)  # Lightning's teardown restores the originals
+            self._trainer = None

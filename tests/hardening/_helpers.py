@@ -72,15 +72,18 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def start_fit(config: Path, *extra: str, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
+def start_fit(config: Path, *extra: str, env: dict[str, str] | None = None, log: Path | None = None,
+              new_session: bool = False) -> subprocess.Popen:
     """Start `lightning-ffpa fit --config config` in a new process (stdout/stderr into `log`).
 
-    `python -m lightning_ffpa.cli`, so Lightning's launcher can re-run the same command for more devices.
+    `python -m lightning_ffpa.cli`, so Lightning's launcher can re-run the same command for more devices. With
+    `new_session`, the command and the ranks it launches form a process group of their own (`os.killpg`).
     """
     cmd = [PYTHON, "-m", "lightning_ffpa.cli", "fit", "--config", str(config), *extra]
     log = log or config.with_suffix(".out")
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env or subprocess_env(), stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(cmd, env=env or subprocess_env(), stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                start_new_session=new_session)
     proc.log_path = log
     return proc
 
@@ -131,6 +134,13 @@ def tree_hash(root: Path) -> dict[str, str]:
     return out
 
 
+def _sigterm_seen(trainer) -> bool:
+    """This rank got SIGTERM: recorded by the CLI's `StopOnSigterm`, or Lightning's flag without it."""
+    from lightning_ffpa.callbacks.preemption import StopOnSigterm
+
+    return trainer.received_sigterm or any(c.pending for c in trainer.callbacks if isinstance(c, StopOnSigterm))
+
+
 class StepRecorder(pl.Callback):
     """Append `step <global_step> <loss.hex> <batch fingerprint>` per optimizer step; optionally hang mid-step."""
 
@@ -155,10 +165,10 @@ class StepRecorder(pl.Callback):
             return
         if self.hang_at is not None and trainer.global_step + 1 == self.hang_at:
             self._write(f"hang {trainer.global_step + 1}")
-            # Gradients computed, weights not yet updated: SIGKILL arrives here. SIGTERM ends the wait (Lightning's
-            # handler only sets the flag, and a plain sleep resumes after it); the step completes and fit stops.
+            # Gradients computed, weights not yet updated: SIGKILL arrives here. SIGTERM ends the wait (the
+            # handler only records it, and a plain sleep resumes after it); the step completes and fit stops.
             deadline = time.monotonic() + 600
-            while time.monotonic() < deadline and not trainer.received_sigterm:
+            while time.monotonic() < deadline and not _sigterm_seen(trainer):
                 time.sleep(0.05)
         if self.signal_at is not None and trainer.global_step + 1 == self.signal_at:
             self._write(f"signal {trainer.global_step + 1}")

@@ -25,6 +25,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_ffpa import recipes
+from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa.errors import (
     EXIT_TERMINATED,
     ConfigError,
@@ -231,11 +232,17 @@ def _command(argv: list[str]) -> int:
 
 
 def _terminated_line(trainer: L.Trainer) -> str:
+    """Where the stopped run's last checkpoint is and how to continue from it (`--ckpt_path last` finds only a
+    ModelCheckpoint's `last` file: without `save_last`, the line names the newest file instead)."""
     ckpt = trainer.checkpoint_callback
     last = ckpt.last_model_path if ckpt is not None else ""
-    where = f"; last checkpoint {last}" if last else "; no checkpoint was written"
-    return (f"stopped by SIGTERM at step {trainer.global_step}{where}; "
-            "continue with the same command and --ckpt_path last")
+    newest = lightning_compat.last_checkpoint_saved(ckpt) if ckpt is not None else ""
+    stopped = f"stopped by SIGTERM at step {trainer.global_step}"
+    if last or not newest:
+        where = f"; last checkpoint {last}" if last else "; no checkpoint was written"
+        return f"{stopped}{where}; continue with the same command and --ckpt_path last"
+    return (f"{stopped}; newest checkpoint {newest} (ModelCheckpoint's save_last is off); continue with the same "
+            f"command and --ckpt_path {newest}")
 
 
 def main(argv: list[str] | None = None) -> int:

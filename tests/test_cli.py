@@ -115,3 +115,24 @@ def test_bad_input_fails_before_training(tmp_path, args, option, capsys):
         _fit_tiny(tmp_path, *args)
     assert option in str(err.value) + capsys.readouterr().err
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+@pytest.mark.parametrize("save_last", [True, False])
+def test_sigterm_line_names_the_checkpoint_a_resume_would_load(tmp_path, save_last):
+    """`--ckpt_path last` finds only ModelCheckpoint's `last` file: without save_last the line names the newest
+    checkpoint and passes its path instead of sending the user to a resume that would start from scratch."""
+    from lightning_ffpa.cli import _terminated_line
+
+    ckpt = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": str(tmp_path / "ckpt"), "every_n_train_steps": 1, "save_last": save_last,
+                          "save_top_k": 1, "monitor": "step", "mode": "max"}}
+    cli = _fit_tiny(tmp_path, "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+                    "--trainer.enable_checkpointing=true", f"--trainer.callbacks=[{json.dumps(ckpt)}]")
+    line = _terminated_line(cli.trainer)
+    assert line.startswith("stopped by SIGTERM at step 2; "), line
+    if save_last:
+        assert "; last checkpoint " in line and line.endswith("--ckpt_path last"), line
+    else:
+        newest = line.rsplit("--ckpt_path ", 1)[1]
+        assert f"newest checkpoint {newest} (ModelCheckpoint's save_last is off)" in line
+        assert Path(newest).name == "epoch=0-step=2.ckpt" and Path(newest).is_file()

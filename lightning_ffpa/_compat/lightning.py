@@ -14,6 +14,7 @@ from torch import nn
 __all__ = [
     "cluster_environment",
     "handler_before_trainer",
+    "last_checkpoint_saved",
     "lightning_dcp_meta_filename",
     "loaded_checkpoint",
     "materialize_distributed_module",
@@ -87,6 +88,11 @@ def set_received_sigterm(trainer: Any) -> None:
 def handler_before_trainer(trainer: Any, signum: int) -> Any:
     """The handler `signum` had before the trainer installed its own (None, `SIG_DFL` or `SIG_IGN` included)."""
     return trainer._signal_connector._original_handlers.get(signum)
+
+
+def last_checkpoint_saved(checkpoint_callback: Any) -> str:
+    """The file a ModelCheckpoint wrote last (its `last.ckpt` or not), or ""."""
+    return getattr(checkpoint_callback, "_last_checkpoint_saved", "") or ""
 
 
 def should_update_logs(trainer: Any) -> bool:

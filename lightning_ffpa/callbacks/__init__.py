@@ -1,4 +1,5 @@
-"""Lightning Callbacks: attention backend by CP size, throughput/MFU, non-finite guard, SLURM requeue and SIGTERM at a step boundary, rollouts."""
+"""Lightning Callbacks: attention backend by CP size, throughput/MFU, non-finite guard, SLURM requeue and SIGTERM
+at a step boundary, rollouts."""
 
 from lightning_ffpa.callbacks.attention import FFPAAttention
 from lightning_ffpa.callbacks.nonfinite import NonFiniteGuard

@@ -108,7 +108,9 @@ class StopOnSigterm(pl.Callback):
         if self._trainer is not None and trainer.strategy.reduce_boolean_decision(self._pending, all=False):
             lightning_compat.set_received_sigterm(trainer)  # the loop raises SIGTERMException after this hook
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._trainer is not None:
-            signal.signal(signal.SIGTERM, self._lightning_handler)  # Lightning's teardown restores the originals
-            self._trainer = None
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning's own teardown, which comes next, restores the handlers from before the Trainer; a stop by
+        # SIGTERM skips this hook, and that teardown replaces ours all the same
+        if self._trainer is not None and signal.getsignal(signal.SIGTERM) == self._record:
+            signal.signal(signal.SIGTERM, self._lightning_handler)
+        self._trainer = None

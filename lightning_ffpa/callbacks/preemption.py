@@ -63,6 +63,9 @@ class DeferredRequeue(pl.Callback):
         if self.stop_after_requeue:
             trainer.should_stop = True
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._trainer = None  # Lightning's teardown restores the handlers from before the Trainer
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._lightning_handler is not None:
             signal.signal(self._signum, self._lightning_handler)
@@ -91,9 +94,17 @@ class StopOnSigterm(pl.Callback):
         """A SIGTERM reached this rank and the ranks have not stopped yet."""
         return self._pending
 
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer)  # Lightning registers its handler just before the sanity check
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer)
+
+    def _install(self, trainer: pl.Trainer) -> None:
+        if self._trainer is not None:  # already in place for this fit (a signal during the sanity check counts)
+            return
         self._pending, self._trainer = False, trainer
-        self._lightning_handler = signal.getsignal(signal.SIGTERM)  # Lightning registered it as fit started
+        self._lightning_handler = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, self._record)
 
     def _record(self, signum: int, frame: Any) -> None:
@@ -107,6 +118,9 @@ class StopOnSigterm(pl.Callback):
                            batch: Any, batch_idx: int) -> None:
         if self._trainer is not None and trainer.strategy.reduce_boolean_decision(self._pending, all=False):
             lightning_compat.set_received_sigterm(trainer)  # the loop raises SIGTERMException after this hook
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._trainer = None  # Lightning's teardown restores the handlers from before the Trainer
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning's own teardown, which comes next, restores the handlers from before the Trainer; a stop by

@@ -23,9 +23,16 @@ class _SignalAt(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _trainer(*callbacks, max_steps=6):
+class _SignalInSanityCheck(L.Callback):
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.sanity_checking and batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _trainer(*callbacks, stop=None, max_steps=6, **kwargs):
     return L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, callbacks=[StopOnSigterm(), *callbacks])
+                     enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=[stop or StopOnSigterm(), *callbacks], **kwargs)
 
 
 def test_sigterm_mid_step_stops_after_that_step_and_runs_the_earlier_handler():
@@ -47,3 +54,22 @@ def test_a_finished_fit_leaves_the_handler_it_found():
     trainer = _trainer(max_steps=2)
     trainer.fit(BoringModel())
     assert trainer.global_step == 2 and signal.getsignal(signal.SIGTERM) == before
+
+
+def test_sigterm_during_the_sanity_check_stops_after_the_first_step():
+    """Lightning's handler is in place from the sanity check on; ours replaces it there, not only at train start."""
+    trainer = _trainer(_SignalInSanityCheck(), num_sanity_val_steps=2, limit_val_batches=2)
+    with pytest.raises(SIGTERMException):
+        trainer.fit(BoringModel())
+    assert trainer.global_step == 1
+
+
+def test_one_callback_serves_a_second_fit_after_a_stopped_one():
+    stop, before = StopOnSigterm(), signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SIGTERMException):
+        _trainer(_SignalAt(2), stop=stop).fit(BoringModel())
+    assert signal.getsignal(signal.SIGTERM) == before
+    trainer = _trainer(_SignalAt(4), stop=stop)
+    with pytest.raises(SIGTERMException):
+        trainer.fit(BoringModel())
+    assert trainer.global_step == 4 and signal.getsignal(signal.SIGTERM) == before

@@ -63,9 +63,6 @@ class DeferredRequeue(pl.Callback):
         if self.stop_after_requeue:
             trainer.should_stop = True
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._trainer = None  # Lightning's teardown restores the handlers from before the Trainer
-
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._lightning_handler is not None:
             signal.signal(self._signum, self._lightning_handler)

@@ -11,9 +11,10 @@ Rows (`--rows`, one process each, launched by this driver; the result file is re
 `hf_generate_static_compiled` (HF's own CUDA default for static caches: compiled decoding forward; slow to
 compile at full depth, so it is left out of the default rows and is run in a call of its own), and
 `hf_continuous_batching`. An engine row at a `--compile-mode` other than the default, a `--page-size` other
-than 128, a `--kv-block-size`, or with `--no-fuse-projections` is named by it (`ours_paged_flex_page64`,
-`ours_paged_flex_block128`, `ours_paged_flex_unfused`), and the summary divides it by the default row of the same
-batch (`<name>_vs_default_{compile,page,block,fuse}_bs*`).
+than 128, a `--kv-block-size`, with `--no-fuse-projections` or with `--no-fuse-kv-write` is named by it
+(`ours_paged_flex_page64`, `ours_paged_flex_block128`, `ours_paged_flex_unfused`, `ours_paged_flex_kvwrite_op`),
+and the summary divides it by the default row of the same batch
+(`<name>_vs_default_{compile,page,block,fuse,kvwrite}_bs*`).
 A sampled row's name ends in `_sampled`. `vs_hf_generate_*` divides by the faster HF static-cache row
 measured; when no compiled row ran or it failed, `hf_baseline_*` and `depth_note` say "eager only".
 
@@ -52,29 +53,32 @@ DEFAULT_PAGE_SIZE = 128  # EngineConfig.page_size; a row at another size is name
 
 
 def label(kind: str, mode: str, compile_mode: str | None = None, page_size: int | None = None,
-          fuse_projections: bool | None = None, kv_block_size: int | None = None) -> str:
+          fuse_projections: bool | None = None, kv_block_size: int | None = None,
+          fuse_kv_write: bool | None = None) -> str:
     """A row's name: its kind, then what differs from that kind's default row (compile mode, page size, KV block
-    set, fused projections off, sampling).
+    set, fused projections off, K/V written by the custom op, sampling).
 
-    Only the compiled engine row takes a compile mode; both engine kinds take a page size, a KV block and the
-    fusion switch; HF rows ignore them all."""
+    Only the compiled engine row takes a compile mode or a K/V write; both engine kinds take a page size, a KV
+    block and the fusion switch; HF rows ignore them all."""
     plain = kind != "ours_paged_flex" or compile_mode in (None, "default")
     tuned = "" if plain else "_" + compile_mode.replace("-", "_")
     engine = kind.startswith("ours_paged_flex")
     page = "" if not engine or page_size in (None, DEFAULT_PAGE_SIZE) else f"_page{page_size}"
     block = "" if not engine or kv_block_size is None else f"_block{kv_block_size}"
     unfused = "_unfused" if engine and fuse_projections is False else ""
-    return kind + tuned + page + block + unfused + ("_sampled" if mode == "sample" else "")
+    kv_op = "_kvwrite_op" if kind == "ours_paged_flex" and fuse_kv_write is False else ""
+    return kind + tuned + page + block + unfused + kv_op + ("_sampled" if mode == "sample" else "")
 
 
 def _variant(row: dict) -> list[str]:
-    """What an engine row changes from its kind's default row: "compile", "page", "block" and/or "fuse" (empty: it
-    is that row)."""
+    """What an engine row changes from its kind's default row: "compile", "page", "block", "fuse" and/or "kvwrite"
+    (empty: it is that row)."""
     kind, mode, plain = row["kind"], row["mode"], label(row["kind"], row["mode"])
     return [what for what, name in (("compile", label(kind, mode, compile_mode=row.get("compile_mode"))),
                                     ("page", label(kind, mode, page_size=row.get("page_size"))),
                                     ("block", label(kind, mode, kv_block_size=row.get("kv_block_size"))),
-                                    ("fuse", label(kind, mode, fuse_projections=row.get("fuse_projections"))))
+                                    ("fuse", label(kind, mode, fuse_projections=row.get("fuse_projections"))),
+                                    ("kvwrite", label(kind, mode, fuse_kv_write=row.get("fuse_kv_write"))))
             if name != plain]
 
 
@@ -86,13 +90,13 @@ def build_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     only = {o for o in (args.only or "").split(",") if o}
     common = {k: getattr(args, k) for k in ("layers", "prompt_len", "new_tokens", "preset", "device", "page_size",
                                             "bandwidth_gb", "kernel_options", "compile_mode", "fuse_projections",
-                                            "kv_block_size")}
+                                            "kv_block_size", "fuse_kv_write")}
     specs = []
     for bs in batches:
         for kind in kinds:
             for mode in modes:
                 name = label(kind, mode, args.compile_mode, args.page_size, args.fuse_projections,
-                             args.kv_block_size)
+                             args.kv_block_size, args.fuse_kv_write)
                 if only and name not in only and f"{name}@{bs}" not in only:
                     continue
                 spec = {"name": name, "kind": kind, "mode": mode, "batch": bs, **common,
@@ -234,7 +238,7 @@ def merge(paths: list[str], out: str, history_note: str | None = None) -> None:
     for row in rows:  # runs before rows were named by compile mode: the name follows the row's own fields
         if row.get("kind") in KINDS and "mode" in row:
             name = label(row["kind"], row["mode"], row.get("compile_mode"), row.get("page_size"),
-                         row.get("fuse_projections"), row.get("kv_block_size"))
+                         row.get("fuse_projections"), row.get("kv_block_size"), row.get("fuse_kv_write"))
             if name != row.get("name"):
                 row["name_at_run"], row["name"] = row.get("name"), name
     sources = [{"file": Path(p).name, "commit": r.get("commit"), "date": r.get("date"), "command": r.get("command")}
@@ -271,6 +275,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="torch.compile mode of the engine's decode step (EngineConfig.compile_mode)")
     ap.add_argument("--no-fuse-projections", dest="fuse_projections", action="store_false",
                     help="engine rows with EngineConfig.fuse_projections off (the ablation row `*_unfused`)")
+    ap.add_argument("--no-fuse-kv-write", dest="fuse_kv_write", action="store_false",
+                    help="the compiled engine row with EngineConfig.fuse_kv_write off (the ablation row "
+                    "`*_kvwrite_op`)")
     ap.add_argument("--bandwidth-gb", type=float, default=4.0)
     ap.add_argument("--no-pipeline", action="store_true", help="read every decode step back before the next")
     ap.add_argument("--kernel-options", default=None,

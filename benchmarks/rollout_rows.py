@@ -117,7 +117,7 @@ def run_ours(model, prompts, new: int, bw: dict, wbytes: int, spec: dict, device
                         compile_decode=False if eager_step else None,
                         compile_mode=None if eager_step else spec.get("compile_mode"),
                         fuse_projections=spec.get("fuse_projections", True),
-                        kv_block_size=spec.get("kv_block_size"))
+                        kv_block_size=spec.get("kv_block_size"), fuse_kv_write=spec.get("fuse_kv_write", True))
     eng = RolloutEngine(model, ecfg)
     sampling = SamplingParams(temperature=0.0) if spec["mode"] == "greedy" else SamplingParams(temperature=1.0,
                                                                                                top_p=1.0, top_k=0)
@@ -143,7 +143,8 @@ def run_ours(model, prompts, new: int, bw: dict, wbytes: int, spec: dict, device
            "graph_replays": eng.stats["graph_replays"], "eager_decodes": eng.stats["eager_decodes"],
            "syncs": eng.stats["syncs"], "preemptions": eng.stats["preemptions"], "pipeline": ecfg.pipeline,
            "compile_mode": ecfg.compile_mode, "decode_path": eng.decode_path, "attention_path": eng.attention_path,
-           "projection_path": eng.projection_path, "decode_kv_block": eng.config.decode_block,
+           "projection_path": eng.projection_path, "kv_write_path": eng.kv_write_path,
+           "decode_kv_block": eng.config.decode_block,
            "tokens_generated": sum(len(s.output) for s in seqs)}
     return res, eng, seqs
 

@@ -193,7 +193,7 @@ class RolloutCallback(L.Callback):
         e = self.engine
         rank_zero_info(f"RolloutCallback: {dtype} inference copy; attention {e.attention_path} over "
                        f"{e.config.decode_block}-token KV blocks in {e.config.page_size}-token pages, decode step "
-                       f"{e.decode_path}, projections {e.projection_path}, CUDA graphs "
+                       f"{e.decode_path} (K/V write {e.kv_write_path}), projections {e.projection_path}, CUDA graphs "
                        f"{'on' if e.on_cuda and e.config.cuda_graphs else 'off'}")
         self.tokenizer = None
         if self.tokenizer_name:

@@ -118,6 +118,9 @@ class EngineConfig:
     buffer per group (the Parameters stay, as views of it). Groups that cannot fuse (adapter layers, sharded
     weights) stay separate and `projection_path` says why. Gain: `benchmarks/results/rollout_full_depth.json`
     (row `ours_paged_flex_unfused` is this off)."""
+    fuse_kv_write: bool = True
+    """In the compiled decode step, write K/V into the pools with a scatter inductor fuses into the kernel that
+    makes them; off: one `index_copy_` kernel per pool (row `ours_paged_flex_kvwrite_op`). No effect eagerly."""
 
     def check(self, option: str = "engine") -> None:
         """Raise ConfigError naming `<option>.<field>` for the first value out of range or inconsistent."""
@@ -140,8 +143,9 @@ class EngineConfig:
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError(f"{option}.compile_mode", self.compile_mode,
                               f"must be one of {list(COMPILE_MODES)} (the engine captures its own CUDA graphs)")
-        if not isinstance(self.fuse_projections, bool):
-            raise ConfigError(f"{option}.fuse_projections", self.fuse_projections, "must be a bool")
+        for name in ("fuse_projections", "fuse_kv_write"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{option}.{name}", getattr(self, name), "must be a bool")
         if self.compile_mode is not None and self.compile_decode is False:
             raise ConfigError(f"{option}.compile_mode", self.compile_mode,
                               f"needs `{option}.compile_decode` on (it is the mode of the compiled decode step)")
@@ -236,7 +240,8 @@ class RolloutEngine:
                                     cfg.max_seq_len // cfg.page_size, self.device)
         check_pool_fits(pool_bytes(self.walker.specs, cfg.num_pages, cfg.page_size, self.dtype), cfg.num_pages,
                         free_device_bytes(self.device), self.device, option)
-        self.cache = PagedKVCache(self.walker.specs, cfg.num_pages, cfg.page_size, self.dtype, self.device)
+        self.cache = PagedKVCache(self.walker.specs, cfg.num_pages, cfg.page_size, self.dtype, self.device,
+                                  cfg.fuse_kv_write)
         self.logical = {w: logical_block_mask(cfg.max_seq_len, cfg.decode_block, w, self.device)
                         for w in self.walker.windows}
         self.flex, self.attention_path = flex_attention, "flex_eager"
@@ -259,6 +264,13 @@ class RolloutEngine:
         self.last_token = torch.zeros(cfg.max_batch_size + 1, dtype=torch.long, device=self.device)
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "graph_replays": 0, "eager_decodes": 0,
                       "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0, "syncs": 0, "capture_s": 0.0}
+
+    @property
+    def kv_write_path(self) -> str:
+        """How the decode step writes K/V into the pools: "index_copy" (eager), "fused_scatter" or "kv_write_op"."""
+        if self.decode_path != "compiled":
+            return "index_copy"
+        return "fused_scatter" if self.config.fuse_kv_write else "kv_write_op"
 
     @property
     def projection_path(self) -> str:

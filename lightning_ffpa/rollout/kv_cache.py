@@ -4,12 +4,14 @@ Owns the KV tensors and the `update` hook HF attention modules call. Where each 
 by the engine (`begin`, from the page table); this file never allocates pages. KV-shared layers
 (Gemma4 `num_kv_shared_layers`) get no pool: they reuse the pool of the layer that stores for them.
 
-Under torch.compile the write goes through the custom op `lightning_ffpa::kv_write`. A plain
-`index_copy_` into a graph input is functionalized into an out-of-place copy: inductor then rewrites
-the whole pool every layer every step (which can make the compiled decode step slower than the uncompiled
-one). A custom op that declares the mutation is re-inplaced by inductor into one in-place
-call; `tests/rollout/test_compiled_decode_step.py` checks the generated code allocates no pool-sized buffer.
-Eager runs call `index_copy_` directly (same kernel, no custom-op dispatch).
+Under torch.compile the write is `aten.index_put_` on the pool (`fuse_write`, the default): inductor
+re-inplaces it and fuses the scatter into the kernel that makes the rows (the K norm + RoPE, the V norm), so
+no separate write kernel runs. `fuse_write=False` writes through the custom op `lightning_ffpa::kv_write`
+instead: one `index_copy_` kernel per pool (row `ours_paged_flex_kvwrite_op` of the rollout benchmark). A
+plain `index_copy_` into a graph input would be functionalized into an out-of-place copy: inductor would
+rewrite the whole pool every layer every step. `tests/rollout/test_compiled_decode_step.py` checks the
+generated code of both allocates no pool-sized buffer.
+Eager runs call `index_copy_` directly (one kernel, no dispatch through either).
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ def _(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
     return None
 
 
-def _write(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    if torch.compiler.is_compiling():
-        kv_write(pool, index, rows)  # in place under inductor; see the module docstring
-    else:
+def _write(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, fuse: bool) -> None:
+    if not torch.compiler.is_compiling():
         pool[0].index_copy_(1, index, rows)
+    elif fuse:  # in place, fused into the rows' producer; see the module docstring
+        torch.ops.aten.index_put_(pool, [None, None, index], rows.unsqueeze(0))
+    else:
+        kv_write(pool, index, rows)
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,10 @@ class PagedKVCache:
     """KV pools for every non-shared layer, written through `update(k, v, layer_idx)`."""
 
     def __init__(self, specs: list[LayerSpec], num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, fuse_write: bool = True) -> None:
+        """`fuse_write`: how a compiled step writes the pools (see the module docstring)."""
         self.page_size = page_size
+        self.fuse_write = fuse_write
         self.num_pages = num_pages
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
@@ -99,8 +105,8 @@ class PagedKVCache:
         B, H, S, D = key_states.shape
         rows_k = key_states.permute(1, 0, 2, 3).reshape(H, B * S, D)  # (Hkv, B*S, D)
         rows_v = value_states.permute(1, 0, 2, 3).reshape(H, B * S, D)
-        _write(k_pool, self._index, rows_k.to(k_pool.dtype))
-        _write(v_pool, self._index, rows_v.to(v_pool.dtype))
+        _write(k_pool, self._index, rows_k.to(k_pool.dtype), self.fuse_write)
+        _write(v_pool, self._index, rows_v.to(v_pool.dtype), self.fuse_write)
         if self._decode:
             return k_pool, v_pool
         return key_states, value_states

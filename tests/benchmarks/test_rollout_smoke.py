@@ -255,3 +255,14 @@ def test_a_merge_with_a_history_note_is_kept_out_of_the_readme_headline(tmp_path
     assert [p for p, _ in report.current(records)] == [current]
     with pytest.raises(SystemExit):
         rollout.parse_args(["--history-note", "x"])  # only a merge takes one
+
+
+def test_a_kv_write_op_row_is_named_by_it_and_compared_with_the_default_row(tmp_path):
+    base = {"kind": "ours_paged_flex", "mode": "greedy", "batch": 64, "roofline_fraction": 0.8}
+    rows = [dict(base, name="ours_paged_flex", tokens_per_s=2000.0),
+            dict(base, name=rollout.label("ours_paged_flex", "greedy", fuse_kv_write=False), fuse_kv_write=False,
+                 tokens_per_s=1980.0)]
+    assert rows[1]["name"] == "ours_paged_flex_kvwrite_op"
+    assert rollout.label("ours_paged_flex_eager_step", "greedy", fuse_kv_write=False) == "ours_paged_flex_eager_step"
+    s = rollout.summarize(rows)
+    assert s["ours_paged_flex_kvwrite_op_vs_default_kvwrite_bs64"] == pytest.approx(1980 / 2000)

@@ -2,8 +2,9 @@
 
 KV writes: functionalized `index_copy_` into a graph input made inductor rewrite every pool in full each
 layer each step (the H200's compiled decode step was slower than the uncompiled one). The proof is the
-generated code: it allocates no buffer shaped like a pool, and it writes each pool with one in-place
-`lightning_ffpa::kv_write` call on the pool itself. CPU (dense attention, fast) and GPU (compiled flex).
+generated code: it allocates no buffer shaped like a pool. The default write (`fuse_kv_write`) is a scatter
+inside generated kernels, with fewer kernels than the other write, one in-place `lightning_ffpa::kv_write`
+call per pool. CPU (dense attention, fast) and GPU (compiled flex).
 
 RoPE: inductor inlined the cos/sin math into every layer's query and key norm + RoPE kernel. The proof is
 that only the `lightning_ffpa::rope_table` kernels compute cos or sin, one per layer type.
@@ -51,9 +52,18 @@ def _record_code(eng: RolloutEngine, compiled) -> list[str]:
     return codes
 
 
-def _assert_writes_in_place(code: str, pools: list[torch.Tensor]) -> None:
-    # One in-place op call per pool (K and V of each caching layer), none functionalized into a copy.
-    assert code.count("torch.ops.lightning_ffpa.kv_write.default(") == len(pools)
+_LAUNCH = re.compile(r"^\s+(?:cpp_fused\w+\(|\w+\.run\(|extern_kernels\.)", re.M)
+
+
+def _launches(code: str) -> int:
+    """Kernel calls in the generated code (generated C++ or Triton kernels, and extern kernels)."""
+    return len(_LAUNCH.findall(code))
+
+
+def _assert_writes_in_place(code: str, pools: list[torch.Tensor], fused: bool = True) -> None:
+    # Fused: no write call of its own (no kv_write, no aten fallback); else one in-place op call per pool.
+    assert code.count("torch.ops.lightning_ffpa.kv_write.default(") == (0 if fused else len(pools))
+    assert "aten.index_put" not in code and "aten.index_copy" not in code
     assert "auto_functionalized" not in code
     # No temporary shaped like a pool or a pool's head slab: nothing stages a copy of the KV cache.
     pool_shapes = {tuple(p.shape) for p in pools} | {tuple(p.shape[1:]) for p in pools}
@@ -71,24 +81,32 @@ def test_kv_write_op_matches_index_copy():
     assert pool.data_ptr() == ptr and torch.equal(pool, want)
 
 
-def test_compiled_decode_step_writes_pools_in_place():
-    model = _model()
-    cfg = EngineConfig(page_size=4, num_pages=64, max_batch_size=4, max_seq_len=64, max_prefill_tokens=64,
-                       attention="dense")
-    want = [(s.output, s.logprobs) for s in RolloutEngine(model, cfg).generate(_prompts(), 6)]
+def _compiled_run(model, cfg: EngineConfig) -> tuple[RolloutEngine, list, str]:
     eng = RolloutEngine(model, cfg)  # compile_decode is CUDA-only: compile its step by hand
     pools = [*eng.cache.k.values(), *eng.cache.v.values()]
     ptrs = [p.data_ptr() for p in pools]
     torch._dynamo.reset()
     codes = _record_code(eng, torch.compile(eng._decode_step, dynamic=False))
     got = [(s.output, s.logprobs) for s in eng.generate(_prompts(), 6)]
-
-    # Same tokens as eager; logprobs to fp32 rounding (inductor fuses the norms/softmax differently).
-    assert [o for o, _ in got] == [o for o, _ in want]
-    torch.testing.assert_close(torch.tensor([lp for _, lp in got]), torch.tensor([lp for _, lp in want]),
-                               rtol=0, atol=1e-4)
     assert [p.data_ptr() for p in pools] == ptrs and len(pools) == 4
-    _assert_writes_in_place("\n".join(codes), pools)
+    return eng, got, "\n".join(codes)
+
+
+def test_compiled_decode_step_writes_pools_in_place():
+    model = _model()
+    cfg = EngineConfig(page_size=4, num_pages=64, max_batch_size=4, max_seq_len=64, max_prefill_tokens=64,
+                       attention="dense")
+    want = [(s.output, s.logprobs) for s in RolloutEngine(model, cfg).generate(_prompts(), 6)]
+    launches = {}
+    for fused in (True, False):
+        eng, got, code = _compiled_run(model, EngineConfig(**{**vars(cfg), "fuse_kv_write": fused}))
+        # Same tokens as eager; logprobs to fp32 rounding (inductor fuses the norms/softmax differently).
+        assert [o for o, _ in got] == [o for o, _ in want]
+        torch.testing.assert_close(torch.tensor([lp for _, lp in got]), torch.tensor([lp for _, lp in want]),
+                                   rtol=0, atol=1e-4)
+        _assert_writes_in_place(code, [*eng.cache.k.values(), *eng.cache.v.values()], fused)
+        launches[fused] = _launches(code)
+    assert launches[True] < launches[False], launches  # the scatter rides in kernels that run anyway
 
 
 def _assert_one_matmul_per_group(code: str, eng: RolloutEngine) -> None:

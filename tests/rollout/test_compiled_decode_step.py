@@ -63,7 +63,7 @@ def _launches(code: str) -> int:
 def _assert_writes_in_place(code: str, pools: list[torch.Tensor], fused: bool = True) -> None:
     # Fused: no write call of its own (no kv_write, no aten fallback); else one in-place op call per pool.
     assert code.count("torch.ops.lightning_ffpa.kv_write.default(") == (0 if fused else len(pools))
-    assert "aten.index_put" not in code and "aten.index_copy" not in code
+    assert not re.search(r"^[^#\n]*aten\.index_(put|copy)", code, re.M)  # no aten fallback call (comments name it)
     assert "auto_functionalized" not in code
     # No temporary shaped like a pool or a pool's head slab: nothing stages a copy of the KV cache.
     pool_shapes = {tuple(p.shape) for p in pools} | {tuple(p.shape[1:]) for p in pools}

@@ -136,6 +136,9 @@ HEADLINES: dict[str, tuple[str, str]] = {
     "ours_paged_flex_unfused_vs_default_fuse_bs64": ("GRPO rollouts, batch 64, same run: projections unfused "
                                                      "(`fuse_projections: false`) vs fused (the default)",
                                                      "{:.3f}x tokens/s"),
+    "ours_paged_flex_kvwrite_op_vs_default_kvwrite_bs64": ("GRPO rollouts, batch 64, same run: K/V written by the "
+                                                           "`kv_write` op (`fuse_kv_write: false`) vs the fused "
+                                                           "scatter (the default)", "{:.3f}x tokens/s"),
     "ours_paged_flex_max_autotune_no_cudagraphs_vs_default_compile_bs64": (
         "GRPO rollouts, batch 64, same run: decode step compiled with `max-autotune-no-cudagraphs` vs the default "
         "mode", "{:.3f}x tokens/s"),

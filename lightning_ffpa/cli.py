@@ -174,7 +174,14 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         log_dir = trainer.log_dir if trainer.loggers else None  # a broadcast: every rank takes part
         if not trainer.is_global_zero:
             return
+        from lightning_ffpa.callbacks.preemption import DeferredRequeue
+
+        requeued = next((c.requeued for c in trainer.callbacks if isinstance(c, DeferredRequeue) and c.requeued),
+                        None)
         parts = [f"fit finished at step {trainer.global_step}"]
+        if requeued:  # a SLURM requeue signal stopped it: the requeued job resumes by itself
+            parts = [f"stopped for the SLURM requeue at step {requeued[0]}; HPC checkpoint {requeued[1]} (the requeued "
+                     "job resumes from it with the same command)"]
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and (ckpt.last_model_path or ckpt.best_model_path):
             parts.append(f"checkpoint {ckpt.last_model_path or ckpt.best_model_path}")

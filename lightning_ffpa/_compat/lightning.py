@@ -90,6 +90,11 @@ def handler_before_trainer(trainer: Any, signum: int) -> Any:
     return trainer._signal_connector._original_handlers.get(signum)
 
 
+def next_hpc_checkpoint(trainer: Any) -> str:
+    """The path Lightning's SLURM requeue handler saves to next (`hpc_ckpt_<N+1>.ckpt` in `default_root_dir`)."""
+    return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+
+
 def last_checkpoint_saved(checkpoint_callback: Any) -> str:
     """The file a ModelCheckpoint wrote last (its `last.ckpt` or not), or ""."""
     return getattr(checkpoint_callback, "_last_checkpoint_saved", "") or ""

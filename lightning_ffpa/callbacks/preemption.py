@@ -38,8 +38,10 @@ class DeferredRequeue(pl.Callback):
         self._lightning_handler: Any = None
         self._pending = False
         self.num_deferred = 0  # signals handled at a step boundary
+        self.requeued: tuple[int, str] | None = None  # (step, HPC checkpoint) where it stopped the fit, for the CLI
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.requeued = None
         env = lightning_compat.cluster_environment(trainer)
         if not (isinstance(env, SLURMEnvironment) and env.auto_requeue):
             return
@@ -59,8 +61,10 @@ class DeferredRequeue(pl.Callback):
             return
         self._pending = False
         self.num_deferred += 1
+        path = lightning_compat.next_hpc_checkpoint(trainer)  # rank 0's: the one the strategy saves to
         self._lightning_handler(self._signum, None)  # Lightning's: hpc_ckpt_N.ckpt + `scontrol requeue`
         if self.stop_after_requeue:
+            self.requeued = (trainer.global_step, path)
             trainer.should_stop = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

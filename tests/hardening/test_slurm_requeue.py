@@ -3,6 +3,7 @@ the requeued job (same command, same SLURM variables) resumes from it and reprod
 
 The job runs `lightning-ffpa fit` with SLURM's variables set, so Lightning selects `SLURMEnvironment`
 (auto_requeue=True); a fake `scontrol` on PATH records the requeue call instead of talking to a cluster.
+One task, and two tasks started the way `srun` starts them (one process per rank, no launcher; FSDP2).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 
 import pytest
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from _helpers import (
     EVERY,
     MAX_STEPS,
@@ -27,16 +29,21 @@ SIGNAL_AT = 6  # the step during which the preemption notice arrives (mid-epoch 
 DEFERRED = {"class_path": "lightning_ffpa.callbacks.preemption.DeferredRequeue"}
 
 
-def _slurm_env(tmp_path):
+def _slurm_env(tmp_path, ntasks: int = 1, procid: int = 0, port: int | None = None):
     fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
+    fake_bin.mkdir(exist_ok=True)
     scontrol = fake_bin / "scontrol"
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
     scontrol.chmod(0o755)
     env = subprocess_env()
-    env.update(SLURM_JOB_ID="4242", SLURM_JOB_NAME="lffpa-hardening", SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1",
-               SLURM_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", SLURM_PROCID="0", SLURM_LOCALID="0",
-               SLURM_NODEID="0", PATH=f"{fake_bin}{os.pathsep}{env['PATH']}")
+    env.update(SLURM_JOB_ID="4242", SLURM_JOB_NAME="lffpa-hardening", SLURM_NTASKS=str(ntasks),
+               SLURM_NTASKS_PER_NODE=str(ntasks), SLURM_NODELIST="localhost", SLURM_JOB_NUM_NODES="1",
+               SLURM_PROCID=str(procid), SLURM_LOCALID=str(procid), SLURM_NODEID="0",
+               PATH=f"{fake_bin}{os.pathsep}{env['PATH']}")
+    for key in ("MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        env.pop(key, None)
+    if port is not None:
+        env["MASTER_PORT"] = str(port)
     return env
 
 
@@ -47,7 +54,11 @@ def test_sigusr1_saves_requeues_and_the_requeued_job_resumes_bitwise(tmp_path, r
     job.mkdir()
     first = write_config(job / "first.yaml", tiny_config(job / "ckpt", max_steps=MAX_STEPS, every_n_train_steps=EVERY,
                                                           callbacks=[recorder(log1, signal_at=SIGNAL_AT), DEFERRED]))
-    wait_ok(start_fit(first, env=env))  # stops cleanly after the HPC checkpoint
+    run = start_fit(first, env=env)
+    wait_ok(run)  # stops cleanly after the HPC checkpoint
+    last_line = run.log_path.read_text().strip().splitlines()[-1]
+    assert last_line.startswith(f"stopped for the SLURM requeue at step {SIGNAL_AT}; HPC checkpoint "
+                                f"{job / 'hpc_ckpt_1.ckpt'} "), last_line
 
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
     hpc = job / "hpc_ckpt_1.ckpt"
@@ -67,3 +78,48 @@ def test_sigusr1_saves_requeues_and_the_requeued_job_resumes_bitwise(tmp_path, r
     record_property("case", f"SLURM SIGUSR1 during step {SIGNAL_AT}: hpc checkpoint, requeue, auto-resume")
     record_property("data_lost", len(lost))
     assert not lost, f"steps whose (loss, batch) differ from the uninterrupted run: {lost}"
+
+
+def _srun(tmp_path, name: str, callbacks: list[dict], port: int) -> list:
+    """The tiny FSDP2 fit as `srun --ntasks=2` starts it: one `lightning-ffpa fit` per task, SLURM's variables."""
+    cfg = tiny_config(tmp_path / "job" / "ckpt", max_steps=MAX_STEPS, every_n_train_steps=EVERY, callbacks=callbacks)
+    cfg["trainer"].update(devices=2, default_root_dir=str(tmp_path / "job"),
+                          strategy={"class_path": "lightning_ffpa.parallel.FSDP2Strategy",
+                                    "init_args": {"param_dtype": None, "reduce_dtype": None}})
+    config = write_config(tmp_path / f"{name}.yaml", cfg)
+    return [start_fit(config, env=_slurm_env(tmp_path, ntasks=2, procid=r, port=port),
+                      log=tmp_path / f"{name}_task{r}.out") for r in range(2)]
+
+
+@pytest.mark.timeout(300)
+def test_two_srun_tasks_requeue_at_one_step_and_resume_bitwise(tmp_path, record_property):
+    port = find_free_network_port()
+    (tmp_path / "job").mkdir()
+    reference, first, again = (tmp_path / f"{n}.log" for n in ("reference", "first", "again"))
+    (tmp_path / "ref").mkdir()
+    for task in _srun(tmp_path / "ref", "reference", [recorder(reference)], port):  # uninterrupted, 2 tasks
+        wait_ok(task)
+
+    # Rank 0 gets the notice mid-step; both tasks finish that step, save one checkpoint, and stop.
+    tasks = _srun(tmp_path, "first", [recorder(first, signal_at=SIGNAL_AT), DEFERRED], port)
+    for task in tasks:
+        wait_ok(task)
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]  # rank 0 alone requeues
+    hpc = tmp_path / "job" / "hpc_ckpt_1.ckpt"
+    assert sorted(p.name for p in (tmp_path / "job").glob("hpc_ckpt_*")) == [hpc.name]
+    assert (hpc / ".metadata").is_file()  # one sharded checkpoint, both ranks' shards published
+    last_line = tasks[0].log_path.read_text().strip().splitlines()[-1]
+    assert last_line.startswith(f"stopped for the SLURM requeue at step {SIGNAL_AT}; HPC checkpoint {hpc} ")
+
+    # The requeued job: the same two tasks, no ckpt_path; Lightning finds hpc_ckpt_1.ckpt on both ranks.
+    for task in _srun(tmp_path, "again", [recorder(again), DEFERRED], port):
+        wait_ok(task)
+    want, before, after = read_steps(reference), read_steps(first), read_steps(again)
+    assert sorted(before) == list(range(1, SIGNAL_AT + 1))
+    assert sorted(after) == list(range(SIGNAL_AT + 1, MAX_STEPS + 1))
+    lost = [s for s in want if {**before, **after}.get(s) != want[s]]
+    record_property("hardening", "fault")
+    record_property("case", f"SLURM, 2 srun tasks (FSDP2), SIGUSR1 during step {SIGNAL_AT}: one sharded hpc "
+                            "checkpoint, one requeue, auto-resume")
+    record_property("data_lost", len(lost))
+    assert not lost, f"steps whose (loss, batch) differ from the uninterrupted 2-task run: {lost}"

@@ -12,6 +12,7 @@ each YAML's header comment and its `class_path` entries.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 import sys
@@ -42,6 +43,11 @@ CLASSES: list[tuple[str, str]] = [
     ("trainer.callbacks", "lightning_ffpa.callbacks.preemption.StopOnSigterm"),
     ("trainer.callbacks", "lightning_ffpa.checkpoint.RunLock"),
     ("trainer.plugins", "lightning_ffpa.checkpoint.AtomicCheckpointIO"),
+]
+# Options that a class above takes as one mapping of fields: (where in the YAML, what it is, import path).
+NESTED: list[tuple[str, str, str]] = [
+    ("trainer.callbacks[RolloutCallback].init_args.engine", "the paged engine's sizes and switches",
+     "lightning_ffpa.rollout.engine.EngineConfig"),
 ]
 
 
@@ -88,12 +94,14 @@ def _md(text: str) -> str:
 
 def options(cls: type) -> list[dict[str, str]]:
     """One dict per `__init__` argument: name, type, default, description (from the docstring's Args)."""
-    from docstring_parser import parse
+    from docstring_parser import parse, parse_from_object
 
     docs = {}
     for source in (cls.__init__.__doc__, cls.__doc__):
         if source:
             docs.update({p.arg_name: p.description or "" for p in parse(source).params if p.arg_name not in docs})
+    if dataclasses.is_dataclass(cls):  # a field's docstring follows it
+        docs.update({p.arg_name: p.description or "" for p in parse_from_object(cls).params if p.arg_name not in docs})
     try:
         hints = typing.get_type_hints(cls.__init__)
     except Exception:  # noqa: BLE001 - unresolvable forward refs: keep the annotation text as written
@@ -144,6 +152,15 @@ def render_reference() -> str:
         rows = [f"| `{o['name']}` | `{_md(o['type'])}` | `{_md(o['default'])}` | {_md(o['help'])} |"
                 for o in options(cls)]
         lines += ["| argument | type | default | description |", "|---|---|---|---|", *rows] if rows else ["No arguments."]
+        lines.append("")
+    for where, what, path in NESTED:
+        cls = _import(path)
+        field = where.rsplit(".", 1)[-1]
+        lines += [f"## `{path}`", "", f"{what[0].upper()}{what[1:]}: YAML `{where}`, a mapping of these fields; one "
+                  f"field on the command line: `--trainer.callbacks.init_args.{field}.FIELD VALUE`.", ""]
+        lines += ["| field | type | default | description |", "|---|---|---|---|"]
+        lines += [f"| `{o['name']}` | `{_md(o['type'])}` | `{_md(o['default'])}` | {_md(o['help'])} |"
+                  for o in options(cls)]
         lines.append("")
     return "\n".join(lines)
 

@@ -116,11 +116,12 @@ class EngineConfig:
     fuse_projections: bool = True
     """Run the projections that read one input (q/k/v, gate/up) as one GEMM over their weights, moved into one
     buffer per group (the Parameters stay, as views of it). Groups that cannot fuse (adapter layers, sharded
-    weights) stay separate and `projection_path` says why. Gain: `benchmarks/results/rollout_full_depth.json`
+    weights) stay separate and `projection_path` says why. Gain: `benchmarks/results/rollout_full_depth_aee53bf.json`
     (row `ours_paged_flex_unfused` is this off)."""
     fuse_kv_write: bool = True
     """In the compiled decode step, write K/V into the pools with a scatter inductor fuses into the kernel that
-    makes them; off: one `index_copy_` kernel per pool (row `ours_paged_flex_kvwrite_op`). No effect eagerly."""
+    makes them; off: one `index_copy_` kernel per pool. No effect eagerly. Gain:
+    `benchmarks/results/rollout_full_depth.json` (row `ours_paged_flex_kvwrite_op` is this off)."""
 
     def check(self, option: str = "engine") -> None:
         """Raise ConfigError naming `<option>.<field>` for the first value out of range or inconsistent."""

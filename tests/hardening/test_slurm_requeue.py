@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from _helpers import (
     EVERY,
     MAX_STEPS,
@@ -24,6 +23,7 @@ from _helpers import (
     wait_ok,
     write_config,
 )
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 SIGNAL_AT = 6  # the step during which the preemption notice arrives (mid-epoch 1)
 DEFERRED = {"class_path": "lightning_ffpa.callbacks.preemption.DeferredRequeue"}

@@ -26,9 +26,9 @@ them). Admission and preemption need exact host state, so the scheduler asks for
 `EngineConfig.compile_decode` compiles the whole decode step (layers, masks, sampler) before capture.
 A graph replay removes launch overhead but not the cost of each small kernel (HF layers run dozens per
 layer in eager: norms in fp32, RoPE, residuals); compiling fuses them. The step traces as one graph
-(`test_engine_pipeline.py` checks that on CPU with dynamo's eager backend). The KV writes go through a
-custom op under compile so inductor keeps them in place instead of copying every pool each layer
-(`kv_cache.py`), and the RoPE tables through another so they are computed once per step (`walker.py`);
+(`test_engine_pipeline.py` checks that on CPU with dynamo's eager backend). The KV writes are written so
+inductor keeps them in place, fused into the kernels making K and V, instead of copying every pool each layer
+(`kv_cache.py`), and the RoPE tables go through a custom op so they are computed once per step (`walker.py`);
 `tests/rollout/test_compiled_decode_step.py` checks the generated code. On by default on CUDA; its gain
 over the graphed eager step is in `benchmarks/results/rollout.json`. The price is one compile
 per batch bucket at capture, logged with its time and counted in `stats["capture_s"]`.

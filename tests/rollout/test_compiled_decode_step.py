@@ -3,8 +3,8 @@
 KV writes: functionalized `index_copy_` into a graph input made inductor rewrite every pool in full each
 layer each step (the H200's compiled decode step was slower than the uncompiled one). The proof is the
 generated code: it allocates no buffer shaped like a pool. The default write (`fuse_kv_write`) is a scatter
-inside generated kernels, with fewer kernels than the other write, one in-place `lightning_ffpa::kv_write`
-call per pool. CPU (dense attention, fast) and GPU (compiled flex).
+inside generated kernels, which launch fewer kernels than the other write (one in-place
+`lightning_ffpa::kv_write` call per pool). CPU (dense attention, fast) and GPU (compiled flex).
 
 RoPE: inductor inlined the cos/sin math into every layer's query and key norm + RoPE kernel. The proof is
 that only the `lightning_ffpa::rope_table` kernels compute cos or sin, one per layer type.

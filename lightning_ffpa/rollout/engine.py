@@ -60,6 +60,7 @@ from lightning_ffpa import compile_fallbacks
 from lightning_ffpa.attention.flex import compiled_flex
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.rollout.attention import StepContext, dense_reference, kernel_options
+from lightning_ffpa.rollout.capture import check_capture
 from lightning_ffpa.rollout.kv_cache import PagedKVCache, pool_bytes
 from lightning_ffpa.rollout.masks import (
     PREFILL_BLOCK,
@@ -232,6 +233,7 @@ class RolloutEngine:
         self.device, self.dtype = param.device, param.dtype
         self.on_cuda = self.device.type == "cuda"
         compile_step = cfg.check_device(self.device, option)
+        check_capture(model, self.device, cfg.cuda_graphs, compile_step, option)
         self.eos_token_ids = set(eos_token_ids or ())
         if cfg.fuse_projections:  # after the config checks (it moves the weights), before the pool's room check
             self.walker.fuse()

@@ -140,3 +140,22 @@ def test_kv_pool_beyond_device_memory_is_a_config_error_before_allocation():
     with pytest.raises(ConfigError, match=r"^`engine.num_pages=\d+`: the KV pools need .* GiB is free on cuda"):
         RolloutEngine(model, _cfg(num_pages=pages))
     assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.timeout(600)
+def test_moe_decode_step_is_captured_in_bf16_and_refused_where_it_would_sync():
+    """26B-A4B layout: bf16 grouped_mm experts run inside the compiled, captured step; fp32 weights (host-loop
+    fallback under compile) are refused by name before anything is built."""
+    from transformers import Gemma4ForCausalLM
+
+    from lightning_ffpa.errors import ConfigError
+
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(build_text_config("tiny-moe")).to("cuda", torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    eng = RolloutEngine(model, _cfg())
+    seqs = eng.generate(_prompts(), 16)
+    assert eng.decode_path == "compiled" and eng.stats["graph_replays"] > 0 and eng.stats["eager_decodes"] == 0
+    assert all(len(s.output) == 16 and all(torch.isfinite(torch.tensor(s.logprobs))) for s in seqs)
+    with pytest.raises(ConfigError, match="engine.cuda_graphs"):
+        RolloutEngine(model.float(), _cfg())

@@ -19,6 +19,7 @@ __all__ = [
     "loaded_checkpoint",
     "materialize_distributed_module",
     "module_device_mesh",
+    "next_hpc_checkpoint",
     "optimizers_to_device",
     "requested_data_parallel_size",
     "resolve_ckpt_path",

@@ -56,8 +56,9 @@ class DeferredRequeue(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        pending = trainer.strategy.reduce_boolean_decision(self._pending, all=False)  # any rank signalled
-        if not pending or self._lightning_handler is None:
+        if self._lightning_handler is None:  # not under SLURM auto-requeue (the same on every rank): no all-reduce
+            return
+        if not trainer.strategy.reduce_boolean_decision(self._pending, all=False):  # any rank signalled
             return
         self._pending = False
         self.num_deferred += 1

@@ -8,6 +8,9 @@ run redo a step that was already applied, or drop one. This callback only record
 Lightning's own handler (same `hpc_ckpt_N.ckpt`, same `scontrol requeue`) after the step has completed,
 where the checkpoint equals a `ModelCheckpoint` one; then it stops the run cleanly.
 
+Both record a signal in their handler and learn at the step's end whether any rank got one. They share one
+vote for that (`_StepVote`): one all-reduce per step for both, and none on a single process.
+
 Owns: when the HPC checkpoint is written, and at which step a SIGTERM stops the ranks. Does not own
 requeueing or resuming (Lightning: on the requeued job `fit` finds `hpc_ckpt_*.ckpt` in `default_root_dir` by
 itself), nor the exit code (`lightning_ffpa.cli`: 143).
@@ -16,13 +19,61 @@ itself), nor the exit code (`lightning_ffpa.cli`: 143).
 from __future__ import annotations
 
 import signal
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_ffpa._compat import lightning as lightning_compat
+
+
+class _StepVote:
+    """Whether any rank raised each voter's flag in this step, agreed in one all-reduce per step.
+
+    Voters are the preemption callbacks of one Trainer that are active in this fit; they join in the same
+    order on every rank (the Trainer's callback order, and conditions that are the same on every rank). The
+    first voter to ask at a step's end runs the all-reduce over every voter's `pending` flag; the others
+    read its answer. On a single process the local flags are the answer: no collective, no device sync.
+    """
+
+    def __init__(self) -> None:
+        self.voters: list[Any] = []
+        self._batch: int | None = None
+        self._answer: list[bool] = []
+
+    def join(self, voter: Any) -> None:
+        if voter not in self.voters:
+            self.voters.append(voter)
+            self._batch = None
+
+    def leave(self, voter: Any) -> None:
+        if voter in self.voters:
+            self.voters.remove(voter)
+            self._batch = None
+
+    def any_rank(self, trainer: pl.Trainer, voter: Any) -> bool:
+        batch = trainer.fit_loop.total_batch_idx  # the same at every voter's hook of one batch end
+        if batch != self._batch:
+            flags = [bool(v.pending) for v in self.voters]
+            if trainer.world_size > 1:
+                votes = torch.tensor(flags, dtype=torch.int32, device=trainer.strategy.root_device)
+                flags = [n > 0 for n in trainer.strategy.reduce(votes, reduce_op="sum").tolist()]
+            self._batch, self._answer = batch, flags
+        return self._answer[self.voters.index(voter)]
+
+
+_VOTES: weakref.WeakKeyDictionary[pl.Trainer, _StepVote] = weakref.WeakKeyDictionary()
+
+
+def step_vote(trainer: pl.Trainer) -> _StepVote:
+    """The preemption vote of `trainer` (one per Trainer)."""
+    vote = _VOTES.get(trainer)
+    if vote is None:
+        vote = _VOTES[trainer] = _StepVote()
+    return vote
 
 
 class DeferredRequeue(pl.Callback):
@@ -49,6 +100,12 @@ class DeferredRequeue(pl.Callback):
         # Lightning registered its handler just before the train stage started; wrap it
         self._lightning_handler = signal.getsignal(self._signum)
         signal.signal(self._signum, self._record)
+        step_vote(trainer).join(self)
+
+    @property
+    def pending(self) -> bool:
+        """The requeue signal reached this rank and the HPC checkpoint has not been written yet."""
+        return self._pending
 
     def _record(self, signum: int, frame: Any) -> None:
         rank_zero_info(f"DeferredRequeue: signal {signum} received; checkpoint at the end of this step")
@@ -56,9 +113,9 @@ class DeferredRequeue(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        if self._lightning_handler is None:  # not under SLURM auto-requeue (the same on every rank): no all-reduce
+        if self._lightning_handler is None:  # not under SLURM auto-requeue (the same on every rank): no vote
             return
-        if not trainer.strategy.reduce_boolean_decision(self._pending, all=False):  # any rank signalled
+        if not step_vote(trainer).any_rank(trainer, self):
             return
         self._pending = False
         self.num_deferred += 1
@@ -69,9 +126,13 @@ class DeferredRequeue(pl.Callback):
             trainer.should_stop = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step_vote(trainer).leave(self)
         if self._lightning_handler is not None:
             signal.signal(self._signum, self._lightning_handler)
             self._lightning_handler = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)
 
 
 class StopOnSigterm(pl.Callback):
@@ -82,7 +143,7 @@ class StopOnSigterm(pl.Callback):
     given `kill -TERM`, as `srun` signals every task: both ranks stuck mid-forward). Its step-end check is also
     per rank, so a rank signalled a moment later starts a step the others never join. Here the handler only
     records the signal (and runs any handler installed before the Trainer); at each step's end the ranks
-    agree on "any rank was signalled" in one all-reduce, and all of them stop there. The `lightning-ffpa` CLI
+    agree on "any rank was signalled" (the vote it shares with `DeferredRequeue`), and all of them stop there. The `lightning-ffpa` CLI
     adds this Callback to every fit.
     """
 
@@ -108,6 +169,7 @@ class StopOnSigterm(pl.Callback):
         self._pending, self._trainer = False, trainer
         self._lightning_handler = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, self._record)
+        step_vote(trainer).join(self)
 
     def _record(self, signum: int, frame: Any) -> None:
         rank_zero_info("StopOnSigterm: SIGTERM received; every rank stops at the end of this step")
@@ -118,10 +180,11 @@ class StopOnSigterm(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        if self._trainer is not None and trainer.strategy.reduce_boolean_decision(self._pending, all=False):
+        if self._trainer is not None and step_vote(trainer).any_rank(trainer, self):
             lightning_compat.set_received_sigterm(trainer)  # the loop raises SIGTERMException after this hook
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        step_vote(trainer).leave(self)
         self._trainer = None  # Lightning's teardown restores the handlers from before the Trainer
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -129,4 +192,5 @@ class StopOnSigterm(pl.Callback):
         # SIGTERM skips this hook, and that teardown replaces ours all the same
         if self._trainer is not None and signal.getsignal(signal.SIGTERM) == self._record:
             signal.signal(signal.SIGTERM, self._lightning_handler)
+        step_vote(trainer).leave(self)
         self._trainer = None

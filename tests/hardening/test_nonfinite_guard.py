@@ -102,3 +102,54 @@ def test_real_module_lets_the_guard_skip(tmp_path):
     batch = MockDataModule(seq_length=8, num_samples=2, batch_size=2).train_dataloader().__iter__().__next__()
     loss = lm.training_step(batch, 0)
     assert not torch.isfinite(loss)
+
+
+class _HostReads(pl.Callback):
+    """Counts reads of a tensor's value on the host (`bool`, `item`, `tolist`) inside the guard's step hook."""
+
+    def __init__(self, guard: NonFiniteGuard, monkeypatch) -> None:
+        self.reads: list[int] = []
+        counter = {"n": 0}
+        hook = guard.on_before_optimizer_step
+
+        def counted(name):
+            original = getattr(torch.Tensor, name)
+
+            def read(self, *args, **kwargs):
+                counter["n"] += 1
+                return original(self, *args, **kwargs)
+            return read
+
+        def wrapped(trainer, pl_module, optimizer):
+            with monkeypatch.context() as m:
+                for name in ("__bool__", "item", "tolist"):
+                    m.setattr(torch.Tensor, name, counted(name))
+                counter["n"] = 0
+                hook(trainer, pl_module, optimizer)
+            self.reads.append(counter["n"])
+
+        guard.on_before_optimizer_step = wrapped
+
+
+def test_a_step_reads_the_checks_on_the_host_once(tmp_path, monkeypatch):
+    """The loss and every gradient are checked with one host read per step, not one per parameter."""
+    torch.manual_seed(0)
+    lm = Gemma4LM(preset="tiny", dtype="float32", warmup_steps=1)
+    guard = NonFiniteGuard(action="skip")
+    reads = _HostReads(guard, monkeypatch)
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=[guard],
+                         accumulate_grad_batches=2)
+    trainer.fit(lm, MockDataModule(seq_length=16, num_samples=16, batch_size=2))
+    assert sum(p.grad is not None for p in lm.parameters()) > 10
+    assert reads.reads == [1, 1, 1]
+
+
+def test_a_nan_in_an_earlier_micro_batch_is_not_hidden_by_a_later_finite_one(tmp_path):
+    guard = NonFiniteGuard(action="stop", check_grads=False)
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    lm = torch.nn.Linear(2, 2)
+    guard.on_before_backward(trainer, lm, torch.tensor(float("nan")))
+    guard.on_before_backward(trainer, lm, torch.tensor(1.0))
+    with pytest.raises(FloatingPointError, match="non-finite loss nan"):
+        guard.on_before_optimizer_step(trainer, lm, None)

@@ -1,7 +1,25 @@
-"""Shared test fixtures: the gpu marker gate and tiny Gemma4 configs."""
+"""Shared test fixtures: the gpu marker gate, and launch variables restored after every test."""
+
+import os
 
 import pytest
 import torch
+
+# Set by Lightning's launcher in the process that fits (here: pytest itself, for in-process fits). Left behind,
+# LOCAL_RANK makes a later multi-rank fit started from this process believe its ranks were started outside
+# (`creates_processes_externally`): it spawns no other rank and waits for them forever.
+_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "RANK")
+
+
+@pytest.fixture(autouse=True)
+def _launch_vars_do_not_leak():
+    before = {k: os.environ.get(k) for k in _LAUNCH_VARS}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,6 +6,7 @@ callers do with them: the strategy, Callbacks and checks import these so a Light
 
 from __future__ import annotations
 
+import atexit
 from typing import Any
 
 import torch
@@ -51,8 +52,23 @@ def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
 
 
 def setup_distributed(strategy: Any) -> None:
-    """Start the process group the way ModelParallelStrategy does (backend, timeout, env)."""
-    strategy._setup_distributed()
+    """Start the process group the way ModelParallelStrategy does (backend, timeout, device), with one change:
+    a world of one process gets an in-memory store instead of a TCP one.
+
+    Why: Lightning binds a TCP port (MASTER_PORT, or a "free" one it picked) even for one process; on a node
+    shared with other jobs that port can be taken between the pick and the bind (EADDRINUSE at start-up).
+    One process has nobody to meet, so it needs no port."""
+    import torch.distributed as dist
+
+    if strategy.num_nodes * strategy.num_processes == 1 and not dist.is_initialized():
+        from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+        backend, device = strategy._get_process_group_backend(), strategy.root_device
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=strategy._timeout,
+                                device_id=device if device.type != "cpu" else None)
+        if backend == "nccl":
+            atexit.register(_destroy_dist_connection)  # as Lightning does for the groups it starts
+    strategy._setup_distributed()  # ranks and backend; it leaves an initialised group as it is
 
 
 def set_device_mesh(strategy: Any, mesh: Any) -> None:

@@ -11,7 +11,7 @@ import re
 import shlex
 
 import pytest
-from _console import ROOT, run
+from _console import ROOT, env, run
 
 CPU = "--trainer.accelerator cpu --trainer.devices 1 --trainer.num_nodes 1"
 FSDP2_CPU = ("--trainer.strategy.init_args.param_dtype fp32 --trainer.strategy.init_args.compile false "
@@ -96,3 +96,20 @@ def test_two_ranks_exit_0_with_one_closing_line(recipe, extra, tmp_path):
     assert len(closing) == 1 and closing[0].startswith("fit finished at step 2"), proc.stdout[-2000:]
     logs = re.search(r"\blogs ([^;]+)", closing[0])
     assert logs and (tmp_path / logs.group(1)).is_dir(), closing
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_process_fsdp2_fit_needs_no_port(tmp_path):
+    """A one-process FSDP2 fit meets nobody, so it binds no TCP port: MASTER_PORT pointing at a port another
+    program holds (as on a node shared with other jobs) does not stop it (Lightning's own path: EADDRINUSE)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(held.getsockname()[1])}
+        proc = run(["lightning-ffpa", "fit", "--config", "tiny_fsdp2", "--trainer.max_steps", "2",
+                    *shlex.split(TINY["tiny_fsdp2"])], tmp_path, timeout=240, env=busy)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("fit finished at step 2"), proc.stdout[-2000:]

@@ -143,8 +143,8 @@ class StopOnSigterm(pl.Callback):
     given `kill -TERM`, as `srun` signals every task: both ranks stuck mid-forward). Its step-end check is also
     per rank, so a rank signalled a moment later starts a step the others never join. Here the handler only
     records the signal (and runs any handler installed before the Trainer); at each step's end the ranks
-    agree on "any rank was signalled" (the vote it shares with `DeferredRequeue`), and all of them stop there. The `lightning-ffpa` CLI
-    adds this Callback to every fit.
+    agree on "any rank was signalled" (the vote it shares with `DeferredRequeue`), and all of them stop
+    there. The `lightning-ffpa` CLI adds this Callback to every fit.
     """
 
     def __init__(self) -> None:

@@ -85,7 +85,7 @@ class NonFiniteGuard(pl.Callback):
             return
         local_bad = loss[~torch.isfinite(loss)]
         what = (f"loss {float(local_bad[0])}" if local_bad.numel() else "loss on another rank" if bad_loss
-                else f"{bad_grads} non-finite gradient(s)")
+                else f"gradients in {bad_grads} tensor(s)")
         where = f"at step {trainer.global_step + 1} (epoch {trainer.current_epoch})"
         last = getattr(trainer.checkpoint_callback, "last_model_path", "") or getattr(
             trainer.checkpoint_callback, "best_model_path", "")

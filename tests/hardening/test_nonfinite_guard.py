@@ -153,3 +153,13 @@ def test_a_nan_in_an_earlier_micro_batch_is_not_hidden_by_a_later_finite_one(tmp
     guard.on_before_backward(trainer, lm, torch.tensor(1.0))
     with pytest.raises(FloatingPointError, match="non-finite loss nan"):
         guard.on_before_optimizer_step(trainer, lm, None)
+
+
+def test_an_inf_gradient_of_a_finite_loss_is_named_with_its_count():
+    guard = NonFiniteGuard(action="stop")
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    lm = torch.nn.Linear(2, 2)
+    lm.weight.grad, lm.bias.grad = torch.full((2, 2), float("inf")), torch.zeros(2)
+    guard.on_before_backward(trainer, lm, torch.tensor(1.0))
+    with pytest.raises(FloatingPointError, match=r"non-finite gradients in 1 tensor\(s\) at step 1"):
+        guard.on_before_optimizer_step(trainer, lm, None)

@@ -27,7 +27,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from lightning_ffpa._compat.transformers import attention_names, from_config, text_config  # noqa: F401 - text_config re-exported
+from lightning_ffpa._compat.transformers import attention_names, disable_kv_cache, from_config, text_config  # noqa: F401 - text_config re-exported
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.lora import apply_lora, lora_hparam, unwrap_peft
@@ -187,7 +187,7 @@ class HFModule(L.LightningModule):
             self._needs_weight_init = True
         else:
             self.model = self.build_model()
-        self.model.config.use_cache = False
+        disable_kv_cache(self.model)
 
     def load_sharded_weights(self) -> None:
         """Finish a sharded, materialised model (called by FSDP2Strategy after sharding): load `pretrained`

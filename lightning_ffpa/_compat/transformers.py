@@ -29,6 +29,7 @@ __all__ = [
     "check_version",
     "config_attn_implementation",
     "decoder_layer_params",
+    "disable_kv_cache",
     "find_decoder_layers",
     "find_hf_model",
     "from_config",
@@ -143,6 +144,17 @@ def init_weights_fn(model: nn.Module) -> Callable[[nn.Module], None] | None:
     """The HF per-submodule initialiser (`_init_weights`, which also rebuilds non-persistent buffers such as
     rotary `inv_freq`), or None for a module that is not an HF model."""
     return getattr(model, "_init_weights", None)
+
+
+def disable_kv_cache(model: nn.Module) -> None:
+    """Set `use_cache=False` on every HF config inside `model` (a multimodal model's text config included).
+    Training has no use for a KV cache, and under activation checkpointing the
+    recompute appends to it again, which fails torch's recompute check."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        for cfg in {id(c): c for c in (config, text_config(config) if config is not None else None)}.values():
+            if isinstance(cfg, PretrainedConfig) and getattr(cfg, "use_cache", False):
+                cfg.use_cache = False
 
 
 # --------------------------------------------------------------------------- finding the HF model

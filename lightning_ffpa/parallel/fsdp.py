@@ -24,7 +24,7 @@ from lightning_ffpa._compat.torch import (
     allow_checkpoint_side_effects_under_compile,
     flatten_mesh,
 )
-from lightning_ffpa._compat.transformers import find_decoder_layers
+from lightning_ffpa._compat.transformers import disable_kv_cache, find_decoder_layers
 from lightning_ffpa.hidden_states import (
     HIDDEN_STATES_METHOD,
     causal_lm_hidden_states,  # re-exported: `lightning_ffpa.parallel.causal_lm_hidden_states`
@@ -55,6 +55,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
     `replicate_frozen`: parameters with `requires_grad=False` (a LoRA's base) stay whole plain tensors on
     every rank (FSDP2's `ignored_params`): no all-gather and no gathered copy of them, each rank holding all
     of them. They must already be in the compute dtype (`mp_policy.param_dtype`), which FSDP2 would cast to.
+    Sets `use_cache=False` in the model's HF configs: a training forward needs no KV cache.
     """
     # Validate and resolve op names first: a typo must fail before any wrapping.
     check_ac_mode(activation_checkpointing)
@@ -64,6 +65,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
         raise ValueError(f"parallelize found no decoder layers (`.model.layers` / `.layers`) in {type(model).__name__}")
     owner, attr = found
     layers: nn.ModuleList = getattr(owner, attr)
+    # A training recipe: HF's default `use_cache=True` would grow a KV cache in every forward (and again in
+    # every checkpoint recompute, which torch rejects). Generation is unaffected: `generate` passes its own.
+    disable_kv_cache(model)
     if compile and activation_checkpointing != "none":
         allow_checkpoint_side_effects_under_compile()
     if compile:

@@ -243,3 +243,16 @@ def test_layer_width_and_bad_rule():
     with pytest.raises(RuntimeError, match="without a layer width"):
         checkpointing.sac_context_fn(save_mm="high_k")()
     assert checkpointing.sac_context_fn(save_mm="high_k", width=64).width == 64
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_a_user_forward_with_hf_default_use_cache_trains_under_ac(mode):
+    """Most training steps call `model(input_ids=..., labels=...)`, leaving HF's `use_cache=True`: the recompute
+    would append to the KV cache again and fail torch's metadata check, unless parallelize turns it off."""
+    model = _tiny("sdpa")
+    assert model.config.use_cache
+    parallelize(model, None, activation_checkpointing=mode)
+    assert not model.config.use_cache
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -102,6 +102,11 @@ def set_received_sigterm(trainer: Any) -> None:
     trainer._signal_connector.received_sigterm = True
 
 
+def accumulating(trainer: Any) -> bool:
+    """Whether the batch that just ran left its gradients for a later optimizer step (gradient accumulation)."""
+    return trainer.fit_loop._should_accumulate()
+
+
 def handler_before_trainer(trainer: Any, signum: int) -> Any:
     """The handler `signum` had before the trainer installed its own (None, `SIG_DFL` or `SIG_IGN` included)."""
     return trainer._signal_connector._original_handlers.get(signum)

@@ -5,8 +5,9 @@ Why: Lightning's SLURM handler (`SLURMEnvironment(auto_requeue=True)`) writes th
 signal handler, i.e. wherever the main thread happens to be: between backward and the optimizer step, or
 between the optimizer step and the loop's progress counters. A checkpoint written there can make the resumed
 run redo a step that was already applied, or drop one. This callback only records the signal and runs
-Lightning's own handler (same `hpc_ckpt_N.ckpt`, same `scontrol requeue`) after the step has completed,
-where the checkpoint equals a `ModelCheckpoint` one; then it stops the run cleanly.
+Lightning's own handler (same `hpc_ckpt_N.ckpt`, same `scontrol requeue`) after the optimizer step has
+completed (with gradient accumulation: after the window's last micro-batch), where the checkpoint equals a
+`ModelCheckpoint` one; then it stops the run cleanly.
 
 Both record a signal in their handler and learn at the step's end whether any rank got one. They share one
 vote for that (`_StepVote`): one all-reduce per step for both, and none on a single process.
@@ -114,6 +115,10 @@ class DeferredRequeue(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         if self._lightning_handler is None:  # not under SLURM auto-requeue (the same on every rank): no vote
+            return
+        # Mid-accumulation the checkpoint would hold the optimizer step before, without this window's
+        # gradients, and the resumed run would step on the window's remaining micro-batches only.
+        if lightning_compat.accumulating(trainer):
             return
         if not step_vote(trainer).any_rank(trainer, self):
             return

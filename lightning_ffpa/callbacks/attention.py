@@ -13,6 +13,7 @@ When FFPA kernels will run, their forward ops are declared to the SAC policy (`l
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -53,7 +54,7 @@ class FFPAAttention(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.attn_implementation = attn_implementation
         self.cp_size = 1
-        self._installed_on: int | None = None  # id() of the model we configured
+        self._installed_on: weakref.ref | None = None  # the model configured in this stage
         self.ring = None  # the ring handle at CP > 1 (its `stats` count the blocks that ran)
 
     # -- install ---------------------------------------------------------------------------
@@ -75,7 +76,7 @@ class FFPAAttention(Callback):
             if required:
                 raise TypeError(f"FFPAAttention found no transformers PreTrainedModel in {type(pl_module).__name__}")
             return  # built later in configure_model; installed at the *_start hooks
-        if self._installed_on == id(model):
+        if self._installed_on is not None and self._installed_on() is model:
             return
         if self.cp_size > 1:
             set_attn_implementation(model, "sdpa")  # install_ring then routes every layer to its ring function
@@ -86,7 +87,10 @@ class FFPAAttention(Callback):
             self.ring = install_ring(model, trainer.strategy.device_mesh["context_parallel"])
         else:
             set_attn_implementation(model, self.attn_implementation)
-        self._installed_on = id(model)
+        self._installed_on = weakref.ref(model)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._installed_on = None  # the next stage installs again: the model's attention may have changed since
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._install(trainer, pl_module, required=True)
@@ -104,7 +108,8 @@ class FFPAAttention(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         n = self.log_every_n_steps
-        if n and trainer.global_step % n == 0:
+        # once per optimizer step: with gradient accumulation only the window's last micro-batch logs
+        if n and trainer.global_step % n == 0 and not lightning_compat.accumulating(trainer):
             counts = attention.dispatch_counts()
             if counts:
                 pl_module.log_dict({f"attention/{k}": float(v) for k, v in counts.items()},

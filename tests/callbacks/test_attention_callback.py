@@ -84,6 +84,32 @@ def test_installs_ffpa_on_nested_model_and_logs_counts(fake_backend, capsys):
     assert "ffpa-dense=8" in callback.summary()
 
 
+def test_a_reused_callback_installs_again_on_the_next_fit(fake_backend):
+    module = _Wrapper()
+    callback = FFPAAttention(log_every_n_steps=0)
+    _fit(module, [callback], steps=1)
+    lm = module.net["lm"]
+    lm.set_attn_implementation("sdpa")  # the user compares against sdpa in between
+    fake_backend.clear()
+    _fit(module, [callback], steps=1)
+    assert lm.config._attn_implementation == "ffpa"
+    assert fake_backend["ffpa-dense"] == 2
+
+
+def test_counts_are_logged_once_per_optimizer_step(fake_backend):
+    module = _Wrapper()
+    data = TensorDataset(torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(0)))
+    callback = FFPAAttention(log_every_n_steps=1)
+    calls = []
+    real_log_dict = module.log_dict
+    module.log_dict = lambda metrics, **kw: (calls.append(dict(metrics)), real_log_dict(metrics, **kw))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                        accumulate_grad_batches=2, callbacks=[callback])
+    trainer.fit(module, DataLoader(data, batch_size=2))
+    assert len(calls) == 2  # 4 micro-batches, 2 optimizer steps
+
+
 def test_cp_size_from_strategy_or_mesh():
     trainer = SimpleNamespace(strategy=SimpleNamespace(context_parallel_size=4))
     assert context_parallel_size(trainer, SimpleNamespace()) == 4

@@ -5,12 +5,15 @@ and an analytic model-FLOP count for HF decoder models. Timing and windowing sta
 
 FLOPs are *model* FLOPs (what MFU conventionally counts): 6 x matmul params x tokens for the decoder
 linears and the lm_head, plus the attention score/value matmuls (causal or sliding-window key counts
-per query), times 3 for forward + backward. Activation-checkpoint recompute is not counted.
+per query), times 3 for forward + backward on training batches (validation, test and predict batches count
+the forward only). Activation-checkpoint recompute is not counted.
 Padding tokens cost compute, so FLOPs use the padded batch shape; tokens/s counts real tokens only.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -22,7 +25,8 @@ from torch import nn
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa.loss import IGNORE_INDEX
 
-__all__ = ["TokenThroughput", "BF16_PEAK_FLOPS", "peak_bf16_flops", "count_real_tokens", "train_flops_per_batch"]
+__all__ = ["TokenThroughput", "BF16_PEAK_FLOPS", "peak_bf16_flops", "count_real_tokens", "forward_flops_per_batch",
+           "train_flops_per_batch"]
 
 # Dense bf16 tensor-core peaks (no sparsity) from the vendor data sheets, by device-name substring.
 BF16_PEAK_FLOPS: dict[str, float] = {
@@ -77,13 +81,13 @@ def _keys_per_query(seq: int, window: int | None, causal: bool) -> float:
     return (w * (w + 1) / 2 + (seq - w) * w) / seq
 
 
-def train_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> float:
-    """Model FLOPs of one training step (fwd + bwd) of an HF decoder CausalLM on a (B, S) batch."""
+def forward_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> float:
+    """Model FLOPs of one forward of an HF decoder CausalLM on a (B, S) batch."""
     from lightning_ffpa._compat.transformers import find_decoder_layers
 
     found = find_decoder_layers(model)
     if found is None:
-        raise TypeError(f"train_flops_per_batch found no decoder layers in {type(model).__name__}")
+        raise TypeError(f"the model-FLOP count found no decoder layers in {type(model).__name__}")
     layers = getattr(*found)
     tokens = batch_size * seq_len
     config = getattr(model, "config", None)
@@ -103,7 +107,12 @@ def train_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> fl
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear):
         fwd += 2 * head.weight.numel() * tokens
-    return 3.0 * fwd
+    return fwd
+
+
+def train_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> float:
+    """Model FLOPs of one training step (fwd + bwd: 3x the forward) of an HF decoder CausalLM on a (B, S) batch."""
+    return 3.0 * forward_flops_per_batch(model, batch_size, seq_len)
 
 
 class TokenThroughput(ThroughputMonitor):
@@ -148,17 +157,31 @@ class TokenThroughput(ThroughputMonitor):
 
         register_flop_formulas()  # FLOP formulas for the FFPA ops, for anyone using measure_flops on this model
 
+    @contextlib.contextmanager
+    def _flops_of(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                  backward: bool) -> Iterator[None]:
+        """`pl_module.flops_per_batch` for this batch while Lightning's hook reads it, then removed: a later fit
+        (another length) or stage (forward only) computes its own, and a user's own attribute is left alone."""
+        if not self._auto_flops or not trainer.is_global_zero:  # Lightning's hooks run on rank 0 only
+            yield
+            return
+        from lightning_ffpa._compat.transformers import find_hf_model
+
+        model = find_hf_model(pl_module) or pl_module
+        count = train_flops_per_batch if backward else forward_flops_per_batch
+        pl_module.flops_per_batch = count(model, *_batch_shape(batch))
+        try:
+            yield
+        finally:
+            del pl_module.flops_per_batch
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         # FLOPs from the batch as trained: a RolloutCallback listed after this one fills `input_ids` in its
         # own batch-start hook (it stays last in the list, where command-line `init_args` overrides land).
-        if self._auto_flops:
-            from lightning_ffpa._compat.transformers import find_hf_model
-
-            model = find_hf_model(pl_module) or pl_module
-            pl_module.flops_per_batch = train_flops_per_batch(model, *_batch_shape(batch))
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if not lightning_compat.should_update_logs(trainer):
+        with self._flops_of(trainer, pl_module, batch, backward=True):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if lightning_compat.accumulating(trainer) or not lightning_compat.should_update_logs(trainer):
             return
         metrics: dict[str, float] = {}
         if trainer.strategy.root_device.type == "cuda":
@@ -169,3 +192,18 @@ class TokenThroughput(ThroughputMonitor):
             metrics.update({f"attention/{k}": float(v) for k, v in dispatch_counts().items()})
         if metrics:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        with self._flops_of(trainer, pl_module, batch, backward=False):
+            super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        with self._flops_of(trainer, pl_module, batch, backward=False):
+            super().on_test_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                             batch_idx: int, dataloader_idx: int = 0) -> None:
+        with self._flops_of(trainer, pl_module, batch, backward=False):
+            super().on_predict_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)

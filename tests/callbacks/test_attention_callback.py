@@ -15,6 +15,7 @@ import lightning_ffpa.attention as attention
 from lightning_ffpa._compat.transformers import find_hf_model
 from lightning_ffpa.callbacks import FFPAAttention, TokenThroughput
 from lightning_ffpa.callbacks.attention import context_parallel_size
+from lightning_ffpa.callbacks.throughput import forward_flops_per_batch, train_flops_per_batch
 from lightning_ffpa.presets import build_text_config
 
 
@@ -125,11 +126,30 @@ def test_throughput_counts_real_tokens_and_flops(fake_backend):
     module = _Wrapper()
     monitor = TokenThroughput(window_size=2)
     _fit(module, [FFPAAttention(log_every_n_steps=0), monitor], steps=3)
-    assert module.flops_per_batch > 0
     from lightning.pytorch.trainer.states import RunningStage
 
     tp = monitor._throughputs[RunningStage.TRAINING]
     assert tp._lengths[-1] == 3 * 2 * 16  # real tokens: every token has a label here
+    assert tp._flops[-1] == train_flops_per_batch(module.net["lm"], 2, 16)
+    assert not hasattr(module, "flops_per_batch")  # set for Lightning's hook only: no stale value for a later fit
+
+
+def test_throughput_flops_follow_the_batch_and_the_stage(fake_backend):
+    """A second fit at another length counts its own FLOPs; validation counts the forward only."""
+    from lightning.pytorch.trainer.states import RunningStage
+
+    module = _Wrapper()
+    module.validation_step = lambda batch, batch_idx: None
+    for seq in (16, 32):
+        monitor = TokenThroughput(window_size=2)
+        data = DataLoader(TensorDataset(torch.randint(0, 512, (8, seq))), batch_size=2)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            limit_val_batches=1, val_check_interval=2, callbacks=[monitor])
+        trainer.fit(module, data, data)
+        lm = module.net["lm"]
+        assert monitor._throughputs[RunningStage.TRAINING]._flops[-1] == train_flops_per_batch(lm, 2, seq)
+        assert monitor._throughputs[RunningStage.VALIDATING]._flops[-1] == forward_flops_per_batch(lm, 2, seq)
 
 
 def test_real_backend_reference_kernel_runs():

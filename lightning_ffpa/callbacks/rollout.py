@@ -32,6 +32,8 @@ from lightning_ffpa.rollout.sampler import SamplingParams
 from lightning_ffpa.rollout.walker import DecoderWalker
 
 OPTION = "RolloutCallback"  # how errors spell this Callback's options: `RolloutCallback.sampling.top_p`
+NO_LORA_TO_VERIFY = ("checks the LoRA refresh (W0 + s*B@A from the frozen base), and this policy has no LoRA "
+                     "adapters: every refresh copies all weights, so there is nothing to verify; set it false")
 
 
 def _meta_copy(base: torch.nn.Module) -> torch.nn.Module:
@@ -57,7 +59,7 @@ class RolloutCallback(L.Callback):
             sampling: temperature, top_p, top_k and max_new_tokens of every completion; null = defaults.
             num_generations: Completions per prompt (the GRPO group size G, >= 2).
             verify_no_drift: At fit start, check the base weights hash is unchanged over refreshes and the
-                inference copy is deterministic (raises otherwise).
+                inference copy is deterministic (raises otherwise). LoRA policies only.
             eos_token_ids: Tokens that end a completion (default: the model config's eos_token_id).
             tokenizer: HF tokenizer to decode completions for reward functions (None: ids joined by spaces).
             model_attr: Attribute of the LightningModule holding the HF model.
@@ -127,6 +129,9 @@ class RolloutCallback(L.Callback):
             raise ConfigError(f"{OPTION}.sampling.temperature", self.sampling.temperature,
                               f"must equal the module's `temperature={temperature}` (the policy scores "
                               "tokens at the rollout temperature)")
+        hparams = getattr(pl_module, "hparams", {})
+        if self.verify_no_drift and "lora" in hparams and not hparams["lora"]:
+            raise ConfigError(f"{OPTION}.verify_no_drift", True, NO_LORA_TO_VERIFY)
         self._check_room_before_fit(trainer, pl_module)  # last: it builds the model on meta
 
     # ---- build ------------------------------------------------------------------------------------
@@ -184,6 +189,8 @@ class RolloutCallback(L.Callback):
         self.sync = LoraSync(train, inference)
         self.sync.refresh(full=True)
         if self.verify_no_drift:
+            if not self.sync.pairs:  # a module whose hparams do not say (a user's own)
+                raise ConfigError(f"{OPTION}.verify_no_drift", True, NO_LORA_TO_VERIFY)
             self.drift_report = self.sync.verify_no_drift()
         eos = self.eos_token_ids
         if eos is None:

@@ -115,6 +115,8 @@ class LoraSync:
     def verify_no_drift(self, num_refreshes: int = 3) -> dict[str, str]:
         """Refresh `num_refreshes` times around a perturbation of A/B; raise unless the base hash is unchanged
         and the inference copy is bit-identical once A/B are restored."""
+        if not self.pairs:
+            raise ValueError("verify_no_drift needs LoRA adapters: without them there is no frozen base to check")
         base0 = self.base_digest()
         saved = [(p.a.detach().clone(), p.b.detach().clone()) for p in self.pairs]
         self.refresh(full=True)

@@ -32,14 +32,14 @@ def test_tiny_grpo_reward_rises():
     rollout = RolloutCallback([token_range_reward], num_generations=8, sampling=SamplingParams(max_new_tokens=6),
                               engine=EngineConfig(page_size=8, num_pages=64, max_batch_size=16, max_seq_len=32,
                                                   attention="dense"),
-                              eos_token_ids=[], verify_no_drift=True)
+                              eos_token_ids=[])
     rewards = _Rewards()
     trainer = L.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout, rewards])
     module = GRPOModule(preset="tiny", learning_rate=2e-2, temperature=1.0)
     trainer.fit(module, datamodule=PromptDataModule(num_random_prompts=16, prompt_len=4, batch_size=2))
     h = rewards.history
-    assert len(h) == 10 and rollout.drift_report is not None
+    assert len(h) == 10
     assert sum(h[-3:]) / 3 > sum(h[:3]) / 3 + 0.1, h
     # fp32 on the CPU, refreshed before every rollout: the sampler's logprobs are the policy's
     assert len(rewards.gaps) == 9 and max(rewards.gaps) < 1e-4, rewards.gaps

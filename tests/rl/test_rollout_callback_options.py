@@ -95,6 +95,15 @@ def test_options_the_device_rules_out_fail_at_setup_before_any_model(engine, opt
     assert module.model is None and rollout.engine is None
 
 
+def test_drift_check_without_lora_is_refused_before_any_model():
+    """The check covers the LoRA refresh; without adapters it would hash nothing and pass."""
+    rollout = _callback(num_generations=2, verify_no_drift=True)
+    module = GRPOModule(preset="tiny")
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.verify_no_drift=True`: .* no LoRA adapters"):
+        _fit(rollout, module)
+    assert module.model is None
+
+
 def test_rollout_temperature_must_match_the_policy_temperature():
     rollout = _callback(sampling={"temperature": 0.7}, num_generations=2)
     module = GRPOModule(preset="tiny", temperature=1.0)

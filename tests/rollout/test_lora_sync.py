@@ -70,3 +70,11 @@ def test_refresh_through_checkpoint_and_compile_wrappers():
     sync.refresh(full=True)
     ids = torch.randint(0, 512, (1, 12))
     torch.testing.assert_close(inference(ids).logits, train(ids, use_cache=False).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_verify_no_drift_needs_adapters():
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(build_text_config("tiny"))
+    sync = LoraSync(model, copy.deepcopy(model))
+    with pytest.raises(ValueError, match="needs LoRA adapters"):
+        sync.verify_no_drift()

@@ -17,6 +17,7 @@ ffpa_attn directly.
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -214,11 +215,20 @@ def _documents(query: Tensor, attention_mask, kwargs: dict) -> PackedDocuments |
     return docs
 
 
+@functools.cache
+def _warn_no_weights() -> None:
+    # HF's output then holds no attention weights; as with sdpa, only "eager" computes them
+    warnings.warn("'ffpa' attention computes no attention weights, so `output_attentions=True` returns none; set "
+                  "the attention implementation to 'eager' for them", UserWarning, stacklevel=3)
+
+
 def ffpa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
                            attention_mask: Tensor | BlockMask | None, dropout: float = 0.0,
                            scaling: float | None = None, sliding_window: int | None = None,
                            softcap: float | None = None, **kwargs) -> tuple[Tensor, None]:
     """HF attention function: q/k/v ``[B,H,S,D]`` in, ``([B,S,H,D], None)`` out."""
+    if kwargs.get("output_attentions"):
+        _warn_no_weights()
     documents = _documents(query, attention_mask, kwargs)
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     if documents is not None:

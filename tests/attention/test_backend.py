@@ -132,6 +132,14 @@ def test_dropout_in_training_falls_back():
     assert backend.dispatch_counts()["sdpa"] == 1 and backend.fallback_counts() == {"dropout": 1}
 
 
+def test_output_attentions_says_no_weights_are_returned():
+    q, k, v = qkv()
+    backend._warn_no_weights.cache_clear()
+    with force_kernel("reference"), pytest.warns(UserWarning, match="output_attentions=True. returns none"):
+        out, weights = ffpa_attention_forward(Attn(), q, k, v, None, scaling=512**-0.5, output_attentions=True)
+    assert weights is None and backend.dispatch_counts()["ffpa-dense"] == 1  # the output itself is unchanged
+
+
 def test_refusals_and_what_counts_as_packed():
     q, k, v = qkv()
     reset = torch.arange(6).repeat(2)[None].expand(2, -1)  # two documents per row

@@ -37,6 +37,7 @@ from lightning_ffpa.errors import (
     one_line,
     release_stderr,
 )
+from lightning_ffpa.parallel import close_process_group
 from lightning_ffpa.validation import PreflightCLIMixin
 
 COMMANDS = ("recipes", "cp")  # handled before LightningCLI, which owns fit/validate/test/predict
@@ -231,25 +232,12 @@ def _command(argv: list[str]) -> int:
 
     try:
         build(argv, on_ready=ready)
-        _close_process_group()
+        close_process_group()
     except SIGTERMException:  # Lightning ends fit with SystemExit(None) on SIGTERM: exit 0, silently
         if running and running[-1].is_global_zero:
             print(_terminated_line(running[-1]), file=sys.stderr, flush=True)
         return EXIT_TERMINATED
     return 0
-
-
-def _close_process_group() -> None:
-    """After a command that every rank completed: meet, then take the process group down on every rank.
-
-    Lightning leaves a gloo group to the interpreter's exit. Under `srun` each task exits on its own, and rank 0
-    (which serves the rendezvous store) can go while another rank's group is still torn down at exit: that rank
-    aborted (`terminate called without an active exception`, exit 134) after a finished two-task fit."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def _terminated_line(trainer: L.Trainer) -> str:

@@ -34,9 +34,23 @@ from lightning_ffpa.parallel.fsdp import REPLICATE_WITH_OFFLOAD, dtypes_cast, pa
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["FSDP2Strategy", "MESH_DIM_NAMES", "materialize"]
+__all__ = ["FSDP2Strategy", "MESH_DIM_NAMES", "close_process_group", "materialize"]
 
 MESH_DIM_NAMES = ("data_parallel", "context_parallel")
+
+
+def close_process_group() -> None:
+    """After work that every rank completed (e.g. the last `trainer.fit`): meet, then take the process group
+    down on every rank. The `lightning-ffpa` CLI calls it; a script with its own Trainer can too.
+
+    Lightning leaves a gloo group to the interpreter's exit. Under `srun` each task exits on its own, and rank 0
+    (which serves the rendezvous store) can go while another rank's group is still torn down at exit: that rank
+    aborted (`terminate called without an active exception`, exit 134) after a finished two-task fit."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _find_parallelize_target(module: nn.Module, required: bool = True) -> nn.Module | None:

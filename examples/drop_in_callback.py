@@ -120,3 +120,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    from lightning_ffpa.parallel import close_process_group  # lightning-ffpa
+
+    close_process_group()  # several processes: meet, then end the group before exit (docs/troubleshooting.md)

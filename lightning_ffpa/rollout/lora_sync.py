@@ -36,6 +36,62 @@ def _infer_name(train_name: str) -> str:
     return hf_name(name)
 
 
+_Source = nn.Parameter | tuple[nn.Parameter, nn.Parameter, nn.Parameter, float]  # a weight, or (W0, A, B, scale)
+
+
+def _sources(train: nn.Module) -> dict[str, _Source]:
+    """Inference name -> what it is refreshed from: a LoRA target's (W0, A, B, scale), or a training weight.
+
+    Tied weights are listed under each of their names (`remove_duplicate=False`): a tied head whose training
+    side diverged (a LoRA target, a `modules_to_save` copy) needs its own source. A `modules_to_save` module's
+    frozen `original_module` is not a source: its trained copy is what runs."""
+    loras: dict[str, _Source] = {}
+    for name, module in train.named_modules():
+        if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
+            continue
+        (adapter,) = module.active_adapters
+        if getattr(module, "use_dora", {}).get(adapter, False):
+            raise ValueError(f"{name}: DoRA adapters are not supported by the in-place LoRA refresh")
+        loras[name] = (module.base_layer.weight, module.lora_A[adapter].weight, module.lora_B[adapter].weight,
+                       float(module.scaling[adapter]))
+    sources: dict[str, _Source] = {}
+    origin: dict[str, str] = {}
+    for name, p in train.named_parameters(remove_duplicate=False):
+        if "lora_" in name or ".original_module." in name or name.removesuffix(".base_layer.weight") in loras:
+            continue
+        key = _infer_name(name)
+        if key in origin:
+            raise ValueError(f"{origin[key]} and {name} both map to {key!r}: one active adapter per model")
+        sources[key], origin[key] = p, name
+    for name, source in loras.items():
+        sources[_infer_name(name + ".weight")] = source
+    return sources
+
+
+def _targets(inference: nn.Module, sources: dict[str, _Source]) -> dict[str, torch.Tensor]:
+    """Inference name -> the tensor the refresh writes. Weights the inference copy ties (the embedding and the
+    head) stay tied, written once, while the training side feeds them from one tensor; otherwise the copy
+    unties them, as training did (e.g. LoRA on a tied `lm_head`)."""
+    params = dict(inference.named_parameters(remove_duplicate=False))
+    missing = [k for k in sources if k not in params]
+    if missing:
+        raise KeyError(f"training weights without an inference counterpart: {missing}")
+    targets: dict[str, torch.Tensor] = {}
+    written: dict[int, _Source] = {}  # id(inference tensor) -> its source
+    for key, source in sources.items():
+        target = params[key]
+        if id(target) not in written:
+            written[id(target)], targets[key] = source, target
+            continue
+        if written[id(target)] is source:  # tied on both sides: written once
+            continue
+        module_name, _, attr = key.rpartition(".")
+        untied = nn.Parameter(target.detach().clone(), requires_grad=False)
+        setattr(inference.get_submodule(module_name), attr, untied)
+        targets[key] = untied
+    return targets
+
+
 @dataclass
 class _LoraPair:
     target: torch.Tensor  # inference weight (out, in)
@@ -50,30 +106,12 @@ class LoraSync:
 
     def __init__(self, train: nn.Module, inference: nn.Module) -> None:
         self.train, self.inference = train, inference
-        infer_params = dict(inference.named_parameters())
-        self.pairs: list[_LoraPair] = []
-        self.copies: list[tuple[torch.Tensor, nn.Parameter]] = []
-        lora_bases: set[int] = set()
-        for name, module in train.named_modules():
-            if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
-                continue
-            (adapter,) = module.active_adapters
-            if getattr(module, "use_dora", {}).get(adapter, False):
-                raise ValueError(f"{name}: DoRA adapters are not supported by the in-place LoRA refresh")
-            key = _infer_name(name + ".weight")
-            if key not in infer_params:
-                raise KeyError(f"LoRA target {name} has no inference counterpart {key!r}")
-            base = module.base_layer.weight
-            lora_bases.add(id(base))
-            self.pairs.append(_LoraPair(infer_params[key], base, module.lora_A[adapter].weight,
-                                        module.lora_B[adapter].weight, float(module.scaling[adapter])))
-        for name, p in train.named_parameters():
-            if "lora_" in name or id(p) in lora_bases:
-                continue
-            key = _infer_name(name)
-            if key not in infer_params:
-                raise KeyError(f"training parameter {name} has no inference counterpart {key!r}")
-            self.copies.append((infer_params[key], p))
+        sources = _sources(train)
+        targets = _targets(inference, sources)
+        self.pairs: list[_LoraPair] = [_LoraPair(targets[k], *src) for k, src in sources.items()
+                                       if isinstance(src, tuple) and k in targets]
+        self.copies: list[tuple[torch.Tensor, nn.Parameter]] = [
+            (targets[k], src) for k, src in sources.items() if not isinstance(src, tuple) and k in targets]
         self.num_refreshes = 0
 
     @property

@@ -78,3 +78,42 @@ def test_verify_no_drift_needs_adapters():
     sync = LoraSync(model, copy.deepcopy(model))
     with pytest.raises(ValueError, match="needs LoRA adapters"):
         sync.verify_no_drift()
+
+
+def _trained(lora: LoraConfig):
+    """A tied tiny Gemma4 under `lora`, every trainable weight moved as training would."""
+    torch.manual_seed(0)
+    base = Gemma4ForCausalLM(build_text_config("tiny"))
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    inference = copy.deepcopy(base).requires_grad_(False)
+    train = get_peft_model(base, lora)
+    with torch.no_grad():
+        for p in train.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    return train, inference
+
+
+@pytest.mark.parametrize("lora", [
+    LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]),  # LoRA on the tied head
+    LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+    LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["embed_tokens"]),
+], ids=["lora_head", "save_head", "save_embedding"])
+def test_refresh_unties_what_training_untied(lora):
+    """The inference copy must run what the policy runs: the embedding and the head each from its own source."""
+    train, inference = _trained(lora)
+    sync = LoraSync(train, inference)
+    sync.refresh(full=True)
+    assert inference.lm_head.weight is not inference.model.embed_tokens.weight
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(inference(ids).logits, train(ids).logits, atol=1e-4, rtol=1e-4)
+    merged = copy.deepcopy(train).merge_and_unload()
+    torch.testing.assert_close(inference.lm_head.weight, merged.lm_head.weight)
+
+
+def test_refresh_keeps_a_head_tied_that_training_kept_tied():
+    train, inference = _trained(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    sync = LoraSync(train, inference)
+    sync.refresh(full=True)
+    assert inference.lm_head.weight is inference.model.embed_tokens.weight
+    assert len({id(t) for t, _ in sync.copies}) == len(sync.copies)  # each tensor written once

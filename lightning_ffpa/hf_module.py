@@ -120,10 +120,14 @@ class HFModule(L.LightningModule):
         local = Path(hp.pretrained).expanduser()
         if not local.exists() and (hp.pretrained.startswith((".", "/", "~")) or os.environ.get("HF_HUB_OFFLINE")):
             raise ConfigError("model.pretrained", hp.pretrained, "no such directory")
+        if local.is_file():
+            raise ConfigError("model.pretrained", hp.pretrained, "is a file; give the checkpoint's directory (the one "
+                              "holding config.json) or a hub model id")
         try:
             cfg = AutoConfig.from_pretrained(hp.pretrained)
         except OSError as err:
             raise ConfigError("model.pretrained", hp.pretrained, f"could not be loaded: {err}") from err
+        self._check_checkpoint(cfg, local)
         # Set on the text config (not through `from_pretrained(**overrides)`, which drops unknown keys
         # silently and would put text fields on a multimodal config's top level).
         text = text_config(cfg)
@@ -131,6 +135,24 @@ class HFModule(L.LightningModule):
         for key, value in overrides.items():
             setattr(text, key, value)
         return cfg
+
+    def _check_checkpoint(self, cfg: PretrainedConfig, local: Path) -> None:
+        """The checkpoint must be a Gemma4 of the kind `model_class` builds, and a local one must hold weights."""
+        hp = self.hparams
+        model_type = getattr(text_config(cfg), "model_type", "")
+        if not model_type.startswith("gemma4"):
+            raise ConfigError("model.pretrained", hp.pretrained, f"is a {model_type or 'non-Gemma4'} model "
+                              f"({type(cfg).__name__}); lightning-ffpa trains Gemma4")
+        multimodal = text_config(cfg) is not cfg
+        if multimodal != (self.model_class_name == "conditional_generation"):
+            kind, fits = (("a multimodal Gemma4 checkpoint", "conditional_generation") if multimodal
+                          else ("a text-only Gemma4 checkpoint", "causal_lm"))
+            raise ConfigError("model.model_class", self.model_class_name, f"does not load {hp.pretrained}, {kind} "
+                              f"({type(cfg).__name__}): its weights load with model_class: {fits}")
+        weights = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+        if local.is_dir() and not any(next(local.glob(w), None) for w in weights):
+            raise ConfigError("model.pretrained", hp.pretrained, "holds a config but no weights (*.safetensors or "
+                              "*.bin); to start from random weights, use `preset` with `config_overrides`")
 
     def check_seq_length(self, seq_len: int | None, option: str) -> None:
         """`option` (a sequence length) must fit the model's `max_position_embeddings`."""
@@ -159,6 +181,7 @@ class HFModule(L.LightningModule):
         attn = "sdpa" if requested == "ffpa" else requested
         if hp.get("pretrained") is not None and device != "meta":
             model = cls.from_pretrained(hp.pretrained, config=self.config, dtype=dtype, attn_implementation=attn)
+            model.train()  # from_pretrained returns eval mode, and Lightning keeps modes: dropout would stay off
         else:
             # No device given: the ambient one (Lightning's `configure_model` runs under the root device, so a
             # one-GPU fit initialises on the GPU instead of spending minutes on CPU init and a copy).

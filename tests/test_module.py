@@ -57,6 +57,42 @@ def test_pretrained_loads_local_checkpoint(tmp_path):
     want = ref(input_ids=batch["input_ids"]).logits
     got = lm.model(input_ids=batch["input_ids"]).logits
     torch.testing.assert_close(got, want)
+    assert all(m.training for m in lm.model.modules())  # trains with dropout, as a preset-built model does
+
+
+def _multimodal_checkpoint(path):
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = build_text_config("tiny")
+    Gemma4ForConditionalGeneration(Gemma4Config(text_config=text.to_dict(), vision_config=None,
+                                                audio_config=None)).save_pretrained(path)
+
+
+def test_a_checkpoint_that_model_class_cannot_load_is_refused_by_name(tmp_path):
+    """A multimodal checkpoint's weights do not load into Gemma4ForCausalLM (HF would initialise them all at
+    random), and a text-only one's not into the multimodal class: one error naming `model.model_class`."""
+    _multimodal_checkpoint(tmp_path / "mm")
+    Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(tmp_path / "text")
+    with pytest.raises(ConfigError, match=r"^`model\.model_class='causal_lm'`: .*multimodal.*conditional_generation"):
+        Gemma4LM(pretrained=str(tmp_path / "mm"))
+    with pytest.raises(ConfigError, match=r"^`model\.model_class='conditional_generation'`: .*text-only.*causal_lm$"):
+        Gemma4LM(pretrained=str(tmp_path / "text"), model_class="conditional_generation")
+    lm = Gemma4LM(pretrained=str(tmp_path / "mm"), model_class="conditional_generation", dtype="float32")
+    lm.configure_model()
+    assert torch.isfinite(lm.compute_loss(_batch())[0])
+
+
+def test_pretrained_that_is_no_gemma4_checkpoint_is_refused_by_name(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                vocab_size=64).save_pretrained(tmp_path / "llama")
+    Gemma4ForCausalLM(build_text_config("tiny")).config.save_pretrained(tmp_path / "config_only")
+    cases = {tmp_path / "llama": "is a llama model", tmp_path / "config_only": "holds a config but no weights",
+             tmp_path / "config_only" / "config.json": "is a file"}
+    for path, message in cases.items():
+        with pytest.raises(ConfigError, match=rf"^`model\.pretrained='{path}'`: {message}"):
+            Gemma4LM(pretrained=str(path))
 
 
 def test_conditional_generation_class_builds():
@@ -110,14 +146,14 @@ def test_out_of_range_options_are_config_errors(kwargs, option):
 def test_unknown_config_override_names_the_key_and_the_closest_field(pretrained, tmp_path):
     kwargs = {"config_overrides": {"num_hidden_laers": 2}}
     if pretrained:
-        Gemma4ForCausalLM(build_text_config("tiny")).config.save_pretrained(tmp_path)
+        Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(tmp_path)
         kwargs["pretrained"] = str(tmp_path)
     with pytest.raises(ConfigError, match=r"^`model\.config_overrides\.num_hidden_laers=2`: .*`num_hidden_layers`"):
         Gemma4LM(**kwargs)
 
 
 def test_pretrained_config_overrides_reach_the_text_config(tmp_path):
-    Gemma4ForCausalLM(build_text_config("tiny")).config.save_pretrained(tmp_path)
+    Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(tmp_path)
     lm = Gemma4LM(pretrained=str(tmp_path), config_overrides={"num_hidden_layers": 2, "sliding_window": 8})
     assert lm.config.num_hidden_layers == 2 and lm.config.sliding_window == 8
 

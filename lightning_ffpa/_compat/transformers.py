@@ -170,9 +170,19 @@ def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, str] | None:
     # entries are decoder layers (HF marks them GradientCheckpointingLayer).
     for _, module in model.named_modules():
         layers = getattr(module, "layers", None)
-        if isinstance(layers, nn.ModuleList) and any(type(m).__name__.endswith("DecoderLayer") for m in layers):
+        if isinstance(layers, nn.ModuleList) and any(type(_unwrapped(m)).__name__.endswith("DecoderLayer")
+                                                      for m in layers):
             return module, "layers"
     return None
+
+
+def _unwrapped(layer: nn.Module) -> nn.Module:
+    """A decoder layer inside the wrappers `parallelize` puts around it (torch.compile, activation checkpointing)."""
+    while True:
+        inner = getattr(layer, "_orig_mod", None) or getattr(layer, "_checkpoint_wrapped_module", None)
+        if not isinstance(inner, nn.Module):
+            return layer
+        layer = inner
 
 
 def _hf_models(module: nn.Module) -> Iterator[PreTrainedModel]:

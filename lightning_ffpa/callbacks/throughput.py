@@ -83,7 +83,7 @@ def _keys_per_query(seq: int, window: int | None, causal: bool) -> float:
 
 def forward_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> float:
     """Model FLOPs of one forward of an HF decoder CausalLM on a (B, S) batch."""
-    from lightning_ffpa._compat.transformers import find_decoder_layers
+    from lightning_ffpa._compat.transformers import find_decoder_layers, text_config
 
     found = find_decoder_layers(model)
     if found is None:
@@ -91,6 +91,7 @@ def forward_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> 
     layers = getattr(*found)
     tokens = batch_size * seq_len
     config = getattr(model, "config", None)
+    config = text_config(config) if config is not None else None  # a multimodal model's experts live there
     fwd = 0.0
     for layer in layers:
         for name, p in layer.named_parameters():

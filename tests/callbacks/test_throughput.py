@@ -41,3 +41,17 @@ def test_flops_match_a_hand_count():
     expected = 3 * (2 * (linear + model.lm_head.weight.numel()) * b * s + attn)
     assert train_flops_per_batch(model, b, s) == pytest.approx(expected)
     assert BF16_PEAK_FLOPS["H200"] == 989e12
+
+
+def test_flops_of_a_wrapped_multimodal_moe_equal_its_text_model():
+    """Gemma4ForConditionalGeneration keeps its layers (and `top_k_experts`) in the text part; with each layer
+    wrapped for activation checkpointing the count must still find them and count top_k of the experts."""
+    from lightning_ffpa.parallel import parallelize
+
+    text = build_text_config("tiny-moe")
+    causal = transformers.Gemma4ForCausalLM(text)
+    multimodal = transformers.Gemma4ForConditionalGeneration(
+        transformers.Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None))
+    parallelize(multimodal, None, activation_checkpointing="selective")
+    assert text.top_k_experts < text.num_experts
+    assert train_flops_per_batch(multimodal, 2, 32) == pytest.approx(train_flops_per_batch(causal, 2, 32))

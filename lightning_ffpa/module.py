@@ -8,6 +8,7 @@ does not own sharding (`lightning_ffpa.parallel`), attention kernels (`lightning
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Literal
 
 import torch
@@ -112,6 +113,9 @@ class Gemma4LM(HFModule):
         check_range("model.loss_chunk_size", loss_chunk_size, ge=1)
         if loss_impl not in ("plain", "chunked", "liger"):
             raise ConfigError("model.loss_impl", loss_impl, "must be one of 'plain', 'chunked', 'liger'")
+        if loss_impl == "liger" and importlib.util.find_spec("liger_kernel") is None:
+            raise ConfigError("model.loss_impl", loss_impl, "needs liger-kernel, which is not installed: "
+                              "`pip install lightning-ffpa[liger]`, or use 'chunked'")
         if max_seq_length is not None:
             check_range("model.max_seq_length", max_seq_length, ge=1)
         self.save_hyperparameters()

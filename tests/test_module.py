@@ -229,3 +229,12 @@ def test_build_adamw_is_fused_on_cuda_and_steps():
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     opt.step()
     assert not torch.equal(before, model.lm_head.weight)
+
+
+def test_liger_loss_without_liger_kernel_is_refused_at_construction(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^`model\.loss_impl='liger'`: needs liger-kernel"):
+        Gemma4LM(preset="tiny", loss_impl="liger")

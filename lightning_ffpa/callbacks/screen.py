@@ -45,8 +45,12 @@ class StepProgressBar(TQDMProgressBar):
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         step = trainer.global_step
         if self.is_enabled and (step % self.refresh_rate == 0 or step == trainer.max_steps):
-            self.train_progress_bar.n = step
-            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))  # also redraws
+            bar = self.train_progress_bar
+            if bar.total != trainer.max_steps:  # a run resumed mid-epoch skips `on_train_epoch_start`
+                bar.total = trainer.max_steps
+                bar.set_description(_description(trainer), refresh=False)
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # also redraws
 
 
 class RichStepProgressBar(RichProgressBar):
@@ -65,8 +69,9 @@ class RichStepProgressBar(RichProgressBar):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if trainer.max_steps > 0:
-            self._set_train_task(trainer, completed=trainer.global_step)
+        if trainer.max_steps > 0:  # total and description too: a run resumed mid-epoch skips the epoch-start hook
+            self._set_train_task(trainer, description=_description(trainer), total=trainer.max_steps,
+                                 completed=trainer.global_step)
 
 
 class ParameterSummary(ModelSummary):

@@ -7,18 +7,23 @@ callers do with them: the strategy, Callbacks and checks import these so a Light
 from __future__ import annotations
 
 import atexit
+import contextlib
+import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = [
+    "accumulating",
     "cluster_environment",
     "handler_before_trainer",
     "last_checkpoint_saved",
     "lightning_dcp_meta_filename",
     "loaded_checkpoint",
     "materialize_distributed_module",
+    "module_keys_with_wrappers",
     "module_device_mesh",
     "next_hpc_checkpoint",
     "optimizers_to_device",
@@ -32,6 +37,33 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- fabric helpers
+
+# Levels `parallelize` adds (activation checkpointing, torch.compile); saved state dicts name weights without them.
+_WRAPPER_LEVEL = re.compile(r"(_checkpoint_wrapped_module|_orig_mod)\.")
+
+
+@contextlib.contextmanager
+def module_keys_with_wrappers() -> Iterator[None]:
+    """While open, Lightning's single-file load into a DTensor model (`_load_raw_module_state`) also finds each
+    weight under its module path with `parallelize`'s wrapper levels, which its lookup uses: a file saved
+    without them (every single-file save: `get_model_state_dict` drops them) loaded with a KeyError."""
+    import lightning.fabric.strategies.model_parallel as fabric_mp
+
+    original = fabric_mp._load_raw_module_state
+
+    def load(state_dict: dict[str, Any], module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        aliased = dict(state_dict)
+        for name in [*(n for n, _ in module.named_parameters()), *(n for n, _ in module.named_buffers())]:
+            plain = _WRAPPER_LEVEL.sub("", name)
+            if name != plain and plain in state_dict:
+                aliased.setdefault(name, state_dict[plain])
+        return original(aliased, module, *args, **kwargs)
+
+    fabric_mp._load_raw_module_state = load
+    try:
+        yield
+    finally:
+        fabric_mp._load_raw_module_state = original
 
 
 def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:

@@ -357,6 +357,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._dcp_writer.save(self, checkpoint, filepath)
 
     @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        with lightning_compat.module_keys_with_wrappers():
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if not self._save_distributed_checkpoint:
             return super().remove_checkpoint(filepath)

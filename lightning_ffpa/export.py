@@ -12,7 +12,8 @@ The checkpoint is verified first (every record's CRC for a `.ckpt`, shard sizes 
 `--config` folder must describe the checkpoint's tensors (same names and shapes). Bad input exits with
 code 2 and one line (`lightning_ffpa.errors.console_entry`); `--merge-lora`-style spellings also work.
 
-The result loads with `Gemma4ForCausalLM.from_pretrained(OUT)`; a LoRA run also writes `OUT/adapter`
+The result loads with `Gemma4ForCausalLM.from_pretrained(OUT)` (`Gemma4ForConditionalGeneration` for a
+`model_class: conditional_generation` run; `AutoModelForCausalLM` for either); a LoRA run also writes `OUT/adapter`
 (`PeftModel.from_pretrained(base, OUT/adapter)`) unless `--merge_lora`.
 
 Inside a running FSDP2 job, `save_hf_sharded(model, OUT)` writes the same folder straight from the
@@ -123,12 +124,14 @@ def _plan(names: list[str], tied: bool, merge: bool) -> _Plan:
             continue  # metrics or other module state, not model weights
         inner = name[len(MODULE_PREFIX):]
         if "modules_to_save" in inner or "original_module" in inner:
-            raise NotImplementedError(f"cannot export {inner}: PEFT `modules_to_save` is not supported")
+            raise CheckpointError(f"cannot export {inner}: the run trained whole modules beside its LoRA "
+                                  "(`model.lora.modules_to_save`), which export does not write yet")
+        if "lora_embedding" in inner or "lora_magnitude" in inner:
+            raise CheckpointError(f"cannot export {inner}: export writes LoRA on Linear layers only (not DoRA, "
+                                  "not LoRA on the embedding)")
         if inner.startswith(PEFT_PREFIX):
             match = _LORA.match(inner)
             if match:
-                if "lora_embedding" in inner or "lora_magnitude" in inner:
-                    raise NotImplementedError(f"cannot export {inner}: only Linear LoRA (no DoRA/embedding LoRA)")
                 module = match["module"].removeprefix(PEFT_PREFIX)
                 loras.setdefault(module, {})[match["ab"]] = name
                 adapter[f"{match['module']}.lora_{match['ab']}.weight"] = name  # PEFT drops the adapter name
@@ -157,13 +160,18 @@ def _split(names: dict[str, tuple[tuple[int, ...], torch.dtype]], max_shard_size
         raise ConfigError(option, max_shard_size, f"must look like 500MB or 5GB ({err})") from err
 
 
+def model_class(hparams: dict[str, Any]) -> str:
+    """The HF class the checkpoint's module built (its `model_class` hyper-parameter)."""
+    return {"conditional_generation": "Gemma4ForConditionalGeneration"}.get(hparams.get("model_class"),
+                                                                          "Gemma4ForCausalLM")
+
+
 def check_config_matches(config, hparams: dict[str, Any], shapes: dict[str, tuple[int, ...]], tied: bool,
                          option: str, value: Any) -> None:
     """The HF model `config` describes must have exactly the checkpoint's tensors (names and shapes)."""
     import transformers
 
-    name = {"conditional_generation": "Gemma4ForConditionalGeneration"}.get(hparams.get("model_class"),
-                                                                          "Gemma4ForCausalLM")
+    name = model_class(hparams)
     cls = getattr(transformers, name)
     try:
         with torch.device("meta"):  # shapes only: no memory, no init
@@ -235,6 +243,7 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     save_dtype = target or source.specs[plan.base[next(iter(plan.base))][0]][1]
     config.dtype = save_dtype
+    config.architectures = [model_class(hparams)]  # what AutoModel* and pipelines build
     config.save_pretrained(out)
 
     adapter_dir = None

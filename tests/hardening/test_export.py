@@ -73,6 +73,16 @@ def test_ckpt_export_loads_with_from_pretrained_and_matches_logits(trained, tmp_
     record_property("case", "plain .ckpt -> HF safetensors")
     assert result.shards == ["model.safetensors"]
     assert torch.equal(hf(input_ids=ids).logits, lm.model(input_ids=ids).logits)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Gemma4ForCausalLM"]
+
+
+@pytest.mark.parametrize("name, match", [
+    ("base_model.model.lm_head.modules_to_save.default.weight", "modules_to_save"),
+    ("base_model.model.model.embed_tokens.lora_embedding_A.default", "LoRA on Linear layers only"),
+])
+def test_export_refuses_what_it_cannot_write_in_one_line(name, match):
+    with pytest.raises(CheckpointError, match=match):
+        export_mod._plan([export_mod.MODULE_PREFIX + name], tied=True, merge=False)
 
 
 @torch.no_grad()

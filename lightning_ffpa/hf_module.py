@@ -27,16 +27,34 @@ from transformers import (
     PreTrainedModel,
 )
 
-from lightning_ffpa._compat.transformers import attention_names, disable_kv_cache, from_config, text_config  # noqa: F401 - text_config re-exported
+from lightning_ffpa._compat.transformers import (  # noqa: F401 - text_config re-exported
+    CONFIG_VALUE_ERRORS,
+    attention_names,
+    config_error_text,
+    disable_kv_cache,
+    from_config,
+    text_config,
+)
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.lora import apply_lora, lora_hparam, unwrap_peft
-from lightning_ffpa.presets import build_text_config, check_overrides, check_preset_overrides, config_fields
+from lightning_ffpa.presets import (
+    build_text_config,
+    check_experts,
+    check_overrides,
+    check_preset_overrides,
+    config_fields,
+)
 
 # HF names plus ours; anything else registered in transformers' AttentionInterface is accepted too.
 KNOWN_ATTN = ("sdpa", "eager", "flex_attention", "ffpa")
 # Hyper-parameters that define the architecture: a checkpoint trained with other values cannot be resumed.
 ARCHITECTURE_HPARAMS = ("pretrained", "preset", "config_overrides", "model_class", "lora")
+# Text-config fields that size a checkpoint's weights: a `pretrained` run cannot override them.
+SHAPE_FIELDS = frozenset({"hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
+                          "num_key_value_heads", "head_dim", "global_head_dim", "num_global_key_value_heads",
+                          "num_experts", "moe_intermediate_size", "hidden_size_per_layer_input",
+                          "vocab_size_per_layer_input", "attention_k_eq_v"})
 _MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemma4ForConditionalGeneration}
 
 
@@ -132,8 +150,25 @@ class HFModule(L.LightningModule):
         # silently and would put text fields on a multimodal config's top level).
         text = text_config(cfg)
         check_overrides(overrides, config_fields(text), type(text).__name__)
+        if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+            # the checkpoint's pattern, cut (the usual case: its first N layers) or repeated to the new depth
+            types = list(getattr(text, "layer_types", None) or [])
+            n = overrides["num_hidden_layers"]
+            if types and isinstance(n, int) and n > 0:
+                text.layer_types = [types[i % len(types)] for i in range(n)]
         for key, value in overrides.items():
-            setattr(text, key, value)
+            if key in SHAPE_FIELDS and value != getattr(text, key, value):
+                raise ConfigError(f"model.config_overrides.{key}", value, f"changes the shape of weights the "
+                                  f"checkpoint holds ({key}={getattr(text, key)} in {hp.pretrained})")
+            try:
+                setattr(text, key, value)
+            except CONFIG_VALUE_ERRORS as err:
+                raise ConfigError(f"model.config_overrides.{key}", value, config_error_text(err)) from err
+        try:
+            text.validate()
+        except CONFIG_VALUE_ERRORS as err:
+            raise ConfigError("model.config_overrides", overrides, config_error_text(err)) from err
+        check_experts(text)
         return cfg
 
     def _check_checkpoint(self, cfg: PretrainedConfig, local: Path) -> None:

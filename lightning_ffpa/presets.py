@@ -13,6 +13,7 @@ from typing import Any
 
 from transformers import Gemma4TextConfig, PretrainedConfig
 
+from lightning_ffpa._compat.transformers import CONFIG_VALUE_ERRORS, config_error_text
 from lightning_ffpa.errors import ConfigError
 
 # Real shapes, from the public Gemma4 config.json files (random weights are used for benchmarks).
@@ -118,4 +119,17 @@ def build_text_config(preset: str = "tiny", **overrides: Any) -> Gemma4TextConfi
     kwargs.update(overrides)
     if "num_hidden_layers" in overrides and "layer_types" not in overrides and "layer_types" in kwargs:
         del kwargs["layer_types"]  # let Gemma4 derive the 5:1 pattern for the new depth
-    return Gemma4TextConfig(**kwargs)
+    try:
+        config = Gemma4TextConfig(**kwargs)
+    except CONFIG_VALUE_ERRORS as err:
+        raise ConfigError("model.config_overrides", overrides, config_error_text(err)) from err
+    check_experts(config)
+    return config
+
+
+def check_experts(config: Any, option: str = "model.config_overrides") -> None:
+    """A MoE config must route each token to at most all of its experts (else the first forward fails)."""
+    experts, top_k = getattr(config, "num_experts", None), getattr(config, "top_k_experts", None)
+    if getattr(config, "enable_moe_block", False) and experts is not None and top_k is not None:
+        if not 1 <= top_k <= experts:
+            raise ConfigError(f"{option}.top_k_experts", top_k, f"must be between 1 and num_experts={experts}")

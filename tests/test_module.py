@@ -238,3 +238,23 @@ def test_liger_loss_without_liger_kernel_is_refused_at_construction(monkeypatch)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a))
     with pytest.raises(ConfigError, match=r"^`model\.loss_impl='liger'`: needs liger-kernel"):
         Gemma4LM(preset="tiny", loss_impl="liger")
+
+
+@pytest.mark.parametrize("overrides, option, message", [
+    ({"num_hidden_layers": "two"}, "model.config_overrides", "expected int"),
+    ({"num_hidden_layers": -1}, "model.config_overrides", "validate_architecture"),
+    ({"top_k_experts": 8}, "model.config_overrides.top_k_experts", "between 1 and num_experts=4"),
+])
+def test_bad_override_values_are_one_error_before_any_model(overrides, option, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        Gemma4LM(preset="tiny-moe", config_overrides=overrides)
+    assert err.value.option == option
+
+
+def test_pretrained_refuses_overrides_that_reshape_its_weights(tmp_path):
+    Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"^`model\.config_overrides\.hidden_size=32`: changes the shape"):
+        Gemma4LM(pretrained=str(tmp_path), config_overrides={"hidden_size": 32})
+    with pytest.raises(ConfigError, match=r"^`model\.config_overrides\.num_hidden_layers='two'`"):
+        Gemma4LM(pretrained=str(tmp_path), config_overrides={"num_hidden_layers": "two"})
+    assert Gemma4LM(pretrained=str(tmp_path), config_overrides={"hidden_size": 64}).config.hidden_size == 64

@@ -22,6 +22,8 @@ from transformers.masking_utils import AttentionMaskInterface, prepare_padding_m
 from transformers.modeling_flash_attention_utils import _pad_input, _unpad_input, _upad_input
 
 __all__ = [
+    "CONFIG_VALUE_ERRORS",
+    "config_error_text",
     "MIN_TRANSFORMERS",
     "PACKED_KWARGS",
     "attention_names",
@@ -44,6 +46,17 @@ __all__ = [
     "text_config",
     "unpad",
 ]
+
+try:  # strict-dataclass configs (transformers 5 on huggingface_hub 1.x) raise these for a bad field value
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # pragma: no cover - older huggingface_hub: configs raise plain errors
+    StrictDataclassError = ValueError
+CONFIG_VALUE_ERRORS = (TypeError, ValueError, StrictDataclassError)
+
+
+def config_error_text(err: BaseException) -> str:
+    """One line from a config validation error (huggingface_hub puts the reason on the lines after the first)."""
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
 
 MIN_TRANSFORMERS = "5.13"  # SDPA GQA fix for head_dim > 256 (transformers PR #46960)
 

@@ -176,7 +176,10 @@ def check_data_fits_model(model: Any, datamodule: Any) -> None:
         return
     text = text_config(config)
     if data_vocab > text.vocab_size:
-        raise ValueError(f"`data.vocab_size={data_vocab}` exceeds the model's vocab_size={text.vocab_size}; "
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        source = (f"`data.tokenizer` ({data_vocab} tokens)" if tokenizer is not None
+                  else f"`data.vocab_size={data_vocab}`")
+        raise ValueError(f"{source} exceeds the model's vocab_size={text.vocab_size}; "
                          "token ids would index past the embedding")
 
 

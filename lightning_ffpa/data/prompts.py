@@ -117,6 +117,8 @@ class PromptDataModule(SeededDataModule):
         self.prompt_field, self.messages_field, self.chat_template = prompt_field, messages_field, chat_template
         self.num_random_prompts, self.prompt_len, self.vocab_size = num_random_prompts, prompt_len, vocab_size
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
+        if self.tokenizer is not None and source is not None:
+            self.vocab_size = len(self.tokenizer)  # the ids the prompts can hold (checked against the model)
         self.dataset_rows: PromptDataset | None = None
 
     def _option_and_source(self) -> tuple[str, str]:

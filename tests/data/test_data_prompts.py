@@ -110,3 +110,17 @@ def test_setup_errors_name_the_option(write, offline):
     dm = PromptDataModule(dataset="no-such-org/no-such-prompts", tokenizer="byte")
     with pytest.raises(ConfigError, match=r"`data\.init_args\.dataset='no-such-org/no-such-prompts'`: "):
         dm.setup()
+
+
+def test_prompt_vocab_is_the_tokenizers_and_is_checked_against_the_model(write, hf_tokenizer_dir):
+    """A tokenizer larger than the model failed mid-rollout with an IndexError; now before any model is built."""
+    from transformers import AutoTokenizer
+
+    from lightning_ffpa.module import Gemma4LM
+    from lightning_ffpa.validation import check_data_fits_model
+
+    dm = PromptDataModule(path=write("p.jsonl", PROMPTS), tokenizer=hf_tokenizer_dir, batch_size=2)
+    size = len(AutoTokenizer.from_pretrained(hf_tokenizer_dir))
+    assert dm.vocab_size == size
+    with pytest.raises(ValueError, match=rf"^`data.tokenizer` \({size} tokens\) exceeds the model's vocab_size=3"):
+        check_data_fits_model(Gemma4LM(preset="tiny", config_overrides={"vocab_size": 3}), dm)

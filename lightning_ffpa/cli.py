@@ -194,10 +194,21 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         self._ready()
 
     def before_test(self) -> None:  # noqa: D102
+        self._require_loader("test_dataloader")
         self._ready()
 
     def before_predict(self) -> None:  # noqa: D102
+        self._require_loader("predict_dataloader")
         self._ready()
+
+    def _require_loader(self, hook: str) -> None:
+        """Refuse a subcommand whose data is missing before the model is built or sharded."""
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        if not any(owner is not None and is_overridden(hook, owner) for owner in (self.datamodule, self.model)):
+            data = type(self.datamodule).__name__ if self.datamodule is not None else "no datamodule"
+            raise InputError(f"`data` ({data}) has no `{hook}`, so `{self.subcommand}` has nothing to run on; "
+                             "for held-out loss and perplexity use `lightning-ffpa validate`")
 
 
 def build(args: list[str] | None = None, *, run: bool = True, on_ready: Callable[[L.Trainer], None] | None = None,

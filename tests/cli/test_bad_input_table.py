@@ -62,6 +62,8 @@ ROWS = [
     (f"{F} --model.init_args.loss_chunk_size 0", "model.loss_chunk_size"),
     (f"{F} --model.init_args.lora '{{r: 0}}'", "model.lora.r"),
     (f"{F} --model.init_args.config_overrides '{{num_hidden_layerz: 2}}'", "num_hidden_layerz"),
+    (f"{F} --model.init_args.config_overrides '{{num_hidden_layers: two}}'", "model.config_overrides"),
+    ("lightning-ffpa test --config fit.yaml", "test_dataloader"),
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.replicate_frozen often",
      "replicate_frozen"),
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.context_parallel_size 0",

@@ -38,7 +38,7 @@ from lightning_ffpa.errors import (
     release_stderr,
 )
 from lightning_ffpa.parallel import close_process_group
-from lightning_ffpa.validation import PreflightCLIMixin
+from lightning_ffpa.validation import PreflightCLIMixin, check_strategy_loads
 
 COMMANDS = ("recipes", "cp")  # handled before LightningCLI, which owns fit/validate/test/predict
 DESCRIPTION = ("Train Hugging Face Gemma4 with Lightning from YAML configs. `--config` takes a file or a "
@@ -191,15 +191,22 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         print("; ".join(parts), flush=True)
 
     def before_validate(self) -> None:  # noqa: D102
+        self._check_ckpt_loads()
         self._ready()
 
     def before_test(self) -> None:  # noqa: D102
         self._require_loader("test_dataloader")
+        self._check_ckpt_loads()
         self._ready()
 
     def before_predict(self) -> None:  # noqa: D102
         self._require_loader("predict_dataloader")
+        self._check_ckpt_loads()
         self._ready()
+
+    def _check_ckpt_loads(self) -> None:
+        with _as_user_errors():
+            check_strategy_loads(self.trainer, self.config_init[self.subcommand].get("ckpt_path"))
 
     def _require_loader(self, hook: str) -> None:
         """Refuse a subcommand whose data is missing before the model is built or sharded."""

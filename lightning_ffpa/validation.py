@@ -261,9 +261,21 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
         if ckpt_path == "last":
             check_no_dangling_last(trainer)
         return None
+    check_strategy_loads(trainer, resolved)
     state = check_checkpoint(resolved, "ckpt_path")
     check_hparams_match(state.get("hyper_parameters"), model, "ckpt_path")
     return str(resolved)
+
+
+def check_strategy_loads(trainer: Any, ckpt_path: str | os.PathLike | None) -> None:
+    """A distributed (DCP) checkpoint folder loads only through a sharding strategy (else: "Is a directory")."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if ckpt_path and Path(ckpt_path).is_dir() and not isinstance(trainer.strategy, (ModelParallelStrategy,
+                                                                                     FSDPStrategy)):
+        raise CheckpointError(f"`ckpt_path={str(ckpt_path)!r}` is a distributed checkpoint folder, which "
+                              f"{type(trainer.strategy).__name__} cannot load: run with `--trainer.strategy "
+                              "lightning_ffpa.parallel.FSDP2Strategy`, or make one file of it with lightning-ffpa-export")
 
 
 class PreflightCLIMixin:

@@ -153,3 +153,22 @@ def test_dangling_last_link_is_refused_by_name(tmp_path):
     trainer = type("T", (), {"checkpoint_callbacks": [ModelCheckpoint(dirpath=folder)]})()
     with pytest.raises(CheckpointError, match=r"last.ckpt points to 'epoch=0-step=3.ckpt'.*epoch=0-step=2.ckpt"):
         check_no_dangling_last(trainer)
+
+
+def test_a_dcp_folder_needs_a_sharding_strategy(tmp_path):
+    """validate/test/predict/fit with a DCP folder under a single-device strategy failed with "Is a directory"."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from lightning_ffpa.errors import CheckpointError
+    from lightning_ffpa.parallel import FSDP2Strategy
+    from lightning_ffpa.validation import check_strategy_loads
+
+    folder = tmp_path / "step=2.ckpt"
+    folder.mkdir()
+    single = SimpleNamespace(strategy=SingleDeviceStrategy("cpu"))
+    with pytest.raises(CheckpointError, match=r"is a distributed checkpoint folder, which SingleDeviceStrategy"):
+        check_strategy_loads(single, folder)
+    check_strategy_loads(SimpleNamespace(strategy=FSDP2Strategy()), folder)
+    check_strategy_loads(single, None)

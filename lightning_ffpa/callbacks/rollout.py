@@ -96,7 +96,8 @@ class RolloutCallback(L.Callback):
                               "must be >= 2: advantages are normalised within each group")
         self.engine_config.check(f"{OPTION}.engine")
         self.sampling.check(f"{OPTION}.sampling")
-        self.check_lengths(1)  # the shortest possible prompt; the real one is checked at setup and per batch
+        # the shortest possible prompt; the real one is checked at setup and per batch
+        self.check_lengths(1, " (even a 1-token prompt; the data's are checked at setup)")
         for tok in eos_token_ids or ():
             if tok < 0:
                 raise ConfigError(f"{OPTION}.eos_token_ids", eos_token_ids, "token ids must be >= 0")

@@ -38,7 +38,10 @@ class ConfigError(ValueError):
 
     def __init__(self, option: str, value: Any, reason: str) -> None:
         self.option, self.value, self.reason = option, value, reason
-        super().__init__(f"`{option}={value!r}`: {reason}")
+        super().__init__(f"`{option}`: {reason}" if value is NOT_GIVEN else f"`{option}={value!r}`: {reason}")
+
+
+NOT_GIVEN = object()  # a ConfigError whose value the error does not carry (a key of a config file)
 
 
 class CheckpointError(ValueError):
@@ -220,7 +223,7 @@ def _nested_arg(text: str) -> tuple[str, str] | None:
 
 def _given_value(err: BaseException) -> Any:
     nested = _nested_arg(str(err))
-    return nested[1] if nested else None
+    return nested[1] if nested else NOT_GIVEN
 
 
 def describe_constructor_error(err: BaseException) -> BaseException | None:

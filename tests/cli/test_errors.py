@@ -5,11 +5,14 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
 from lightning_ffpa import cli
 from lightning_ffpa.errors import DEBUG_ENV, ConfigError, InputError, console_entry, describe_parse_error
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _raises(exc):
@@ -86,6 +89,14 @@ def test_parse_errors_fold_to_the_option_value_and_reason(args, line):
         cli.build(["fit", "--config", "tiny", *args])
     assert str(info.value).startswith(line) and "\n" not in str(info.value)
     assert "Namespace(" not in str(info.value) and "Union" not in str(info.value)
+
+
+def test_a_misspelled_key_of_a_config_file_is_named_without_a_made_up_value(tmp_path):
+    text = (ROOT / "configs" / "tiny.yaml").read_text().replace("    learning_rate:", "    learning_rat:")
+    (tmp_path / "t.yaml").write_text(text)
+    with pytest.raises(ConfigError) as info:
+        cli.build(["fit", "--config", str(tmp_path / "t.yaml")])
+    assert str(info.value) == "`model.init_args.learning_rat`: is not an argument of Gemma4LM"
 
 
 def test_constructor_errors_arrive_unwrapped():

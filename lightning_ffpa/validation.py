@@ -27,7 +27,7 @@ from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa._compat.transformers import from_config, text_config
 from lightning_ffpa.checkpoint.paths import root_checkpoint_dirs
-from lightning_ffpa.errors import CheckpointError
+from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.hf_module import ARCHITECTURE_HPARAMS, check_hparams_match  # noqa: F401 - re-exported
 
 # LightningCLI option: take the model options from an explicit checkpoint file even where they differ.
@@ -183,6 +183,14 @@ def check_data_fits_model(model: Any, datamodule: Any) -> None:
                          "token ids would index past the embedding")
 
 
+def check_attention_trains_here(trainer: Any, model: Any) -> None:
+    """torch's FlexAttention has no CPU backward: a CPU fit with it would fail at the first backward."""
+    hparams = getattr(model, "hparams", None) or {}
+    if hparams.get("attn_implementation") == "flex_attention" and trainer.strategy.root_device.type == "cpu":
+        raise ConfigError("model.attn_implementation", "flex_attention", "cannot train on CPU (torch's "
+                          "FlexAttention has no CPU backward); use 'sdpa', 'eager' or 'ffpa'")
+
+
 def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> None:
     """Mesh sizes vs world size, sequence length vs CP, and the direct ffpa backend vs CP and packing.
 
@@ -255,6 +263,7 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
     check_parallel_layout(trainer, model, datamodule)
     check_components(trainer, model, datamodule)
     check_data_fits_model(model, datamodule)
+    check_attention_trains_here(trainer, model)
     check_lora_targets(model)
     resolved = lightning_compat.resolve_ckpt_path(trainer, ckpt_path)
     if resolved is None:

@@ -36,6 +36,7 @@ ROWS = [
     (f"{F} --model.class_path no.such.Module", "model.class_path"),
     (f"{F} --trainer.callbacks+=no.such.Callback", "trainer.callbacks"),
     (f"{F} --model.init_args.attn_implementation flash9", "attn_implementation"),
+    (f"{F} --model.init_args.attn_implementation flex_attention", "model.attn_implementation"),  # CPU
     (f"{F} --model.init_args.loss_impl fast", "model.init_args.loss_impl"),
     (f"{F} --model.init_args.dtype fp8", "model.init_args.dtype"),
     (f"{F} --model.init_args.preset gemma4-999b", "preset"),

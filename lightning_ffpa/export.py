@@ -113,22 +113,31 @@ class _Plan:
 
     base: dict[str, list[str]]
     adapter: dict[str, str]  # PEFT adapter name -> Lightning name
+    untie: bool = False  # a tied model whose head training made its own: written as its own tensor
+
+
+_HEAD = "lm_head.weight"
 
 
 def _plan(names: list[str], tied: bool, merge: bool) -> _Plan:
     base: dict[str, list[str]] = {}
     adapter: dict[str, str] = {}
     loras: dict[str, dict[str, str]] = {}
+    saved_whole = []  # `modules_to_save` copies: trained whole, beside the LoRA
     for name in names:
         if not name.startswith(MODULE_PREFIX):
             continue  # metrics or other module state, not model weights
         inner = name[len(MODULE_PREFIX):]
-        if "modules_to_save" in inner or "original_module" in inner:
-            raise CheckpointError(f"cannot export {inner}: the run trained whole modules beside its LoRA "
-                                  "(`model.lora.modules_to_save`), which export does not write yet")
         if "lora_embedding" in inner or "lora_magnitude" in inner:
             raise CheckpointError(f"cannot export {inner}: export writes LoRA on Linear layers only (not DoRA, "
                                   "not LoRA on the embedding)")
+        if ".original_module." in inner:
+            continue  # the frozen original of a `modules_to_save` module: its trained copy is what ran
+        if ".modules_to_save." in inner:
+            if not merge:
+                raise CheckpointError(f"cannot export {inner} as an adapter: the run trained whole modules beside "
+                                      "its LoRA (`model.lora.modules_to_save`); export it with --merge_lora")
+            saved_whole.append(hf_name(inner))
         if inner.startswith(PEFT_PREFIX):
             match = _LORA.match(inner)
             if match:
@@ -140,13 +149,16 @@ def _plan(names: list[str], tied: bool, merge: bool) -> _Plan:
         elif "lora_" in inner:
             raise ValueError(f"unexpected LoRA tensor outside a PEFT model: {name}")
         base[inner] = [name]
-    if tied:
-        base.pop("lm_head.weight", None)  # tied to embed_tokens; from_pretrained re-ties it
+    # A tied head stays tied unless training gave it (or the embedding) weights of its own.
+    untie = tied and merge and (any(n in (_HEAD, "model.embed_tokens.weight") for n in saved_whole)
+                                or "lm_head" in loras)
+    if tied and not untie:
+        base.pop(_HEAD, None)  # tied to embed_tokens; from_pretrained re-ties it
     if merge:
         for module, ab in loras.items():
             base[f"{module}.weight"] += [ab["A"], ab["B"]]
         adapter = {}
-    return _Plan(base, adapter)
+    return _Plan(base, adapter, untie)
 
 
 def _split(names: dict[str, tuple[tuple[int, ...], torch.dtype]], max_shard_size: str | int, option: str):
@@ -209,9 +221,11 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     text = text_config(config)
     lora = hparams.get("lora")
     tied = bool(getattr(text, "tie_word_embeddings", False))
-    plan = _plan(sorted(source.specs), tied=tied, merge=merge_lora)
     if merge_lora and not lora:
         raise ConfigError("--merge_lora", True, "the checkpoint was not trained with `model.lora`")
+    plan = _plan(sorted(source.specs), tied=tied, merge=merge_lora)
+    if plan.untie:
+        tied = text.tie_word_embeddings = config.tie_word_embeddings = False
     check_config_matches(config, hparams, {hf: source.specs[src[0]][0] for hf, src in plan.base.items()}, tied,
                          *(("--config", config_dir) if config_dir else ("ckpt", str(ckpt))))
     scaling = _lora_scaling(lora) if lora else 1.0

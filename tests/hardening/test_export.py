@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -74,6 +75,25 @@ def test_ckpt_export_loads_with_from_pretrained_and_matches_logits(trained, tmp_
     assert result.shards == ["model.safetensors"]
     assert torch.equal(hf(input_ids=ids).logits, lm.model(input_ids=ids).logits)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Gemma4ForCausalLM"]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("lora", [
+    {**LORA, "modules_to_save": ["lm_head"]},
+    {**LORA, "modules_to_save": ["embed_tokens"]},
+    {**LORA, "target_modules": [*LORA["target_modules"], "lm_head"]},
+], ids=["save_head", "save_embedding", "lora_head"])
+def test_merged_export_of_a_tied_model_whose_head_training_changed(tmp_path, lora):
+    """The tiny model ties its head to the embedding; these runs trained one apart from the other, so the
+    merged export writes both and unties them in config.json."""
+    lm, ckpt = _train(tmp_path, lora=lora)
+    export(ckpt, tmp_path / "merged", merge_lora=True)
+    hf = Gemma4ForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert hf.lm_head.weight is not hf.model.embed_tokens.weight
+    ids = _ids()
+    torch.testing.assert_close(hf(input_ids=ids).logits, lm.model(input_ids=ids).logits, rtol=0, atol=1e-4)
+    with pytest.raises(CheckpointError, match="--merge_lora") if "modules_to_save" in lora else nullcontext():
+        export(ckpt, tmp_path / "adapter")
 
 
 @pytest.mark.parametrize("name, match", [

@@ -109,8 +109,10 @@ class SeededDataModule(pl.LightningDataModule):
         return {
             "seed": self.seed,
             "epoch": epoch,
-            "samples_done": self._batches_done() * self.batch_size,  # per rank, so batch size may change
+            "samples_done": self._batches_done() * self.batch_size,  # per rank
             "num_replicas": self._replicas()["num_replicas"],
+            "batch_size": self.batch_size,
+            "epoch_samples": len(self._train_sampler) if self._train_sampler is not None else None,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -130,6 +132,12 @@ class SeededDataModule(pl.LightningDataModule):
                 f"{self._replicas()['num_replicas']}: the rest of that epoch cannot be re-sharded; "
                 "resume on the same data-parallel size or from an epoch-end checkpoint"
             )
+        saved_batch, epoch_samples = state_dict.get("batch_size"), state_dict.get("epoch_samples")
+        mid_epoch = samples_done and (epoch_samples is None or samples_done < epoch_samples)
+        if saved_batch is not None and saved_batch != self.batch_size and mid_epoch:
+            # Lightning resumes the epoch by its count of batches, in the new size: samples would be lost or repeated
+            raise ConfigError(option("batch_size"), self.batch_size, f"the checkpoint stopped mid-epoch with "
+                              f"batch_size {saved_batch}; resume with that batch size, or from an epoch-end checkpoint")
         loops = loaded_loops_state(self.trainer) if self.trainer is not None else None
         if loops is not None:
             continue_after_fit_end(loops)  # Lightning restores its loops from this dict right after

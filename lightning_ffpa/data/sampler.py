@@ -22,7 +22,11 @@ class ResumableSampler(DistributedSampler):
         self._skip: tuple[int, int] | None = None  # (epoch, samples of this rank already trained on)
 
     def skip_once(self, epoch: int, num_samples: int) -> None:
-        """Make the next pass over `epoch` drop its first `num_samples` indices (a resumed mid-epoch run)."""
+        """Make the next pass over `epoch` drop its first `num_samples` indices (a resumed mid-epoch run).
+
+        Also moves the sampler to `epoch`: Lightning starts the loader's iterator before its own `set_epoch`,
+        and with worker processes that iterator draws its indices right away (from epoch 0's order)."""
+        self.set_epoch(epoch)
         self._skip = (epoch, num_samples)
 
     def __iter__(self) -> Iterator[int]:

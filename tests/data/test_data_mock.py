@@ -56,7 +56,8 @@ def test_mock_state_dict_refuses_other_seed():
     dm = MockDataModule(seed=1)
     dm.train_dataloader().sampler.set_epoch(2)
     state = dm.state_dict()
-    assert state == {"seed": 1, "epoch": 2, "samples_done": 0, "num_replicas": 1}
+    assert state == {"seed": 1, "epoch": 2, "samples_done": 0, "num_replicas": 1, "batch_size": 8,
+                     "epoch_samples": len(dm.train_dataloader().sampler)}
     MockDataModule(seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match=r"`data\.init_args\.seed=2`: the checkpoint was written with seed 1"):
         MockDataModule(seed=2).load_state_dict(state)
@@ -70,10 +71,12 @@ def test_resumable_sampler_skips_once_and_only_its_epoch():
     sampler = ResumableSampler(list(range(10)), num_replicas=1, rank=0, seed=0)
     sampler.set_epoch(3)
     order = list(sampler)
-    sampler.skip_once(epoch=3, num_samples=4)
+    sampler.set_epoch(0)
+    sampler.skip_once(epoch=3, num_samples=4)  # moves to epoch 3: workers may draw before Lightning's set_epoch
     assert list(sampler) == order[4:]
     assert list(sampler) == order  # one-shot
     sampler.skip_once(epoch=2, num_samples=4)
+    sampler.set_epoch(3)  # the checkpoint's epoch had ended: Lightning moves on
     assert list(sampler) == order  # a skip for another epoch is dropped
 
 

@@ -60,7 +60,8 @@ def test_resume_sees_the_same_order(tmp_path):
     ckpt = str(tmp_path / "epoch0.ckpt")
     trainer.save_checkpoint(ckpt)
     state = torch.load(ckpt, weights_only=False)["MockDataModule"]
-    assert state == {"seed": 0, "epoch": 0, "samples_done": 24, "num_replicas": 1}
+    assert state == {"seed": 0, "epoch": 0, "samples_done": 24, "num_replicas": 1, "batch_size": 4,
+                     "epoch_samples": 24}
     resumed, _ = _fit(_mock(), 2, tmp_path / "c", ckpt_path=ckpt)
     assert [s for e, s in resumed] == epoch1
 
@@ -78,10 +79,24 @@ def test_mid_epoch_resume_continues_with_the_next_batch(tmp_path):
     resumed, _ = _fit(_mock(), 2, tmp_path / "c", ckpt_path=ckpt)
     assert resumed == full[4:]  # the two unseen batches of epoch 0, then all of epoch 1, nothing replayed
 
-    # a different batch size resumes at the same sample: 16 seen of epoch 0's 24 leaves one batch of 8
+    # Lightning resumes the epoch by its count of batches, which a new batch size changes: refused by name
     bigger = MockDataModule(vocab_size=1000, seq_length=8, num_samples=24, batch_size=8, seed=0)
-    resumed, _ = _fit(bigger, 1, tmp_path / "d", ckpt_path=ckpt)
-    assert [s for _, s in resumed] == [full[4][1] + full[5][1]]
+    with pytest.raises(ConfigError, match=r"^`data\.init_args\.batch_size=8`: the checkpoint stopped mid-epoch"):
+        _fit(bigger, 1, tmp_path / "d", ckpt_path=ckpt)
+
+
+@pytest.mark.timeout(180)
+def test_mid_epoch_resume_in_a_later_epoch_with_workers(tmp_path):
+    """With worker processes the loader draws its indices before Lightning's `set_epoch`: the resumed epoch
+    replayed epoch 0's order and dropped the skip."""
+    def mock():
+        return MockDataModule(vocab_size=1000, seq_length=8, num_samples=24, batch_size=4, seed=0, num_workers=2)
+
+    full, _ = _fit(mock(), 2, tmp_path / "a")
+    every2 = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1)
+    _fit(mock(), 2, tmp_path / "b", max_steps=9, callbacks=[every2])
+    resumed, _ = _fit(mock(), 2, tmp_path / "c", ckpt_path=str(tmp_path / "ckpts" / "epoch=1-step=8.ckpt"))
+    assert resumed == full[8:]
 
 
 @pytest.mark.timeout(120)
@@ -132,7 +147,7 @@ def test_extending_a_finished_run_continues_its_epoch(tmp_path, save_at):
     extended.save_checkpoint(tmp_path / "b.ckpt")
     a, b = (torch.load(tmp_path / f"{n}.ckpt", weights_only=False) for n in "ab")
     assert a["MockDataModule"] == b["MockDataModule"] == {
-        "seed": 0, "epoch": 1, "samples_done": 16, "num_replicas": 1}
+        "seed": 0, "epoch": 1, "samples_done": 16, "num_replicas": 1, "batch_size": 4, "epoch_samples": 40}
     assert a["loops"]["fit_loop"]["epoch_progress"] == b["loops"]["fit_loop"]["epoch_progress"]
 
 

@@ -36,7 +36,8 @@ class PromptDataset(Dataset):
 
 def collate_prompts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Column lists, kept as Python lists (the Callback turns them into tensors after generation)."""
-    return {k: [r[k] for r in rows] for k in rows[0]}
+    keys = dict.fromkeys(k for r in rows for k in r)  # every row's fields, in first-seen order
+    return {k: [r.get(k) for r in rows] for k in keys}
 
 
 def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], chat_template: bool) -> tuple[str, list[int]]:
@@ -140,6 +141,10 @@ class PromptDataModule(SeededDataModule):
             rows.append({**extra, "prompt": text, "prompt_ids": ids})
         if not rows:
             raise ConfigError(opt, source, "holds no prompts (the file or split is empty)")
+        fields = dict.fromkeys(k for row in rows for k in row)
+        for row in rows:  # a field some rows lack reaches the reward functions as None, in every batch
+            for key in fields:
+                row.setdefault(key, None)
         templated = self.chat_template and bool(getattr(self.tokenizer, "chat_template", None))
         rank_zero_info(
             f"PromptDataModule: {len(rows)} prompts from `{opt}`; "

@@ -124,3 +124,12 @@ def test_prompt_vocab_is_the_tokenizers_and_is_checked_against_the_model(write, 
     assert dm.vocab_size == size
     with pytest.raises(ValueError, match=rf"^`data.tokenizer` \({size} tokens\) exceeds the model's vocab_size=3"):
         check_data_fits_model(Gemma4LM(preset="tiny", config_overrides={"vocab_size": 3}), dm)
+
+
+def test_a_field_some_rows_lack_reaches_the_rewards_as_none(write, hf_tokenizer_dir):
+    rows = [{"prompt": "a", "answer": "x"}, {"prompt": "b"}, {"prompt": "c", "hint": 3}]
+    dm = PromptDataModule(path=write("ragged.jsonl", rows), tokenizer=hf_tokenizer_dir, batch_size=3)
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    pairs = set(zip(batch["answer"], batch["hint"]))
+    assert pairs == {("x", None), (None, None), (None, 3)}

@@ -39,6 +39,7 @@ class TokenizeStats:
     num_records: int = 0
     num_split: int = 0  # documents longer than max_seq_length, cut into windows
     num_dropped_unlabelled: int = 0  # windows with no token to learn from
+    num_dropped_empty: int = 0  # texts with nothing but whitespace (they would train on bos -> eos alone)
     num_chat_generation_masked: int = 0  # chats labelled on the template's {% generation %} tokens
     num_chat_prefix_masked: int = 0  # chats labelled on the tokens each assistant message added
     num_chat_unmasked: int = 0  # chats whose template is not prefix-stable: all tokens labelled
@@ -60,6 +61,9 @@ def tokenize_records(
     docs: list[Document] = []
     masked = has_generation_marks(tokenizer)
     for rec in records:
+        if isinstance(rec, str) and not rec.strip():
+            stats.num_dropped_empty += 1
+            continue
         if isinstance(rec, str):
             doc = _tokenize_text(rec, tokenizer)
         elif masked:

@@ -168,9 +168,11 @@ class TextDataModule(SeededDataModule):
         self._report_chat_labels(opt, stats)
         if not docs:
             raise ConfigError(
-                opt, source, f"has no document with a token to learn from "
-                f"({stats.num_dropped_unlabelled} dropped: too short or no assistant turn)"
+                opt, source, f"has no document with a token to learn from ({stats.num_dropped_empty} empty, "
+                f"{stats.num_dropped_unlabelled} too short or without an assistant turn)"
             )
+        if stats.num_dropped_empty:
+            rank_zero_info(f"`{opt}`: {stats.num_dropped_empty} of {stats.num_records} texts are empty and not trained on")
         return docs
 
     def _report_chat_labels(self, opt: str, stats: TokenizeStats) -> None:

@@ -149,6 +149,7 @@ def test_bad_options_fail_at_construction(kwargs, error, pattern):
         ("msgs.jsonl", '{"messages": [{"role": "user"}]}\n', r"line 1: `messages` must be"),
         ("data.csv", "a,b\n", r"must end in one of \.txt, \.jsonl, \.json, \.parquet, \.arrow, not '\.csv'"),
         ("users.jsonl", '{"messages": [{"role": "user", "content": "hi"}]}\n', r"no document with a token"),
+        ("empties.jsonl", '{"text": ""}\n{"text": "  "}\n', r"no document with a token to learn from \(2 empty"),
     ],
 )
 def test_empty_or_malformed_data_names_file(write, name, content, pattern):
@@ -160,3 +161,11 @@ def test_split_leaving_no_train_document(write):
     dm = TextDataModule(train_file=write("one.txt", "only one"), val_fraction=0.5)
     with pytest.raises(ConfigError, match=r"`data\.init_args\.val_fraction=0\.5`: leaves no training document"):
         dm.setup()
+
+
+def test_empty_texts_are_not_trained_on(write):
+    """An empty text would be a row of bos -> eos alone: dropped and counted."""
+    dm = TextDataModule(train_file=write("some.jsonl", [{"text": ""}, {"text": "kept text"}, {"text": " "}]),
+                        val_fraction=0.0, batch_size=1)
+    dm.setup()
+    assert len(dm._train) == 1 and dm.stats["data.init_args.train_file"]["num_dropped_empty"] == 2

@@ -8,10 +8,12 @@ tokenization (`documents.py`) or prompts (`prompts.py`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from lightning_ffpa.errors import ConfigError, one_line
@@ -52,14 +54,25 @@ def check_split(path: str | None, split: str, option: str) -> None:
 
 def read_text_documents(path: str, option: str) -> list[str]:
     """The documents of a .txt file: paragraphs separated by blank lines."""
-    with open(path, encoding="utf-8") as f:
+    with _utf8(path, option) as f:
         return [p.strip() for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
+
+
+@contextlib.contextmanager
+def _utf8(path: str, option: str) -> Iterator[Any]:
+    """`path` opened as UTF-8 text; a byte that is not UTF-8 is one error naming the option and the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            yield f
+    except UnicodeDecodeError as err:
+        raise ConfigError(option, path, f"is not UTF-8 text (it holds the byte {err.object[err.start]:#04x}); "
+                          "convert it, e.g. with iconv") from err
 
 
 def _read_jsonl(path: str, option: str) -> list[tuple[int, Row]]:
     """(line number, object) of every non-blank line."""
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with _utf8(path, option) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

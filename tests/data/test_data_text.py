@@ -169,3 +169,11 @@ def test_empty_texts_are_not_trained_on(write):
                         val_fraction=0.0, batch_size=1)
     dm.setup()
     assert len(dm._train) == 1 and dm.stats["data.init_args.train_file"]["num_dropped_empty"] == 2
+
+
+@pytest.mark.parametrize("name", ["latin1.txt", "latin1.jsonl"])
+def test_a_file_that_is_not_utf8_names_the_option_and_the_file(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(b'{"text": "caf\xe9"}\n' if name.endswith(".jsonl") else b"caf\xe9 au lait\n")
+    with pytest.raises(ConfigError, match=rf"^`data\.init_args\.train_file='.*{name}'`: is not UTF-8 text .*0xe9"):
+        TextDataModule(train_file=str(path), val_fraction=0.0).setup()

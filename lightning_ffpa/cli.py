@@ -185,7 +185,10 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
                      "job resumes from it with the same command)"]
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and (ckpt.last_model_path or ckpt.best_model_path):
-            parts.append(f"checkpoint {ckpt.last_model_path or ckpt.best_model_path}")
+            saved_at = lightning_compat.last_checkpoint_step(ckpt)
+            behind = (f" (step {saved_at}: the steps after it are not saved)"
+                      if saved_at is not None and saved_at < trainer.global_step else "")
+            parts.append(f"checkpoint {ckpt.last_model_path or ckpt.best_model_path}{behind}")
         if log_dir:
             parts.append(f"logs {log_dir}")
         print("; ".join(parts), flush=True)

@@ -20,6 +20,7 @@ __all__ = [
     "cluster_environment",
     "handler_before_trainer",
     "last_checkpoint_saved",
+    "last_checkpoint_step",
     "lightning_dcp_meta_filename",
     "loaded_checkpoint",
     "materialize_distributed_module",
@@ -152,6 +153,12 @@ def next_hpc_checkpoint(trainer: Any) -> str:
 def last_checkpoint_saved(checkpoint_callback: Any) -> str:
     """The file a ModelCheckpoint wrote last (its `last.ckpt` or not), or ""."""
     return getattr(checkpoint_callback, "_last_checkpoint_saved", "") or ""
+
+
+def last_checkpoint_step(checkpoint_callback: Any) -> int | None:
+    """The global step of a ModelCheckpoint's newest save in this run, or None if it saved nothing."""
+    step = getattr(checkpoint_callback, "_last_global_step_saved", None)
+    return step if isinstance(step, int) and step >= 0 else None
 
 
 def should_update_logs(trainer: Any) -> bool:

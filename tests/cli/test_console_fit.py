@@ -113,3 +113,15 @@ def test_one_process_fsdp2_fit_needs_no_port(tmp_path):
                     *shlex.split(TINY["tiny_fsdp2"])], tmp_path, timeout=240, env=busy)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("fit finished at step 2"), proc.stdout[-2000:]
+
+
+def test_closing_line_says_when_the_checkpoint_is_older_than_the_run(tmp_path):
+    """max_steps 10 with a save every 4 steps: `last` is step 8, and the line must not pass it off as step 10."""
+    config = tmp_path / "c.yaml"
+    config.write_text((ROOT / "configs" / "tiny.yaml").read_text().replace("every_n_train_steps: 100",
+                                                                          "every_n_train_steps: 4"))
+    out = run(f"lightning-ffpa fit --config {config} --trainer.max_steps 10 --trainer.default_root_dir "
+              f"{tmp_path / 'run'}", tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("fit finished at step 10; checkpoint ") and "(step 8: the steps after it are not saved)" in last

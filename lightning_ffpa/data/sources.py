@@ -104,7 +104,9 @@ def load_rows(source: str, option: str, config: str | None = None, split: str = 
             data = datasets.load_dataset(source, config, split=split)
     except Exception as e:  # one line naming the option; the cause stays chained for --debug
         what = f"split {split!r}" + (f" of config {config!r}" if config else "")
-        raise ConfigError(option, source, f"datasets.load_dataset could not load {what}: {one_line(e)}") from e
+        value = split if option.endswith("_split") else source  # the option named is the split's, or the source's
+        raise ConfigError(option, value, f"datasets.load_dataset could not load {what} of {source!r}: "
+                          f"{one_line(e)}") from e
     return data.to_list()
 
 

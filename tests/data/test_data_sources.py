@@ -79,9 +79,19 @@ def test_dataset_folder_with_train_and_test_splits(tmp_path, hf_tokenizer_dir):
 def test_unreachable_hub_dataset_is_one_config_error(offline):
     dm = TextDataModule(dataset="no-such-org/no-such-data", dataset_config="en", max_seq_length=64)
     with pytest.raises(ConfigError, match=r"^`data\.init_args\.dataset='no-such-org/no-such-data'`: "
-                       r"datasets\.load_dataset could not load split 'train' of config 'en': ") as info:
+                       r"datasets\.load_dataset could not load split 'train' of config 'en' of "
+                       r"'no-such-org/no-such-data': ") as info:
         dm.setup()
     assert "\n" not in str(info.value)
+
+
+def test_a_missing_val_split_names_the_split(write, tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join('{"text": "row %d"}\n' % i for i in range(4)))
+    dm = TextDataModule(dataset=str(folder), val_split="nosuch", max_seq_length=64, batch_size=1)
+    with pytest.raises(ConfigError, match=r"^`data\.init_args\.val_split='nosuch'`: .*could not load split 'nosuch'"):
+        dm.setup()
 
 
 @pytest.mark.parametrize(

@@ -85,10 +85,10 @@ def test_unreachable_hub_dataset_is_one_config_error(offline):
     assert "\n" not in str(info.value)
 
 
-def test_a_missing_val_split_names_the_split(write, tmp_path):
+def test_a_missing_val_split_names_the_split(tmp_path):
     folder = tmp_path / "data"
     folder.mkdir()
-    (folder / "train.jsonl").write_text("".join('{"text": "row %d"}\n' % i for i in range(4)))
+    (folder / "train.jsonl").write_text("".join(f'{{"text": "row {i}"}}\n' for i in range(4)))
     dm = TextDataModule(dataset=str(folder), val_split="nosuch", max_seq_length=64, batch_size=1)
     with pytest.raises(ConfigError, match=r"^`data\.init_args\.val_split='nosuch'`: .*could not load split 'nosuch'"):
         dm.setup()

@@ -216,11 +216,19 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
     if cp > 1 and seq is not None and seq % (2 * cp):
         raise ValueError(f"`data.max_seq_length={seq}` must be divisible by 2 x context_parallel_size = {2 * cp} "
                          "(each sequence is cut into 2·cp load-balanced chunks)")
+    pad = getattr(datamodule, "pad_to_multiple_of", None)
+    if cp > 1 and not getattr(datamodule, "pack", False) and isinstance(pad, int) and pad % (2 * cp):
+        raise ValueError(f"`data.pad_to_multiple_of={pad}` must be a multiple of 2 x context_parallel_size = "
+                         f"{2 * cp}: batches are padded to it, and each sequence is cut into 2·cp chunks")
     direct_ffpa = (getattr(model, "hparams", None) or {}).get("attn_implementation") == "ffpa"
     if direct_ffpa and cp > 1 and not _has_attention_callback(trainer):
         raise ValueError(f"`model.attn_implementation='ffpa'` is the direct backend, which cannot run with "
                          f"`context_parallel_size={cp}`; use attn_implementation=sdpa and add the "
                          "`lightning_ffpa.callbacks.FFPAAttention` callback (it installs the FFPA ring)")
+    if cp > 1 and not _has_attention_callback(trainer):
+        # each rank would attend only within its own chunks: a wrong model, with no error
+        raise ValueError(f"`context_parallel_size={cp}` needs the `lightning_ffpa.callbacks.FFPAAttention` "
+                         "callback in trainer.callbacks: it installs the ring that attends across the ranks' chunks")
     if getattr(datamodule, "pack", False) and cp == 1:
         from lightning_ffpa.attention.documents import check_packing
 
@@ -284,7 +292,7 @@ def check_strategy_loads(trainer: Any, ckpt_path: str | os.PathLike | None) -> N
                                                                                      FSDPStrategy)):
         raise CheckpointError(f"`ckpt_path={str(ckpt_path)!r}` is a distributed checkpoint folder, which "
                               f"{type(trainer.strategy).__name__} cannot load: run with `--trainer.strategy "
-                              "lightning_ffpa.parallel.FSDP2Strategy`, or make one file of it with lightning-ffpa-export")
+                              "lightning_ffpa.parallel.FSDP2Strategy`")
 
 
 class PreflightCLIMixin:

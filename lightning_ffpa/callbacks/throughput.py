@@ -134,9 +134,12 @@ class TokenThroughput(ThroughputMonitor):
         """
         if count not in ("real", "padded"):
             raise ValueError(f"`count={count!r}` is not one of 'real', 'padded'")
-        length_fn = (lambda b: count_real_tokens(b, ignore_index)) if count == "real" else (
+        tokens = (lambda b: count_real_tokens(b, ignore_index)) if count == "real" else (
             lambda b: _batch_shape(b)[0] * _batch_shape(b)[1])
-        super().__init__(batch_size_fn=lambda b: _batch_shape(b)[0], length_fn=length_fn, window_size=window_size)
+        # Context-parallel peers share each sequence: a rank does 1/cp of the batch it is handed
+        super().__init__(batch_size_fn=lambda b: _batch_shape(b)[0] / self._cp,
+                         length_fn=lambda b: tokens(b) / self._cp, window_size=window_size)
+        self._cp = 1
         self.peak_flops = peak_flops
         self.log_attention_dispatch = log_attention_dispatch
         self._auto_flops = False
@@ -150,7 +153,9 @@ class TokenThroughput(ThroughputMonitor):
         for tp in self._throughputs.values():
             tp.available_flops = peak
         self._auto_flops = not hasattr(pl_module, "flops_per_batch")
-        from lightning_ffpa.callbacks.attention import FFPAAttention
+        from lightning_ffpa.callbacks.attention import FFPAAttention, context_parallel_size
+
+        self._cp = context_parallel_size(trainer, pl_module)
 
         if any(isinstance(cb, FFPAAttention) and cb.log_every_n_steps for cb in trainer.callbacks):
             self.log_attention_dispatch = False  # one writer per metric key
@@ -170,7 +175,7 @@ class TokenThroughput(ThroughputMonitor):
 
         model = find_hf_model(pl_module) or pl_module
         count = train_flops_per_batch if backward else forward_flops_per_batch
-        pl_module.flops_per_batch = count(model, *_batch_shape(batch))
+        pl_module.flops_per_batch = count(model, *_batch_shape(batch)) / self._cp
         try:
             yield
         finally:

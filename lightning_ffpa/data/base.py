@@ -126,14 +126,14 @@ class SeededDataModule(pl.LightningDataModule):
             )
         samples_done = int(state_dict.get("samples_done", 0))
         replicas = state_dict.get("num_replicas", 1)
-        if samples_done and replicas != self._replicas()["num_replicas"]:
+        saved_batch, epoch_samples = state_dict.get("batch_size"), state_dict.get("epoch_samples")
+        mid_epoch = samples_done and (epoch_samples is None or samples_done < epoch_samples)
+        if mid_epoch and replicas != self._replicas()["num_replicas"]:
             raise ValueError(
                 f"checkpoint stopped mid-epoch on {replicas} data-parallel ranks, this run has "
                 f"{self._replicas()['num_replicas']}: the rest of that epoch cannot be re-sharded; "
                 "resume on the same data-parallel size or from an epoch-end checkpoint"
             )
-        saved_batch, epoch_samples = state_dict.get("batch_size"), state_dict.get("epoch_samples")
-        mid_epoch = samples_done and (epoch_samples is None or samples_done < epoch_samples)
         if saved_batch is not None and saved_batch != self.batch_size and mid_epoch:
             # Lightning resumes the epoch by its count of batches, in the new size: samples would be lost or repeated
             raise ConfigError(option("batch_size"), self.batch_size, f"the checkpoint stopped mid-epoch with "

@@ -24,8 +24,13 @@ class ResumableSampler(DistributedSampler):
     def skip_once(self, epoch: int, num_samples: int) -> None:
         """Make the next pass over `epoch` drop its first `num_samples` indices (a resumed mid-epoch run).
 
-        Also moves the sampler to `epoch`: Lightning starts the loader's iterator before its own `set_epoch`,
-        and with worker processes that iterator draws its indices right away (from epoch 0's order)."""
+        Also moves the sampler to that epoch (to the next one when `epoch` was done): Lightning starts the
+        loader's iterator before its own `set_epoch`, and with worker processes that iterator draws its indices
+        right away."""
+        if num_samples >= len(self):  # the epoch was done: the next pass is the next epoch, whole
+            self.set_epoch(epoch + 1)
+            self._skip = None
+            return
         self.set_epoch(epoch)
         self._skip = (epoch, num_samples)
 

@@ -90,7 +90,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
     fsdp_mesh = flatten_mesh(mesh, FSDP_MESH_NAME) if mesh.ndim > 1 else mesh
     kwargs = dict(mesh=fsdp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinning needs CUDA
     if replicate_frozen:
         kwargs["ignored_params"] = frozen_params(model, kwargs["mp_policy"].param_dtype, cpu_offload)
     # Per-layer units: one all-gather per layer in forward and backward, and memory bounded by one layer.

@@ -55,3 +55,15 @@ def test_flops_of_a_wrapped_multimodal_moe_equal_its_text_model():
     parallelize(multimodal, None, activation_checkpointing="selective")
     assert text.top_k_experts < text.num_experts
     assert train_flops_per_batch(multimodal, 2, 32) == pytest.approx(train_flops_per_batch(causal, 2, 32))
+
+
+def test_a_context_parallel_rank_counts_its_share_of_the_batch():
+    """CP peers are handed the same full batch and each does 1/cp of it: counting it whole on every rank
+    multiplied samples, tokens and FLOPs by cp."""
+    from lightning_ffpa.callbacks.throughput import TokenThroughput
+
+    monitor = TokenThroughput()
+    batch = {"input_ids": torch.zeros(4, 16, dtype=torch.long), "labels": torch.zeros(4, 16, dtype=torch.long)}
+    whole = (monitor.batch_size_fn(batch), monitor.length_fn(batch))
+    monitor._cp = 2
+    assert (monitor.batch_size_fn(batch), monitor.length_fn(batch)) == (whole[0] / 2, whole[1] / 2) == (2, 32)

@@ -157,3 +157,16 @@ def test_a_run_that_stopped_at_its_epoch_end_starts_the_next_epoch(tmp_path):
     first, _, last = _fit_steps(6, tmp_path / "b", num_samples=24)
     rest, _, _ = _fit_steps(12, tmp_path / "b", ckpt_path=last, num_samples=24)
     assert first + rest == full and [e for e, _ in rest] == [1] * 6
+
+
+@pytest.mark.timeout(180)
+def test_epoch_end_resume_with_workers_trains_the_next_epoch_whole(tmp_path):
+    """The early worker iterator took the finished epoch's skip of every sample: the next epoch trained nothing."""
+    def mock():
+        return MockDataModule(vocab_size=1000, seq_length=8, num_samples=24, batch_size=4, seed=0, num_workers=2)
+
+    full, _ = _fit(mock(), 2, tmp_path / "a")
+    _, trainer = _fit(mock(), 1, tmp_path / "b")
+    trainer.save_checkpoint(tmp_path / "epoch0.ckpt")
+    resumed, _ = _fit(mock(), 2, tmp_path / "c", ckpt_path=str(tmp_path / "epoch0.ckpt"))
+    assert resumed == full[6:]

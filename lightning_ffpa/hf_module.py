@@ -37,7 +37,7 @@ from lightning_ffpa._compat.transformers import (  # noqa: F401 - text_config re
 )
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.errors import CheckpointError, ConfigError
-from lightning_ffpa.lora import apply_lora, lora_hparam, unwrap_peft
+from lightning_ffpa.lora import PEFT_LEVEL, apply_lora, lora_hparam, unwrap_peft
 from lightning_ffpa.presets import (
     build_text_config,
     check_experts,
@@ -58,8 +58,7 @@ SHAPE_FIELDS = frozenset({"hidden_size", "intermediate_size", "vocab_size", "num
 _MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemma4ForConditionalGeneration}
 
 
-# peft's names inside a wrapped model: infixes on base weights, and the adapter weights themselves.
-_PEFT_INFIX = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+# peft's adapter weights (its infixes on base weights: `lora.PEFT_LEVEL`).
 # torch.compile and activation checkpointing wrap each decoder layer (`parallelize`).
 _WRAPPER_INFIX = re.compile(r"(_orig_mod|_checkpoint_wrapped_module)\.")
 _ADAPTER_KEY = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
@@ -284,7 +283,7 @@ class HFModule(L.LightningModule):
                 if _ADAPTER_KEY.search(key):
                     continue
                 key = _WRAPPER_INFIX.sub("", key)  # DCP's state-dict helpers name parameters without wrappers
-                source = _PEFT_INFIX.sub("", key)
+                source = PEFT_LEVEL.sub("", key)
                 if source in ref:
                     full[key] = ref[source]
                 else:

@@ -26,7 +26,7 @@ __all__ = ["LoraSpec", "lora_hparam", "apply_lora", "unwrap_peft", "PEFT_PREFIX"
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> HF model
 # Levels peft puts inside a wrapped module: a LoRA layer's `base_layer`, a `modules_to_save` module's copies.
-_PEFT_LEVEL = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+PEFT_LEVEL = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
 
 
 @dataclass
@@ -113,7 +113,7 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
 def hf_name(train_name: str) -> str:
     """The HF name of a peft-wrapped model's tensor: without `PEFT_PREFIX` and peft's levels (`.base_layer`, and
     `.original_module` / `.modules_to_save.<adapter>` of a `modules_to_save` module)."""
-    return _PEFT_LEVEL.sub("", train_name.removeprefix(PEFT_PREFIX))
+    return PEFT_LEVEL.sub("", train_name.removeprefix(PEFT_PREFIX))
 
 
 def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,

@@ -149,7 +149,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             context_parallel_size: Ranks that split one sequence (ring attention); 1 disables CP.
             activation_checkpointing: "none", "full" (recompute each decoder layer) or "selective" (SAC).
             sac_extra_save_ops: Extra op names the SAC policy must save, e.g. ["aten.mm.default"].
-            sac_save_mm: Matmuls SAC saves: "high_k" (K > layer width: o_proj, down_proj), "every_other", "all", "none".
+            sac_save_mm: Matmuls SAC saves (selective only): "high_k" (K > layer width: o_proj, down_proj),
+                "every_other", "all", "none".
             param_dtype: Dtype FSDP gathers parameters in for compute ("bf16", "fp32", or null = as stored).
             reduce_dtype: Dtype of the gradient reduce-scatter ("fp32" recommended with bf16 params).
             reshard_after_forward: Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2).
@@ -190,6 +191,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             sac_context_fn(self.sac_extra_save_ops, sac_save_mm)  # resolves op names: typos fail here
         elif self.sac_extra_save_ops:
             raise ValueError("`sac_extra_save_ops` needs `activation_checkpointing='selective'`")
+        elif sac_save_mm != "high_k":  # the default; another choice would be ignored without SAC
+            raise ValueError(f"`sac_save_mm={sac_save_mm!r}` needs `activation_checkpointing='selective'` "
+                             f"(with {activation_checkpointing!r} no SAC policy chooses what is saved)")
         self.param_dtype = parse_dtype("param_dtype", param_dtype, allow_auto=False, allow_none=True)
         self.reduce_dtype = parse_dtype("reduce_dtype", reduce_dtype, allow_auto=False, allow_none=True)
         self.reshard_after_forward = reshard_after_forward

@@ -25,6 +25,9 @@ def test_sizes_are_validated_with_the_option_name():
         FSDP2Strategy(param_dtype="bf17")
     with pytest.raises(ValueError, match="sac_extra_save_ops.*nope"):
         FSDP2Strategy(sac_extra_save_ops=["aten.nope.default"])
+    with pytest.raises(ValueError, match="`sac_save_mm='all'` needs `activation_checkpointing='selective'`"):
+        FSDP2Strategy(activation_checkpointing="full", sac_save_mm="all")  # else silently not used
+    FSDP2Strategy(activation_checkpointing="none")  # the default sac_save_mm is no choice of the user's
     s = FSDP2Strategy(sac_extra_save_ops=["aten.mm.default"], context_parallel_size=2)
     assert s.context_parallel_size == 2
 

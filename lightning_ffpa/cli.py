@@ -194,8 +194,18 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         print("; ".join(parts), flush=True)
 
     def before_validate(self) -> None:  # noqa: D102
+        if self.trainer.limit_val_batches == 0:
+            raise InputError("`trainer.limit_val_batches` is 0, so `validate` has nothing to run")
         self._check_ckpt_loads()
         self._ready()
+
+    def after_validate(self) -> None:
+        """A validation that ran no batch is an input mistake, not a success with no metrics."""
+        if not sum(self.trainer.num_val_batches):
+            data = type(self.datamodule).__name__ if self.datamodule is not None else "no datamodule"
+            text_data = hasattr(self.datamodule, "val_fraction")
+            hint = " (set `val_file`, `val_split` or `val_fraction` > 0)" if text_data else ""
+            raise InputError(f"`validate` ran no batch: `data` ({data}) gave no validation rows{hint}")
 
     def before_test(self) -> None:  # noqa: D102
         self._require_loader("test_dataloader")

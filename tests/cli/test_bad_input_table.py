@@ -65,6 +65,7 @@ ROWS = [
     (f"{F} --model.init_args.config_overrides '{{num_hidden_layerz: 2}}'", "num_hidden_layerz"),
     (f"{F} --model.init_args.config_overrides '{{num_hidden_layers: two}}'", "model.config_overrides"),
     ("lightning-ffpa test --config fit.yaml", "test_dataloader"),
+    ("lightning-ffpa validate --config fit.yaml", "trainer.limit_val_batches"),  # fit.yaml: limit_val_batches 0
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.replicate_frozen often",
      "replicate_frozen"),
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.context_parallel_size 0",

@@ -125,3 +125,16 @@ def test_closing_line_says_when_the_checkpoint_is_older_than_the_run(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("fit finished at step 10; checkpoint ") and "(step 8: the steps after it are not saved)" in last
+
+
+def test_validate_reports_its_loss_and_refuses_empty_validation_data(tmp_path):
+    """`validate` on the tiny recipe prints val/loss and exits 0; with no validation rows it exits 2 with one
+    `error:` line naming the options (a validation of nothing exited 0 with no metric)."""
+    tiny = "--data.init_args.batch_size 2 --data.init_args.max_seq_length 32 --trainer.limit_val_batches 2"
+    ok = run(f"lightning-ffpa validate --config tiny {tiny}", tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "val/loss" in ok.stdout, ok.stdout[-2000:]
+    empty = run(f"lightning-ffpa validate --config tiny {tiny} --data.init_args.val_fraction 0", tmp_path)
+    assert empty.returncode == 2, empty.stderr[-2000:]
+    errors = [line for line in empty.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [errors[-1]] and "val_fraction" in errors[0] and empty.stderr.strip().endswith(errors[0])

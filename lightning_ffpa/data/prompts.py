@@ -45,11 +45,18 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], chat_templ
 
     With `chat_template` and a tokenizer that has one, a chat (or a text prompt, as one user turn) is
     rendered with the generation prompt appended; a chat without a template uses the plain
-    ``role: content`` format; a text prompt without a template is tokenized as is, with special tokens.
+    ``role: content`` format; a text prompt without a template is tokenized as is, with special tokens but
+    no end-of-sequence token after it (the policy continues the prompt; it does not start after an ended text).
     """
     has_template = chat_template and bool(getattr(tokenizer, "chat_template", None))
     if isinstance(prompt, str) and not has_template:
-        return prompt, list(tokenizer.encode(prompt, add_special_tokens=True))
+        ids = list(tokenizer.encode(prompt, add_special_tokens=True))
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is not None and len(ids) > 1 and ids[-1] == eos:
+            plain = tokenizer.encode(prompt, add_special_tokens=False)
+            if not plain or plain[-1] != eos:  # added by the tokenizer, not written in the prompt
+                ids.pop()
+        return prompt, ids
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if has_template:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

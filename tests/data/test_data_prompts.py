@@ -62,6 +62,10 @@ def test_without_a_template(write, hf_tokenizer_dir):
     batch = _batch(dm)
     assert batch["prompt"] == ["user: hi\nassistant: "]
     assert ByteTokenizer().decode(batch["prompt_ids"][0]) == "user: hi\nassistant: "
+    # a text prompt keeps the tokenizer's bos but not the eos it appends: the policy continues the prompt
+    tok = ByteTokenizer()
+    dm = PromptDataModule(path=write("t.jsonl", PROMPTS[:1]), tokenizer="byte", batch_size=1)
+    assert _batch(dm)["prompt_ids"][0] == [tok.bos_token_id, *tok.encode("what is two plus three")]
 
 
 def test_dataset_folder_and_split(tmp_path, hf_tokenizer_dir):

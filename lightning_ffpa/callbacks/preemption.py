@@ -130,11 +130,21 @@ class DeferredRequeue(pl.Callback):
             self.requeued = (trainer.global_step, path)
             trainer.should_stop = True
 
+    def _after_training(self, signum: int, frame: Any) -> None:
+        rank_zero_info(f"DeferredRequeue: signal {signum} received after training ended; nothing to checkpoint, "
+                       "no requeue")
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step_vote(trainer).leave(self)
         if self._lightning_handler is not None:
-            signal.signal(self._signum, self._lightning_handler)
+            # Lightning's handler would requeue a finished run; its teardown then puts back the default
+            # action, which ends the process with 138 (on_fit_end installs this handler again after that).
+            signal.signal(self._signum, self._after_training)
             self._lightning_handler = None
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._signum is not None:  # under SLURM auto-requeue: the signal can still come before exit
+            signal.signal(self._signum, self._after_training)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.on_train_end(trainer, pl_module)

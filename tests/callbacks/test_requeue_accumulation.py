@@ -56,7 +56,8 @@ def _fit(root, signal_at: int | None) -> _Probe:
     return probe
 
 
-def test_a_signal_mid_window_checkpoints_after_the_window(tmp_path, monkeypatch):
+def _fake_slurm(tmp_path, monkeypatch) -> None:
+    """SLURM's variables for one task, and an `scontrol` that logs its arguments."""
     scontrol = tmp_path / "bin" / "scontrol"
     scontrol.parent.mkdir()
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
@@ -67,6 +68,9 @@ def test_a_signal_mid_window_checkpoints_after_the_window(tmp_path, monkeypatch)
                            SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0").items():
         monkeypatch.setenv(key, value)
 
+
+def test_a_signal_mid_window_checkpoints_after_the_window(tmp_path, monkeypatch):
+    _fake_slurm(tmp_path, monkeypatch)
     first = _fit(tmp_path, SIGNAL_AT_BATCH)
     assert first.per_step == [ACCUMULATE] * 4  # the window the signal came in completed its step
     checkpoint = torch.load(tmp_path / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=False)
@@ -74,3 +78,15 @@ def test_a_signal_mid_window_checkpoints_after_the_window(tmp_path, monkeypatch)
 
     again = _fit(tmp_path, None)  # the requeued job: Lightning resumes from hpc_ckpt_1.ckpt by itself
     assert again.per_step == [ACCUMULATE] * (MAX_STEPS - 4)
+
+
+def test_a_signal_after_fit_neither_requeues_nor_kills(tmp_path, monkeypatch):
+    """SLURM's warning signal can come just after the last step: the run is complete, so no HPC checkpoint, no
+    `scontrol requeue`, and the process goes on (the default action ended it with exit code 138)."""
+    _fake_slurm(tmp_path, monkeypatch)
+    try:
+        _fit(tmp_path, None)
+        os.kill(os.getpid(), signal.SIGUSR1)  # this test process would die here without the handler
+    finally:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    assert not (tmp_path / "scontrol.log").exists() and not list(tmp_path.glob("hpc_ckpt_*.ckpt"))

@@ -281,7 +281,20 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
     check_strategy_loads(trainer, resolved)
     state = check_checkpoint(resolved, "ckpt_path")
     check_hparams_match(state.get("hyper_parameters"), model, "ckpt_path")
+    check_data_resumes(trainer, datamodule, state)
     return str(resolved)
+
+
+def check_data_resumes(trainer: Any, datamodule: Any, state: dict[str, Any]) -> None:
+    """The data's own resume checks (seed; mid-epoch: data-parallel size, batch size), on the layout this run
+    will have, so a mismatch is refused before processes start rather than by every rank after."""
+    saved = state.get(type(datamodule).__qualname__) if datamodule is not None else None
+    if not isinstance(saved, dict) or not hasattr(datamodule, "resume_conflict"):
+        return
+    world = trainer.num_nodes * trainer.num_devices
+    conflict = datamodule.resume_conflict(saved, world // getattr(trainer.strategy, "context_parallel_size", 1))
+    if conflict is not None:
+        raise ConfigError(*conflict)
 
 
 def check_strategy_loads(trainer: Any, ckpt_path: str | os.PathLike | None) -> None:

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_ffpa.data.resume import continue_after_fit_end, loaded_loops_state
 from lightning_ffpa.data.sampler import ResumableSampler
-from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.errors import NOT_GIVEN, ConfigError
 
 
 def option(name: str) -> str:
@@ -115,29 +115,34 @@ class SeededDataModule(pl.LightningDataModule):
             "epoch_samples": len(self._train_sampler) if self._train_sampler is not None else None,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Refuse a different seed (the order would change); skip the batches the checkpoint trained on."""
+    def resume_conflict(self, state_dict: dict[str, Any], num_replicas: int) -> tuple[str, Any, str] | None:
+        """Why this data cannot continue the checkpoint's epoch on `num_replicas` data-parallel ranks, as
+        (option, value, reason), or None. Also run by the pre-flight, before any process starts."""
         if state_dict.get("seed") != self.seed:
-            raise ConfigError(
-                option("seed"),
-                self.seed,
-                f"the checkpoint was written with seed {state_dict.get('seed')}; resume with the same "
-                "seed to keep the data order",
-            )
+            return (option("seed"), self.seed, f"the checkpoint was written with seed {state_dict.get('seed')}; "
+                    "resume with the same seed to keep the data order")
         samples_done = int(state_dict.get("samples_done", 0))
-        replicas = state_dict.get("num_replicas", 1)
-        saved_batch, epoch_samples = state_dict.get("batch_size"), state_dict.get("epoch_samples")
-        mid_epoch = samples_done and (epoch_samples is None or samples_done < epoch_samples)
-        if mid_epoch and replicas != self._replicas()["num_replicas"]:
-            raise ValueError(
-                f"checkpoint stopped mid-epoch on {replicas} data-parallel ranks, this run has "
-                f"{self._replicas()['num_replicas']}: the rest of that epoch cannot be re-sharded; "
-                "resume on the same data-parallel size or from an epoch-end checkpoint"
-            )
-        if saved_batch is not None and saved_batch != self.batch_size and mid_epoch:
+        saved_replicas, saved_batch = state_dict.get("num_replicas", 1), state_dict.get("batch_size")
+        epoch_samples = state_dict.get("epoch_samples")
+        if not samples_done or (epoch_samples is not None and samples_done >= epoch_samples):
+            return None  # an epoch-end checkpoint: the next epoch is dealt afresh
+        if saved_replicas != num_replicas:
+            ranks = f"{saved_replicas} data-parallel rank{'s' if saved_replicas != 1 else ''}"
+            return ("trainer.devices", NOT_GIVEN, f"the checkpoint stopped mid-epoch on {ranks}, this run "
+                    f"has {num_replicas}: the rest of that epoch cannot be "
+                    "re-sharded; resume on the same data-parallel size or from an epoch-end checkpoint")
+        if saved_batch is not None and saved_batch != self.batch_size:
             # Lightning resumes the epoch by its count of batches, in the new size: samples would be lost or repeated
-            raise ConfigError(option("batch_size"), self.batch_size, f"the checkpoint stopped mid-epoch with "
-                              f"batch_size {saved_batch}; resume with that batch size, or from an epoch-end checkpoint")
+            return (option("batch_size"), self.batch_size, f"the checkpoint stopped mid-epoch with batch_size "
+                    f"{saved_batch}; resume with that batch size, or from an epoch-end checkpoint")
+        return None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refuse what `resume_conflict` names; skip the batches the checkpoint trained on."""
+        conflict = self.resume_conflict(state_dict, self._replicas()["num_replicas"])
+        if conflict is not None:
+            raise ConfigError(*conflict)
+        samples_done = int(state_dict.get("samples_done", 0))
         loops = loaded_loops_state(self.trainer) if self.trainer is not None else None
         if loops is not None:
             continue_after_fit_end(loops)  # Lightning restores its loops from this dict right after

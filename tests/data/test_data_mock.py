@@ -85,3 +85,24 @@ def test_mock_bad_args_name_option():
         MockDataModule(seq_length=0)
     with pytest.raises(ValueError, match=r"`data\.init_args\.batch_size=0`"):
         MockDataModule(batch_size=0)
+
+
+def test_preflight_refuses_a_mid_epoch_resume_on_another_layout_before_any_process_starts(tmp_path):
+    """The data's resume checks run in the pre-flight on the layout the run will have (2 CPU ranks here),
+    so the mismatch is one error before spawning, not one per rank after."""
+    import lightning as L
+
+    from lightning_ffpa.parallel import FSDP2Strategy
+    from lightning_ffpa.validation import check_data_resumes
+
+    dm = MockDataModule(seed=1)
+    saved = {**dm.state_dict(), "samples_done": 8}  # stopped mid-epoch on one rank
+    state = {"MockDataModule": saved}
+    two_ranks = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), logger=False)
+    with pytest.raises(ValueError, match=r"`trainer\.devices`: the checkpoint stopped mid-epoch on 1 data-parallel "
+                                         r"rank, this run has 2"):
+        check_data_resumes(two_ranks, dm, state)
+    cp2 = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(context_parallel_size=2), logger=False)
+    check_data_resumes(cp2, dm, state)  # CP 2 on 2 ranks: one data-parallel rank, as saved
+    with pytest.raises(ValueError, match=r"`data\.init_args\.seed=2`"):
+        check_data_resumes(cp2, MockDataModule(seed=2), state)

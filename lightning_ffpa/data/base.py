@@ -12,6 +12,7 @@ Validation loaders are plain sequential ones that Lightning shards itself. Does 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,9 @@ def require_at_least(minimum: int, **values: int) -> None:
     for name, value in values.items():
         if value < minimum:
             raise ConfigError(option(name), value, f"must be >= {minimum}")
+
+NOT_RESUMABLE_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
+
 
 class SeededDataModule(pl.LightningDataModule):
     """Base for the data modules; subclasses provide the datasets and the collate function."""
@@ -148,3 +152,6 @@ class SeededDataModule(pl.LightningDataModule):
             continue_after_fit_end(loops)  # Lightning restores its loops from this dict right after
         self._pending_skip = (int(state_dict.get("epoch", 0)), samples_done)
         self._apply_skip()
+        if samples_done:
+            # Lightning looks for a stateful DataLoader only; the skip above is what resumes this epoch
+            warnings.filterwarnings("ignore", message=NOT_RESUMABLE_WARNING)

@@ -1,5 +1,7 @@
 """Data order under a real Trainer: epochs reshuffle, a resumed run sees the original order, seed is checked."""
 
+import warnings
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -76,8 +78,12 @@ def test_mid_epoch_resume_continues_with_the_next_batch(tmp_path):
     _fit(_mock(), 2, tmp_path / "b", max_steps=5, callbacks=[every2])
     ckpt = str(tmp_path / "ckpts" / "epoch=0-step=4.ckpt")  # written mid-epoch 0, after 4 of its 6 batches
     assert torch.load(ckpt, weights_only=False)["MockDataModule"]["samples_done"] == 16
-    resumed, _ = _fit(_mock(), 2, tmp_path / "c", ckpt_path=ckpt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed, _ = _fit(_mock(), 2, tmp_path / "c", ckpt_path=ckpt)
     assert resumed == full[4:]  # the two unseen batches of epoch 0, then all of epoch 1, nothing replayed
+    # Lightning's "your dataloader is not resumable" would tell the user the opposite of what happened
+    assert not [w for w in caught if "not resumable" in str(w.message)]
 
     # Lightning resumes the epoch by its count of batches, which a new batch size changes: refused by name
     bigger = MockDataModule(vocab_size=1000, seq_length=8, num_samples=24, batch_size=8, seed=0)

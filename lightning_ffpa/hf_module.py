@@ -259,15 +259,23 @@ class HFModule(L.LightningModule):
         if self.hparams.get("pretrained") is not None:
             self._load_pretrained_into_shards()
         if self.hparams.get("lora"):
-            from peft.tuners.lora import LoraLayer
-
-            init = self.hparams.lora.get("init_lora_weights", True)
-            with torch.no_grad():
-                for module in self.model.modules():
-                    if isinstance(module, LoraLayer):
-                        for adapter in module.lora_A:
-                            module.reset_lora_parameters(adapter, init)
+            self._reset_lora_adapters(self.hparams.lora.get("init_lora_weights", True))
         self._needs_weight_init = False
+
+    def _reset_lora_adapters(self, init: bool | str) -> None:
+        """peft's `init_lora_weights` on every adapter: A drawn as one process would draw it, B zero."""
+        if init is False:  # peft draws nothing: the adapters keep the values materialisation gave them
+            return
+        from peft.tuners.lora import LoraLayer
+
+        from lightning_ffpa.parallel.strategy import init_as_whole
+
+        with torch.no_grad():
+            for module in self.model.modules():
+                if isinstance(module, LoraLayer):
+                    for adapter in module.lora_A:
+                        with init_as_whole([module.lora_A[adapter], module.lora_B[adapter]]):
+                            module.reset_lora_parameters(adapter, init)
 
     def _load_pretrained_into_shards(self) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

@@ -1,7 +1,8 @@
 """Private and version-dependent torch surfaces (checked on torch 2.11 and 2.13).
 
-Owns DeviceMesh flattening, the checkpoint wrapper, dynamo config knobs and helpers, op-overload types, the
-autograd graph-task check, `BlockMask.from_kv_blocks` keyword drift and the DCP reader/writer internals.
+Owns DeviceMesh flattening, DTensor RNG support and local parts, the checkpoint wrapper, dynamo config knobs
+and helpers, op-overload types, the autograd graph-task check, `BlockMask.from_kv_blocks` keyword drift and the
+DCP reader/writer internals.
 Does not own what they are used for: callers import these names so a torch upgrade breaks only this file.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,10 +29,12 @@ __all__ = [
     "block_mask_from_kv_blocks",
     "checkpoint_wrapper",
     "dispatch_mode_active",
+    "dtensor_rng_spans_shards",
     "dynamo_counters",
     "flatten_mesh",
     "hf_storage_writer",
     "in_backward",
+    "local_part",
     "load_dcp_keys",
     "on_recompile_limit_hit",
     "raise_recompile_limit",
@@ -66,6 +70,29 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     if not hasattr(mesh, "_flatten"):
         raise RuntimeError(f"torch {torch.__version__} has no DeviceMesh._flatten; need torch >= 2.6")
     return mesh[tuple(mesh.mesh_dim_names)]._flatten(name)
+
+
+def dtensor_rng_spans_shards(param: torch.Tensor) -> bool:
+    """Whether a random op on the DTensor `param` gives each shard its own part of one random stream (torch's
+    offset-based RNG tracker, on CUDA-like devices). Elsewhere (a CPU mesh, or shards offloaded to CPU) each rank
+    fills its shard from its own generator, so ranks seeded alike draw the same values for every shard."""
+    from torch.distributed.tensor._random import is_rng_supported_mesh
+
+    mesh = param.device_mesh
+    if param.to_local().device.type != mesh.device_type:  # the tracker steps the mesh device's generator only
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # it warns on every mesh it answers False for
+        return is_rng_supported_mesh(mesh)
+
+
+def local_part(whole: torch.Tensor, dtensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `whole`, split as the DTensor `dtensor` is (a view of `whole`, on its device: unlike
+    `distribute_tensor`, nothing moves to the mesh's device and no rank communicates)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(dtensor.shape, dtensor.device_mesh, dtensor.placements)
+    return whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
 
 
 def checkpoint_wrapper(module: torch.nn.Module, **checkpoint_kwargs) -> torch.nn.Module:

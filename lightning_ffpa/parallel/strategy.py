@@ -11,6 +11,7 @@ Trainer's `precision` at "32-true": mixed precision comes from `param_dtype` / `
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -24,6 +25,7 @@ from typing_extensions import override
 from lightning_ffpa import compile_fallbacks
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat import transformers as hf_compat
+from lightning_ffpa._compat.torch import dtensor_rng_spans_shards, local_part
 from lightning_ffpa.checkpoint.atomic import AtomicCheckpointIO
 from lightning_ffpa.checkpoint.sharded import ShardedCheckpointWriter
 from lightning_ffpa.dtypes import parse_dtype
@@ -34,7 +36,7 @@ from lightning_ffpa.parallel.fsdp import REPLICATE_WITH_OFFLOAD, dtypes_cast, pa
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["FSDP2Strategy", "MESH_DIM_NAMES", "close_process_group", "materialize"]
+__all__ = ["FSDP2Strategy", "MESH_DIM_NAMES", "close_process_group", "init_as_whole", "materialize"]
 
 MESH_DIM_NAMES = ("data_parallel", "context_parallel")
 
@@ -101,8 +103,44 @@ def plan_replicate_frozen(mode: bool | str, cpu_offload: bool, mesh_size: int, f
     return True, "auto: a mesh of one device"
 
 
+def _copy_local_shard(whole: torch.Tensor, param: torch.Tensor) -> None:
+    """Write this rank's part of `whole` into the DTensor `param` (no communication: each rank holds `whole`)."""
+    with torch.no_grad():
+        param.to_local().copy_(local_part(whole, param))
+
+
+@contextlib.contextmanager
+def init_as_whole(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Inside, the sharded parameters that `modules` own directly (not their submodules') are whole plain tensors;
+    on exit each rank copies its own shard of each back. A random initialiser run inside draws what one process
+    would draw with the same seed, on any number of ranks.
+
+    Only parameters whose shards a DTensor random op would not draw as parts of one stream are replaced: on a CPU
+    mesh each rank fills its shard from its own generator (ranks seeded alike drew the same values into every
+    shard), and shards offloaded to CPU under a CUDA mesh draw from the CPU generator, which torch's CUDA RNG
+    tracker restores after each op. Shards on CUDA stay as they are: the tracker gives each its own part of the
+    stream. Costs the whole size of the replaced parameters while inside: pass a module at a time.
+    """
+    swapped = []
+    for module in modules:
+        for name, param in module._parameters.items():
+            if param is not None and hasattr(param, "device_mesh") and not dtensor_rng_spans_shards(param):
+                whole = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+                module._parameters[name] = nn.Parameter(whole, requires_grad=param.requires_grad)
+                swapped.append((module, name, param))
+    try:
+        yield
+    finally:
+        for module, name, param in swapped:
+            _copy_local_shard(module._parameters[name], param)
+            module._parameters[name] = param
+
+
 def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate and initialise meta-device weights after sharding (each rank only its shard)."""
+    """Allocate and initialise meta-device weights after sharding (each rank only its shard).
+
+    On CPU, and for shards offloaded to CPU, an HF model gets the values a one-process build with the same seed
+    gets, on any number of ranks; shards on CUDA are drawn by torch's DTensor RNG tracker (`init_as_whole`)."""
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return
     init_weights = hf_compat.init_weights_fn(model)
@@ -117,7 +155,8 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             sub._parameters[other] = owner._parameters[name]
     with torch.no_grad():
         for sub in model.modules():
-            init_weights(sub)
+            with init_as_whole([sub]):  # HF's initialiser touches only `sub`'s own parameters and buffers
+                init_weights(sub)
 
 
 class FSDP2Strategy(ModelParallelStrategy):

@@ -1,4 +1,5 @@
-"""FSDP2Strategy: option validation, and a 2-process gloo fit that matches the 1-process loss."""
+"""FSDP2Strategy: option validation, a 2-process gloo fit that matches the 1-process loss, and random weights
+initialised on 2 gloo ranks as one process initialises them."""
 
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from lightning_ffpa.parallel import FSDP2Strategy
 from ._launch import torchrun_json
 
 _SCRIPT = Path(__file__).with_name("_fit_tiny.py")
+_INIT_SCRIPT = Path(__file__).with_name("_init_ranks.py")
 
 
 def test_sizes_are_validated_with_the_option_name():
@@ -49,6 +51,17 @@ def test_two_process_fit_matches_single_process(tmp_path):
     assert one["losses"][-1] < one["losses"][0]  # training moved
     for a, b in zip(one["losses"], two["losses"]):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_random_init_on_two_cpu_ranks_matches_one_process(tmp_path):
+    """A preset (random) model with LoRA built on 2 CPU ranks: each shard is its part of the whole tensor one
+    process draws with the same seed (not the same draws on every rank), base weights and `lora_A` alike."""
+    got = torchrun_json(_INIT_SCRIPT, tmp_path / "init.json", 2, 29871, timeout=180)
+    assert got["lora_A"] and set(got["lora_A"]) & set(got["sharded"])
+    assert "model.embed_tokens.weight" in "".join(got["sharded"])
+    assert got["differ"] == [], got["differ"]
 
 
 def test_cp_peers_read_the_same_samples():

@@ -263,7 +263,8 @@ class HFModule(L.LightningModule):
         self._needs_weight_init = False
 
     def _reset_lora_adapters(self, init: bool | str) -> None:
-        """peft's `init_lora_weights` on every adapter: A drawn as one process would draw it, B zero."""
+        """peft's `init_lora_weights` on every adapter, drawn as one process would draw it: a linear layer's A
+        random and B zero, an embedding's A zero and B random."""
         if init is False:  # peft draws nothing: the adapters keep the values materialisation gave them
             return
         from peft.tuners.lora import LoraLayer
@@ -276,6 +277,10 @@ class HFModule(L.LightningModule):
                     for adapter in module.lora_A:
                         with init_as_whole([module.lora_A[adapter], module.lora_B[adapter]]):
                             module.reset_lora_parameters(adapter, init)
+                    if module.lora_embedding_A:  # an embedding's adapters: parameters of two ParameterDicts
+                        with init_as_whole([module.lora_embedding_A, module.lora_embedding_B]):
+                            for adapter in module.lora_embedding_A:
+                                module.reset_lora_parameters(adapter, init)
 
     def _load_pretrained_into_shards(self) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

@@ -2,7 +2,7 @@
 
 Both start from seed 0 and random weights: the strategy materialises the meta-device build on its ranks, the
 one-process build materialises the same meta-device model unsharded. Rank 0 writes to argv[1] which parameters
-differ, which were sharded, and which `lora_A` weights were compared.
+differ, which were sharded, which `lora_A` weights were compared, and the embedding adapter's (max |x|, std).
 """
 
 import json
@@ -17,7 +17,7 @@ from lightning_ffpa.module import Gemma4LM
 from lightning_ffpa.parallel import FSDP2Strategy
 from lightning_ffpa.parallel.strategy import materialize
 
-OPTIONS = dict(preset="tiny", dtype="float32", lora={"r": 4, "target_modules": ["q_proj", "v_proj"]})
+OPTIONS = dict(preset="tiny", dtype="float32", lora={"r": 4, "target_modules": ["q_proj", "v_proj", "embed_tokens"]})
 
 
 def sharded_build() -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -50,8 +50,10 @@ def main(out: str) -> None:
     if int(os.environ["RANK"]) != 0:
         return
     want = one_process_build()
+    embedding = {n: [float(t.abs().max()), float(t.std())] for n, t in want.items() if ".lora_embedding_" in n}
     json.dump({"names": sorted(want), "sharded": sharded, "lora_A": [n for n in want if ".lora_A." in n],
-               "differ": [n for n in want if not torch.equal(got[n], want[n])]}, open(out, "w"))
+               "lora_embedding": embedding, "differ": [n for n in want if not torch.equal(got[n], want[n])]},
+              open(out, "w"))
 
 
 if __name__ == "__main__":

@@ -60,8 +60,11 @@ def test_random_init_on_two_cpu_ranks_matches_one_process(tmp_path):
     process draws with the same seed (not the same draws on every rank), base weights and `lora_A` alike."""
     got = torchrun_json(_INIT_SCRIPT, tmp_path / "init.json", 2, 29871, timeout=180)
     assert got["lora_A"] and set(got["lora_A"]) & set(got["sharded"])
-    assert "model.embed_tokens.weight" in "".join(got["sharded"])
+    assert "model.embed_tokens.base_layer.weight" in "".join(got["sharded"])
     assert got["differ"] == [], got["differ"]
+    # peft's embedding init: A zero, B standard normal (they kept uninitialised memory under FSDP2)
+    (a_max, _), (_, b_std) = (got["lora_embedding"][k] for k in sorted(got["lora_embedding"]))
+    assert a_max == 0 and 0.5 < b_std < 2, got["lora_embedding"]
 
 
 def test_cp_peers_read_the_same_samples():

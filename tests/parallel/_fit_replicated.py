@@ -41,8 +41,8 @@ class Record(L.Callback):
 
 
 def seeded_weights(model, seed: int, scale: float, trainable_only: bool = False) -> None:
-    """Parameters (in name order) from one seeded CPU generator, sharded or not: materialising draws differently
-    for DTensors and plain tensors, so runs of the two layouts start from these instead."""
+    """Parameters (in name order) from one seeded CPU generator, sharded or not, so runs of two layouts start from
+    the same values whatever device or RNG materialised them (on CUDA, sharded draws differ from one GPU's)."""
     from torch.distributed.tensor import distribute_tensor
 
     gen = torch.Generator().manual_seed(seed)

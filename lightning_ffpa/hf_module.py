@@ -27,6 +27,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from lightning_ffpa._compat.torch import without_wrapper_levels
 from lightning_ffpa._compat.transformers import (  # noqa: F401 - text_config re-exported
     CONFIG_VALUE_ERRORS,
     attention_names,
@@ -60,7 +61,6 @@ _MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemm
 
 # peft's adapter weights (its infixes on base weights: `lora.PEFT_LEVEL`).
 # torch.compile and activation checkpointing wrap each decoder layer (`parallelize`).
-_WRAPPER_INFIX = re.compile(r"(_orig_mod|_checkpoint_wrapped_module)\.")
 _ADAPTER_KEY = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
 
 
@@ -295,7 +295,7 @@ class HFModule(L.LightningModule):
             for key in self.hf_model.state_dict():
                 if _ADAPTER_KEY.search(key):
                     continue
-                key = _WRAPPER_INFIX.sub("", key)  # DCP's state-dict helpers name parameters without wrappers
+                key = without_wrapper_levels(key)  # DCP's state-dict helpers name parameters without wrappers
                 source = PEFT_LEVEL.sub("", key)
                 if source in ref:
                     full[key] = ref[source]

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import re
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_ffpa._compat.torch import without_wrapper_levels
 
 __all__ = [
     "accumulating",
@@ -39,8 +40,6 @@ __all__ = [
 
 # --------------------------------------------------------------------------- fabric helpers
 
-# Levels `parallelize` adds (activation checkpointing, torch.compile); saved state dicts name weights without them.
-_WRAPPER_LEVEL = re.compile(r"(_checkpoint_wrapped_module|_orig_mod)\.")
 
 
 @contextlib.contextmanager
@@ -55,7 +54,7 @@ def module_keys_with_wrappers() -> Iterator[None]:
     def load(state_dict: dict[str, Any], module: nn.Module, *args: Any, **kwargs: Any) -> None:
         aliased = dict(state_dict)
         for name in [*(n for n, _ in module.named_parameters()), *(n for n, _ in module.named_buffers())]:
-            plain = _WRAPPER_LEVEL.sub("", name)
+            plain = without_wrapper_levels(name)  # saved state dicts name weights without them
             if name != plain and plain in state_dict:
                 aliased.setdefault(name, state_dict[plain])
         return original(aliased, module, *args, **kwargs)

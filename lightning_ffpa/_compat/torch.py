@@ -31,6 +31,7 @@ __all__ = [
     "dispatch_mode_active",
     "dtensor_rng_spans_shards",
     "dynamo_counters",
+    "without_wrapper_levels",
     "flatten_mesh",
     "hf_storage_writer",
     "in_backward",
@@ -93,6 +94,15 @@ def local_part(whole: torch.Tensor, dtensor: torch.Tensor) -> torch.Tensor:
 
     shape, offset = compute_local_shape_and_global_offset(dtensor.shape, dtensor.device_mesh, dtensor.placements)
     return whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+
+
+# The module levels torch's activation-checkpoint wrapper and torch.compile insert into parameter names.
+WRAPPER_LEVELS = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
+def without_wrapper_levels(name: str) -> str:
+    """`name` (a parameter, buffer or module path) as the unwrapped module spells it."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_LEVELS)
 
 
 def checkpoint_wrapper(module: torch.nn.Module, **checkpoint_kwargs) -> torch.nn.Module:

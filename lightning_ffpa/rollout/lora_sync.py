@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_ffpa._compat.torch import without_wrapper_levels
 from lightning_ffpa.lora import hf_name, merged_weight
 
 
@@ -25,15 +26,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-# Module wrappers the training side may add (activation checkpointing, torch.compile); the inference copy has none.
-_WRAPPER_SEGMENTS = ("._checkpoint_wrapped_module", "._orig_mod")
-
-
 def _infer_name(train_name: str) -> str:
-    name = train_name
-    for segment in _WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return hf_name(name)
+    # the training side may wrap modules (activation checkpointing, torch.compile); the inference copy does not
+    return hf_name(without_wrapper_levels(train_name))
 
 
 _Source = nn.Parameter | tuple[nn.Parameter, nn.Parameter, nn.Parameter, float]  # a weight, or (W0, A, B, scale)

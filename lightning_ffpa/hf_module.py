@@ -246,6 +246,11 @@ class HFModule(L.LightningModule):
             self.model = self.build_model()
         disable_kv_cache(self.model)
 
+    @property
+    def loads_pretrained(self) -> bool:
+        """Whether `load_sharded_weights` replaces the weights materialisation draws (a `pretrained` checkpoint)."""
+        return self.hparams.get("pretrained") is not None
+
     def load_sharded_weights(self) -> None:
         """Finish a sharded, materialised model (called by FSDP2Strategy after sharding): load `pretrained`
         into the base weights, then initialise the LoRA adapters as peft does.

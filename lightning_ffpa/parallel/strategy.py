@@ -136,11 +136,12 @@ def init_as_whole(modules: Iterable[nn.Module]) -> Iterator[None]:
             module._parameters[name] = param
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device, exact_random: bool = True) -> None:
     """Allocate and initialise meta-device weights after sharding (each rank only its shard).
 
-    On CPU, and for shards offloaded to CPU, an HF model gets the values a one-process build with the same seed
-    gets, on any number of ranks; shards on CUDA are drawn by torch's DTensor RNG tracker (`init_as_whole`)."""
+    With `exact_random`, on CPU and for shards offloaded to CPU, an HF model gets the values a one-process build
+    with the same seed gets, on any number of ranks (`init_as_whole`: each rank draws whole tensors); shards on
+    CUDA are drawn by torch's DTensor RNG tracker. Pass False when loaded weights replace the drawn ones."""
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return
     init_weights = hf_compat.init_weights_fn(model)
@@ -155,7 +156,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             sub._parameters[other] = owner._parameters[name]
     with torch.no_grad():
         for sub in model.modules():
-            with init_as_whole([sub]):  # HF's initialiser touches only `sub`'s own parameters and buffers
+            with init_as_whole([sub] if exact_random else []):  # HF's initialiser touches `sub`'s own tensors only
                 init_weights(sub)
 
 
@@ -346,8 +347,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         target = _find_parallelize_target(self.lightning_module, required=not already_sharded)
         if not already_sharded:
             self.parallelize_module(target)
-        if target is not None:
-            materialize(target, self.root_device)
+        if target is not None:  # a module loading its weights (`pretrained`) needs no exact random draws
+            materialize(target, self.root_device, not getattr(self.lightning_module, "loads_pretrained", False))
         lightning_compat.materialize_distributed_module(self.model, self.root_device)  # anything else still on meta
         # Pretrained weights go in after materialisation, shard by shard (the module knows its checkpoint).
         load = getattr(self.lightning_module, "load_sharded_weights", None)

@@ -141,11 +141,14 @@ def _fallback_reason(module, query: Tensor, dropout: float, scaling, softcap, sl
         return "no_scale"
     if kernels.forced_kernel() == "reference":
         return None  # tests run the exact dispatch code on the CPU reference, any float dtype
-    if query.dtype not in _config.dtypes:
-        return "dtype"
-    if not kernels.cute_supports(query):
-        return "kernel_unavailable"
-    return None
+    reason = "dtype" if query.dtype not in _config.dtypes else None
+    if reason is None and not kernels.cute_supports(query):
+        reason = "kernel_unavailable"
+    if reason is not None and kernels.forced_kernel() == "cutedsl":  # forced: no silent sdpa in its place
+        raise RuntimeError(f"force_kernel('cutedsl') but FFPA cannot take this call ({query.dtype} on "
+                           f"{query.device.type}): {_REASON_TEXT[reason].removesuffix(' -> sdpa')}; "
+                           f"{kernels.ffpa_unavailable_reason() or 'unsupported device or dtype'}")
+    return reason
 
 
 _REASON_TEXT = {

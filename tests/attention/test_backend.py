@@ -239,3 +239,11 @@ def test_packed_documents_refuse_a_model_mask_overlay():
     docs = PackedDocuments.from_document_ids(torch.tensor([[0, 0, 0, 1, 1, 1]]))
     with force_kernel("reference"), pytest.raises(NotImplementedError, match="overlay"):
         _route(q, k, v, overlay, documents=docs)
+
+
+def test_forced_cutedsl_refuses_a_call_it_cannot_take():
+    """`force_kernel("cutedsl")` is the loud mode: an fp32 or CPU call raises instead of running SDPA."""
+    q, k, v = qkv()
+    with force_kernel("cutedsl"), pytest.raises(RuntimeError, match=r"force_kernel\('cutedsl'\) but FFPA cannot"):
+        ffpa_attention_forward(Attn(), q, k, v, None, scaling=512**-0.5)
+    assert backend.dispatch_counts()["sdpa"] == 0

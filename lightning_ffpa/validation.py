@@ -14,6 +14,7 @@ for LightningCLI subclasses (`class FFPACLI(PreflightCLIMixin, LightningCLI)`).
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import zipfile
@@ -191,6 +192,12 @@ def check_attention_trains_here(trainer: Any, model: Any) -> None:
                           "FlexAttention has no CPU backward); use 'sdpa', 'eager' or 'ffpa'")
 
 
+def _data_option(datamodule: Any, *names: str) -> str:
+    """The first of `names` that the data module's class takes, as the CLI spells it."""
+    params = inspect.signature(type(datamodule).__init__).parameters
+    return "data.init_args." + next((n for n in names if n in params), names[0])
+
+
 def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> None:
     """Mesh sizes vs world size, sequence length vs CP, and the direct ffpa backend vs CP and packing.
 
@@ -214,8 +221,8 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
                          f"{world} (trainer.devices x trainer.num_nodes)")
     seq = getattr(datamodule, "max_seq_length", None)
     if cp > 1 and seq is not None and seq % (2 * cp):
-        raise ValueError(f"`data.max_seq_length={seq}` must be divisible by 2 x context_parallel_size = {2 * cp} "
-                         "(each sequence is cut into 2·cp load-balanced chunks)")
+        raise ValueError(f"`{_data_option(datamodule, 'max_seq_length', 'seq_length')}={seq}` must be divisible by "
+                         f"2 x context_parallel_size = {2 * cp} (each sequence is cut into 2·cp load-balanced chunks)")
     pad = getattr(datamodule, "pad_to_multiple_of", None)
     if cp > 1 and not getattr(datamodule, "pack", False) and isinstance(pad, int) and pad % (2 * cp):
         raise ValueError(f"`data.pad_to_multiple_of={pad}` must be a multiple of 2 x context_parallel_size = "

@@ -293,8 +293,9 @@ class FSDP2Strategy(ModelParallelStrategy):
     def check_activation_offload(self) -> None:
         """`activation_offload` needs the devices it offloads from (the CLI's pre-flight runs this too)."""
         if self._offload is not None and self.root_device.type != self._offload.device_type:
-            raise ValueError(f"`activation_offload=True` moves saved activations from {self._offload.device_type} "
-                             f"devices to host memory; this run's device is {self.root_device.type}")
+            raise ValueError(f"`trainer.strategy.init_args.activation_offload=True` moves saved activations from "
+                             f"{self._offload.device_type} devices to host memory; this run's device is "
+                             f"{self.root_device.type}")
 
     @property
     def compile_layers(self) -> bool:

@@ -192,7 +192,7 @@ def test_the_offload_row_is_the_recipe_with_full_ac_and_activation_offload(tmp_p
     cli = build(words, run=False)
     assert cli.trainer.strategy.activation_offload and cli.trainer.strategy.activation_checkpointing == "full"
     assert cli.model.hparams.loss_chunk_size == 1024
-    with pytest.raises(ValueError, match="`activation_offload=True` moves saved activations from cuda"):
+    with pytest.raises(ValueError, match="`trainer.strategy.init_args.activation_offload=True` moves saved activations from cuda"):
         preflight(cli.trainer, cli.model, cli.datamodule, None)
 
 

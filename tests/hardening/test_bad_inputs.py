@@ -134,7 +134,7 @@ CASES = [
                  R("model.attn_implementation")),
     pytest.param("seq length not divisible by 2*cp", {**_strategy(context_parallel_size=2),
                  "trainer": {"devices": 2}, "data": {"seq_length": 30}}, [], None,
-                 R("data.max_seq_length=30")),
+                 R("data.init_args.seq_length=30")),  # MockDataModule's own option name
     ("reward function import path that does not resolve",
      {"callbacks": [{"class_path": "lightning_ffpa.callbacks.rollout.RolloutCallback",
                      "init_args": {"reward_funcs": ["no_such_module.reward"]}}]}, [], None, P("reward_funcs")),

@@ -89,7 +89,7 @@ def test_offload_on_a_cpu_run_is_refused_before_the_process_group_starts():
 
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(activation_offload=True), max_steps=1,
                         logger=False, enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(ValueError, match="`activation_offload=True` moves saved activations from cuda"):
+    with pytest.raises(ValueError, match="`trainer.strategy.init_args.activation_offload=True` moves saved activations from cuda"):
         trainer.fit(Plain(), torch.utils.data.DataLoader(torch.randn(4, 2)))
     assert not dist.is_initialized()
 

@@ -207,7 +207,7 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     target = parse_dtype("--dtype", dtype, allow_auto=False, allow_none=True)  # checked before any file is written
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"`out_dir={str(out)!r}` exists and is not empty; choose a new folder")
+        raise FileExistsError(f"`out={str(out)!r}` exists and is not empty; choose a new folder")
     # the cheap option checks come before the checkpoint is read
     blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:

@@ -113,7 +113,7 @@ ROWS = [
     (f"{E} /nonexistent/last.ckpt out", "ckpt"),
     (f"{E} garbage.ckpt out", "ckpt"),
     (f"{E} fake.ckpt afile/sub", "out"),
-    (f"{E} fake.ckpt nonempty", "out_dir"),
+    (f"{E} fake.ckpt nonempty", "`out='nonempty'`"),  # the argument's name
     (f"{E} fake.ckpt out --dtype float64", "--dtype"),
     (f"{E} fake.ckpt out --max-shard-size lots", "--max_shard_size"),  # named as --help spells it
     (f"{E} fake.ckpt out --config /nonexistent", "--config"),

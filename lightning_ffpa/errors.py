@@ -29,6 +29,7 @@ from typing import Any
 
 EXIT_OK = 0
 EXIT_USAGE = 2
+EXIT_DIVERGED = 3  # training stopped on non-finite values: an outcome of the run, neither the input nor a bug
 EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM (143)
 DEBUG_ENV = "LIGHTNING_FFPA_DEBUG"
 
@@ -42,6 +43,10 @@ class ConfigError(ValueError):
 
 
 NOT_GIVEN = object()  # a ConfigError whose value the error does not carry (a key of a config file)
+
+
+class TrainingDiverged(FloatingPointError):
+    """A run stopped because its loss, gradients or weights became non-finite (NonFiniteGuard)."""
 
 
 class CheckpointError(ValueError):
@@ -296,7 +301,8 @@ def release_stderr(replay: bool = True) -> None:
 
 def console_entry(body: Callable[[list[str]], Any], user_errors: tuple[type[BaseException], ...] = (),
                   argv: list[str] | None = None, hold: bool = True) -> int:
-    """Run `body(argv)` for a console script; return the exit code (0, or 2 for a user's mistake).
+    """Run `body(argv)` for a console script; return the exit code (0, 2 for a user's mistake, 3 for a diverged
+    run: `TrainingDiverged`, one line).
 
     `user_errors` adds exception types (beyond ConfigError, InputError, argparse errors and the common OS
     errors on user paths) that are the user's mistake rather than a bug. With `hold`, stderr is held back
@@ -320,6 +326,12 @@ def console_entry(body: Callable[[list[str]], Any], user_errors: tuple[type[Base
             traceback.print_exc()
         print(f"error: {line}", file=sys.stderr)
         return EXIT_USAGE
+    except TrainingDiverged as err:
+        release_stderr()
+        if debug:
+            traceback.print_exc()
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return EXIT_DIVERGED
     except OSError as err:
         release_stderr()
         if err.errno != errno.ENOSPC or debug:  # no space left on device is the user's disk, not a bug

@@ -18,6 +18,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_ffpa.errors import TrainingDiverged
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # DTensor shard under FSDP2
@@ -48,7 +50,8 @@ class NonFiniteGuard(pl.Callback):
                  check_grads: bool = True) -> None:
         """
         Args:
-            action: `stop` raises FloatingPointError before the update; `skip` drops that step's update.
+            action: `stop` raises TrainingDiverged (a FloatingPointError; `lightning-ffpa` exits 3) before the
+                update; `skip` drops that step's update.
             max_consecutive_skips: with `skip`, stop after this many non-finite steps in a row (diverged).
             check_grads: also check every gradient before the optimizer step (catches inf grads of a finite loss).
         """
@@ -93,7 +96,7 @@ class NonFiniteGuard(pl.Callback):
             reason = ("NonFiniteGuard(action='stop')" if self.action == "stop" else
                       f"{self._consecutive + 1} non-finite steps in a row (max_consecutive_skips="
                       f"{self.max_consecutive_skips})")
-            raise FloatingPointError(f"non-finite {what} {where}; stopped by {reason} before the update. "
+            raise TrainingDiverged(f"non-finite {what} {where}; stopped by {reason} before the update. "
                                      f"Last good checkpoint: {last or 'none written yet'}")
         self._consecutive += 1
         self.num_skipped += 1
@@ -107,7 +110,7 @@ class NonFiniteGuard(pl.Callback):
         (bad_count,) = self._agree(trainer, count_nonfinite([t for _, t in params], device).reshape(1))
         if bad_count:
             bad = [n for n, t in params if not bool(torch.isfinite(t).all())]  # names, on the failing path only
-            raise FloatingPointError(
+            raise TrainingDiverged(
                 f"NonFiniteGuard: refusing to write a checkpoint at step {trainer.global_step}: non-finite weights "
                 f"in {bad[:5] or 'another rank'}{'...' if len(bad) > 5 else ''}; the previous checkpoints are kept "
                 "as they are"

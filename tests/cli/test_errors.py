@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from lightning_ffpa import cli
-from lightning_ffpa.errors import DEBUG_ENV, ConfigError, InputError, console_entry, describe_parse_error
+from lightning_ffpa.errors import (
+    DEBUG_ENV,
+    ConfigError,
+    InputError,
+    TrainingDiverged,
+    console_entry,
+    describe_parse_error,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,6 +76,17 @@ def test_disk_full_is_a_user_error(capfd):
     err = OSError(errno.ENOSPC, "No space left on device", "/ckpt/last.ckpt")
     assert console_entry(_raises(err), argv=[]) == 2
     assert capfd.readouterr().err == "error: no space left on device: /ckpt/last.ckpt\n"
+
+
+def test_a_diverged_run_is_one_line_and_exit_3(capfd):
+    def body(argv):
+        print("progress bar", file=sys.stderr, flush=True)
+        raise TrainingDiverged("non-finite loss nan at step 3 (epoch 0); stopped by NonFiniteGuard(action='stop') "
+                               "before the update. Last good checkpoint: none written yet")
+
+    assert console_entry(body, argv=[]) == 3
+    lines = capfd.readouterr().err.splitlines()
+    assert lines[-1].startswith("error: non-finite loss nan at step 3") and "Traceback" not in "".join(lines)
 
 
 def test_body_int_is_the_exit_code():

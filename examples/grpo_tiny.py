@@ -7,7 +7,7 @@ write group-normalised advantages into the batch). What is yours: the reward fun
 signature, so TRL reward functions plug in unchanged; in YAML it is a dotted import path.
 
     python examples/grpo_tiny.py                    # tiny random Gemma4, CPU, LoRA rank 8
-    python examples/grpo_tiny.py --steps 30         # watch rollout/reward rise
+    python examples/grpo_tiny.py --steps 30         # longer; at this size its reward stays noisy
 The same run from YAML: `lightning-ffpa fit --config configs/tiny_grpo.yaml` (GPU: configs/gemma4_grpo.yaml).
 """
 

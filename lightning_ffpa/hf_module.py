@@ -38,7 +38,7 @@ from lightning_ffpa._compat.transformers import (  # noqa: F401 - text_config re
 )
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.errors import CheckpointError, ConfigError
-from lightning_ffpa.lora import PEFT_LEVEL, apply_lora, lora_hparam, unwrap_peft
+from lightning_ffpa.lora import PEFT_LEVEL, apply_lora, check_targets_given, lora_hparam, unwrap_peft
 from lightning_ffpa.presets import (
     build_text_config,
     check_experts,
@@ -118,6 +118,7 @@ class HFModule(L.LightningModule):
         if self.model_class_name not in _MODEL_CLASSES:
             raise ConfigError("model.model_class", self.model_class_name, f"must be one of {sorted(_MODEL_CLASSES)}")
         self.config = self._load_config()
+        check_targets_given(hp["lora"], self.config.model_type)
         self.model: PreTrainedModel | None = None
 
     @property

@@ -22,7 +22,8 @@ from torch import nn
 
 from lightning_ffpa.errors import ConfigError
 
-__all__ = ["LoraSpec", "lora_hparam", "apply_lora", "unwrap_peft", "PEFT_PREFIX", "hf_name", "merged_weight"]
+__all__ = ["LoraSpec", "lora_hparam", "check_targets_given", "apply_lora", "unwrap_peft", "PEFT_PREFIX", "hf_name",
+           "merged_weight"]
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> HF model
 # Levels peft puts inside a wrapped module: a LoRA layer's `base_layer`, a `modules_to_save` module's copies.
@@ -92,6 +93,16 @@ def lora_hparam(value: LoraSpec | dict[str, Any] | None, option: str = "model.lo
         if name != "r" and v != field.default:
             plain[name] = list(v) if isinstance(v, tuple) else v
     return plain
+
+
+def check_targets_given(lora: dict[str, Any] | None, model_type: str, option: str = "model.lora") -> None:
+    """Refuse LoRA without `target_modules` where peft has no default for the model type (the text-only
+    `gemma4_text` of a CausalLM): peft would fail only when the model is built, after the run folder exists."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    if lora and lora.get("target_modules") is None and model_type not in PEFT_DEFAULTS:
+        raise ConfigError(f"{option}.target_modules", None, f"must be set: peft has no default modules for "
+                          f"{model_type!r}; set it, e.g. [q_proj, v_proj] or all-linear")
 
 
 def apply_lora(model: nn.Module, lora: dict[str, Any], option: str = "model.lora") -> nn.Module:

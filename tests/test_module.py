@@ -134,12 +134,17 @@ def test_bad_input_names_the_option(kwargs, option):
         ({"lora": {"r": 0}}, "model.lora.r"),
         ({"lora": {"r": 4, "lora_alpha": 0}}, "model.lora.lora_alpha"),
         ({"lora": {"r": 4, "lora_dropout": 1.0}}, "model.lora.lora_dropout"),
+        ({"lora": {"r": 4}}, "model.lora.target_modules"),  # CausalLM: peft has no default for gemma4_text
         ({"dtype": "bf17"}, "model.dtype"),
     ],
 )
 def test_out_of_range_options_are_config_errors(kwargs, option):
     with pytest.raises(ConfigError, match=f"^`{option.replace('.', '[.]')}="):
         Gemma4LM(**kwargs)
+
+
+def test_lora_without_targets_is_kept_where_peft_has_a_default():
+    Gemma4LM(preset="tiny", model_class="conditional_generation", lora={"r": 4})  # peft's gemma4 default
 
 
 @pytest.mark.parametrize("pretrained", [False, True])

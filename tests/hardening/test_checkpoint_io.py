@@ -1,4 +1,5 @@
-"""Plain-file checkpoints on one CPU process: atomic writes, disk pre-flight, retention, async, dangling `last`.
+"""Plain-file checkpoints on one CPU process: atomic writes, disk pre-flight, retention, async, dangling `last`,
+the shipped recipes' `last.ckpt` across resumes.
 
 A small Lightning demo model keeps each fit to a second or two; what is tested is the checkpoint plumbing
 (`lightning_ffpa.checkpoint`), which does not depend on the model.
@@ -15,6 +16,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
@@ -23,6 +25,8 @@ from lightning_ffpa.checkpoint import AtomicCheckpointIO
 from lightning_ffpa.checkpoint import atomic as atomic_mod
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.validation import CheckpointError, check_no_dangling_last
+
+RECIPES = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _trainer(root: Path, max_steps: int, io=None, **ckpt) -> tuple[L.Trainer, ModelCheckpoint]:
@@ -172,3 +176,36 @@ def test_a_dcp_folder_needs_a_sharding_strategy(tmp_path):
         check_strategy_loads(single, folder)
     check_strategy_loads(SimpleNamespace(strategy=FSDP2Strategy()), folder)
     check_strategy_loads(single, None)
+
+
+@pytest.mark.parametrize("recipe", ["tiny.yaml", "gemma4_ffpa.yaml"])
+def test_a_resumed_recipe_keeps_writing_last_ckpt(tmp_path, recipe, record_property):
+    """A resumed run re-points or replaces `last.ckpt`, never starts a `last-v1.ckpt` beside a stale one.
+
+    The state saved in the first top-k checkpoint predates its `last` link, so a run resumed from it (through
+    `last`, by path, or after a requeue) did not know `last.ckpt` was its own and wrote `last-v1.ckpt`.
+    """
+    recipe_cfg = yaml.safe_load((RECIPES / recipe).read_text())
+    args = next(c["init_args"] for c in recipe_cfg["trainer"]["callbacks"]
+                if c["class_path"].endswith(".ModelCheckpoint"))
+    folder = tmp_path / "ckpt"
+
+    def fit(max_steps: int, ckpt_path: str | None = None) -> None:
+        cb = ModelCheckpoint(dirpath=folder, **{**args, "every_n_train_steps": 2})
+        trainer = L.Trainer(default_root_dir=tmp_path, max_steps=max_steps, accelerator="cpu", logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                            callbacks=[cb], plugins=[AtomicCheckpointIO()])
+        trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+
+    last = folder / "last.ckpt"
+    fit(2)
+    assert os.readlink(last) == "epoch=0-step=2.ckpt"
+    fit(3, "last")  # no top-k save at step 3: `last` becomes a full file (Lightning's documented fallback)
+    record_property("hardening", "checkpoint")
+    record_property("case", f"{recipe}: a resumed run keeps writing last.ckpt, never last-v1.ckpt")
+    assert _names(folder) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    assert not last.is_symlink() and torch.load(last, weights_only=True)["global_step"] == 3
+    fit(4, "last")  # resumes at step 3 (the newest state), saves step 4 and links `last` to it
+    step4 = [n for n in _names(folder) if n.endswith("-step=4.ckpt")]
+    assert _names(folder) == sorted(["epoch=0-step=2.ckpt", *step4, "last.ckpt"]) and len(step4) == 1
+    assert os.readlink(last) == step4[0] and torch.load(last, weights_only=True)["global_step"] == 4

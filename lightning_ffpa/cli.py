@@ -28,6 +28,7 @@ from lightning_ffpa import recipes
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa.errors import (
     EXIT_TERMINATED,
+    NOT_GIVEN,
     ConfigError,
     InputError,
     causes,
@@ -91,6 +92,45 @@ def check_strategy_options(strategy: Any) -> None:
             cls(**dict(vars(strategy.get("init_args") or {})))
         except ValueError as err:
             raise InputError(f"trainer.strategy: {err}") from None
+
+
+# Lightning's words for an accelerator this machine lacks; "gpu" gets its own hint (a GPU recipe on CPU).
+_NO_ACCELERATOR = ("No supported gpu backend found", "can not run on your system since the accelerator is not available")
+
+
+def accelerator_error(accelerator: Any, err: BaseException) -> ConfigError | None:
+    """Lightning's "accelerator not available" error as a ConfigError naming `trainer.accelerator` (else None)."""
+    text = one_line(err)
+    if not any(words in text for words in _NO_ACCELERATOR):
+        return None
+    if "No supported gpu backend found" in text:
+        text = (f"no CUDA device found (Lightning: {text}); on a CPU machine use --trainer.accelerator cpu "
+                "(or a tiny recipe)")
+    return ConfigError("trainer.accelerator", accelerator, text)
+
+
+def check_cluster_layout(trainer: L.Trainer) -> None:
+    """The cluster's task layout (SLURM, torchrun) vs `trainer.devices` / `trainer.num_nodes`, the check
+    Lightning's subprocess launcher makes at launch, made before the run starts: there it is a traceback."""
+    launcher = getattr(trainer.strategy, "launcher", None)
+    env = getattr(launcher, "cluster_environment", None)  # launchers that check the layout carry it
+    if env is None:
+        return
+    try:
+        env.validate_settings(num_devices=launcher.num_processes, num_nodes=launcher.num_nodes)
+    except ValueError as err:
+        option = "trainer.num_nodes" if "num_nodes" in str(err) else "trainer.devices"
+        raise ConfigError(option, NOT_GIVEN, one_line(err)) from None
+
+
+def check_run_dir_free(trainer: L.Trainer) -> None:
+    """Refuse a fit into a run directory another fit holds (RunLock's own check) before the logger writes its
+    version folder there; RunLock takes the lock only in `setup`, after that folder exists."""
+    from lightning_ffpa.checkpoint import RunLock
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, RunLock):
+            callback.check_free(trainer.default_root_dir)
 
 
 @contextmanager
@@ -158,8 +198,13 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             return super().instantiate_trainer(**kwargs)
         except TypeError as err:  # Lightning reports some bad values as TypeError (e.g. `devices=-2`)
             raise InputError(one_line(err)) from err
+        except MisconfigurationException as err:
+            if (named := accelerator_error(options.get("accelerator"), err)) is not None:
+                raise named from None
+            raise
 
     def _ready(self) -> None:
+        check_cluster_layout(self.trainer)
         if self._on_ready is not None:
             self._on_ready(self.trainer)
 
@@ -167,6 +212,7 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         """Pre-flight checks (checkpoint, LoRA targets, vocab, layout) before any model is built."""
         with _as_user_errors():
             super().before_fit()
+        check_run_dir_free(self.trainer)
         self._ready()
 
     def after_fit(self) -> None:

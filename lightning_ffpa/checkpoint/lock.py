@@ -107,6 +107,14 @@ class RunLock(pl.Callback):
         return (f"another fit (pid {pid} on host {host}) may be writing into it; if that run is dead, "
                 "delete the lock file")
 
+    def check_free(self, root: str | os.PathLike) -> None:
+        """Raise the one-line error `setup` would raise if another fit holds `root`, without taking the lock: the
+        CLI asks before `fit` starts, since the logger writes its version folder into `root` before `setup`."""
+        path = Path(root) / LOCK_NAME
+        reason = self._held_by_other(_read(path))
+        if reason is not None:
+            raise ConfigError(OPTION, str(root), f"{reason}; lock file {path}")
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Take the lock on rank 0 at fit start; every rank raises the same one-line error if it is held."""
         if stage != "fit":

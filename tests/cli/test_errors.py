@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
+import socket
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lightning_ffpa import cli
+from lightning_ffpa.checkpoint.lock import LOCK_NAME
 from lightning_ffpa.errors import (
     DEBUG_ENV,
     ConfigError,
@@ -137,3 +142,35 @@ def test_trainer_ranges_lightning_does_not_check():
         cli.check_trainer_options({"val_check_interval": 0})
     cli.check_trainer_options({"accumulate_grad_batches": 1, "val_check_interval": 0.5, "gradient_clip_val": None,
                                "num_sanity_val_steps": -1})
+
+
+SLURM_8_TASKS = dict(SLURM_JOB_ID="1", SLURM_JOB_NAME="x", SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="8",
+                     SLURM_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", SLURM_PROCID="0", SLURM_LOCALID="0",
+                     SLURM_NODEID="0")
+
+
+def test_a_slurm_task_count_that_differs_from_devices_names_trainer_devices(monkeypatch):
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    for key, value in SLURM_8_TASKS.items():
+        monkeypatch.setenv(key, value)
+    launcher = SimpleNamespace(cluster_environment=SLURMEnvironment(), num_processes=4, num_nodes=1)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=launcher))
+    with pytest.raises(ConfigError, match=r"^`trainer.devices`: You set `devices=4` .* HINT: Set `devices=8`"):
+        cli.check_cluster_layout(trainer)
+    launcher.num_processes = 8
+    cli.check_cluster_layout(trainer)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_gpu_recipe_on_a_cpu_machine_names_trainer_accelerator():
+    with pytest.raises(ConfigError, match=r"^`trainer.accelerator='gpu'`: no CUDA device found .*accelerator cpu"):
+        cli.build(["--config", "tiny", "--trainer.accelerator", "gpu"], run=False)
+
+
+def test_a_locked_run_directory_is_refused_before_the_logger_writes(tmp_path):
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))  # alive
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(ConfigError, match=r"^`trainer.default_root_dir=.*`: another fit \(pid \d+ on this host\)"):
+        cli.build(["fit", "--config", "tiny", "--trainer.default_root_dir", str(tmp_path), "--trainer.max_steps", "1"])
+    assert sorted(tmp_path.rglob("*")) == before  # no lightning_logs/version_N in the locked run

@@ -45,7 +45,7 @@ COMMANDS = ("recipes", "cp")  # handled before LightningCLI, which owns fit/vali
 DESCRIPTION = ("Train Hugging Face Gemma4 with Lightning from YAML configs. `--config` takes a file or a "
                "packaged recipe name (`lightning-ffpa recipes` lists them; `lightning-ffpa cp NAME DEST` copies "
                "one out for editing). Exit code 0 on success, 2 on a bad input (one `error:` line; add --debug "
-               "for the traceback).")
+               "for the traceback), 3 when NonFiniteGuard stops a diverged fit.")
 
 # Trainer options Lightning accepts but fails on mid-run (e.g. accumulate_grad_batches=0 divides by zero at
 # the first step): the smallest value that works.

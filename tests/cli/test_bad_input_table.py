@@ -71,7 +71,8 @@ ROWS = [
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.context_parallel_size 0",
      "context_parallel_size"),
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.replicate_frozen true "
-     "--trainer.strategy.param_dtype bf16 --model.init_args.lora '{r: 2, lora_alpha: 4}'", "replicate_frozen"),
+     "--trainer.strategy.param_dtype bf16 --model.init_args.lora '{r: 2, lora_alpha: 4, target_modules: [q_proj]}'",
+     "replicate_frozen"),
     # nested init args of a class held in a Union with `str` (Trainer.strategy): the class's own error, not `str`'s
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.init_args.compile maybe",
      "`trainer.strategy.init_args.compile='maybe'`: expected bool"),

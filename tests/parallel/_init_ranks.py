@@ -26,7 +26,7 @@ def sharded_build() -> tuple[dict[str, torch.Tensor], list[str]]:
                         strategy=FSDP2Strategy(activation_checkpointing="none", param_dtype="fp32"),
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     module = Gemma4LM(**OPTIONS)
-    torch.manual_seed(0)
+    L.seed_everything(0, verbose=False)  # also the seed Lightning's set-up re-applies (PL_GLOBAL_SEED)
     trainer.fit(module, DataLoader([torch.zeros(8, dtype=torch.long)]))
     params = dict(module.model.named_parameters())
     sharded = [n for n, p in params.items() if hasattr(p, "device_mesh") and p.to_local().shape != p.shape]
@@ -37,7 +37,7 @@ def sharded_build() -> tuple[dict[str, torch.Tensor], list[str]]:
 def one_process_build() -> dict[str, torch.Tensor]:
     """The same model built and initialised by the same functions, unsharded."""
     module = Gemma4LM(**OPTIONS)
-    torch.manual_seed(0)
+    L.seed_everything(0, verbose=False)  # also the seed Lightning's set-up re-applies (PL_GLOBAL_SEED)
     module.model = module.build_model(device="meta")
     materialize(module.model, torch.device("cpu"))
     module._needs_weight_init = True  # as `configure_model` leaves it under FSDP2Strategy

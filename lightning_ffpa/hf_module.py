@@ -262,7 +262,7 @@ class HFModule(L.LightningModule):
         """
         if not getattr(self, "_needs_weight_init", False):
             return
-        if self.hparams.get("pretrained") is not None:
+        if self.loads_pretrained:
             self._load_pretrained_into_shards()
         if self.hparams.get("lora"):
             self._reset_lora_adapters(self.hparams.lora.get("init_lora_weights", True))

@@ -79,13 +79,17 @@ def _cpu() -> str:
     return f"{torch.backends.cpu.get_cpu_capability()} / {model}"
 
 
+# Closest two processors seen apart with no code change: 0.0078 (two CI machines), 0.011 (torch's non-vector
+# kernels, ATEN_CPU_CAPABILITY=default); a real change moves the curve further (the val split by document: 0.12).
+OTHER_CPU_TOLERANCE = 0.03
+
+
 def test_tiny_loss_curve_matches_golden(tiny_losses):
     """Loss-affecting changes must update tests/assets/tiny_loss_curve.json deliberately:
     LIGHTNING_FFPA_UPDATE_GOLDEN=1 pytest tests/test_cli.py -k golden (it replaces this CPU's curve).
 
-    CPU kernels differ across processors (up to 0.008 here between two CI machines, with no code change), so
-    the file keeps one curve per CPU it was made on, and the run must match one of them tightly; a real
-    change moves the curve by far more."""
+    CPU kernels differ across processors, so the file keeps one curve per CPU it was made on: a run on one of
+    those CPUs must match its curve tightly; on another CPU, the nearest curve within OTHER_CPU_TOLERANCE."""
     import torch
     import transformers
 
@@ -97,8 +101,10 @@ def test_tiny_loss_curve_matches_golden(tiny_losses):
                   "curves": [*curves, {"cpu": _cpu(), "versions": versions, "loss": tiny_losses}]}
         GOLDEN.write_text(json.dumps(record, indent=1))
     # A torch or transformers release can move it too: each curve records the versions it was made with.
-    close = [c for c in record["curves"] if tiny_losses == pytest.approx(c["loss"], abs=2e-3)]
-    assert close, {"this cpu": _cpu(), "losses": tiny_losses,
+    mine = [c for c in record["curves"] if c["cpu"] == _cpu()]
+    tolerance = 2e-3 if mine else OTHER_CPU_TOLERANCE
+    close = [c for c in mine or record["curves"] if tiny_losses == pytest.approx(c["loss"], abs=tolerance)]
+    assert close, {"this cpu": _cpu(), "tolerance": tolerance, "losses": tiny_losses,
                    "curves": [{k: c[k] for k in ("cpu", "versions")} for c in record["curves"]]}
 
 

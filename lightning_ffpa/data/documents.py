@@ -26,10 +26,12 @@ GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 @dataclass
 class Document:
-    """One tokenized document: ids and labels of equal length (labels -100 where no loss is taken)."""
+    """One tokenized document (or one window of a long one): ids and labels of equal length (labels -100 where
+    no loss is taken)."""
 
     input_ids: list[int]
     labels: list[int]
+    record: int = 0  # index of the record it came from: the windows of one record stay on one side of a split
 
 
 @dataclass
@@ -60,7 +62,7 @@ def tokenize_records(
     stats = TokenizeStats(num_records=len(records))
     docs: list[Document] = []
     masked = has_generation_marks(tokenizer)
-    for rec in records:
+    for index, rec in enumerate(records):
         if isinstance(rec, str) and not rec.strip():
             stats.num_dropped_empty += 1
             continue
@@ -71,7 +73,7 @@ def tokenize_records(
             stats.num_chat_generation_masked += 1
         else:
             doc = _tokenize_chat(rec, tokenizer, stats)
-        windows = _split(doc, max_seq_length)
+        windows = _split(doc, max_seq_length, index)
         stats.num_split += len(windows) > 1
         for w in windows:
             # labels[0] is never used: the model predicts token t from tokens < t
@@ -141,8 +143,8 @@ def _tokenize_chat(messages: list[dict[str, str]], tokenizer: Any, stats: Tokeni
     return _finish_chat(tokenizer, ids, labels, messages[-1]["role"])
 
 
-def _split(doc: Document, max_len: int) -> list[Document]:
+def _split(doc: Document, max_len: int, record: int) -> list[Document]:
     n = len(doc.input_ids)
     return [
-        Document(doc.input_ids[s : s + max_len], doc.labels[s : s + max_len]) for s in range(0, n, max_len)
+        Document(doc.input_ids[s : s + max_len], doc.labels[s : s + max_len], record) for s in range(0, n, max_len)
     ]

@@ -92,7 +92,7 @@ class TextDataModule(SeededDataModule):
             val_split: The split of `dataset` to validate on; unset holds out `val_fraction` of the training documents.
             text_field: Field of a row holding plain text.
             messages_field: Field of a row holding a chat (a list of {role, content}), rendered by the tokenizer's chat template.
-            val_fraction: Share of training documents held out for validation when there is no val file or split (0: none).
+            val_fraction: Share of training documents held out whole for validation when there is no val file or split (0: none).
             tokenizer: "byte" for the byte-level tokenizer, or a local folder or hub id for `AutoTokenizer`.
             max_seq_length: Longest row in tokens; longer documents are cut into windows of this length.
             batch_size: Rows per batch on each data-parallel rank.
@@ -194,19 +194,20 @@ class TextDataModule(SeededDataModule):
             )
 
     def _split(self, docs: list[Document]) -> tuple[list[Document], list[Document]]:
+        """Hold out `val_fraction` of the records whole: a record cut into windows lands on one side only."""
         if self.val_fraction == 0.0:
             return docs, []
-        num_val = max(1, round(len(docs) * self.val_fraction))
-        if num_val >= len(docs):
+        records = sorted({d.record for d in docs})
+        num_val = max(1, round(len(records) * self.val_fraction))
+        if num_val >= len(records):
             raise ConfigError(
-                option("val_fraction"), self.val_fraction, f"leaves no training document out of {len(docs)}"
+                option("val_fraction"), self.val_fraction, f"leaves no training document out of {len(records)}"
             )
-        order = list(range(len(docs)))
-        random.Random(self.seed).shuffle(order)  # same split on every rank and every run with this seed
-        val_idx = set(order[:num_val])
+        random.Random(self.seed).shuffle(records)  # same split on every rank and every run with this seed
+        val_records = set(records[:num_val])
         return (
-            [d for i, d in enumerate(docs) if i not in val_idx],
-            [d for i, d in enumerate(docs) if i in val_idx],
+            [d for d in docs if d.record not in val_records],
+            [d for d in docs if d.record in val_records],
         )
 
     def _dataset(self, docs: list[Document]) -> TokenDataset:

@@ -25,6 +25,23 @@ def test_txt_documents_split_at_blank_lines(write):
     assert dm.val_dataloader() == []
 
 
+@pytest.mark.parametrize("pack", [False, True])
+def test_val_fraction_holds_out_whole_documents(write, pack):
+    """A document cut into windows is trained on or validated on, never both (its windows would leak)."""
+    letters = "abcdefghijklmnopqrst"
+    text = "\n\n".join(c * (40 + 10 * i) for i, c in enumerate(letters))  # 20 documents, each cut into windows
+    dm = TextDataModule(train_file=write("a.txt", text), val_fraction=0.25, max_seq_length=16, batch_size=1,
+                        pack=pack)
+    dm.setup()
+
+    def letters_in(ds):
+        return {chr(t) for r in _all_rows(ds) for t in r["input_ids"].tolist() if chr(t) in letters}
+
+    train, val = letters_in(dm._train), letters_in(dm._val)
+    assert len(val) == 5 and len(train) == 15 and not train & val
+    assert dm.stats["data.init_args.train_file"]["num_split"] == 20
+
+
 def test_long_documents_split_into_windows(write):
     dm = TextDataModule(train_file=write("a.txt", "x" * 100), val_fraction=0.0, max_seq_length=32, batch_size=1)
     dm.setup()

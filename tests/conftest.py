@@ -1,4 +1,4 @@
-"""Shared test fixtures: the gpu marker gate, and launch variables restored after every test."""
+"""Shared test fixtures: the gpu marker gate, and launch and seed variables restored after every test."""
 
 import os
 
@@ -8,7 +8,9 @@ import torch
 # Set by Lightning's launcher in the process that fits (here: pytest itself, for in-process fits). Left behind,
 # LOCAL_RANK makes a later multi-rank fit started from this process believe its ranks were started outside
 # (`creates_processes_externally`): it spawns no other rank and waits for them forever.
-_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "RANK")
+# PL_GLOBAL_SEED (seed_everything) is re-applied by a later fit's set-up, reseeding a test that seeded itself.
+_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "RANK",
+                "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 @pytest.fixture(autouse=True)

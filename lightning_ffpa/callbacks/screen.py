@@ -66,6 +66,13 @@ class RichStepProgressBar(RichProgressBar):
         steps = {"total": trainer.max_steps, "completed": trainer.global_step} if trainer.max_steps > 0 else {}
         self._set_train_task(trainer, description=_description(trainer), **steps)
 
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """Lightning's, with the logger's version number as text: rich formats every number `.3f` (`v_num: 1.000`)."""
+        items = super().get_metrics(trainer, pl_module)
+        if isinstance(items.get("v_num"), int):
+            items["v_num"] = str(items["v_num"])
+        return items
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

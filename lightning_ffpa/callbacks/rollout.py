@@ -29,6 +29,7 @@ from lightning_ffpa.rollout.engine import GIB, EngineConfig, RolloutEngine, free
 from lightning_ffpa.rollout.kv_cache import pool_bytes
 from lightning_ffpa.rollout.lora_sync import LoraSync
 from lightning_ffpa.rollout.sampler import SamplingParams
+from lightning_ffpa.rollout.seed import rollout_seed, run_seed, seeded
 from lightning_ffpa.rollout.walker import DecoderWalker
 
 OPTION = "RolloutCallback"  # how errors spell this Callback's options: `RolloutCallback.sampling.top_p`
@@ -82,6 +83,7 @@ class RolloutCallback(L.Callback):
         self.sync: LoraSync | None = None
         self.metrics = {k: MeanMetric() for k in ("reward", "completion_length", "refresh_s", "generate_s")}
         self.drift_report: dict[str, str] | None = None
+        self._resumed_seed: int | None = None  # the seed of the checkpoint this fit resumes, if any
 
     # ---- option checks: all before any model is built -------------------------------------------
     def _check_options(self, reward_funcs: list, num_generations: int, eos_token_ids: list[int] | None,
@@ -214,6 +216,26 @@ class RolloutCallback(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._build(trainer, pl_module)
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # After any checkpoint restore (which some strategies do after `on_fit_start` built the copy): the
+        # first rollout samples from the restored policy, frozen weights included.
+        self.sync.refresh(full=True)
+
+    # ---- resume: rollouts are seeded by their place in the run (rollout/seed.py) ------------------
+    @property
+    def seed(self) -> int:
+        """The run seed rollouts derive from: the resumed checkpoint's, else `seed_everything`'s."""
+        return self._resumed_seed if self._resumed_seed is not None else run_seed()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed_seed = state_dict.get("seed")
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._resumed_seed = None  # a later fit without a checkpoint starts from its own seed
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else " ".join(map(str, ids))
 
@@ -230,7 +252,9 @@ class RolloutCallback(L.Callback):
         t1 = time.perf_counter()
         expanded = repeat_groups(prompt_ids, G)
         before = dict(self.engine.stats)
-        seqs = self.engine.generate(expanded, sampling=self.sampling)
+        seed = rollout_seed(self.seed, trainer.current_epoch, batch_idx, trainer.global_step, trainer.global_rank)
+        with seeded(pl_module.device, seed):
+            seqs = self.engine.generate(expanded, sampling=self.sampling)
         t2 = time.perf_counter()
         completion_ids = [s.output for s in seqs]
         extra = {k: repeat_groups(v, G) for k, v in batch.items() if k not in ("prompt_ids", "prompt")}

@@ -299,6 +299,7 @@ class RolloutEngine:
         if generator is not None and self.on_cuda and self.config.cuda_graphs:
             raise ValueError("a custom `generator` cannot drive captured CUDA graphs; seed torch.cuda instead")
         cfg = self.config
+        self.page_table.restart()
         sched = Scheduler(self.page_table, cfg.max_batch_size, cfg.max_prefill_tokens, self.eos_token_ids)
         for i, p in enumerate(prompts):
             sched.add(Sequence(i, list(p), sampling.max_new_tokens))

@@ -70,6 +70,16 @@ class PageTable:
         self._pages[slot] = []
         return slot
 
+    def restart(self) -> None:
+        """With no slot owned, hand out slots and pages again in a fresh table's order (no-op otherwise).
+
+        A generation's page layout, and so the rounding of attention over the pool, then depends on its own
+        sequences, not on earlier generations: a run resumed from a checkpoint samples bit for bit what the
+        uninterrupted run did."""
+        if not self._pages:
+            self._free_pages = list(range(self.num_pages - 1, 0, -1))
+            self._free_slots = list(range(self.num_slots - 1, 0, -1))
+
     # ---- pages --------------------------------------------------------------------------------
     def can_reserve(self, slot: int | None, num_tokens: int) -> bool:
         """Whether `slot` (None: a new slot) can grow to hold `num_tokens` positions."""

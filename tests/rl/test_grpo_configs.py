@@ -27,7 +27,7 @@ def test_bad_reward_path_names_the_option(tmp_path):
     from lightning_ffpa.errors import ConfigError
 
     cfg = yaml.safe_load(next(p for p in CONFIGS if p.name == "tiny_grpo.yaml").read_text())
-    cfg["trainer"]["callbacks"][0]["init_args"]["reward_funcs"] = ["my.rewards.missing"]
+    cfg["trainer"]["callbacks"][-1]["init_args"]["reward_funcs"] = ["my.rewards.missing"]  # RolloutCallback: last
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with pytest.raises(ConfigError) as err:

@@ -149,7 +149,7 @@ def test_yaml_sections_reach_the_typed_configs(tmp_path):
     (rollout,) = [c for c in build(cfg).trainer.callbacks if isinstance(c, RolloutCallback)]
     assert rollout.reward_funcs == [token_range_reward]
     assert rollout.engine_config.page_size == 8 and rollout.sampling.max_new_tokens == 6
-    cfg["trainer"]["callbacks"][0]["init_args"]["sampling"]["max_new_tokens"] = 0
+    cfg["trainer"]["callbacks"][-1]["init_args"]["sampling"]["max_new_tokens"] = 0  # RolloutCallback: last
     with pytest.raises(ValueError) as err:
         build(cfg)
     cause = err.value

@@ -12,6 +12,7 @@ validates its own options, `lightning_ffpa.validation` the ones that span compon
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import warnings
 from argparse import ArgumentError
@@ -41,7 +42,9 @@ from lightning_ffpa.errors import (
 from lightning_ffpa.parallel import close_process_group
 from lightning_ffpa.validation import PreflightCLIMixin, check_strategy_loads
 
-COMMANDS = ("recipes", "cp")  # handled before LightningCLI, which owns fit/validate/test/predict
+# handled before LightningCLI, which owns fit/validate/test/predict: {name: its line in `--help`}
+COMMANDS = {"recipes": "List the packaged recipes (names `--config` takes).",
+            "cp": "Copy a packaged recipe out for editing: cp NAME DEST."}
 DESCRIPTION = ("Train Hugging Face Gemma4 with Lightning from YAML configs. `--config` takes a file or a "
                "packaged recipe name (`lightning-ffpa recipes` lists them; `lightning-ffpa cp NAME DEST` copies "
                "one out for editing). Exit code 0 on success, 2 on a bad input (one `error:` line; add --debug "
@@ -60,9 +63,13 @@ TRAINER_MINIMUMS: dict[str, float] = {
 
 
 def _import_components() -> None:
-    # Importing registers the classes as LightningModule/DataModule subclasses, so short names work too.
+    # Importing registers the classes as LightningModule/DataModule/Callback subclasses, so short names work too
+    # (`--model.help GRPOModule`, `--trainer.callbacks.help RolloutCallback`) with or without a config.
+    import lightning_ffpa.callbacks  # noqa: F401
+    import lightning_ffpa.callbacks.rollout  # noqa: F401
     import lightning_ffpa.data  # noqa: F401
     import lightning_ffpa.module  # noqa: F401
+    import lightning_ffpa.rl.module  # noqa: F401
 
 
 def check_trainer_options(options: dict[str, Any]) -> None:
@@ -96,11 +103,38 @@ def check_strategy_options(strategy: Any) -> None:
 
 # Lightning's words for an accelerator this machine lacks; "gpu" gets its own hint (a GPU recipe on CPU).
 _NO_ACCELERATOR = ("No supported gpu backend found", "can not run on your system since the accelerator is not available")
+_UNKNOWN_ACCELERATOR = re.compile(r"You selected an invalid accelerator name: .*Available names are: (.*?)\.?$")
+
+
+def _unrunnable(accelerator: Any) -> type | None:
+    """The accelerator class Lightning registers under the name `accelerator` if this machine cannot run it."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    if not isinstance(accelerator, str) or accelerator not in AcceleratorRegistry:
+        return None
+    cls = AcceleratorRegistry[accelerator]["accelerator"]
+    return None if cls.is_available() else cls
+
+
+def _runnable() -> str:
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    names = AcceleratorRegistry.available_accelerators()
+    return ", ".join(sorted(n for n in names if AcceleratorRegistry[n]["accelerator"].is_available()))
 
 
 def accelerator_error(accelerator: Any, err: BaseException) -> ConfigError | None:
-    """Lightning's "accelerator not available" error as a ConfigError naming `trainer.accelerator` (else None)."""
+    """Lightning's error for an accelerator it does not know or this machine cannot run, as a ConfigError naming
+    `trainer.accelerator` (else None)."""
     text = one_line(err)
+    if m := _UNKNOWN_ACCELERATOR.search(text):
+        names = ", ".join(sorted(n.strip() for n in m.group(1).split(",")))
+        return ConfigError("trainer.accelerator", accelerator, f"not an accelerator Lightning knows (one of {names})")
+    if isinstance(err, ModuleNotFoundError):  # `tpu` without torch_xla: Lightning's constructor raises it bare
+        if (cls := _unrunnable(accelerator)) is None:
+            return None
+        return ConfigError("trainer.accelerator", accelerator,
+                           f"`{cls.__name__}` can not run on this machine ({text}); available here: {_runnable()}")
     if not any(words in text for words in _NO_ACCELERATOR):
         return None
     if "No supported gpu backend found" in text:
@@ -160,6 +194,14 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         kwargs.setdefault("exit_on_error", False)  # raise, so the console script prints one line (no usage dump)
         return super().init_parser(**kwargs)
 
+    def setup_parser(self, add_subcommands: bool, *args: Any, **kwargs: Any) -> None:  # noqa: D102
+        super().setup_parser(add_subcommands, *args, **kwargs)
+        action = getattr(self.parser, "_subcommands_action", None)  # jsonargparse's, an argparse _SubParsersAction
+        if add_subcommands and action is not None:
+            # `main` runs these before the parser sees them: listed in `--help` only, not parsed
+            for name, text in COMMANDS.items():
+                action._choices_actions.append(action._ChoicesPseudoAction(name, (), text))
+
     def add_arguments_to_parser(self, parser) -> None:  # noqa: D102
         parser.set_defaults({"trainer.log_every_n_steps": 10})
 
@@ -198,7 +240,7 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             return super().instantiate_trainer(**kwargs)
         except TypeError as err:  # Lightning reports some bad values as TypeError (e.g. `devices=-2`)
             raise InputError(one_line(err)) from err
-        except MisconfigurationException as err:
+        except (MisconfigurationException, ModuleNotFoundError, ValueError) as err:
             if (named := accelerator_error(options.get("accelerator"), err)) is not None:
                 raise named from None
             raise

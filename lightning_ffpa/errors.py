@@ -109,8 +109,13 @@ def _is_wrapper(err: BaseException) -> bool:
     return bool(_KEY.match(text) or _CLASS.match(text) or text.startswith((_UNION, "- ")))
 
 
+_IMPORT_PATH = re.compile(r"^(?:Unexpected import path format|Expected a dot import path string): (.*)$")
+
+
 def _readable(reason: str) -> str:
     """jsonargparse's type words as a user reads them."""
+    if (m := _IMPORT_PATH.match(reason.strip())) and ":" in m.group(1):  # a Callable given `module:function`
+        return f"`{m.group(1)}` is the old `module:function` form: write a dotted import path `package.module.function`"
     reason = re.sub(r"Expected a typing\.Literal\[(.*)\]$", r"expected one of \1", reason.strip())
     reason = re.sub(r"Expected a <class '(\w+)'>", r"expected \1", reason)
     return re.sub(r"^Expected a ", "expected ", reason)
@@ -167,7 +172,7 @@ def _class_alternative(text: str, keys: list[str]) -> ConfigError | None:
         else:
             got = _GOT.search(rest)
             reason = _readable(rest[: got.start()] if got else rest.splitlines()[0])
-            value = got.group(1).strip() if got else None
+            value = got.group(1).strip() if got else NOT_GIVEN  # the reason names it (else `=None`)
         return ConfigError(".".join([*prefix, key.group(1)]), value, reason)
     return None
 
@@ -215,7 +220,7 @@ def describe_parse_error(err: BaseException) -> BaseException:
             got = _GOT.search(text)
             reason = _readable(text[: got.start()] if got else one_line(e))
             if keys:
-                return ConfigError(".".join(keys), got.group(1).strip() if got else None, reason)
+                return ConfigError(".".join(keys), got.group(1).strip() if got else NOT_GIVEN, reason)
             return InputError(reason)
     return InputError(one_line(err))
 

@@ -47,7 +47,8 @@ ROWS = [
     (f"{F} --trainer.val_check_interval 0", "trainer.val_check_interval"),
     (f"{F} --trainer.max_steps -5", "max_steps"),
     (f"{F} --trainer.devices 0", "devices"),
-    (f"{F} --trainer.accelerator nope", "accelerator"),
+    (f"{F} --trainer.accelerator nope", "`trainer.accelerator='nope'`: not an accelerator Lightning knows"),
+    (f"{F} --trainer.accelerator tpu", "`trainer.accelerator='tpu'`: `XLAAccelerator` can not run"),  # no torch_xla
     (f"{F} --ckpt_path /nonexistent/last.ckpt", "ckpt_path"),
     (f"{F} --ckpt_path garbage.ckpt", "ckpt_path"),
     (f"{F} --ckpt_path hpc", "ckpt_path"),
@@ -83,6 +84,8 @@ ROWS = [
     ("lightning-ffpa cp tiny afile", "dest"),
     (f"{G} --trainer.callbacks.init_args.num_generations 1", "num_generations"),
     (f"{G} --trainer.callbacks.init_args.reward_funcs=[no_such_module:reward]", "reward_funcs"),
+    (f"{G} --trainer.callbacks.init_args.reward_funcs '[lightning_ffpa.rl.rewards:token_range_reward]'",
+     "reward_funcs`: `lightning_ffpa.rl.rewards:token_range_reward` is the old `module:function` form"),
     (f"{G} --trainer.callbacks.init_args.engine.max_seq_len 4", "engine.max_seq_len"),
     (f"{G} --trainer.callbacks.init_args.engine.page_size 0", "engine.page_size"),
     (f"{G} --trainer.callbacks.init_args.engine.attention sparse", "engine.attention"),

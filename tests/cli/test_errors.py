@@ -174,3 +174,29 @@ def test_a_locked_run_directory_is_refused_before_the_logger_writes(tmp_path):
     with pytest.raises(ConfigError, match=r"^`trainer.default_root_dir=.*`: another fit \(pid \d+ on this host\)"):
         cli.build(["fit", "--config", "tiny", "--trainer.default_root_dir", str(tmp_path), "--trainer.max_steps", "1"])
     assert sorted(tmp_path.rglob("*")) == before  # no lightning_logs/version_N in the locked run
+
+
+@pytest.mark.parametrize("accelerator, reason", [
+    ("tpu", r"`XLAAccelerator` can not run on this machine \(.*torch_xla.*\); available here: cpu"),
+    ("hpu", r"not an accelerator Lightning knows \(one of auto, cpu, cuda, mps, tpu\)"),
+])
+def test_an_accelerator_this_machine_cannot_run_names_trainer_accelerator(accelerator, reason):
+    from lightning.fabric.accelerators.xla import XLAAccelerator
+
+    if torch.cuda.is_available() or XLAAccelerator.is_available():
+        pytest.skip("needs a machine with only a CPU")
+    with pytest.raises(ConfigError, match=rf"^`trainer.accelerator='{accelerator}'`: {reason}$"):
+        cli.build(["--config", "tiny", "--trainer.accelerator", accelerator], run=False)
+
+
+@pytest.mark.parametrize("where", ["command line", "config file"])
+def test_a_reward_function_in_the_old_colon_form_names_reward_funcs_and_the_dotted_form(where, tmp_path):
+    old, new = "lightning_ffpa.rl.rewards:token_range_reward", "lightning_ffpa.rl.rewards.token_range_reward"
+    args = ["--config", "tiny_grpo", "--trainer.callbacks.init_args.reward_funcs", f"[{old}]"]
+    if where == "config file":
+        (tmp_path / "g.yaml").write_text((ROOT / "configs" / "tiny_grpo.yaml").read_text().replace(new, old))
+        args = ["--config", str(tmp_path / "g.yaml")]
+    with pytest.raises(ConfigError) as info:
+        cli.build(args, run=False)
+    assert str(info.value) == (f"`trainer.callbacks.init_args.reward_funcs`: `{old}` is the old `module:function` "
+                               "form: write a dotted import path `package.module.function`")

@@ -6,6 +6,8 @@ Drop-in for an existing Lightning project: the LightningModule only needs its HF
 `input_ids`, `attention_mask`, `completion_mask`, `old_logprobs`, `advantages`, `rewards`.
 It owns the orchestration and the checks of its options (all before any model is built); the engine
 (`rollout/`), LoRA sync, batch layout (`rl/batch.py`), rewards and GRPO math (`rl/`) live in their own files.
+On resume it continues the run: rollouts are seeded by their place in it (`rollout/seed.py`, the run seed kept
+in this Callback's checkpoint state), and the first rollout of a fit copies every weight of the restored policy.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ the requeued job (same command, same SLURM variables) resumes from it and reprod
 
 The job runs `lightning-ffpa fit` with SLURM's variables set, so Lightning selects `SLURMEnvironment`
 (auto_requeue=True); a fake `scontrol` on PATH records the requeue call instead of talking to a cluster.
-One task, and two tasks started the way `srun` starts them (one process per rank, no launcher; FSDP2).
+One task, and two tasks started the way `srun` starts them (one process per rank, no launcher; FSDP2); and the
+GRPO recipe, whose resumed rollouts must sample what the uninterrupted run's did.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import os
 
 import pytest
 import torch
+import yaml
 from _helpers import (
     EVERY,
     MAX_STEPS,
+    REPO,
     read_steps,
     recorder,
     start_fit,
@@ -123,3 +126,35 @@ def test_two_srun_tasks_requeue_at_one_step_and_resume_bitwise(tmp_path, record_
                             "checkpoint, one requeue, auto-resume")
     record_property("data_lost", len(lost))
     assert not lost, f"steps whose (loss, batch) differ from the uninterrupted 2-task run: {lost}"
+
+
+def _grpo(path, root, callbacks: list[dict]):
+    """configs/tiny_grpo.yaml at 6 steps over 8 prompts (an epoch crossed), `callbacks` before RolloutCallback."""
+    cfg = yaml.safe_load((REPO / "configs" / "tiny_grpo.yaml").read_text())
+    cfg["trainer"].update(max_steps=6, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          default_root_dir=str(root))
+    cfg["trainer"]["callbacks"][-1:-1] = callbacks  # RolloutCallback stays last
+    cfg["trainer"]["callbacks"][-1]["init_args"]["num_generations"] = 4
+    cfg["data"]["init_args"]["num_random_prompts"] = 8
+    return write_config(path, cfg)
+
+
+@pytest.mark.timeout(240)
+def test_grpo_requeue_resumes_the_rollouts_bitwise(tmp_path, record_property):
+    """tiny_grpo.yaml with DeferredRequeue: SIGUSR1 during step 4, HPC checkpoint, requeue, and the requeued job
+    repeats the uninterrupted run's losses and sampled batches (prompts + completions) bit for bit."""
+    env, job = _slurm_env(tmp_path), tmp_path / "job"
+    reference, first, again = (tmp_path / f"{n}.log" for n in ("reference", "first", "again"))
+    wait_ok(start_fit(_grpo(tmp_path / "reference.yaml", tmp_path / "ref", [recorder(reference)])))
+    wait_ok(start_fit(_grpo(tmp_path / "first.yaml", job, [recorder(first, signal_at=4), DEFERRED]), env=env))
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    assert torch.load(job / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=False)["global_step"] == 4
+    wait_ok(start_fit(_grpo(tmp_path / "again.yaml", job, [recorder(again), DEFERRED]), env=env))
+    want, before, after = read_steps(reference), read_steps(first), read_steps(again)
+    assert sorted(before) == [1, 2, 3, 4] and sorted(after) == [5, 6]
+    lost = [s for s in want if {**before, **after}.get(s) != want[s]]
+    record_property("hardening", "fault")
+    record_property("case", "GRPO (tiny_grpo.yaml), SLURM SIGUSR1 during step 4: hpc checkpoint, requeue, "
+                            "auto-resume with the same rollouts")
+    record_property("data_lost", len(lost))
+    assert not lost, f"steps whose (loss, sampled batch) differ from the uninterrupted run: {lost}"

@@ -31,6 +31,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3  # training stopped on non-finite values: an outcome of the run, neither the input nor a bug
 EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM (143)
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a writer whose reader went away (141)
 DEBUG_ENV = "LIGHTNING_FFPA_DEBUG"
 
 
@@ -337,6 +338,11 @@ def console_entry(body: Callable[[list[str]], Any], user_errors: tuple[type[Base
             traceback.print_exc()
         print(f"error: {one_line(err)}", file=sys.stderr)
         return EXIT_DIVERGED
+    except BrokenPipeError:
+        # the reader of stdout went away (`lightning-ffpa recipes | head -1`): stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # interpreter exit flushes stdout again
+        release_stderr()
+        return EXIT_BROKEN_PIPE
     except OSError as err:
         release_stderr()
         if err.errno != errno.ENOSPC or debug:  # no space left on device is the user's disk, not a bug

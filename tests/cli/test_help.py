@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from lightning_ffpa import cli
@@ -29,3 +31,17 @@ def test_top_level_help_lists_the_commands_beside_lightnings(capfd, monkeypatch)
 ])
 def test_help_takes_a_short_class_name_without_a_config(capfd, key, name, option):
     assert option in _help(capfd, "fit", f"--{key}.help", name)
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`lightning-ffpa recipes | head -1`: the reader leaves early; the tool stops with 141 and no traceback."""
+    import subprocess
+
+    from _console import console_script, env
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write
+    proc = subprocess.run([console_script("lightning-ffpa"), "recipes"], stdout=write, stderr=subprocess.PIPE,
+                          cwd=tmp_path, env=env(), text=True, timeout=120)
+    os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, "")

@@ -196,11 +196,8 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
 
     def setup_parser(self, add_subcommands: bool, *args: Any, **kwargs: Any) -> None:  # noqa: D102
         super().setup_parser(add_subcommands, *args, **kwargs)
-        action = getattr(self.parser, "_subcommands_action", None)  # jsonargparse's, an argparse _SubParsersAction
-        if add_subcommands and action is not None:
-            # `main` runs these before the parser sees them: listed in `--help` only, not parsed
-            for name, text in COMMANDS.items():
-                action._choices_actions.append(action._ChoicesPseudoAction(name, (), text))
+        if add_subcommands:  # `main` runs these before the parser sees them: listed in `--help` only, not parsed
+            lightning_compat.add_help_only_subcommands(self.parser, COMMANDS)
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: D102
         parser.set_defaults({"trainer.log_every_n_steps": 10})

@@ -27,6 +27,7 @@ KNOWN_PRIVATE_ATTRS = frozenset({
     "_accelerator_connector", "_logger_connector", "_checkpoint_connector", "_device_mesh", "_setup_distributed",
     "_data_parallel_size", "_materialize_distributed_module", "_optimizers_to_device", "_attn_implementation",
     "_from_config", "_init_weights", "_global_mapping", "_flatten", "_current_graph_task_id",
+    "_subcommands_action", "_choices_actions", "_ChoicesPseudoAction",  # LightningCLI's parser (jsonargparse)
 })
 REGISTRIES = frozenset({"AttentionInterface", "AttentionMaskInterface", "ALL_MASK_ATTENTION_FUNCTIONS",
                         "ALL_ATTENTION_FUNCTIONS"})

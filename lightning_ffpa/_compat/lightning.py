@@ -18,6 +18,7 @@ from lightning_ffpa._compat.torch import without_wrapper_levels
 
 __all__ = [
     "accumulating",
+    "add_help_only_subcommands",
     "cluster_environment",
     "handler_before_trainer",
     "last_checkpoint_saved",
@@ -185,3 +186,16 @@ def loaded_checkpoint(trainer: Any) -> dict[str, Any] | None:
     connector = getattr(trainer, "_checkpoint_connector", None)
     checkpoint = getattr(connector, "_loaded_checkpoint", None)
     return checkpoint if isinstance(checkpoint, dict) else None
+
+
+def add_help_only_subcommands(parser: Any, commands: dict[str, str]) -> None:
+    """List `commands` ({name: one line}) among a LightningCLI parser's subcommands in `--help` only.
+
+    jsonargparse keeps its argparse `_SubParsersAction` as `_subcommands_action`; argparse prints each
+    `_choices_actions` entry as one line. Without those names the help just lacks the lines."""
+    action = getattr(parser, "_subcommands_action", None)
+    pseudo = getattr(action, "_ChoicesPseudoAction", None)
+    if pseudo is None:
+        return
+    for name, text in commands.items():
+        action._choices_actions.append(pseudo(name, (), text))

@@ -219,9 +219,10 @@ class RolloutCallback(L.Callback):
         self._build(trainer, pl_module)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # After any checkpoint restore (which some strategies do after `on_fit_start` built the copy): the
-        # first rollout samples from the restored policy, frozen weights included.
-        self.sync.refresh(full=True)
+        # A checkpoint restore can come after `on_fit_start` built the copy (FSDP2Strategy's does): the first
+        # rollout samples from the restored policy, frozen weights included. A fresh fit's copy is current.
+        if trainer.ckpt_path is not None:
+            self.sync.refresh(full=True)
 
     # ---- resume: rollouts are seeded by their place in the run (rollout/seed.py) ------------------
     @property

@@ -135,10 +135,22 @@ class SeededDataModule(pl.LightningDataModule):
             return ("trainer.devices", NOT_GIVEN, f"the checkpoint stopped mid-epoch on {ranks}, this run "
                     f"has {num_replicas}: the rest of that epoch cannot be "
                     "re-sharded; resume on the same data-parallel size or from an epoch-end checkpoint")
+        rows = self.num_train_rows()
+        if epoch_samples is not None and rows is not None:
+            per_rank = -(-rows // num_replicas)  # a DistributedSampler's share (padded up, as saved)
+            if per_rank != epoch_samples:
+                return ("data", NOT_GIVEN, f"the training set has {rows} rows now ({per_rank} per data-parallel "
+                        f"rank) but the checkpoint's epoch had {epoch_samples} per rank: the data changed since "
+                        "(file, max_seq_length, packing or the val split), so the rest of that epoch cannot be "
+                        "found; resume with the same data, or from an epoch-end checkpoint")
         if saved_batch is not None and saved_batch != self.batch_size:
             # Lightning resumes the epoch by its count of batches, in the new size: samples would be lost or repeated
             return (option("batch_size"), self.batch_size, f"the checkpoint stopped mid-epoch with batch_size "
                     f"{saved_batch}; resume with that batch size, or from an epoch-end checkpoint")
+        return None
+
+    def num_train_rows(self) -> int | None:
+        """Training rows once the data is read (`setup`), else None; subclasses say where they keep them."""
         return None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

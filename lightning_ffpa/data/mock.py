@@ -73,6 +73,10 @@ class MockDataModule(SeededDataModule):
         """Check the batch size against the training rows (before the model is built)."""
         self.check_batch_size(self.num_samples)
 
+    def num_train_rows(self) -> int:
+        """`num_samples`: the rows exist without reading anything."""
+        return self.num_samples
+
     def train_dataloader(self):
         """Shuffled (seed, epoch) loader over the training rows."""
         ds = MockDataset(self.num_samples, self.seq_length, self.vocab_size, self.seed)

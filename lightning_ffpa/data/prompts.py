@@ -174,6 +174,10 @@ class PromptDataModule(SeededDataModule):
             return None
         return max(len(row["prompt_ids"]) for row in self.dataset_rows.rows)
 
+    def num_train_rows(self) -> int | None:
+        """Prompts once `setup` has read them."""
+        return None if self.dataset_rows is None else len(self.dataset_rows)
+
     def train_dataloader(self) -> DataLoader:
         """Shuffled (seed, epoch) loader over the prompts; resumes mid-epoch like the text data."""
         self.setup()

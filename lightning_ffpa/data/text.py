@@ -193,6 +193,10 @@ class TextDataModule(SeededDataModule):
                 "template, which has no {% generation %} marks; all their tokens are learned (user turns too)"
             )
 
+    def num_train_rows(self) -> int | None:
+        """Training rows (packed rows with `pack`) once `setup` has read the data."""
+        return None if self._train is None else len(self._train)
+
     def _split(self, docs: list[Document]) -> tuple[list[Document], list[Document]]:
         """Hold out `val_fraction` of the records whole: a record cut into windows lands on one side only."""
         if self.val_fraction == 0.0:

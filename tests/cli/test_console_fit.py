@@ -127,6 +127,23 @@ def test_closing_line_says_when_the_checkpoint_is_older_than_the_run(tmp_path):
     assert last.startswith("fit finished at step 10; checkpoint ") and "(step 8: the steps after it are not saved)" in last
 
 
+def test_mid_epoch_resume_on_changed_data_is_refused_by_name(tmp_path):
+    """A mid-epoch checkpoint resumed on data with another row count (here a longer max_seq_length) cannot
+    find the rest of its epoch: one `error:` line naming `data`, exit 2 (it trained on a shifted order)."""
+    config = tmp_path / "c.yaml"
+    config.write_text((ROOT / "configs" / "tiny.yaml").read_text().replace("every_n_train_steps: 100",
+                                                                          "every_n_train_steps: 2"))
+    small = f"--config {config} --data.init_args.batch_size 2 --trainer.limit_val_batches 0 " \
+            f"--trainer.default_root_dir {tmp_path / 'run'}"
+    first = run(f"lightning-ffpa fit {small} --data.init_args.max_seq_length 32 --trainer.max_steps 2", tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    changed = run(f"lightning-ffpa fit {small} --data.init_args.max_seq_length 64 --trainer.max_steps 4 "
+                  "--ckpt_path last", tmp_path)
+    assert changed.returncode == 2, changed.stderr[-2000:]
+    assert changed.stderr.strip().splitlines() == [changed.stderr.strip()], changed.stderr[-2000:]
+    assert changed.stderr.startswith("error: `data`: the training set has "), changed.stderr
+
+
 def test_validate_reports_its_loss_and_refuses_empty_validation_data(tmp_path):
     """`validate` on the tiny recipe prints val/loss and exits 0; with no validation rows it exits 2 with one
     `error:` line naming the options (a validation of nothing exited 0 with no metric)."""

@@ -65,6 +65,11 @@ def test_mock_state_dict_refuses_other_seed():
     with pytest.raises(ValueError, match=r"mid-epoch on 2 data-parallel ranks, this run has 1"):
         MockDataModule(seed=1).load_state_dict({**state, "samples_done": 8, "num_replicas": 2})
     MockDataModule(seed=1).load_state_dict({**state, "num_replicas": 2})
+    # mid-epoch on other data (another row count): the rest of that epoch is not where the checkpoint left it
+    with pytest.raises(ValueError, match=r"^`data`: the training set has 1000 rows now \(1000 per data-parallel "
+                                         r"rank\) but the checkpoint's epoch had 1024 per rank"):
+        MockDataModule(seed=1, num_samples=1000).load_state_dict({**state, "samples_done": 8})
+    MockDataModule(seed=1, num_samples=1000).load_state_dict(state)  # at an epoch boundary it can
 
 
 def test_resumable_sampler_skips_once_and_only_its_epoch():

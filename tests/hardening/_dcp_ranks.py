@@ -142,4 +142,7 @@ def main(out: str, root: str) -> None:
 
 
 if __name__ == "__main__":
+    from lightning_ffpa.parallel import close_process_group
+
     main(sys.argv[1], sys.argv[2])
+    close_process_group()  # as a script with its own Trainer should: no gloo teardown race at exit

@@ -69,5 +69,8 @@ def main(out: str, pretrained: str, cp: int, accelerator: str, dtype: str, cases
 
 
 if __name__ == "__main__":
+    from lightning_ffpa.parallel import close_process_group
+
     torch.set_num_threads(1)
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6])
+    close_process_group()  # as a script with its own Trainer should: no gloo teardown race at exit

@@ -38,4 +38,7 @@ def main(out: str, cp: int, pretrained: str) -> None:
 
 
 if __name__ == "__main__":
+    from lightning_ffpa.parallel import close_process_group
+
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    close_process_group()  # as a script with its own Trainer should: no gloo teardown race at exit

@@ -79,5 +79,8 @@ def main(out: str, pretrained: str, modes: str) -> None:
 
 
 if __name__ == "__main__":
+    from lightning_ffpa.parallel import close_process_group
+
     torch.set_num_threads(1)
     main(*sys.argv[1:4])
+    close_process_group()  # as a script with its own Trainer should: no gloo teardown race at exit

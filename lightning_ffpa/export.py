@@ -93,18 +93,62 @@ def _flatten(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
         yield prefix[:-1], tree
 
 
-def model_config(hparams: dict[str, Any], config_dir: str | None = None):
-    """The HF config of the checkpoint's model: from `config_dir`, or rebuilt from the module hyper-parameters."""
+# The module classes a checkpoint without a class path can come from (written before the path was saved).
+_KNOWN_MODULES = ("lightning_ffpa.module.Gemma4LM", "lightning_ffpa.rl.module.GRPOModule")
+
+
+def _import_class(path: str):
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def module_class_path(meta: dict[str, Any]) -> str:
+    """The LightningModule class a checkpoint was trained with.
+
+    LightningCLI saves it as the `_class_path` hyper-parameter, `HFModule.on_save_checkpoint` as `module_class`;
+    an older checkpoint with neither is matched to the one known module whose constructor takes all its
+    hyper-parameters.
+    """
+    from lightning_ffpa.hf_module import MODULE_CLASS_KEY
+
+    hparams = meta.get("hyper_parameters") or {}
+    path = hparams.get("_class_path") or meta.get(MODULE_CLASS_KEY)
+    if path:
+        return path
+    import inspect
+
+    given = {k for k in hparams if not k.startswith("_")}
+    fits = [p for p in _KNOWN_MODULES if given <= set(inspect.signature(_import_class(p)).parameters)]
+    if len(fits) != 1:
+        raise CheckpointError(f"the checkpoint does not name its module class and its hyper-parameters "
+                              f"{sorted(given)} fit {len(fits)} of {list(_KNOWN_MODULES)}; pass `--config DIR` "
+                              "(an HF config folder)")
+    return fits[0]
+
+
+def model_config(meta: dict[str, Any], config_dir: str | None = None):
+    """The HF config of the checkpoint's model: from `config_dir`, or rebuilt by the checkpoint's module class."""
     if config_dir is not None:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(config_dir)
-    from lightning_ffpa.module import Gemma4LM
+    from lightning_ffpa.hf_module import HFModule
 
-    kwargs = {k: v for k, v in hparams.items() if not k.startswith("_")}
+    kwargs = {k: v for k, v in (meta.get("hyper_parameters") or {}).items() if not k.startswith("_")}
     if not kwargs:
         raise ValueError("the checkpoint has no `hyper_parameters`; pass `--config DIR` (an HF config folder)")
-    return Gemma4LM(**kwargs).config  # reads the config only; builds no weights
+    path = module_class_path(meta)
+    try:
+        cls = _import_class(path)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise CheckpointError(f"cannot import {path!r}, the module class the checkpoint was trained with "
+                              f"({type(err).__name__}: {err}); install it, or pass `--config DIR`") from err
+    if not (isinstance(cls, type) and issubclass(cls, HFModule)):
+        raise CheckpointError(f"the checkpoint's module class {path!r} does not build its model from the shared "
+                              "model options (not an HFModule); pass `--config DIR` (an HF config folder)")
+    return cls(**kwargs).config  # reads the config only; builds no weights
 
 
 @dataclass
@@ -217,7 +261,7 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     _split({}, max_shard_size, "--max_shard_size")
     source = _Source(Path(ckpt))
     hparams = source.hparams
-    config = model_config(hparams, config_dir)
+    config = model_config(source.meta, config_dir)
     text = text_config(config)
     lora = hparams.get("lora")
     tied = bool(getattr(text, "tie_word_embeddings", False))

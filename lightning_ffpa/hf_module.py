@@ -56,6 +56,9 @@ SHAPE_FIELDS = frozenset({"hidden_size", "intermediate_size", "vocab_size", "num
                           "num_key_value_heads", "head_dim", "global_head_dim", "num_global_key_value_heads",
                           "num_experts", "moe_intermediate_size", "hidden_size_per_layer_input",
                           "vocab_size_per_layer_input", "attention_k_eq_v"})
+# The checkpoint key naming the module class (`pkg.module.Class`), so an export can rebuild the model's config
+# from a checkpoint saved outside LightningCLI (which saves it as the `_class_path` hyper-parameter).
+MODULE_CLASS_KEY = "module_class"
 _MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemma4ForConditionalGeneration}
 
 
@@ -317,6 +320,10 @@ class HFModule(L.LightningModule):
     def hf_model(self) -> PreTrainedModel:
         """The underlying HF model (peft wrapper removed)."""
         return unwrap_peft(self.model)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Name this module's class in the checkpoint (what `lightning-ffpa-export` rebuilds the config with)."""
+        checkpoint[MODULE_CLASS_KEY] = f"{type(self).__module__}.{type(self).__qualname__}"
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse (before any weight is loaded) a checkpoint whose architecture options differ from this module's."""

@@ -163,3 +163,30 @@ def test_an_inf_gradient_of_a_finite_loss_is_named_with_its_count():
     guard.on_before_backward(trainer, lm, torch.tensor(1.0))
     with pytest.raises(FloatingPointError, match=r"non-finite gradients in 1 tensor\(s\) at step 1"):
         guard.on_before_optimizer_step(trainer, lm, None)
+
+
+@pytest.mark.parametrize("max_skips", [1, 3])
+def test_skip_stops_after_exactly_max_consecutive_skips(max_skips):
+    """`max_consecutive_skips=N`: N non-finite steps in a row are skipped, the (N+1)th stops the run; a finite
+    step in between starts the count again."""
+    guard = NonFiniteGuard(action="skip", max_consecutive_skips=max_skips)
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    lm = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(lm.parameters(), lr=0.1)
+
+    def step(loss: float) -> None:
+        guard.on_before_backward(trainer, lm, torch.tensor(loss))
+        guard.on_before_optimizer_step(trainer, lm, optimizer)
+
+    with pytest.warns(UserWarning, match="update skipped"):
+        for _ in range(max_skips):
+            step(float("nan"))
+    step(1.0)  # finite: the run of skips ends
+    with pytest.warns(UserWarning, match="update skipped"):
+        for _ in range(max_skips):
+            step(float("nan"))
+    assert guard.num_skipped == 2 * max_skips
+    with pytest.raises(FloatingPointError, match=rf"{max_skips + 1} non-finite steps in a row "
+                                                 rf"\(max_consecutive_skips={max_skips}\)"):
+        step(float("nan"))
+    assert guard.num_skipped == 2 * max_skips

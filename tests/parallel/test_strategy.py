@@ -105,3 +105,34 @@ def test_trainer_rejects_bad_sizes_before_the_process_group_starts():
     with pytest.raises(ValueError, match="`context_parallel_size=2` does not divide world size 1"):
         trainer.fit(Plain(), torch.utils.data.DataLoader(torch.randn(4, 2)))
     assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_decoder_layers_reshard_after_forward_except_the_last(tmp_path):
+    """FSDP2 swaps a unit's parameters back to their DTensor shards when it reshards after forward: between
+    forward and backward, every decoder layer but the last is sharded with `reshard_after_forward=True`, none
+    is with False, and the root (embeddings, head) stays gathered either way. One-rank gloo group on CPU."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from transformers import Gemma4ForCausalLM
+
+    from lightning_ffpa.parallel import parallelize
+    from lightning_ffpa.presets import build_text_config
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/store")
+    try:
+        for reshard in (True, False):
+            torch.manual_seed(0)
+            model = parallelize(Gemma4ForCausalLM(build_text_config("tiny")), init_device_mesh("cpu", (1,)),
+                                reshard_after_forward=reshard)
+            logits = model(input_ids=torch.randint(0, 512, (1, 8))).logits
+            sharded = [all(isinstance(p, DTensor) for p in layer.parameters()) for layer in model.model.layers]
+            n = len(sharded)
+            assert sharded == ([True] * (n - 1) + [False] if reshard else [False] * n), (reshard, sharded)
+            assert not isinstance(model.model.embed_tokens.weight, DTensor)  # the root: gathered after forward
+            logits.sum().backward()
+            assert all(isinstance(p, DTensor) for p in model.parameters())  # all resharded after backward
+    finally:
+        dist.destroy_process_group()

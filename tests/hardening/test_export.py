@@ -12,35 +12,20 @@ import zipfile
 from contextlib import nullcontext
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
+from _export_helpers import dcp_folder as _dcp_folder
+from _export_helpers import ids as _ids
+from _export_helpers import train as _train
 from peft import PeftModel
 from transformers import Gemma4ForCausalLM
 
 from lightning_ffpa import export as export_mod
-from lightning_ffpa.data import MockDataModule
 from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.export import export, run
-from lightning_ffpa.module import Gemma4LM
 from lightning_ffpa.presets import build_text_config
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj", "down_proj"]}
-
-
-def _train(tmp_path, lora=None):
-    torch.manual_seed(0)
-    lm = Gemma4LM(preset="tiny", dtype="float32", lora=lora, learning_rate=1e-2, warmup_steps=0)
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False)
-    trainer.fit(lm, MockDataModule(seq_length=16, num_samples=4, batch_size=2))
-    path = tmp_path / "run.ckpt"
-    trainer.save_checkpoint(path)
-    return lm.eval(), path
-
-
-def _ids():
-    return torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +36,6 @@ def trained(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained_lora(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("lora"), lora=LORA)
-
-
-def _dcp_folder(ckpt, dst):
-    import torch.distributed.checkpoint as dcp
-
-    from lightning_ffpa._compat.lightning import lightning_dcp_meta_filename
-
-    state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    dcp.save({"state_dict": state.pop("state_dict")}, checkpoint_id=str(dst), no_dist=True)
-    torch.save(state, dst / lightning_dcp_meta_filename())
-    return dst
 
 
 @torch.no_grad()

@@ -24,6 +24,7 @@ then rank 0 consolidates them file by file.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -294,7 +295,7 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
             tensors[hf] = weight.contiguous().clone()  # safetensors needs owned, non-shared storage
             weight_map[hf] = file_name
             total += tensors[hf].numel() * tensors[hf].element_size()
-        save_file(tensors, str(out / file_name), metadata={"format": "pt"})
+        _save_safetensors(tensors, out / file_name)
         del tensors, loaded
     if split.is_sharded:
         (out / "model.safetensors.index.json").write_text(
@@ -309,6 +310,15 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
         adapter_dir = out / "adapter"
         _export_adapter(source, plan.adapter, lora, adapter_dir, base=str(out))
     return ExportResult(out, len(weight_map), names, adapter_dir, merged)
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """`save_file`, then the mode a new file gets under the umask (0644 under 022): safetensors creates its
+    files 0600, which the rest of a cluster group cannot read, while `config.json` beside it is 0644."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    umask = os.umask(0o077)  # reading the umask means setting it; restored at once
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _lora_scaling(lora: dict[str, Any]) -> float:
@@ -332,8 +342,8 @@ def _export_adapter(source: _Source, names: dict[str, str], lora: dict[str, Any]
 
     out.mkdir(parents=True)
     loaded = source.load(list(names.values()))
-    save_file({peft: loaded[src].contiguous().clone() for peft, src in names.items()},
-              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    _save_safetensors({peft: loaded[src].contiguous().clone() for peft, src in names.items()},
+                      out / "adapter_model.safetensors")
     spec = {"task_type": "CAUSAL_LM", **lora, "base_model_name_or_path": base}
     LoraConfig(**spec).save_pretrained(str(out))
 

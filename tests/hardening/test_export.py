@@ -227,3 +227,18 @@ def test_export_command_exit_codes(trained, tmp_path, monkeypatch, capsys, recor
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]  # nothing written by the failed runs
     record_property("hardening", "export")
     record_property("case", "export command: exit 0 / exit 2 with one line naming the option")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_exported_files_get_the_umasks_mode(trained_lora, tmp_path, umask):
+    """Every written file (weights and adapter too, not only the JSON) is readable as the umask allows: 0644
+    under 022, 0640 under 027; safetensors alone would leave the weights 0600."""
+    _, ckpt = trained_lora
+    old = os.umask(umask)
+    try:
+        export(ckpt, tmp_path / "hf", max_shard_size="1MB")
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in tmp_path.rglob("*") if p.is_file()}
+    assert any(name.endswith("adapter_model.safetensors") for name in modes) and len(modes) > 4
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes

@@ -3,9 +3,12 @@
 Owns: tokenizing each record into `(input_ids, labels)` and splitting documents longer than
 `max_seq_length`. Chats are labelled on the assistant's tokens only when that can be done exactly: from
 the chat template's `{% generation %}` marks (`return_assistant_tokens_mask`), or, for templates without
-them, by rendering growing prefixes of the chat when the template renders earlier turns the same way
-every time; otherwise every token of the chat is learned. `TokenizeStats` counts which way each chat
-went. Does not own reading files (`sources.py`), padding, packing or loaders.
+them (the stock Gemma4 template among them, where `return_assistant_tokens_mask` is all zeros), by
+rendering growing prefixes of the chat when the template renders earlier turns the same way every time: an
+assistant turn's tokens run from the end of the prefix before it rendered with the generation prompt (so
+the role header the prompt adds is not learned, as with the marks) to the end of the prefix that ends with
+it. Otherwise every token of the chat is learned. `TokenizeStats` counts which way each chat went. Does
+not own reading files (`sources.py`), padding, packing or loaders.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class TokenizeStats:
     num_chat_generation_masked: int = 0  # chats labelled on the template's {% generation %} tokens
     num_chat_prefix_masked: int = 0  # chats labelled on the tokens each assistant message added
     num_chat_unmasked: int = 0  # chats whose template is not prefix-stable: all tokens labelled
+    num_chat_header_learned: int = 0  # prefix-labelled chats where an assistant turn's role header is learned
+    # too (the turn opens the chat, or the generation prompt does not render as the turn's start)
 
 
 def has_generation_marks(tokenizer: Any) -> bool:
@@ -98,11 +103,11 @@ def _tokenize_text(text: str, tokenizer: Any) -> Document:
     return Document(ids, list(ids))
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     else:
-        text = format_plain_chat(messages)
+        text = format_plain_chat(messages, add_generation_prompt)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -127,19 +132,34 @@ def _tokenize_chat_marked(messages: list[dict[str, str]], tokenizer: Any) -> Doc
 
 
 def _tokenize_chat(messages: list[dict[str, str]], tokenizer: Any, stats: TokenizeStats) -> Document:
-    """Render growing prefixes of the chat; the ids each message adds are labelled iff it is the assistant's."""
+    """Render growing prefixes of the chat; an assistant message's span is what it adds after the generation
+    prompt (the role header is the prompt's); every other token is unlabelled."""
     ids: list[int] = []
     labels: list[int] = []
+    header_learned = False
     for i, msg in enumerate(messages):
         cur = _render(tokenizer, messages[: i + 1])
         if cur[: len(ids)] != ids:  # template rewrites earlier turns: cannot attribute tokens to messages
             stats.num_chat_unmasked += 1
             full = _wrap(tokenizer, _render(tokenizer, messages))
             return Document(full, list(full))
-        new = cur[len(ids) :]
+        start = len(ids)
+        if msg["role"] == "assistant" and i == 0:
+            # An empty chat does not render under every template: the turn keeps its header, not the bos.
+            bos = getattr(tokenizer, "bos_token_id", None)
+            start = int(bos is not None and cur[:1] == [bos])
+            header_learned = True
+        elif msg["role"] == "assistant":
+            prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
+            if len(prompt) > len(ids) and prompt[: len(ids)] == ids and cur[: len(prompt)] == prompt:
+                start = len(prompt)
+            else:
+                header_learned = True
+        labels += [IGNORE_INDEX] * (start - len(ids))
+        labels += cur[start:] if msg["role"] == "assistant" else [IGNORE_INDEX] * (len(cur) - start)
         ids = cur
-        labels += new if msg["role"] == "assistant" else [IGNORE_INDEX] * len(new)
     stats.num_chat_prefix_masked += 1
+    stats.num_chat_header_learned += header_learned
     return _finish_chat(tokenizer, ids, labels, messages[-1]["role"])
 
 

@@ -57,8 +57,9 @@ class TextDataModule(SeededDataModule):
     """Train on text or chats from a local .txt/.jsonl/.json/.parquet/.arrow file or a Hugging Face dataset
     (`datasets.load_dataset`: a hub name or a folder of data files, with a config and splits). A hub id also
     works for `tokenizer`. Chats (`messages_field`) are rendered by the tokenizer's chat template and learn
-    the assistant's tokens alone when the template marks them with `{% generation %}` or renders every turn
-    the same in each prefix of the chat, else every token; setup logs which. Composes with `pack`. A
+    the assistant's tokens alone (not the role header the generation prompt adds) when the template marks
+    them with `{% generation %}` or renders every turn the same in each prefix of the chat (the stock Gemma4
+    template does), else every token; setup logs which. Composes with `pack`. A
     `batch_size` larger than the training rows (after packing) is an error at setup.
     """
 
@@ -184,8 +185,15 @@ class TextDataModule(SeededDataModule):
             )
         if stats.num_chat_prefix_masked:
             rank_zero_info(
-                f"`{opt}`: {stats.num_chat_prefix_masked} chats learn the tokens each assistant message adds "
-                "(the template has no {% generation %} marks; its turns render the same in every prefix)"
+                f"`{opt}`: {stats.num_chat_prefix_masked} chats learn the assistant tokens only, found by rendering "
+                "the chat prefix by prefix (the template has no {% generation %} marks; its turns render the same "
+                "in every prefix)"
+            )
+        if stats.num_chat_header_learned:
+            rank_zero_info(
+                f"`{opt}`: in {stats.num_chat_header_learned} of them an assistant turn is learned from the end of "
+                "the turn before it, its role header (if it has one) too: the turn opens the chat, or the "
+                "template's generation prompt does not render as its start"
             )
         if stats.num_chat_unmasked:
             rank_zero_warn(

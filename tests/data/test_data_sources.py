@@ -152,10 +152,11 @@ def test_without_generation_marks_the_prefix_rule_is_reported(tmp_path, hf_token
                         batch_size=1)
     with caplog.at_level(logging.INFO):
         dm.setup()
-    assert "1 chats learn the tokens each assistant message adds" in caplog.text
+    assert "1 chats learn the assistant tokens only, found by rendering the chat prefix by prefix" in caplog.text
+    assert "role header is learned" not in caplog.text
     row = dm._train[0]
     learned = dm.tokenizer.decode(row["labels"][row["labels"] != IGNORE_INDEX], skip_special_tokens=True)
-    assert learned == "< assistant > i am fine thanks < end >"
+    assert learned == "i am fine thanks < end >"  # the "< assistant >" header is the generation prompt's
 
 
 class _Builds(pl.LightningModule):

@@ -75,8 +75,8 @@ def test_jsonl_messages_mask_non_assistant_tokens(write):
     tok = dm.tokenizer
     assert tok.decode(row["input_ids"]) == "user: hi\nassistant: hello\nuser: bye\nassistant: ciao\n"
     learned = row["labels"][row["labels"] != IGNORE_INDEX]
-    # exactly the assistant lines (with their role prefix and newline) plus the final eos are learned
-    assert tok.decode(learned) == "assistant: hello\nassistant: ciao\n"
+    # exactly the assistant lines (after the generation prompt's "assistant: ") plus the final eos are learned
+    assert tok.decode(learned) == "hello\nciao\n"
     assert learned[-1] == tok.eos_token_id
     assert row["labels"][0] == IGNORE_INDEX
 
@@ -97,7 +97,7 @@ def test_messages_with_hf_chat_template(write, hf_tokenizer_dir):
     chat_row = rows["< user > how are you < end > < assistant > i am fine thanks < end >"]
     assert chat_row["input_ids"][0] == tok.bos_token_id and chat_row["input_ids"][-1] == tok.eos_token_id
     learned = chat_row["labels"][chat_row["labels"] != IGNORE_INDEX]
-    assert tok.decode(learned, skip_special_tokens=True) == "< assistant > i am fine thanks < end >"
+    assert tok.decode(learned, skip_special_tokens=True) == "i am fine thanks < end >"
     assert dm.vocab_size == len(tok) and dm.pad_id == tok.pad_token_id
     stats = dm.stats["data.init_args.train_file"]
     assert (stats["num_chat_prefix_masked"], stats["num_chat_generation_masked"], stats["num_chat_unmasked"]) == (1, 0, 0)

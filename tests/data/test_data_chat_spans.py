@@ -8,13 +8,13 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import WORDS
 
 from lightning_ffpa.data import IGNORE_INDEX, TextDataModule
 from lightning_ffpa.data.documents import tokenize_records
 from lightning_ffpa.data.tokenizer import load_tokenizer
 from lightning_ffpa.errors import ConfigError
 
+WORDS = "the cat how are you i am fine thanks what is two plus three five four hello world model system user".split()
 _OPEN = (
     "{{ bos_token }}{% set turns = messages %}"
     "{% if messages[0]['role'] == 'system' %}<|turn> system {{ messages[0]['content'] | trim }} <turn|> "
@@ -46,7 +46,7 @@ def _tokenizer(path, template):
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<unk>", "<bos>", "<eos>", "<|turn>", "<turn|>"]
-    vocab = {t: i for i, t in enumerate([*specials, *dict.fromkeys([*WORDS, "model"])])}
+    vocab = {t: i for i, t in enumerate([*specials, *WORDS])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(specials)

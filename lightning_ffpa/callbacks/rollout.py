@@ -155,6 +155,15 @@ class RolloutCallback(L.Callback):
         hparams = getattr(pl_module, "hparams", {})
         if self.verify_no_drift and "lora" in hparams and not hparams["lora"]:
             raise ConfigError(f"{OPTION}.verify_no_drift", True, NO_LORA_TO_VERIFY)
+        if not pl_module.automatic_optimization:  # GRPOModule steps its optimizer itself (micro-batches, iterations)
+            if trainer.gradient_clip_val:
+                raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val,
+                                  f"{type(pl_module).__name__} optimizes manually; set `model.gradient_clip_val`")
+            if trainer.accumulate_grad_batches != 1:
+                raise ConfigError("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches,
+                                  f"{type(pl_module).__name__} optimizes manually; its micro-batches are "
+                                  "`model.max_tokens_per_microbatch`")
+        self.resolve_algorithm(pl_module, datamodule)  # the micro-batch budget against the data's prompts
         self._check_room_before_fit(trainer, pl_module)  # last: it builds the model on meta
 
     # ---- build ------------------------------------------------------------------------------------

@@ -138,3 +138,15 @@ def test_bad_microbatch_budget_and_iterations_name_the_option():
     with pytest.raises(ConfigError, match=r"^`model\.max_tokens_per_microbatch=13`.*14 tokens"):
         rollout.resolve_algorithm(module, data)
     assert not hasattr(module, "model") or module.model is None
+
+
+@pytest.mark.parametrize("trainer_kw, option", [({"gradient_clip_val": 1.0}, "trainer.gradient_clip_val"),
+                                                ({"accumulate_grad_batches": 2}, "trainer.accumulate_grad_batches")])
+def test_trainer_options_a_manual_step_ignores_are_refused_before_fit(trainer_kw, option):
+    """Lightning refuses these under manual optimization with its own traceback; the pre-flight (the CLI runs it
+    before writing any file) names the option and the module's own one."""
+    rollout = RolloutCallback([token_range_reward], num_generations=2, sampling=SamplingParams(max_new_tokens=2),
+                              eos_token_ids=[])
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, **trainer_kw)
+    with pytest.raises(ConfigError, match=f"^`{option.replace('.', r'[.]')}="):
+        rollout.check_before_fit(trainer, GRPOModule(), PromptDataModule(num_random_prompts=4, prompt_len=4))

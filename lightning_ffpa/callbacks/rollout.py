@@ -284,18 +284,37 @@ class RolloutCallback(L.Callback):
         before = dict(self.engine.stats)
         seed = rollout_seed(self.seed, trainer.current_epoch, batch_idx, trainer.global_step, trainer.global_rank)
         with seeded(pl_module.device, seed):
-            seqs = self.engine.generate(expanded, sampling=self.sampling)
-        t2 = time.perf_counter()
-        completion_ids = [s.output for s in seqs]
+            seqs = list(self.engine.generate(expanded, sampling=self.sampling))
         extra = {k: repeat_groups(v, G) for k, v in batch.items() if k not in ("prompt_ids", "prompt")}
         prompts = repeat_groups(batch.get("prompt", [self._decode(p) for p in prompt_ids]), G)
-        completions = [self._decode(c) for c in completion_ids]
-        total = total_reward(self.reward_funcs, prompts, completions, completion_ids, **extra)
+
+        def score(rows: list[int]) -> torch.Tensor:
+            ids = [seqs[i].output for i in rows]
+            return total_reward(self.reward_funcs, [prompts[i] for i in rows], [self._decode(c) for c in ids], ids,
+                                **{k: [v[i] for i in rows] for k, v in extra.items()})
+
+        total = score(list(range(len(seqs))))
+        refilled = 0
+        # DAPO's dynamic sampling: groups whose rewards all equal are redrawn (fresh noise, same prompts) up to
+        # `refill_rounds` times; what still ties is dropped by `rollout_batch`.
+        for r in range(1, self.algorithm.refill_rounds + 1):
+            redo = self.algorithm.groups_to_redraw(total, torch.tensor([len(s.output) for s in seqs]), G)
+            if not redo:
+                break
+            rows = [g * G + j for g in redo for j in range(G)]
+            with seeded(pl_module.device, (seed + r) % 2**63):
+                for i, s in zip(rows, self.engine.generate([expanded[i] for i in rows], sampling=self.sampling)):
+                    seqs[i] = s
+            total[rows] = score(rows)
+            refilled += len(redo)
+        t2 = time.perf_counter()
+        completion_ids = [s.output for s in seqs]
         device = pl_module.device
         grpo, dropped = self.algorithm.rollout_batch(expanded, seqs, total, G, self.pad_token_id,
                                                      _gather_fn(trainer, device), trainer.global_rank)
         batch.update({k: v.to(device) for k, v in grpo.items()})
-        pl_module.log("rollout/dropped_groups", float(dropped), on_step=True, on_epoch=False, batch_size=len(seqs))
+        for name, count in (("dropped_groups", dropped), ("refilled_groups", refilled)):
+            pl_module.log(f"rollout/{name}", float(count), on_step=True, on_epoch=False, batch_size=len(seqs))
         lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32)
         for name, value in (("reward", total), ("completion_length", lengths),
                             ("refresh_s", torch.tensor(t1 - t0)), ("generate_s", torch.tensor(t2 - t1))):

@@ -36,6 +36,7 @@ class GRPOAlgorithm:
     max_tokens_per_microbatch: int | None = None
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False
+    refill_rounds: int = 0
     overlong_buffer: int | None = None
     overlong_penalty: float = 1.0
     max_completion_length: int | None = None  # the Callback's `sampling.max_new_tokens`, bound at setup
@@ -52,6 +53,11 @@ class GRPOAlgorithm:
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
             raise ConfigError(f"{OPTION}.max_tokens_per_microbatch", self.max_tokens_per_microbatch,
                               "must be >= 1 token, or null for one micro-batch per step")
+        if not isinstance(self.refill_rounds, int) or self.refill_rounds < 0:
+            raise ConfigError(f"{OPTION}.refill_rounds", self.refill_rounds, "must be an integer >= 0")
+        if self.refill_rounds and not self.dynamic_sampling:
+            raise ConfigError(f"{OPTION}.refill_rounds", self.refill_rounds,
+                              "redraws the groups dynamic sampling would drop; set `model.dynamic_sampling: true`")
         if self.overlong_buffer is not None and self.overlong_buffer < 1:
             raise ConfigError(f"{OPTION}.overlong_buffer", self.overlong_buffer,
                               "must be >= 1 token, or null for no overlong shaping")
@@ -94,6 +100,13 @@ class GRPOAlgorithm:
     def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         """Advantages of the whole step's rewards (every rank's, gathered: `scale_rewards=batch` is global)."""
         return grpo.group_advantages(rewards, group_size, self.scale_rewards)
+
+    def groups_to_redraw(self, rewards: torch.Tensor, lengths: torch.Tensor, group_size: int) -> list[int]:
+        """Indices of the groups dynamic sampling would drop (equal shaped rewards); none without it."""
+        if not self.dynamic_sampling:
+            return []
+        shaped = self.shape_rewards(rewards.float(), lengths)
+        return grpo.zero_std_groups(shaped, group_size).nonzero().flatten().tolist()
 
     def kept_groups(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         """(num_groups,) bool: the groups the step trains on (all, or with dynamic sampling those whose rewards

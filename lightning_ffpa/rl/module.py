@@ -52,6 +52,7 @@ class GRPOModule(HFModule):
         max_tokens_per_microbatch: int | None = None,
         mask_truncated_completions: bool = False,
         dynamic_sampling: bool = False,
+        refill_rounds: int = 0,
         overlong_buffer: int | None = None,
         overlong_penalty: float = 1.0,
         logprob_chunk_size: int = 4096,
@@ -83,6 +84,7 @@ class GRPOModule(HFModule):
             max_tokens_per_microbatch: Padded tokens per forward; the step's completions are split into micro-batches within it and accumulated into one update (null: one forward).
             mask_truncated_completions: Completions cut at max_new_tokens without an EOS take no part in the loss (their rewards still count in the group statistics).
             dynamic_sampling: DAPO's dynamic sampling: groups whose rewards all equal are dropped from the step (counted in rollout/dropped_groups).
+            refill_rounds: With dynamic_sampling, redraw the dropped groups' completions (same prompts, fresh noise) up to this many times before dropping them (>= 0).
             overlong_buffer: DAPO's soft overlong punishment: the last this-many tokens before max_new_tokens ramp the reward down to -overlong_penalty (null: off).
             overlong_penalty: The overlong punishment's largest penalty (>= 0).
             logprob_chunk_size: Tokens per chunk of the chunked log-probs through the lm_head (>= 1); memory O(chunk x vocab).
@@ -113,7 +115,7 @@ class GRPOModule(HFModule):
             loss_type=loss_type, scale_rewards=scale_rewards, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
             beta=beta, num_iterations=num_iterations, max_tokens_per_microbatch=max_tokens_per_microbatch,
             mask_truncated_completions=mask_truncated_completions, dynamic_sampling=dynamic_sampling,
-            overlong_buffer=overlong_buffer, overlong_penalty=overlong_penalty)
+            refill_rounds=refill_rounds, overlong_buffer=overlong_buffer, overlong_penalty=overlong_penalty)
         self.save_hyperparameters()
         self.init_model_options()
         # Micro-batches and several updates per rollout: backward and optimizer steps are ours.

@@ -3,13 +3,18 @@ truncated completions, whole groups; and its option checks."""
 
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 
+from lightning_ffpa.callbacks.rollout import RolloutCallback
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.rl.algorithm import GRPOAlgorithm
 from lightning_ffpa.rl.grpo import group_advantages
 from lightning_ffpa.rl.module import GRPOModule
+from lightning_ffpa.rl.prompts import PromptDataModule
+from lightning_ffpa.rollout.engine import EngineConfig
+from lightning_ffpa.rollout.sampler import SamplingParams
 
 
 def _seqs(outputs, reasons):
@@ -96,3 +101,49 @@ def test_bad_algorithm_options_name_the_option(kwargs, option):
 def test_overlong_buffer_longer_than_completions_is_refused_at_bind():
     with pytest.raises(ConfigError, match=r"^`model\.overlong_buffer=8`.*max_new_tokens=4"):
         GRPOAlgorithm(overlong_buffer=8).bind(4)
+
+
+class _TiesFirst:
+    """A reward whose first call ties every group (1.0 each); later calls score tokens (they differ)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, prompts, completions, completion_ids, **kw):
+        self.calls += 1
+        return [1.0] * len(completion_ids) if self.calls == 1 else [sum(ids) / 1000 for ids in completion_ids]
+
+
+class _Logged(L.Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        m = trainer.callback_metrics
+        self.rows.append((float(m["rollout/dropped_groups"]), float(m["rollout/refilled_groups"]),
+                          trainer.global_step))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("refill, want", [(1, (0.0, 2.0, 1)), (0, (2.0, 0.0, 0))])
+def test_dynamic_sampling_refills_tied_groups_or_drops_them(refill, want):
+    """Both groups of the first draw tie. With a refill round they are redrawn and scored again (they now
+    differ): nothing dropped, one update. Without, both are dropped: no loss token, no update."""
+    reward = _TiesFirst()
+    rollout = RolloutCallback([reward], num_generations=4, sampling=SamplingParams(max_new_tokens=4),
+                              engine=EngineConfig(page_size=8, num_pages=32, max_batch_size=8, max_seq_len=16,
+                                                  attention="dense"), eos_token_ids=[])
+    logged = _Logged()
+    trainer = L.Trainer(max_steps=1, max_epochs=1, limit_train_batches=1, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[rollout, logged])
+    module = GRPOModule(preset="tiny", config_overrides={"num_hidden_layers": 2}, dynamic_sampling=True,
+                        refill_rounds=refill)
+    trainer.fit(module, datamodule=PromptDataModule(num_random_prompts=2, prompt_len=4, batch_size=2))
+    assert logged.rows == [want]
+    assert reward.calls == 1 + refill
+
+
+def test_refill_needs_dynamic_sampling():
+    with pytest.raises(ConfigError, match=r"^`model\.refill_rounds=2`.*dynamic_sampling"):
+        GRPOModule(refill_rounds=2)

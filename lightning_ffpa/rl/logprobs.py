@@ -20,14 +20,17 @@ from torch import nn
 from lightning_ffpa.hidden_states import causal_lm_hidden_states
 
 
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, softcap: float | None,
-                  temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(C, V) fp32 scaled logits z = softcap(h w^T) / temperature, and tanh(.) when softcapped (for backward)."""
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, softcap: float | None, temperature: float,
+                  keep_tanh: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(C, V) fp32 scaled logits z = softcap(h w^T) / temperature, in one buffer; with `keep_tanh` (backward)
+    also tanh(.) of the softcap in a second."""
     logits = (h @ w.t()).float()  # (C, V)
     t = None
     if softcap is not None:
-        t = logits.div_(softcap).tanh_()
-        logits = t * softcap
+        logits.div_(softcap).tanh_()
+        if keep_tanh:
+            t = logits.clone()
+        logits.mul_(softcap)
     return logits.div_(temperature), t
 
 
@@ -43,8 +46,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             c_lse = torch.logsumexp(z, -1)  # (C,)
             lse[s:s + chunk_size] = c_lse
             logp[s:s + chunk_size] = z.gather(1, labels[s:s + chunk_size, None])[:, 0] - c_lse
-            # H = lse - sum_v p_v z_v
-            entropy[s:s + chunk_size] = c_lse - (torch.softmax(z, -1) * z).sum(-1)
+            # H = lse - sum_v p_v z_v, with p = exp(z - lse) in a second (C, V) buffer
+            entropy[s:s + chunk_size] = c_lse - (z - c_lse[:, None]).exp_().mul_(z).sum(-1)
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.softcap, ctx.temperature, ctx.chunk_size = softcap, temperature, chunk_size
         ctx.mark_non_differentiable(entropy)
@@ -58,7 +61,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad_w = torch.zeros_like(weight) if need_w else None
         for s in range(0, hidden.shape[0], ctx.chunk_size):
             h = hidden[s:s + ctx.chunk_size]
-            z, t = _chunk_logits(h, weight, ctx.softcap, ctx.temperature)  # (C, V)
+            z, t = _chunk_logits(h, weight, ctx.softcap, ctx.temperature, keep_tanh=True)  # (C, V)
             g = grad_logp[s:s + ctx.chunk_size].float()  # (C,)
             # d logp / d z = onehot(y) - softmax(z); in z's buffer
             dz = z.sub_(lse[s:s + ctx.chunk_size, None]).exp_().mul_(-g[:, None])

@@ -73,7 +73,7 @@ class GRPOModule(HFModule):
             beta: KL coefficient against the base model (>= 0; > 0 needs `lora`: the base is the adapter-free model).
             temperature: Rollout temperature; the policy scores tokens at the same temperature (> 0).
             old_logprobs: the ratio's denominator. "policy": the policy's own logprobs of the sampled tokens,
-                without gradient (one optimizer step per rollout, so the ratio is 1 at the step, as in TRL);
+                without gradient (the ratio is 1 at the first update; later updates of `num_iterations` divide by the first pass's, as in TRL);
                 "engine": the sampler's logprobs, so the ratio also carries the engine's bf16 numerics.
             sampler_is_cap: with "policy", weight each token by min(pi_policy / pi_engine, cap), truncated
                 importance sampling for the engine's numerics (TRL's vllm_importance_sampling_correction); >= 1,

@@ -25,7 +25,8 @@ from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.hf_module import HFModule, resolve_dtype
 from lightning_ffpa.lora import unwrap_peft
-from lightning_ffpa.rl.batch import build_grpo_batch, repeat_groups
+from lightning_ffpa.rl.algorithm import GRPOAlgorithm
+from lightning_ffpa.rl.batch import repeat_groups
 from lightning_ffpa.rl.rewards import check_reward_funcs, total_reward
 from lightning_ffpa.rollout.engine import GIB, EngineConfig, RolloutEngine, free_device_bytes
 from lightning_ffpa.rollout.kv_cache import pool_bytes
@@ -86,6 +87,7 @@ class RolloutCallback(L.Callback):
         self.metrics = {k: MeanMetric() for k in ("reward", "completion_length", "refresh_s", "generate_s")}
         self.drift_report: dict[str, str] | None = None
         self._resumed_seed: int | None = None  # the seed of the checkpoint this fit resumes, if any
+        self.algorithm = GRPOAlgorithm()  # the module's, bound to this rollout in `setup`
 
     # ---- option checks: all before any model is built -------------------------------------------
     def _check_options(self, reward_funcs: list, num_generations: int, eos_token_ids: list[int] | None,
@@ -115,8 +117,24 @@ class RolloutCallback(L.Callback):
         self.engine_config.check_fits(prompt_len, self.sampling.max_new_tokens, f"{OPTION}.engine", where)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Check options against the data and the module, before the model is built."""
+        """Check options against the data and the module, before the model is built; resolve the GRPO
+        algorithm once (the module's `algorithm`, else the defaults) with this rollout's completion length."""
         self.check_before_fit(trainer, pl_module, trainer.datamodule)
+        self.algorithm = self.resolve_algorithm(pl_module, trainer.datamodule)
+        if hasattr(pl_module, "algorithm"):
+            pl_module.algorithm = self.algorithm  # one object, read by the module's loss and by this Callback
+
+    def resolve_algorithm(self, pl_module: L.LightningModule, datamodule: Any) -> GRPOAlgorithm:
+        """The module's `GRPOAlgorithm` (defaults for a module without one) bound to `sampling.max_new_tokens`;
+        raises when the longest prompt plus completion cannot fit its micro-batch budget."""
+        algo = getattr(pl_module, "algorithm", None) or GRPOAlgorithm()
+        algo = algo.bind(self.sampling.max_new_tokens, f"{OPTION}.sampling.max_new_tokens")
+        longest = _longest_prompt(datamodule)
+        if longest is not None:
+            algo.check_sequence_fits(longest + self.sampling.max_new_tokens,
+                                     f" (the longest prompt, {longest} tokens, plus `{OPTION}.sampling.max_new_tokens="
+                                     f"{self.sampling.max_new_tokens}`)")
+        return algo
 
     def check_before_fit(self, trainer: L.Trainer, pl_module: L.LightningModule, datamodule: Any) -> None:
         """Options against the data's prompts and the module (also run by the CLI's pre-flight, before fit
@@ -137,6 +155,15 @@ class RolloutCallback(L.Callback):
         hparams = getattr(pl_module, "hparams", {})
         if self.verify_no_drift and "lora" in hparams and not hparams["lora"]:
             raise ConfigError(f"{OPTION}.verify_no_drift", True, NO_LORA_TO_VERIFY)
+        if not pl_module.automatic_optimization:  # GRPOModule steps its optimizer itself (micro-batches, iterations)
+            if trainer.gradient_clip_val:
+                raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val,
+                                  f"{type(pl_module).__name__} optimizes manually; set `model.gradient_clip_val`")
+            if trainer.accumulate_grad_batches != 1:
+                raise ConfigError("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches,
+                                  f"{type(pl_module).__name__} optimizes manually; its micro-batches are "
+                                  "`model.max_tokens_per_microbatch`")
+        self.resolve_algorithm(pl_module, datamodule)  # the micro-batch budget against the data's prompts
         self._check_room_before_fit(trainer, pl_module)  # last: it builds the model on meta
 
     # ---- build ------------------------------------------------------------------------------------
@@ -257,16 +284,37 @@ class RolloutCallback(L.Callback):
         before = dict(self.engine.stats)
         seed = rollout_seed(self.seed, trainer.current_epoch, batch_idx, trainer.global_step, trainer.global_rank)
         with seeded(pl_module.device, seed):
-            seqs = self.engine.generate(expanded, sampling=self.sampling)
-        t2 = time.perf_counter()
-        completion_ids = [s.output for s in seqs]
+            seqs = list(self.engine.generate(expanded, sampling=self.sampling))
         extra = {k: repeat_groups(v, G) for k, v in batch.items() if k not in ("prompt_ids", "prompt")}
         prompts = repeat_groups(batch.get("prompt", [self._decode(p) for p in prompt_ids]), G)
-        completions = [self._decode(c) for c in completion_ids]
-        total = total_reward(self.reward_funcs, prompts, completions, completion_ids, **extra)
+
+        def score(rows: list[int]) -> torch.Tensor:
+            ids = [seqs[i].output for i in rows]
+            return total_reward(self.reward_funcs, [prompts[i] for i in rows], [self._decode(c) for c in ids], ids,
+                                **{k: [v[i] for i in rows] for k, v in extra.items()})
+
+        total = score(list(range(len(seqs))))
+        refilled = 0
+        # DAPO's dynamic sampling: groups whose rewards all equal are redrawn (fresh noise, same prompts) up to
+        # `refill_rounds` times; what still ties is dropped by `rollout_batch`.
+        for r in range(1, self.algorithm.refill_rounds + 1):
+            redo = self.algorithm.groups_to_redraw(total, torch.tensor([len(s.output) for s in seqs]), G)
+            if not redo:
+                break
+            rows = [g * G + j for g in redo for j in range(G)]
+            with seeded(pl_module.device, (seed + r) % 2**63):
+                for i, s in zip(rows, self.engine.generate([expanded[i] for i in rows], sampling=self.sampling)):
+                    seqs[i] = s
+            total[rows] = score(rows)
+            refilled += len(redo)
+        t2 = time.perf_counter()
+        completion_ids = [s.output for s in seqs]
         device = pl_module.device
-        grpo = build_grpo_batch(expanded, completion_ids, [s.logprobs for s in seqs], total, G, self.pad_token_id)
+        grpo, dropped = self.algorithm.rollout_batch(expanded, seqs, total, G, self.pad_token_id,
+                                                     _gather_fn(trainer, device), trainer.global_rank)
         batch.update({k: v.to(device) for k, v in grpo.items()})
+        for name, count in (("dropped_groups", dropped), ("refilled_groups", refilled)):
+            pl_module.log(f"rollout/{name}", float(count), on_step=True, on_epoch=False, batch_size=len(seqs))
         lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32)
         for name, value in (("reward", total), ("completion_length", lengths),
                             ("refresh_s", torch.tensor(t1 - t0)), ("generate_s", torch.tensor(t2 - t1))):
@@ -280,6 +328,13 @@ class RolloutCallback(L.Callback):
         for name in ("preemptions", "eager_decodes", "graph_replays", "capture_s"):
             pl_module.log(f"rollout/{name}", float(self.engine.stats[name] - before[name]), on_step=True,
                           on_epoch=False, batch_size=len(seqs))
+
+
+def _gather_fn(trainer: L.Trainer, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Concatenates a per-rank tensor over data-parallel ranks in rank order (None on one rank)."""
+    if trainer.world_size <= 1:
+        return None
+    return lambda t: trainer.strategy.all_gather(t.to(device)).reshape(-1, *t.shape[1:]).cpu()
 
 
 def _longest_prompt(datamodule: Any) -> int | None:

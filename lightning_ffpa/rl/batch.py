@@ -2,8 +2,8 @@
 `GRPOModule.training_step` reads.
 
 Owns the layout of one GRPO batch (`input_ids`, `attention_mask`, `completion_mask`, `old_logprobs`,
-`rewards`, `advantages`). Does not generate, score or compute losses: the rollout Callback hands it the
-engine's completions and the summed rewards; advantages come from `rl/grpo.py`.
+`rewards`, `advantages`). Does not generate, score or compute losses or advantages: the rollout Callback
+hands it the engine's completions, the rewards and the advantages `rl/algorithm.py` computed.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-from lightning_ffpa.rl.grpo import group_advantages
-
 
 def repeat_groups(values: list[Any], group_size: int) -> list[Any]:
     """Each value repeated `group_size` times in place: [a, b] -> [a, a, b, b] for G=2."""
@@ -21,16 +19,18 @@ def repeat_groups(values: list[Any], group_size: int) -> list[Any]:
 
 
 def build_grpo_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                     completion_logprobs: list[list[float]], rewards: torch.Tensor, group_size: int,
-                     pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion rows, their masks, the sampler's logprobs and group advantages.
+                     completion_logprobs: list[list[float]], rewards: torch.Tensor, advantages: torch.Tensor,
+                     pad_token_id: int = 0, loss_rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+completion rows, their masks, the sampler's logprobs, rewards and advantages.
 
-    Row i is `prompt_ids[i] + completion_ids[i]`; rows come in consecutive groups of `group_size` (one
-    prompt each). `old_logprobs[i, t]` is the logprob of token t, set on completion tokens only.
+    Row i is `prompt_ids[i] + completion_ids[i]`. `old_logprobs[i, t]` is the logprob of token t, set on
+    completion tokens only. `loss_rows` (N,) bool: rows whose completion takes part in the loss (False: its
+    `completion_mask` is all 0, e.g. a truncated completion under `mask_truncated_completions`).
     """
-    if not len(prompt_ids) == len(completion_ids) == len(completion_logprobs) == rewards.numel():
+    if not len(prompt_ids) == len(completion_ids) == len(completion_logprobs) == rewards.numel() == advantages.numel():
         raise ValueError(f"{len(prompt_ids)} prompts, {len(completion_ids)} completions, "
-                         f"{len(completion_logprobs)} logprob rows and {rewards.numel()} rewards must match")
+                         f"{len(completion_logprobs)} logprob rows, {rewards.numel()} rewards and "
+                         f"{advantages.numel()} advantages must match")
     rows = [p + c for p, c in zip(prompt_ids, completion_ids)]
     n, length = len(rows), max(len(r) for r in rows)
     ids = torch.full((n, length), pad_token_id, dtype=torch.long)  # (N, L)
@@ -43,5 +43,7 @@ def build_grpo_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]
         attn[i, :b] = 1
         comp[i, a:b] = 1
         old[i, a:b] = torch.tensor(lp, dtype=torch.float32)
+    if loss_rows is not None:
+        comp *= loss_rows.to(comp.dtype)[:, None]
     return {"input_ids": ids, "attention_mask": attn, "completion_mask": comp, "old_logprobs": old,
-            "rewards": rewards, "advantages": group_advantages(rewards, group_size)}
+            "rewards": rewards, "advantages": advantages}

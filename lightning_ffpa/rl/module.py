@@ -1,35 +1,31 @@
 """A GRPO LightningModule around an HF causal LM, built from the same model options as `Gemma4LM`.
 
-Owns the policy forward and the loss on batches the rollout Callback has filled
-(`input_ids`, `attention_mask`, `completion_mask`, `old_logprobs`, `advantages`). Model construction (preset
-or pretrained, config overrides, attention, dtype, LoRA, FSDP2 meta build) is `HFModule`'s. It does not
-generate: any LightningModule exposing its HF model as `self.model` can use the Callback the same way.
+Owns the policy update on batches the rollout Callback has filled (`input_ids`, `attention_mask`,
+`completion_mask`, `old_logprobs`, `advantages`): chunked log-probs from the final hidden states, the step's
+completions split into token-budgeted micro-batches accumulated into one optimizer step, and `num_iterations`
+optimizer steps per rollout. Optimization is manual for that: Lightning's `global_step` counts optimizer
+steps (`num_iterations` per rollout batch), so `max_steps` and `every_n_train_steps` count updates, as TRL's
+steps do. The algorithm's choices are one `GRPOAlgorithm` (`rl/algorithm.py`) made here and read by the
+Callback. Model construction (preset or pretrained, config overrides, attention, dtype, LoRA, FSDP2 meta
+build) is `HFModule`'s. It does not generate.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from torch import nn
 from torchmetrics import MeanMetric
 
 from lightning_ffpa.dtypes import DtypeOrAuto
 from lightning_ffpa.errors import ConfigError
-from lightning_ffpa.hf_module import HFModule
+from lightning_ffpa.hf_module import HFModule, text_config
 from lightning_ffpa.lora import LoraSpec, lora_hparam
 from lightning_ffpa.module import build_adamw, check_range
-from lightning_ffpa.rl.grpo import grpo_loss, sampler_weights
-
-
-def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0) -> torch.Tensor:
-    """log p(token t | < t) for t >= 1, shape (N, L-1), at the rollout temperature."""
-    # use_cache=False: a KV cache would grow again in every activation-checkpoint recompute.
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   use_cache=False).logits[:, :-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, -1).gather(2, batch["input_ids"][:, 1:, None])[..., 0]
+from lightning_ffpa.rl.algorithm import GRPOAlgorithm, microbatches
+from lightning_ffpa.rl.grpo import policy_loss, sampler_weights
+from lightning_ffpa.rl.logprobs import policy_token_logprobs
 
 
 class GRPOModule(HFModule):
@@ -50,6 +46,17 @@ class GRPOModule(HFModule):
         temperature: float = 1.0,
         old_logprobs: Literal["policy", "engine"] = "policy",
         sampler_is_cap: float | None = 3.0,
+        loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo", "gspo"] = "grpo",
+        scale_rewards: Literal["group", "batch", "none"] = "group",
+        num_iterations: int = 1,
+        max_tokens_per_microbatch: int | None = None,
+        mask_truncated_completions: bool = False,
+        dynamic_sampling: bool = False,
+        refill_rounds: int = 0,
+        overlong_buffer: int | None = None,
+        overlong_penalty: float = 1.0,
+        logprob_chunk_size: int = 4096,
+        gradient_clip_val: float | None = None,
     ) -> None:
         """Build the module; the policy is created in `configure_model` by the same code as `Gemma4LM`'s model.
 
@@ -66,11 +73,22 @@ class GRPOModule(HFModule):
             beta: KL coefficient against the base model (>= 0; > 0 needs `lora`: the base is the adapter-free model).
             temperature: Rollout temperature; the policy scores tokens at the same temperature (> 0).
             old_logprobs: the ratio's denominator. "policy": the policy's own logprobs of the sampled tokens,
-                without gradient (one optimizer step per rollout, so the ratio is 1 at the step, as in TRL);
+                without gradient (the ratio is 1 at the first update; later updates of `num_iterations` divide by the first pass's, as in TRL);
                 "engine": the sampler's logprobs, so the ratio also carries the engine's bf16 numerics.
             sampler_is_cap: with "policy", weight each token by min(pi_policy / pi_engine, cap), truncated
                 importance sampling for the engine's numerics (TRL's vllm_importance_sampling_correction); >= 1,
                 None for no weight. Must be None with "engine".
+            loss_type: grpo (per-sequence mean), bnpo (token mean of the rank's step), dapo (token mean of the global step), dr_grpo (sum / (N * max_new_tokens)) or gspo (sequence-level ratio): formulas in rl/grpo.py.
+            scale_rewards: Advantages divided by the reward std of the group, of the whole step (all ranks) or not at all (none, as Dr. GRPO).
+            num_iterations: Optimizer updates per rollout (TRL's num_iterations, mu); updates after the first use the first pass's log-probs as the old policy.
+            max_tokens_per_microbatch: Padded tokens per forward; the step's completions are split into micro-batches within it and accumulated into one update (null: one forward).
+            mask_truncated_completions: Completions cut at max_new_tokens without an EOS take no part in the loss (their rewards still count in the group statistics).
+            dynamic_sampling: DAPO's dynamic sampling: groups whose rewards all equal are dropped from the step (counted in rollout/dropped_groups).
+            refill_rounds: With dynamic_sampling, redraw the dropped groups' completions (same prompts, fresh noise) up to this many times before dropping them (>= 0).
+            overlong_buffer: DAPO's soft overlong punishment: the last this-many tokens before max_new_tokens ramp the reward down to -overlong_penalty (null: off).
+            overlong_penalty: The overlong punishment's largest penalty (>= 0).
+            logprob_chunk_size: Tokens per chunk of the chunked log-probs through the lm_head (>= 1); memory O(chunk x vocab).
+            gradient_clip_val: Clip the gradient norm to this before each update (null: no clipping); Trainer's gradient_clip_val does not apply to this manually optimized module.
         """
         super().__init__()
         lora = lora_hparam(lora)  # plain data in hparams and checkpoints
@@ -90,41 +108,154 @@ class GRPOModule(HFModule):
             check_range("model.sampler_is_cap", sampler_is_cap, ge=1)
         if beta > 0 and lora is None:
             raise ConfigError("model.beta", beta, "needs `model.lora` (the KL reference is the adapter-free base)")
+        check_range("model.logprob_chunk_size", logprob_chunk_size, ge=1)
+        if gradient_clip_val is not None:
+            check_range("model.gradient_clip_val", gradient_clip_val, gt=0)
+        self.algorithm = GRPOAlgorithm(  # checks its options: one ConfigError each
+            loss_type=loss_type, scale_rewards=scale_rewards, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+            beta=beta, num_iterations=num_iterations, max_tokens_per_microbatch=max_tokens_per_microbatch,
+            mask_truncated_completions=mask_truncated_completions, dynamic_sampling=dynamic_sampling,
+            refill_rounds=refill_rounds, overlong_buffer=overlong_buffer, overlong_penalty=overlong_penalty)
         self.save_hyperparameters()
         self.init_model_options()
+        # Micro-batches and several updates per rollout: backward and optimizer steps are ours.
+        self.automatic_optimization = False
+        self.entropy = MeanMetric()
         self.clip_fraction = MeanMetric()
         self.kl = MeanMetric()
         self.sampler_gap = MeanMetric()
         self.sampler_weight = MeanMetric()
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        hp = self.hparams
-        logp = token_logprobs(self.model, batch, hp.temperature)
-        mask = batch["completion_mask"][:, 1:]
-        ref = None
-        if hp.beta > 0:
-            with torch.no_grad(), self.model.disable_adapter():
-                ref = token_logprobs(self.model, batch, hp.temperature)
-        engine = batch["old_logprobs"][:, 1:]
-        old = logp.detach() if hp.old_logprobs == "policy" else engine
-        weights = sampler_weights(logp, engine, hp.sampler_is_cap) if hp.sampler_is_cap is not None else None
-        loss, stats = grpo_loss(logp, old, batch["advantages"], mask, clip_eps=hp.clip_eps,
-                                clip_eps_high=hp.clip_eps_high, beta=hp.beta, ref_logprobs=ref, token_weights=weights)
-        self.log("train/loss", loss, prog_bar=True)
+    def token_logprobs(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, L-1) log-probs and entropies of the completion tokens, chunked through the lm_head."""
+        # Pass the module given to `parallelize` (the FSDP root), so its hooks gather lm_head too.
+        softcap = getattr(text_config(self.config), "final_logit_softcapping", None)
+        return policy_token_logprobs(self.model, self.hf_model.get_output_embeddings().weight, batch, softcap,
+                                     self.hparams.temperature, self.hparams.logprob_chunk_size)
+
+    def _global_counts(self, mask: torch.Tensor) -> tuple[float, float, int]:
+        """(sequences, tokens, world size) of the whole step, summed over data-parallel ranks."""
+        counts = torch.stack([torch.tensor(float(mask.shape[0]), device=mask.device), mask.sum().float()])
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world > 1:
+            counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
+        return float(counts[0]), float(counts[1]), world
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
+        step = self.prepare_step(batch, batch_idx)
+        if step is None:  # every completion dropped or masked: no update (decided on global counts: every rank)
+            return None
+        opt = self.optimizers()
+        for it in range(self.algorithm.num_iterations):
+            self.backward_pass(batch, step, it)
+            if self.hparams.gradient_clip_val is not None:
+                self.clip_gradients(opt, gradient_clip_val=self.hparams.gradient_clip_val,
+                                    gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+        self._log_step(step)
+        return torch.tensor(step.sums["loss"])
+
+    def prepare_step(self, batch: dict, batch_idx: int = 0) -> _Step | None:
+        """The step's micro-batches and loss weights from its whole batch (global counts under data
+        parallelism); None when no completion token takes part in the loss on any rank."""
+        algo = self.algorithm
+        mask = batch["completion_mask"][:, 1:]  # (N, L-1)
+        n_seq, n_tok, world = self._global_counts(mask)
+        if n_tok == 0:
+            return None
+        lengths = batch["attention_mask"].sum(1).tolist()
+        algo.check_sequence_fits(max(lengths), f" (batch {batch_idx})")
+        weights = algo.loss_weights(mask, n_seq, n_tok, float(mask.sum()), world)  # (N, L-1)
+        return _Step(microbatches(lengths, algo.max_tokens_per_microbatch), weights, float(mask.sum()), world)
+
+    def backward_pass(self, batch: dict, step: _Step, iteration: int = 0) -> float:
+        """One pass over the step's micro-batches, each loss backpropagated (gradients accumulate); returns the
+        pass's loss. Pass 0 keeps its log-probs as the old policy of later passes, and the reference's."""
+        hp, algo = self.hparams, self.algorithm
+        total = 0.0
+        for k, rows in enumerate(step.parts):
+            mb = _rows(batch, rows)
+            logp, entropy = self.token_logprobs(mb)
+            m = mb["completion_mask"][:, 1:]
+            engine = mb["old_logprobs"][:, 1:]
+            if iteration == 0:
+                step.first.append(logp.detach())
+                step.refs.append(self._reference_logprobs(mb) if algo.beta > 0 else None)
+            first = step.first[k]
+            old = first if hp.old_logprobs == "policy" else engine
+            is_w = sampler_weights(first, engine, hp.sampler_is_cap) if hp.sampler_is_cap is not None else None
+            loss, stats = policy_loss(logp, old, mb["advantages"], m, step.weights[rows][:, :m.shape[1]],
+                                      algo.sequence_ratio, algo.clip_eps, algo.clip_eps_high, algo.beta,
+                                      step.refs[k], is_w)
+            if self._trainer is not None:
+                self.manual_backward(loss)
+            else:  # a module used on its own (tests, a user's loop): plain autograd
+                loss.backward()
+            total += float(loss.detach())
+            step.sums["clipped"] += float(stats["clipped"])
+            step.sums["clip_tokens"] += float(m.sum())
+            if iteration == 0:
+                fm = m.to(logp.dtype)
+                step.sums["gap"] += float(((first - engine).abs() * fm).sum())
+                step.sums["entropy"] += float((entropy * fm).sum())
+                step.sums["kl"] += float(stats.get("kl", 0.0))
+                if is_w is not None:
+                    step.sums["is_weight"] += float((is_w * fm).sum())
+        if iteration == 0:
+            step.sums["loss"] = total
+        return total
+
+    def _reference_logprobs(self, mb: dict) -> torch.Tensor:
+        with torch.no_grad(), self.model.disable_adapter():
+            return self.token_logprobs(mb)[0]
+
+    def _log_step(self, step: _Step) -> None:
+        """Step values: the first pass's loss (summed over micro-batches; the global loss under data
+        parallelism), token means of this rank's step for the rest (clipping over every pass)."""
+        sums, dev, n = step.sums, self.device, max(step.tokens, 1.0)
+        self.log("train/loss", torch.tensor(sums["loss"], device=dev), prog_bar=True, sync_dist=step.world > 1,
+                 batch_size=1)
         # How far the sampler's logprobs sit from the policy's on the same tokens: ~0 when the inference copy
         # and numerics match; bf16 engines and kernels move it (the importance weights correct for it).
-        n_tokens = mask.sum().clamp(min=1)
-        self.sampler_gap(((logp.detach() - engine).abs() * mask).sum() / n_tokens)
-        self.log("train/sampler_logprob_gap", self.sampler_gap, on_step=True, on_epoch=False)
-        if weights is not None:
-            self.sampler_weight((weights * mask).sum() / n_tokens)
+        for metric, name, value in ((self.sampler_gap, "train/sampler_logprob_gap", sums["gap"] / n),
+                                    (self.entropy, "train/entropy", sums["entropy"] / n),
+                                    (self.clip_fraction, "train/clip_fraction",
+                                     sums["clipped"] / max(sums["clip_tokens"], 1.0))):
+            metric(torch.tensor(value, device=dev))  # forward: the step value is what on_step logs
+            self.log(name, metric, on_step=True, on_epoch=False)
+        if self.hparams.sampler_is_cap is not None:
+            self.sampler_weight(torch.tensor(sums["is_weight"] / n, device=dev))
             self.log("train/sampler_is_weight", self.sampler_weight, on_step=True, on_epoch=False)
-        self.clip_fraction(stats["clip_fraction"])  # forward: the step value is what on_step logs
-        self.log("train/clip_fraction", self.clip_fraction, on_step=True, on_epoch=False)
-        if "kl" in stats:
-            self.kl(stats["kl"])
+        if self.algorithm.beta > 0:
+            self.kl(torch.tensor(sums["kl"] / n, device=dev))
             self.log("train/kl", self.kl, on_step=True, on_epoch=False)
-        return loss
+        self.log("train/microbatches", float(len(step.parts)), on_step=True, on_epoch=False, batch_size=1)
 
     def configure_optimizers(self):
         return build_adamw(self.model, self.hparams.learning_rate, weight_decay=0.0, betas=(0.9, 0.999))  # fused on CUDA
+
+
+@dataclass
+class _Step:
+    """One rollout batch's update plan and what its passes leave behind."""
+
+    parts: list[list[int]]  # row indices per micro-batch
+    weights: torch.Tensor  # (N, L-1) loss weight per token (the loss type's normalisation)
+    tokens: float  # this rank's loss tokens
+    world: int
+    first: list[torch.Tensor] = field(default_factory=list)  # pass 0's log-probs per micro-batch
+    refs: list[torch.Tensor | None] = field(default_factory=list)  # the reference's, when beta > 0
+    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("loss", "clipped", "clip_tokens", "kl", "gap", "is_weight", "entropy"), 0.0))
+
+
+def _rows(batch: dict, rows: list[int]) -> dict:
+    """The micro-batch of `rows`, its right padding trimmed to its longest row."""
+    idx = torch.tensor(rows, device=batch["input_ids"].device)
+    length = int(batch["attention_mask"][idx].sum(1).max())
+    out = {}
+    for key in ("input_ids", "attention_mask", "completion_mask", "old_logprobs"):
+        out[key] = batch[key][idx, :length]
+    out["advantages"] = batch["advantages"][idx]
+    return out

@@ -110,6 +110,10 @@ ROWS = [
     (f"{G} --model.init_args.sampler_is_cap 0.5", "model.sampler_is_cap"),
     (f"{G} --model.init_args.old_logprobs engine", "model.sampler_is_cap"),  # the engine ratio needs no weight
     (f"{G} --model.init_args.config_overrides '{{bogus_field: 1}}'", "model.config_overrides.bogus_field"),
+    (f"{G} --model.init_args.loss_type ppo", "model.init_args.loss_type"),
+    (f"{G} --model.init_args.num_iterations 0", "model.num_iterations"),
+    (f"{G} --model.init_args.max_tokens_per_microbatch 9", "model.max_tokens_per_microbatch"),  # < 4 + 6 tokens
+    (f"{G} --trainer.gradient_clip_val 1.0", "trainer.gradient_clip_val"),  # the module clips: its own option
     (f"{G} --data.init_args.batch_size 0", "data.init_args.batch_size"),
     (f"{G} --data.init_args.prompt_len 0", "data.init_args.prompt_len"),
     (f"{G} --data.init_args.vocab_size 1", "data.init_args.vocab_size"),

@@ -13,7 +13,7 @@ def test_build_grpo_batch_layout():
     completions = [[1, 2, 3], [4], [], [8, 9]]
     logprobs = [[-0.1, -0.2, -0.3], [-0.4], [], [-0.5, -0.6]]
     rewards = torch.tensor([1.0, 0.0, 2.0, 4.0])
-    b = build_grpo_batch(prompts, completions, logprobs, rewards, 2, pad_token_id=99)
+    b = build_grpo_batch(prompts, completions, logprobs, rewards, group_advantages(rewards, 2), pad_token_id=99)
     assert b["input_ids"].tolist() == [[5, 6, 1, 2, 3], [5, 6, 4, 99, 99], [7, 99, 99, 99, 99], [7, 8, 9, 99, 99]]
     assert b["attention_mask"].tolist() == [[1] * 5, [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0]]
     assert b["completion_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0], [0] * 5, [0, 1, 1, 0, 0]]
@@ -24,4 +24,4 @@ def test_build_grpo_batch_layout():
     torch.testing.assert_close(b["advantages"], group_advantages(rewards, 2))
     assert b["advantages"][0] > 0 > b["advantages"][1] and b["advantages"][2] < 0 < b["advantages"][3]
     with pytest.raises(ValueError, match="must match"):
-        build_grpo_batch(prompts, completions[:3], logprobs, rewards, 2)
+        build_grpo_batch(prompts, completions[:3], logprobs, rewards, group_advantages(rewards, 2))

@@ -103,7 +103,7 @@ def test_policy_logprobs_recompute_cleanly_under_activation_checkpointing():
 
     from lightning_ffpa.parallel import parallelize
     from lightning_ffpa.presets import build_text_config
-    from lightning_ffpa.rl.module import token_logprobs
+    from lightning_ffpa.rl.logprobs import full_token_logprobs as token_logprobs
 
     torch.manual_seed(0)
     plain = transformers.Gemma4ForCausalLM(build_text_config("tiny"))

@@ -6,6 +6,7 @@ a one-process FSDP2Strategy fit, DCP folder and single file). Another base is re
 
 from __future__ import annotations
 
+import shutil
 import socket
 
 import lightning as L
@@ -18,6 +19,7 @@ from transformers import Gemma4ForCausalLM
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, fingerprint, frozen_names
 from lightning_ffpa.data import MockDataModule
 from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.export import export
 from lightning_ffpa.module import Gemma4LM
 from lightning_ffpa.parallel import FSDP2Strategy
 from lightning_ffpa.presets import build_text_config
@@ -103,6 +105,10 @@ def test_plain_resume_equals_the_straight_run_and_the_file_holds_no_base(tmp_pat
     base_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if not p.requires_grad)
     assert base_bytes <= full_bytes - cut_bytes < 1.01 * base_bytes and cut_bytes * 5 < full_bytes
 
+    with pytest.raises(ConfigError, match=r"^`ckpt=.*`model\.save_frozen_weights=false`: .*not the frozen base"):
+        export(cut, tmp_path / "hf")  # the base is not in the file: a clear refusal, nothing written
+    assert not (tmp_path / "hf").exists()
+
     resumed, trainer = _fit(tmp_path / "cut", 2 * N, ckpt_path=cut)
     assert trainer.global_step == 2 * N
     _assert_same(resumed, straight)
@@ -163,11 +169,18 @@ def _fsdp2(dcp: bool, replicate) -> FSDP2Strategy:
 @pytest.mark.parametrize("dcp, replicate", [(True, False), (False, "auto")], ids=["dcp-sharded-base", "file-whole-base"])
 def test_fsdp2_resume_equals_the_straight_run_and_another_base_is_refused(one_process, bases, tmp_path, dcp,
                                                                           replicate):
-    def fit(root, steps, base=bases[0], ckpt_path=None):
+    base = tmp_path / "base"  # one `model.pretrained` path; its weights are replaced below (a moved hub revision)
+
+    def fit(root, steps, ckpt_path=None):
         out = _fit(root, steps, ckpt_path=ckpt_path, strategy=_fsdp2(dcp, replicate), pretrained=str(base))
         dist.destroy_process_group()
         return out
 
+    def use(source):
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.copytree(source, base)
+
+    use(bases[0])
     straight, _ = fit(tmp_path / "straight", 2 * N)
     fit(tmp_path / "cut", N)
     cut = tmp_path / "cut" / "ckpt" / f"epoch=0-step={N}.ckpt"
@@ -181,8 +194,28 @@ def test_fsdp2_resume_equals_the_straight_run_and_another_base_is_refused(one_pr
         keys = list(torch.load(cut, map_location="cpu", weights_only=True)["state_dict"])
     assert keys and all(".lora_" in k or k.endswith(".layer_scalar") for k in keys), keys  # adapters and buffers
 
+    use(bases[1])
     with pytest.raises(ConfigError, match=r"^`ckpt_path=.*`model\.save_frozen_weights=false`.*frozen weights differ"):
-        fit(tmp_path / "other", 2 * N, base=bases[1], ckpt_path=cut)
+        fit(tmp_path / "other", 2 * N, ckpt_path=cut)
+    use(bases[0])
     resumed, trainer = fit(tmp_path / "cut", 2 * N, ckpt_path=cut)
     assert trainer.global_step == 2 * N
     _assert_same(resumed, straight)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_single_file_missing_a_trained_weight_is_still_an_error(one_process, bases, tmp_path):
+    def fit(steps, ckpt_path=None):
+        try:
+            return _fit(tmp_path, steps, ckpt_path=ckpt_path, strategy=_fsdp2(False, False), pretrained=str(bases[0]))
+        finally:
+            dist.destroy_process_group()
+
+    fit(N)
+    path = tmp_path / "ckpt" / "last.ckpt"
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    lost = next(k for k in ckpt["state_dict"] if "lora_B" in k)
+    del ckpt["state_dict"][lost]
+    torch.save(ckpt, path)
+    with pytest.raises(KeyError, match=f"{lost}.*missing besides the frozen weights"):
+        fit(2 * N, ckpt_path=path)

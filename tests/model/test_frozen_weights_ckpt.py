@@ -49,10 +49,10 @@ def _module(**kw) -> Gemma4LM:
                     learning_rate=1e-2, warmup_steps=0, min_lr_ratio=1.0, **kw)  # a constant rate: N and 2N agree
 
 
-def _fit(root, steps, *, seed=0, ckpt_path=None, strategy="auto", **module_kw) -> tuple[Snapshot, L.Trainer]:
+def _fit(root, steps, *, seed=0, ckpt_path=None, strategy="auto", devices=1, **module_kw) -> tuple[Snapshot, L.Trainer]:
     L.seed_everything(seed)  # what the CLI's seed_everything does before the model is built
     snap = Snapshot()
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                         callbacks=[snap, ModelCheckpoint(dirpath=root / "ckpt", save_last=True)],
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         default_root_dir=root)
@@ -100,7 +100,7 @@ def test_plain_resume_equals_the_straight_run_and_the_file_holds_no_base(tmp_pat
     assert set(saved[FROZEN_BASE_KEY]) == frozen
     assert saved["state_dict"].keys() == module.state_dict().keys() - frozen  # adapters and buffers
     # the same run's checkpoint with the base is larger by the base's bytes (tied tensors are stored once)
-    _fit(tmp_path / "full", N, save_frozen_weights=True)
+    _fit(tmp_path / "full", 1, save_frozen_weights=True)
     full_bytes, cut_bytes = (tmp_path / "full" / "ckpt" / "last.ckpt").stat().st_size, cut.stat().st_size
     base_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if not p.requires_grad)
     assert base_bytes <= full_bytes - cut_bytes < 1.01 * base_bytes and cut_bytes * 5 < full_bytes
@@ -219,3 +219,23 @@ def test_fsdp2_single_file_missing_a_trained_weight_is_still_an_error(one_proces
     torch.save(ckpt, path)
     with pytest.raises(KeyError, match=f"{lost}.*missing besides the frozen weights"):
         fit(2 * N, ckpt_path=path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_fsdp2_two_ranks_resume_over_a_sharded_base_and_its_digest_is_the_whole_bases(bases, tmp_path):
+    """2 gloo ranks, each holding half of every frozen tensor: the saved digest is the one a single process
+    computes over the whole base, and the resume ends where the straight run does."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+    from _launch import torchrun_json
+
+    got = torchrun_json(Path(__file__).with_name("_fit_frozen_ranks.py"), tmp_path / "out.json", 2, 29823,
+                        bases[0], timeout=380)
+    assert got["shards"] == ["__0_0.distcp", "__1_0.distcp"]
+    assert got["equal"], got["differ"]
+    module = _module(pretrained=str(bases[0]))
+    module.configure_model()
+    assert got["record"] == fingerprint(module)

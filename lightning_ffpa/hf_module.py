@@ -4,8 +4,9 @@ Owns: the shared options (`pretrained`, `preset`, `config_overrides`, `model_cla
 `dtype`, `lora`, `save_frozen_weights`) and their checks, the HF config, building the model (pretrained or
 preset; on meta under FSDP2Strategy), LoRA, loading pretrained weights into shards, comparing these options
 with a checkpoint's, and leaving the frozen base out of checkpoints (`save_frozen_weights: false`; the digest
-and its check are `lightning_ffpa.checkpoint.frozen`'s). Does not own training (`Gemma4LM` in module.py, `GRPOModule` in rl/module.py), sharding
-(`lightning_ffpa.parallel`) or attention kernels (`lightning_ffpa.attention`).
+and its check are `lightning_ffpa.checkpoint.frozen`'s). Does not own training (`Gemma4LM` in module.py,
+`GRPOModule` in rl/module.py), sharding (`lightning_ffpa.parallel`) or attention kernels
+(`lightning_ffpa.attention`).
 """
 
 from __future__ import annotations

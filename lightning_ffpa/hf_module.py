@@ -38,7 +38,7 @@ from lightning_ffpa._compat.transformers import (  # noqa: F401 - text_config re
     from_config,
     text_config,
 )
-from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base, fingerprint, frozen_names
+from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base, frozen_names, frozen_record
 from lightning_ffpa.checkpoint.frozen import OPTION as FROZEN_OPTION
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.errors import CheckpointError, ConfigError
@@ -356,7 +356,7 @@ class HFModule(L.LightningModule):
         state = checkpoint.get("state_dict") or {}
         for key in [k for k in state if without_wrapper_levels(k) in frozen]:
             del state[key]
-        checkpoint[FROZEN_BASE_KEY] = fingerprint(self)
+        checkpoint[FROZEN_BASE_KEY] = frozen_record(self)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse (before any weight is loaded) a checkpoint whose architecture options differ from this module's;
@@ -374,7 +374,7 @@ class HFModule(L.LightningModule):
         # The base's own tensors fill the keys left out: the load copies them onto themselves, and a missing
         # trained weight is still a missing key to the strict load that follows.
         for key, value in self.state_dict().items():
-            if key not in state and without_wrapper_levels(key) in saved:
+            if key not in state and without_wrapper_levels(key) in saved["tensors"]:
                 state[key] = value
 
 

@@ -3,8 +3,9 @@ proves it rebuilt the same base.
 
 Owns: the names of a module's frozen weights (parameters with `requires_grad=False`, named as state dicts
 name them, without `parallelize`'s wrapper levels), their digest, the record a checkpoint saved without them
-carries (`checkpoint[FROZEN_BASE_KEY]`: name -> digest), reading that record from a `.ckpt` file or a DCP
-folder, and the check a resume makes against the base it rebuilt. Does not own building the base (`HFModule`
+carries (`checkpoint[FROZEN_BASE_KEY]`: the run's seed and name -> digest), reading that record from a `.ckpt`
+file or a DCP folder, and the checks a resume makes: the seed of a `preset` base before any model is built, the
+digest against the base it rebuilt. Does not own building the base (`HFModule`
 rebuilds it from `pretrained`, or from `preset` under the run's seed), leaving the weights out of the state
 dict (`HFModule.on_save_checkpoint`, `FSDP2Strategy.lightning_module_state_dict`) or loading the trained
 weights over the base (Lightning, and `_compat.lightning.module_keys_with_wrappers` under FSDP2Strategy).
@@ -29,9 +30,12 @@ from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat.torch import without_wrapper_levels
 from lightning_ffpa.errors import ConfigError
 
-__all__ = ["FROZEN_BASE_KEY", "OPTION", "check_frozen_base", "fingerprint", "frozen_names", "read_frozen_record"]
+__all__ = ["FROZEN_BASE_KEY", "OPTION", "check_frozen_base", "check_frozen_seed", "fingerprint", "frozen_names",
+           "frozen_record", "read_frozen_record"]
 
-FROZEN_BASE_KEY = "frozen_base"  # top-level checkpoint key: {name: [shape, dtype, word sum, squared word sum]}
+# top-level checkpoint key: {"seed": seed_everything's seed or None, "tensors": {name: [shape, dtype, word sum,
+# squared word sum]}}
+FROZEN_BASE_KEY = "frozen_base"
 OPTION = "model.save_frozen_weights"
 _CHUNK = 1 << 24  # words digested at a time: an int64 temporary of 128 MiB
 
@@ -95,7 +99,18 @@ def fingerprint(module: nn.Module) -> dict[str, list]:
     return out
 
 
-def read_frozen_record(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, list] | None:
+def _run_seed() -> int | None:
+    """The seed `seed_everything` set in this process (Lightning keeps it in PL_GLOBAL_SEED), or None."""
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    return int(seed) if seed is not None else None
+
+
+def frozen_record(module: nn.Module) -> dict[str, Any]:
+    """What a checkpoint saved without the frozen base carries: the run's seed and the base's digest."""
+    return {"seed": _run_seed(), "tensors": fingerprint(module)}
+
+
+def read_frozen_record(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any] | None:
     """The frozen-base record of the checkpoint at `path` (a `.ckpt` file, memory-mapped, or a DCP folder's
     non-tensor file), or None for a checkpoint that holds its frozen weights."""
     path = Path(path)
@@ -109,10 +124,25 @@ def read_frozen_record(path: str | os.PathLike, weights_only: bool | None = None
     return state.get(FROZEN_BASE_KEY) if isinstance(state, dict) else None
 
 
-def check_frozen_base(saved: dict[str, list], module: nn.Module, ckpt_path: Any) -> None:
+def _refuse(ckpt_path: Any, why: str) -> ConfigError:
+    return ConfigError("ckpt_path", str(ckpt_path), f"was saved with `{OPTION}=false` (without the frozen base) "
+                       f"over another base than the one this run builds: {why}; rebuild the fit's base (the same "
+                       "`model.pretrained`, or `model.preset` and `config_overrides` under the fit's `seed_everything`)")
+
+
+def check_frozen_seed(record: dict[str, Any] | None, hparams: dict[str, Any], ckpt_path: Any) -> None:
+    """Before any model is built: a `preset` base (drawn at random) must be drawn under the fit's seed."""
+    if record is None or hparams.get("pretrained") is not None or record.get("seed") is None:
+        return
+    if record["seed"] != _run_seed():
+        raise _refuse(ckpt_path, f"its random `model.preset` base was drawn under `seed_everything={record['seed']}`, "
+                                 f"this run's under {_run_seed()}")
+
+
+def check_frozen_base(record: dict[str, Any], module: nn.Module, ckpt_path: Any) -> None:
     """Refuse (ConfigError naming `ckpt_path` and the option) a resume whose rebuilt frozen base is not the one
     the checkpoint `ckpt_path` was saved over. Collective where the base is sharded."""
-    current = fingerprint(module)
+    saved, current = record["tensors"], fingerprint(module)
     why = None
     if set(saved) != set(current):
         extra, lacking = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
@@ -126,6 +156,6 @@ def check_frozen_base(saved: dict[str, list], module: nn.Module, ckpt_path: Any)
                     else "other values")
             why = f"{len(differ)} of its {len(saved)} frozen weights differ, e.g. `{differ[0]}` has {what}"
     if why is not None:
-        raise ConfigError("ckpt_path", str(ckpt_path), f"was saved with `{OPTION}=false` (without the frozen base) "
-                          f"over another base than the one this run built: {why}; rebuild the fit's base (the same "
-                          "`model.pretrained`, or `model.preset` and `config_overrides` under the fit's `seed_everything`)")
+        if record.get("seed") != _run_seed():
+            why += f" (the fit ran under `seed_everything={record.get('seed')}`, this run under {_run_seed()})"
+        raise _refuse(ckpt_path, why)

@@ -97,7 +97,7 @@ def test_plain_resume_equals_the_straight_run_and_the_file_holds_no_base(tmp_pat
     module.configure_model()
     frozen = frozen_names(module)
     assert frozen and not frozen & saved["state_dict"].keys()  # no frozen tensor in the file
-    assert set(saved[FROZEN_BASE_KEY]) == frozen
+    assert set(saved[FROZEN_BASE_KEY]["tensors"]) == frozen and saved[FROZEN_BASE_KEY]["seed"] == 0
     assert saved["state_dict"].keys() == module.state_dict().keys() - frozen  # adapters and buffers
     # the same run's checkpoint with the base is larger by the base's bytes (tied tensors are stored once)
     _fit(tmp_path / "full", 1, save_frozen_weights=True)
@@ -121,6 +121,7 @@ def test_plain_resume_over_another_base_is_refused_before_training(tmp_path):
     message = str(err.value)
     assert message.startswith("`ckpt_path=") and "`model.save_frozen_weights=false`" in message
     assert "frozen weights differ" in message and "\n" not in message
+    assert "(the fit ran under `seed_everything=0`, this run under 1)" in message
 
 
 def test_a_missing_trained_weight_is_still_an_error(tmp_path):
@@ -238,4 +239,4 @@ def test_fsdp2_two_ranks_resume_over_a_sharded_base_and_its_digest_is_the_whole_
     assert got["equal"], got["differ"]
     module = _module(pretrained=str(bases[0]))
     module.configure_model()
-    assert got["record"] == fingerprint(module)
+    assert got["record"]["tensors"] == fingerprint(module)

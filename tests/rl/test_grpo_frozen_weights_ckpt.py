@@ -1,7 +1,8 @@
 """GRPO with LoRA and `model.save_frozen_weights: false` through the CLI in-process (configs/tiny_grpo.yaml, CPU,
 fp32): the checkpoints hold the adapters, and a run stopped at step 2 and resumed to 4 ends with the adapters and
 optimizer state of the uninterrupted 4-step run, bit for bit (the base is rebuilt from the preset under the
-config's seed, and its digest checked); another seed's base is refused with one line naming `ckpt_path`."""
+config's seed, and its digest checked); another seed is refused by the pre-flight, before any model is built, with
+one line naming `ckpt_path`."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def test_adapter_only_grpo_resume_repeats_the_uninterrupted_run(tmp_path, capsys
     assert _fit(tmp_path / "cut", 4, "--ckpt_path", "last", "--seed_everything", "1") == 2  # another seed's base
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: `ckpt_path=") and "`model.save_frozen_weights=false`" in err, err
+    assert "base was drawn under `seed_everything=0`, this run's under 1" in err, err  # the pre-flight: no model built
     assert "\n" not in err
 
     assert _fit(tmp_path / "cut", 4, "--ckpt_path", "last") == 0

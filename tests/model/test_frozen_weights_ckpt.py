@@ -240,3 +240,14 @@ def test_fsdp2_two_ranks_resume_over_a_sharded_base_and_its_digest_is_the_whole_
     module = _module(pretrained=str(bases[0]))
     module.configure_model()
     assert got["record"]["tensors"] == fingerprint(module)
+
+
+def test_a_strategy_that_loads_checkpoints_itself_is_refused_naming_the_option():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    module = _module()
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ModelParallelStrategy(), logger=False)
+    with pytest.raises(ConfigError, match=r"^`model\.save_frozen_weights=False`: is not supported with "
+                                          r"ModelParallelStrategy"):
+        module.configure_model()
+    assert module.model is None

@@ -49,10 +49,11 @@ def _module(**kw) -> Gemma4LM:
                     learning_rate=1e-2, warmup_steps=0, min_lr_ratio=1.0, **kw)  # a constant rate: N and 2N agree
 
 
-def _fit(root, steps, *, seed=0, ckpt_path=None, strategy="auto", devices=1, **module_kw) -> tuple[Snapshot, L.Trainer]:
+def _fit(root, steps, *, seed=0, ckpt_path=None, strategy="auto", devices=1, accelerator="cpu",
+         **module_kw) -> tuple[Snapshot, L.Trainer]:
     L.seed_everything(seed)  # what the CLI's seed_everything does before the model is built
     snap = Snapshot()
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+    trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps, logger=False,
                         callbacks=[snap, ModelCheckpoint(dirpath=root / "ckpt", save_last=True)],
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         default_root_dir=root)
@@ -251,3 +252,29 @@ def test_a_strategy_that_loads_checkpoints_itself_is_refused_naming_the_option()
                                           r"ModelParallelStrategy"):
         module.configure_model()
     assert module.model is None
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_fsdp2_on_one_gpu_the_digest_is_the_cpu_one_and_the_dcp_resume_runs(bases, tmp_path):
+    """NCCL, CUDA shards: the saved digest equals a CPU process's over the same base; the DCP resume reaches 2N
+    over the same base and is refused over another (one process: Lightning starts and ends the NCCL group)."""
+    def fit(root, steps, base, ckpt_path=None):
+        try:
+            return _fit(root, steps, ckpt_path=ckpt_path, strategy=_fsdp2(True, False), accelerator="gpu",
+                        pretrained=str(base))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    fit(tmp_path, N, bases[0])
+    cut = tmp_path / "ckpt" / f"epoch=0-step={N}.ckpt"
+    module = _module(pretrained=str(bases[0]))
+    module.configure_model()
+    from lightning_ffpa.checkpoint.frozen import read_frozen_record
+
+    assert read_frozen_record(cut)["tensors"] == fingerprint(module)
+    with pytest.raises(ConfigError, match=r"frozen weights differ"):
+        fit(tmp_path / "other", 2 * N, bases[1], ckpt_path=cut)
+    _, trainer = fit(tmp_path, 2 * N, bases[0], ckpt_path=cut)
+    assert trainer.global_step == 2 * N

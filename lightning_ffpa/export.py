@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa._compat.transformers import text_config
+from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.dtypes import choices as dtype_choices
 from lightning_ffpa.errors import CheckpointError, ConfigError, console_entry
@@ -261,6 +262,9 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
         raise ConfigError("--config", config_dir, "is not a folder with a config.json (an HF config folder)")
     _split({}, max_shard_size, "--max_shard_size")
     source = _Source(Path(ckpt))
+    if source.meta.get(FROZEN_BASE_KEY) is not None:  # the base is not in it, and export does not rebuild one
+        raise ConfigError("ckpt", str(ckpt), "was saved with `model.save_frozen_weights=false`: it holds the trained "
+                          "weights (the LoRA adapters), not the frozen base; export a checkpoint saved with it true")
     hparams = source.hparams
     config = model_config(source.meta, config_dir)
     text = text_config(config)

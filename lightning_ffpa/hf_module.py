@@ -1,10 +1,12 @@
 """The LightningModule base that builds the HF Gemma4 model from the model options every module here shares.
 
 Owns: the shared options (`pretrained`, `preset`, `config_overrides`, `model_class`, `attn_implementation`,
-`dtype`, `lora`) and their checks, the HF config, building the model (pretrained or preset; on meta under
-FSDP2Strategy), LoRA, loading pretrained weights into shards, and comparing these options with a
-checkpoint's. Does not own training (`Gemma4LM` in module.py, `GRPOModule` in rl/module.py), sharding
-(`lightning_ffpa.parallel`) or attention kernels (`lightning_ffpa.attention`).
+`dtype`, `lora`, `save_frozen_weights`) and their checks, the HF config, building the model (pretrained or
+preset; on meta under FSDP2Strategy), LoRA, loading pretrained weights into shards, comparing these options
+with a checkpoint's, and leaving the frozen base out of checkpoints (`save_frozen_weights: false`; the digest
+and its check are `lightning_ffpa.checkpoint.frozen`'s). Does not own training (`Gemma4LM` in module.py,
+`GRPOModule` in rl/module.py), sharding (`lightning_ffpa.parallel`) or attention kernels
+(`lightning_ffpa.attention`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from lightning_ffpa._compat.transformers import (  # noqa: F401 - text_config re
     from_config,
     text_config,
 )
+from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base, frozen_names, frozen_record
+from lightning_ffpa.checkpoint.frozen import OPTION as FROZEN_OPTION
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.lora import PEFT_LEVEL, apply_lora, check_targets_given, lora_hparam, unwrap_peft
@@ -120,6 +124,9 @@ class HFModule(L.LightningModule):
         parse_dtype("model.dtype", hp.get("dtype", "auto"))
         if self.model_class_name not in _MODEL_CLASSES:
             raise ConfigError("model.model_class", self.model_class_name, f"must be one of {sorted(_MODEL_CLASSES)}")
+        if not hp.get("save_frozen_weights", True) and not hp["lora"]:
+            raise ConfigError(FROZEN_OPTION, False, "leaves the frozen base weights out of checkpoints, and without "
+                              "`model.lora` no weight is frozen (a full fine-tune trains them all); drop the option")
         self.config = self._load_config()
         check_targets_given(hp["lora"], self.config.model_type)
         self.model: PreTrainedModel | None = None
@@ -234,9 +241,15 @@ class HFModule(L.LightningModule):
             model = apply_lora(model, hp.lora)
         return model
 
+    @property
+    def saves_frozen_weights(self) -> bool:
+        """Whether checkpoints hold the frozen base weights (`save_frozen_weights`, default True)."""
+        return bool(self.hparams.get("save_frozen_weights", True))
+
     def configure_model(self) -> None:
         if self.model is not None:
             return
+        self._check_frozen_weights_strategy()
         if self.shards_model:
             lora = self.hparams.get("lora") or {}
             if lora.get("use_dora") or lora.get("init_lora_weights", True) not in (True, False, "gaussian"):
@@ -321,14 +334,53 @@ class HFModule(L.LightningModule):
         """The underlying HF model (peft wrapper removed)."""
         return unwrap_peft(self.model)
 
+    def _check_frozen_weights_strategy(self) -> None:
+        """`save_frozen_weights: false` needs a strategy whose resume this module or FSDP2Strategy completes."""
+        if self.saves_frozen_weights or self._trainer is None:
+            return
+        from lightning_ffpa.parallel import FSDP2Strategy
+
+        strategy = self.trainer.strategy
+        if strategy.restore_checkpoint_after_setup and not isinstance(strategy, FSDP2Strategy):
+            raise ConfigError(FROZEN_OPTION, False, f"is not supported with {type(strategy).__name__}, which loads "
+                              "checkpoints itself; use FSDP2Strategy or a single-device/DDP strategy")
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Name this module's class in the checkpoint (what `lightning-ffpa-export` rebuilds the config with)."""
+        """Name this module's class in the checkpoint (what `lightning-ffpa-export` rebuilds the config with); with
+        `save_frozen_weights: false`, leave the frozen base out of the checkpoint and record its digest.
+
+        Collective where the base is sharded (every rank saves). FSDP2Strategy already left the base out of
+        the state dict it gathered; the plain strategies' state dict holds references, dropped here.
+        """
         checkpoint[MODULE_CLASS_KEY] = f"{type(self).__module__}.{type(self).__qualname__}"
+        if self.saves_frozen_weights:
+            return
+        frozen = frozen_names(self)
+        if not frozen:
+            raise ConfigError(FROZEN_OPTION, False, "this model has no frozen weights to leave out of the checkpoint")
+        state = checkpoint.get("state_dict") or {}
+        for key in [k for k in state if without_wrapper_levels(k) in frozen]:
+            del state[key]
+        checkpoint[FROZEN_BASE_KEY] = frozen_record(self)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse (before any weight is loaded) a checkpoint whose architecture options differ from this module's."""
+        """Refuse (before any weight is loaded) a checkpoint whose architecture options differ from this module's;
+        complete a checkpoint saved without the frozen base with this run's rebuilt base, once its digest matches.
 
+        Under FSDP2Strategy the weights are loaded (and the base checked) by the strategy before this hook,
+        and the checkpoint it passes holds no `state_dict`.
+        """
         check_hparams_match(checkpoint.get("hyper_parameters"), self, "ckpt_path")
+        saved = checkpoint.get(FROZEN_BASE_KEY)
+        state = checkpoint.get("state_dict")
+        if saved is None or state is None:
+            return
+        check_frozen_base(saved, self, getattr(self._trainer, "ckpt_path", None))
+        # The base's own tensors fill the keys left out: the load copies them onto themselves, and a missing
+        # trained weight is still a missing key to the strict load that follows.
+        for key, value in self.state_dict().items():
+            if key not in state and without_wrapper_levels(key) in saved["tensors"]:
+                state[key] = value
 
 
 def check_options_match_checkpoint(given: Any, saved: dict[str, Any] | None, ckpt_path: str, switch: str) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa._compat.transformers import from_config, text_config
+from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_seed
 from lightning_ffpa.checkpoint.paths import root_checkpoint_dirs
 from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.hf_module import ARCHITECTURE_HPARAMS, check_hparams_match  # noqa: F401 - re-exported
@@ -288,6 +289,7 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
     check_strategy_loads(trainer, resolved)
     state = check_checkpoint(resolved, "ckpt_path")
     check_hparams_match(state.get("hyper_parameters"), model, "ckpt_path")
+    check_frozen_seed(state.get(FROZEN_BASE_KEY), dict(getattr(model, "hparams", {})), resolved)
     check_data_resumes(trainer, datamodule, state)
     return str(resolved)
 

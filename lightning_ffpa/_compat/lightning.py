@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -44,13 +44,18 @@ __all__ = [
 
 
 @contextlib.contextmanager
-def module_keys_with_wrappers() -> Iterator[None]:
+def module_keys_with_wrappers(absent: Collection[str] = ()) -> Iterator[None]:
     """While open, Lightning's single-file load into a DTensor model (`_load_raw_module_state`) also finds each
     weight under its module path with `parallelize`'s wrapper levels, which its lookup uses: a file saved
-    without them (every single-file save: `get_model_state_dict` drops them) loaded with a KeyError."""
+    without them (every single-file save: `get_model_state_dict` drops them) loaded with a KeyError.
+
+    `absent`: weights (named without wrapper levels) the checkpoint was saved without (`save_frozen_weights`).
+    The model keeps its own values of those, in both the single-file and the DCP-folder load; any other
+    weight the checkpoint lacks is still an error."""
     import lightning.fabric.strategies.model_parallel as fabric_mp
 
-    original = fabric_mp._load_raw_module_state
+    original, original_dcp = fabric_mp._load_raw_module_state, fabric_mp._distributed_checkpoint_load
+    absent = frozenset(absent)
 
     def load(state_dict: dict[str, Any], module: nn.Module, *args: Any, **kwargs: Any) -> None:
         aliased = dict(state_dict)
@@ -58,13 +63,36 @@ def module_keys_with_wrappers() -> Iterator[None]:
             plain = without_wrapper_levels(name)  # saved state dicts name weights without them
             if name != plain and plain in state_dict:
                 aliased.setdefault(name, state_dict[plain])
+        if absent and kwargs.get("strict", True):
+            # strict would demand the absent weights too: check the rest here, then load leniently
+            have = {without_wrapper_levels(k) for k in state_dict}
+            missing = [k for k in map(without_wrapper_levels, module.state_dict()) if k not in have | absent]
+            if missing:
+                raise KeyError(f"The model contains a key {missing[0]!r} that does not exist in the loaded "
+                               f"checkpoint ({len(missing)} missing besides the frozen weights it was saved without)")
+            kwargs["strict"] = False
         return original(aliased, module, *args, **kwargs)
 
+    def load_dcp(module_state: dict[str, Any], path: Any) -> None:
+        # DCP reads every entry it is given: take the absent ones out (the model's own tensors, which
+        # Lightning's strict `load_state_dict` then copies onto themselves), and put them back after
+        held = []
+        for inner in module_state.values():
+            if isinstance(inner, dict):
+                held += [(inner, key, inner.pop(key)) for key in [k for k in inner if k in absent]]
+        try:
+            original_dcp(module_state, path)
+        finally:
+            for inner, key, value in held:
+                inner[key] = value
+
     fabric_mp._load_raw_module_state = load
+    fabric_mp._distributed_checkpoint_load = load_dcp
     try:
         yield
     finally:
         fabric_mp._load_raw_module_state = original
+        fabric_mp._distributed_checkpoint_load = original_dcp
 
 
 def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:

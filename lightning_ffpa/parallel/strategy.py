@@ -27,6 +27,7 @@ from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat import transformers as hf_compat
 from lightning_ffpa._compat.torch import dtensor_rng_spans_shards, local_part
 from lightning_ffpa.checkpoint.atomic import AtomicCheckpointIO
+from lightning_ffpa.checkpoint.frozen import check_frozen_base, read_frozen_record
 from lightning_ffpa.checkpoint.sharded import ShardedCheckpointWriter
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.parallel.activation_offload import ActivationOffload
@@ -402,8 +403,25 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._dcp_writer.save(self, checkpoint, filepath)
 
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if getattr(self.lightning_module, "saves_frozen_weights", True):
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # `save_frozen_weights: false`: the frozen base is never gathered (a single file) nor written (DCP)
+        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True,
+                                   ignore_frozen_params=True)
+        return get_model_state_dict(self.model, options=options)
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        with lightning_compat.module_keys_with_wrappers():
+        # A checkpoint saved without the frozen base (`save_frozen_weights: false`) loads over the base this run
+        # built, once the base's digest matches the one saved: checked here, before any weight is loaded.
+        path = self.broadcast(checkpoint_path)
+        saved = read_frozen_record(path, weights_only=weights_only)
+        if saved is not None:
+            check_frozen_base(saved, self.lightning_module, path)
+        with lightning_compat.module_keys_with_wrappers(absent=saved["tensors"] if saved else ()):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override

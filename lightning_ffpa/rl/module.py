@@ -39,6 +39,7 @@ class GRPOModule(HFModule):
         attn_implementation: str = "sdpa",
         dtype: DtypeOrAuto = "float32",
         lora: LoraSpec | None = None,
+        save_frozen_weights: bool = True,
         learning_rate: float = 1e-5,
         clip_eps: float = 0.2,
         clip_eps_high: float | None = None,
@@ -67,6 +68,9 @@ class GRPOModule(HFModule):
             attn_implementation: sdpa, eager, flex_attention or ffpa (any name registered with transformers).
             dtype: parameter dtype; `auto` is bf16 on GPUs that support it, else fp32.
             lora: peft LoRA options (e.g. `{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}`); None trains all weights.
+            save_frozen_weights: write the frozen base (weights with requires_grad False: a LoRA's base) into
+                checkpoints; false saves only the trained weights and a digest of the base, which a resume
+                rebuilds from `pretrained` (or `preset` under the run's seed) and checks. Needs `lora`.
             learning_rate: AdamW learning rate (> 0).
             clip_eps: lower ratio clip: the ratio is kept >= 1 - clip_eps (> 0).
             clip_eps_high: upper ratio clip: the ratio is kept <= 1 + clip_eps_high (DAPO's clip-higher); None = clip_eps.

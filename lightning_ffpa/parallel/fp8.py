@@ -22,6 +22,7 @@ torchao is imported only when `fp8` is not "none" (`pip install lightning-ffpa[f
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any, Literal
 
 import torch
@@ -61,7 +62,7 @@ class Float8Training:
         return self.recipe == "tensorwise"
 
     def check_device(self, device: torch.device) -> None:
-        """Refuse a device without FP8 matmuls: never a silent bf16 run."""
+        """Refuse a device without FP8 matmuls (never a silent bf16 run), and a missing torchao."""
         if not self.enabled:
             return
         if device.type == "cuda":
@@ -74,6 +75,8 @@ class Float8Training:
             raise ConfigError(OPTION, self.recipe, f"needs a CUDA GPU with FP8 (capability >= 8.9); this run's "
                                                    f"device is {device.type} (`fp8_emulate=true` emulates the "
                                                    "float8 matmuls in high precision, for tests)")
+        if not torchao_available():
+            raise ConfigError(OPTION, self.recipe, _NO_TORCHAO)
 
     def check_no_lora(self, lora: Any) -> None:
         """Refuse a LoRA module's hyper-parameters: this option is for full fine-tuning."""
@@ -85,7 +88,7 @@ class Float8Training:
         try:
             from torchao.float8 import Float8LinearConfig
         except ImportError as e:
-            raise ConfigError(OPTION, self.recipe, "needs torchao: pip install 'lightning-ffpa[fp8]'") from e
+            raise ConfigError(OPTION, self.recipe, _NO_TORCHAO) from e
         base = Float8LinearConfig.from_recipe_name(self.recipe)
         return dataclasses.replace(base, emulate=self.emulate, enable_fsdp_float8_all_gather=self.float8_all_gather)
 
@@ -125,6 +128,12 @@ class Float8Training:
             precompute_float8_dynamic_scale_for_fsdp(model)
 
 
+def torchao_available() -> bool:
+    """Whether torchao can be imported (looked up, not imported: transformers and torchao imports are slow)."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+_NO_TORCHAO = "needs torchao: pip install 'lightning-ffpa[fp8]'"
 _LORA_REASON = ("converts the weights of a full fine-tune, and this model trains LoRA adapters over a frozen base "
                 "(an FP8 frozen base for LoRA is a separate option, not built yet): set fp8 none")
 

@@ -20,10 +20,14 @@ from lightning_ffpa.data import MockDataModule
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.module import Gemma4LM
 from lightning_ffpa.parallel import FSDP2Strategy, parallelize
+from lightning_ffpa.parallel import fp8 as fp8_mod
 from lightning_ffpa.parallel.fp8 import Float8Training
 from lightning_ffpa.presets import build_text_config
 
 EMULATED = {r: Float8Training(r, emulate=True) for r in ("rowwise", "tensorwise")}
+# torchao is the `fp8` extra, not in `dev` (pyproject says why): the tests that convert modules need it
+needs_torchao = pytest.mark.skipif(not fp8_mod.torchao_available(),
+                                   reason="torchao is not installed: pip install -e '.[fp8]'")
 
 
 def _tiny(preset="tiny", attn="sdpa"):
@@ -37,6 +41,7 @@ def _float8(module) -> bool:
     return type(module).__name__ == "Float8Linear"
 
 
+@needs_torchao
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_decoder_linears_are_converted_and_the_head_and_embeddings_are_not(recipe):
     model = _tiny()
@@ -51,6 +56,7 @@ def test_decoder_linears_are_converted_and_the_head_and_embeddings_are_not(recip
     assert config.emulate and config.enable_fsdp_float8_all_gather == (recipe == "tensorwise")
 
 
+@needs_torchao
 def test_moe_routers_stay_high_precision_and_are_reported():
     model = _tiny("tiny-moe")
     parallelize(model, None, fp8=EMULATED["rowwise"])
@@ -77,6 +83,7 @@ def _step(model, ops):
     return counter.counts
 
 
+@needs_torchao
 def test_ffpa_forward_stays_must_save_under_fp8():
     """The FFPA op (its CPU reference) runs once per full layer under SAC with float8 layers, twice under full AC."""
     from lightning_ffpa import attention
@@ -93,6 +100,7 @@ def test_ffpa_forward_stays_must_save_under_fp8():
         assert sum(counts.values()) == per_layer * n_full, (mode, counts)
 
 
+@needs_torchao
 @pytest.mark.parametrize("recipe,amax", [("rowwise", "amax"), ("tensorwise", "max")])
 def test_sac_saves_the_float8_casts_amax_and_recomputes_the_rest(recipe, amax):
     """The rule: a cast's amax reduction is saved (no reduction in the recompute pass), its elementwise work is
@@ -107,6 +115,63 @@ def test_sac_saves_the_float8_casts_amax_and_recomputes_the_rest(recipe, amax):
     assert counts["none"][reduction] > 0
     assert counts["selective"][reduction] == counts["none"][reduction] < counts["full"][reduction]
     assert counts["none"][elementwise] < counts["selective"][elementwise] == counts["full"][elementwise]
+
+
+@needs_torchao
+@pytest.mark.timeout(240)
+def test_compiled_fp8_layers_match_eager_without_breaks_or_recompiles(monkeypatch):
+    """Per-layer compile (dynamo + AOT autograd, as tests/parallel/test_compile.py) of SAC-wrapped float8 layers:
+    no graph break, no recompile after the first step, the eager float8 losses and gradients, and the FFPA op
+    once per full layer per step."""
+    import functools
+
+    import torch._dynamo
+    import torch._dynamo.utils
+
+    from lightning_ffpa import attention
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    attention.register_ffpa()
+    cfg = build_text_config("tiny", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    cfg._attn_implementation = "ffpa"
+    torch.manual_seed(0)
+    compiled, eager = transformers.Gemma4ForCausalLM(cfg), transformers.Gemma4ForCausalLM(cfg)
+    eager.load_state_dict(compiled.state_dict())
+    parallelize(compiled, None, activation_checkpointing="selective", compile=True, fp8=EMULATED["rowwise"])
+    parallelize(eager, None, activation_checkpointing="selective", fp8=EMULATED["rowwise"])
+    ids = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+
+    def run(model, steps):
+        losses = []
+        attention.reset_dispatch_counts()
+        with attention.force_kernel("reference"):
+            for _ in range(steps):
+                model.zero_grad(set_to_none=True)
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+                losses.append(loss.detach())
+        grads = {n.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""): p.grad
+                 for n, p in model.named_parameters()}
+        return losses, grads, attention.kernel_counts()
+
+    stats = torch._dynamo.utils.counters
+    stats.clear()
+    try:
+        run(compiled, 1)
+        graphs = stats["stats"]["unique_graphs"]
+        got_losses, got_grads, got_kernels = run(compiled, 2)
+        assert not stats["graph_break"], dict(stats["graph_break"])
+        assert stats["stats"]["unique_graphs"] == graphs, dict(stats["stats"])
+    finally:
+        torch._dynamo.reset()
+    want_losses, want_grads, want_kernels = run(eager, 2)
+    for got, want in zip(got_losses, want_losses):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for name, want in want_grads.items():
+        torch.testing.assert_close(got_grads[name], want, atol=1e-5, rtol=1e-5, msg=name)
+    assert got_kernels == want_kernels == {"cutedsl": 0, "reference": 2 * cfg.layer_types.count("full_attention")}
+    assert any(_float8(m) for m in compiled.modules())
 
 
 @pytest.fixture
@@ -166,6 +231,7 @@ def _fit(pretrained, root, fp8, steps=3, ckpt_path=None):
     return record, module
 
 
+@needs_torchao
 @pytest.mark.timeout(400)
 def test_fp8_fit_tracks_the_fp32_fit_resumes_and_exports_plain_weights(one_process, pretrained, tmp_path,
                                                                        monkeypatch):
@@ -235,6 +301,7 @@ def test_cpu_without_emulate_is_refused_before_the_process_group(tmp_path):
 
 
 def test_a_gpu_below_sm89_is_refused(monkeypatch):
+    monkeypatch.setattr(fp8_mod, "torchao_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
     cuda = torch.device("cuda", 0)
     for cap in ((8, 0), (8, 6)):
@@ -263,10 +330,14 @@ def test_lora_is_refused_in_preflight_and_in_parallelize():
     assert not any(_float8(m) for m in peft.modules())
 
 
-def test_missing_torchao_is_one_line(monkeypatch):
+def test_missing_torchao_is_one_line_before_any_work(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # `import torchao.float8` raises ImportError
-    with pytest.raises(ConfigError, match=r"`fp8='rowwise'`: needs torchao: pip install 'lightning-ffpa\[fp8\]'"):
+    message = r"^`fp8='rowwise'`: needs torchao: pip install 'lightning-ffpa\[fp8\]'$"
+    with pytest.raises(ConfigError, match=message):
         Float8Training("rowwise").config()
+    monkeypatch.setattr(fp8_mod, "torchao_available", lambda: False)
+    with pytest.raises(ConfigError, match=message):  # the pre-flight and setup_environment check
+        Float8Training("rowwise", emulate=True).check_device(torch.device("cpu"))
 
 
 def test_torchao_is_needed_only_when_fp8_is_on(monkeypatch):

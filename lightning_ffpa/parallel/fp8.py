@@ -120,6 +120,20 @@ class Float8Training:
         converted = [n for n, m in layers.named_modules() if _is_float8_linear(m)]
         return {"converted": converted, "kept": sorted(set(kept))}
 
+    def plain_tensors(self, tree: Any) -> Any:
+        """`tree` (a checkpoint's nested dicts and lists) with torchao's float8 all-gather weight wrappers replaced
+        by plain tensors of the same values: a single-file checkpoint then loads without torchao, with
+        `weights_only=True`, and exports as plain safetensors. DCP writes the wrapped values already."""
+        if isinstance(tree, dict):
+            return {k: self.plain_tensors(v) for k, v in tree.items()}
+        if type(tree) in (list, tuple):
+            return type(tree)(self.plain_tensors(v) for v in tree)
+        if isinstance(tree, torch.Tensor) and type(tree).__name__ == "WeightWithDynamicFloat8CastTensor":
+            plain = torch.empty(tree.shape, dtype=tree.dtype, device=tree.device)
+            plain.copy_(tree.detach())
+            return plain
+        return tree
+
     def after_optimizer_step(self, model: nn.Module) -> None:
         """Tensorwise under FSDP2: compute every float8 weight's scale in one all-reduce for the next all-gather."""
         if self.float8_all_gather:

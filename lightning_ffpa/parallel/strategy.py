@@ -413,6 +413,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if not self._save_distributed_checkpoint:
+            if self.fp8_training.float8_all_gather:  # one file of plain tensors, loadable without torchao
+                checkpoint = self.fp8_training.plain_tensors(checkpoint)
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError("FSDP2Strategy.save_checkpoint(..., storage_options=...) is not supported")

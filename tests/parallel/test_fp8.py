@@ -213,9 +213,10 @@ class _Record(L.Callback):
             self.weights[name.replace("._checkpoint_wrapped_module", "")] = plain
 
 
-def _fit(pretrained, root, fp8, steps=3, ckpt_path=None):
+def _fit(pretrained, root, fp8, steps=3, ckpt_path=None, single_file=False):
     record = _Record()
-    strategy = FSDP2Strategy(param_dtype="fp32", reduce_dtype="fp32", fp8=fp8, fp8_emulate=fp8 != "none")
+    strategy = FSDP2Strategy(param_dtype="fp32", reduce_dtype="fp32", fp8=fp8, fp8_emulate=fp8 != "none",
+                             save_distributed_checkpoint=not single_file)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
                         callbacks=[record, L.pytorch.callbacks.ModelCheckpoint(dirpath=f"{root}/ckpt", save_last=True)],
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -262,6 +263,13 @@ def test_fp8_fit_tracks_the_fp32_fit_resumes_and_exports_plain_weights(one_proce
     resumed, _ = _fit(pretrained, tmp_path / "tensorwise", "tensorwise", steps=4,
                       ckpt_path=str(tmp_path / "tensorwise" / "ckpt" / "last.ckpt"))
     assert straight.losses[:3] == tensorwise.losses and resumed.losses == straight.losses[3:]
+    # So does a single-file checkpoint, which holds plain tensors (no torchao class: it loads with weights_only)
+    single, _ = _fit(pretrained, tmp_path / "single", "tensorwise", single_file=True)
+    last = tmp_path / "single" / "ckpt" / "last.ckpt"
+    assert {type(v) for v in torch.load(last, weights_only=True)["state_dict"].values()} == {torch.Tensor}
+    resumed_single, _ = _fit(pretrained, tmp_path / "single", "tensorwise", steps=4, ckpt_path=str(last),
+                             single_file=True)
+    assert single.losses == tensorwise.losses and resumed_single.losses == straight.losses[3:]
     # Export writes the high-precision weights as plain HF safetensors; from_pretrained gives their logits
     run([str(tmp_path / "straight" / "ckpt" / "last.ckpt"), str(tmp_path / "hf")])
     from safetensors import safe_open
@@ -277,6 +285,10 @@ def test_fp8_fit_tracks_the_fp32_fit_resumes_and_exports_plain_weights(one_proce
     with torch.no_grad():
         assert torch.equal(hf(input_ids=ids).logits, ref(input_ids=ids).logits)
     assert not any(_float8(m) for m in hf.modules())
+    run([str(last), str(tmp_path / "hf_single")])  # the resumed single-file run's last checkpoint: 4 steps
+    with torch.no_grad():
+        single_logits = transformers.Gemma4ForCausalLM.from_pretrained(tmp_path / "hf_single")(input_ids=ids).logits
+        assert torch.equal(single_logits, hf(input_ids=ids).logits)
 
 
 # Bad input: one ConfigError naming `fp8`, before any process group or model work

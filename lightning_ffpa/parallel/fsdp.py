@@ -50,7 +50,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
                 compile: bool = False, mp_policy: MixedPrecisionPolicy | None = None,
                 reshard_after_forward: bool = True, cpu_offload: bool = False,
                 replicate_frozen: bool = False, fp8: Float8Training | None = None) -> nn.Module:
-    """Convert to FP8, apply AC, then per-layer compile, then FSDP2 per decoder layer and at the root; returns `model`.
+    """FP8 conversion, AC, per-layer compile, then FSDP2 per decoder layer and at the root; returns `model`.
 
     `mesh` may be 2D ("data_parallel", "context_parallel"); FSDP shards over the flattened dp x cp.
     `mesh=None` applies AC and compile only (single process without a process group).
@@ -80,11 +80,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
     if compile:
         compile_fallbacks.prepare()
 
-    # FP8 first, on the raw layers (meta weights are fine), as torchtitan converts before it parallelizes:
-    # - before AC, so the checkpoint region holds the Float8Linear modules and the SAC policy sees their casts;
-    # - before compile, so each compiled layer traces the float8 forward (and fuses its casts);
-    # - before fully_shard, which reads each parameter as it is then: with float8 all-gather the converted weight
-    #   is torchao's tensor subclass, whose FSDP2 hooks cast the shard to float8 before the all-gather.
+    # FP8 conversion comes first, on the raw layers (meta weights are fine):
+    # - before compile, so each compiled layer traces the float8 forward and fuses its casts (a swap after
+    #   compile would change the modules the compiled code guards on);
+    # - before fully_shard, which takes each parameter as it is then: with float8 all-gather the converted weight
+    #   is torchao's tensor subclass, whose FSDP2 hooks cast the shard to float8 before the all-gather;
+    # - AC has no order with it (its wrapper holds the same layer object); the SAC rule is in the save ops above.
     fp8_layout = fp8.convert(layers)
     if fp8.enabled:
         model.fp8_layout = fp8_layout

@@ -51,10 +51,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import results_io  # noqa: E402
-from benchmarks.lora_step import config_overrides, lora_train_flops, static_memory, step_stats, sync  # noqa: E402
+from benchmarks.lora_step import config_overrides, static_memory, step_stats, sync  # noqa: E402
 from benchmarks.results_io import RESULTS_DIR, resummarize, write_result  # noqa: E402
 from benchmarks.row_process import add_run_options, fastest_row, row_at, row_main, run_rows  # noqa: E402
 from lightning_ffpa._compat import transformers as hf_compat  # noqa: E402
+from lightning_ffpa.callbacks.throughput import train_flops_per_batch  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gemma4_ffpa.yaml"
@@ -218,7 +219,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                                         if "per_sec" in k or "mfu" in k or "peak_memory" in k},
                activation_offload=cli.trainer.strategy.activation_offload_stats,
                gpu_clocks=clock.clocks.summary() if clock.clocks else {"unavailable": "no timed steps"})
-    row.update(step_stats(clock.times, spec["seq"], lora_train_flops(model, spec["seq"]), device))
+    row.update(step_stats(clock.times, spec["seq"], train_flops_per_batch(model, 1, spec["seq"]), device))
     if spec.get("profile"):
         row["profile"] = clock.profile
     return row
@@ -314,7 +315,7 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
                compile=compile_layers, graph_breaks=sum(dynamo["graph_break"].values()),
                recompiles_timed=dynamo["stats"]["unique_graphs"] - graphs_after_warmup, losses=losses,
                static_memory=static_memory(model), gpu_clocks=clocks.summary())
-    row.update(step_stats(times, spec["seq"], lora_train_flops(hf, spec["seq"]), device))
+    row.update(step_stats(times, spec["seq"], train_flops_per_batch(hf, 1, spec["seq"]), device))
     if spec.get("profile"):
         row["profile"] = profile_step(device, step)  # an extra step, after the counts and peaks are read
     torch.distributed.destroy_process_group()

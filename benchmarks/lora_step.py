@@ -1,4 +1,4 @@
-"""What the full-depth LoRA rows share (ours, HF + PEFT, Unsloth): the model's overrides, the LoRA FLOP count,
+"""What the full-depth LoRA rows share (ours, HF + PEFT, Unsloth): the model's overrides,
 static memory and the timed steps' statistics. Owns no row and no run (`full_depth_lora.py`, `unsloth_row.py`).
 """
 
@@ -14,20 +14,6 @@ def config_overrides(spec: dict[str, Any]) -> dict[str, Any]:
         return {}
     return dict(num_hidden_layers=spec["layers"],
                 layer_types=["sliding_attention"] * (spec["layers"] - 1) + ["full_attention"])
-
-
-def lora_train_flops(model, seq: int) -> float:
-    """Model FLOPs of one LoRA step: `train_flops_per_batch` less the weight-gradient matmul of frozen weights."""
-    from lightning_ffpa._compat.transformers import find_decoder_layers
-    from lightning_ffpa.callbacks.throughput import train_flops_per_batch
-
-    full = train_flops_per_batch(model, 1, seq)
-    layers = getattr(*find_decoder_layers(model))
-    frozen = sum(p.numel() for layer in layers for p in layer.parameters() if p.dim() == 2 and not p.requires_grad)
-    head = getattr(model, "lm_head", None)
-    if head is not None and not head.weight.requires_grad:
-        frozen += head.weight.numel()
-    return full - 2.0 * frozen * seq
 
 
 def static_memory(model) -> dict[str, Any]:

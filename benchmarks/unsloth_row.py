@@ -100,7 +100,8 @@ def _run(spec: dict[str, Any], row: dict[str, Any], attempt) -> None:
     import torch
     from unsloth import FastModel
 
-    from benchmarks.lora_step import lora_train_flops, static_memory, step_stats, sync
+    from benchmarks.lora_step import static_memory, step_stats, sync
+    from lightning_ffpa.callbacks.throughput import train_flops_per_batch
 
     cuda = torch.cuda.is_available() and not spec["smoke"]
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -148,4 +149,4 @@ def _run(spec: dict[str, Any], row: dict[str, Any], attempt) -> None:
             times.append(time.perf_counter() - t0)
 
     attempt("timed steps", timed)
-    row.update(losses=losses, **step_stats(times, spec["seq"], lora_train_flops(hf, spec["seq"]), device))
+    row.update(losses=losses, **step_stats(times, spec["seq"], train_flops_per_batch(hf, 1, spec["seq"]), device))

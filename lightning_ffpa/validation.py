@@ -208,6 +208,10 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
     strategy = trainer.strategy
     if callable(getattr(strategy, "check_activation_offload", None)):
         strategy.check_activation_offload()
+    fp8 = getattr(strategy, "fp8_training", None)
+    if fp8 is not None and hasattr(fp8, "check_device"):  # FSDP2Strategy's `fp8`: the device, and no LoRA
+        fp8.check_no_lora((getattr(model, "hparams", None) or {}).get("lora"))
+        fp8.check_device(strategy.root_device)
     cp = getattr(strategy, "context_parallel_size", 1)
     world = trainer.world_size
     _check_replicate_frozen(strategy, model)

@@ -3,10 +3,13 @@
 Owns the throughput/MFU metrics, the bf16 peak table Lightning lacks (it returns None for "NVIDIA H200"),
 and an analytic model-FLOP count for HF decoder models. Timing and windowing stay Lightning's.
 
-FLOPs are *model* FLOPs (what MFU conventionally counts): 6 x matmul params x tokens for the decoder
-linears and the lm_head, plus the attention score/value matmuls (causal or sliding-window key counts
-per query), times 3 for forward + backward on training batches (validation, test and predict batches count
-the forward only). Activation-checkpoint recompute is not counted.
+FLOPs are *model* FLOPs (what MFU conventionally counts): 2 x matmul params x tokens for the forward of the
+decoder linears and the lm_head, plus the attention score/value matmuls (causal or sliding-window key counts
+per query). A training batch adds the backward (`train_flops_per_batch`, the one count the benchmarks use too):
+the input gradient of every matmul (as many FLOPs as its forward), and the weight gradient (as many again) only
+for weights with `requires_grad`. A full fine-tune is then 3x the forward; a LoRA step, whose frozen base gets
+no weight gradient, 2x for the base weights and 3x for the adapters and attention. Validation, test and predict
+batches count the forward only. Activation-checkpoint recompute is not counted.
 Padding tokens cost compute, so FLOPs use the padded batch shape; tokens/s counts real tokens only.
 """
 
@@ -81,8 +84,8 @@ def _keys_per_query(seq: int, window: int | None, causal: bool) -> float:
     return (w * (w + 1) / 2 + (seq - w) * w) / seq
 
 
-def forward_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> float:
-    """Model FLOPs of one forward of an HF decoder CausalLM on a (B, S) batch."""
+def _flops_split(model: nn.Module, batch_size: int, seq_len: int) -> tuple[float, float]:
+    """(forward FLOPs, the part of them that are matmuls with a frozen weight) of a (B, S) batch."""
     from lightning_ffpa._compat.transformers import find_decoder_layers, text_config
 
     found = find_decoder_layers(model)
@@ -92,14 +95,17 @@ def forward_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> 
     tokens = batch_size * seq_len
     config = getattr(model, "config", None)
     config = text_config(config) if config is not None else None  # a multimodal model's experts live there
-    fwd = 0.0
+    fwd = frozen = 0.0
     for layer in layers:
         for name, p in layer.named_parameters():
+            flops = 0.0
             if p.dim() == 2 and not name.endswith("router.proj.weight"):
-                fwd += 2 * p.numel() * tokens
+                flops = 2 * p.numel() * tokens
             elif p.dim() == 3:  # stacked MoE experts: only top_k of num_experts run per token
                 k, e = getattr(config, "top_k_experts", p.shape[0]), p.shape[0]
-                fwd += 2 * p.numel() * tokens * k / e
+                flops = 2 * p.numel() * tokens * k / e
+            fwd += flops
+            frozen += 0.0 if p.requires_grad else flops
         attn = getattr(layer, "self_attn", None)
         if attn is not None and hasattr(attn, "head_dim") and hasattr(attn, "q_proj"):
             n_heads = attn.q_proj.out_features // attn.head_dim
@@ -107,13 +113,22 @@ def forward_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> 
             fwd += 2 * 2 * batch_size * n_heads * seq_len * kq * attn.head_dim  # QK^T and PV
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear):
-        fwd += 2 * head.weight.numel() * tokens
-    return fwd
+        flops = 2 * head.weight.numel() * tokens
+        fwd += flops
+        frozen += 0.0 if head.weight.requires_grad else flops
+    return fwd, frozen
+
+
+def forward_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> float:
+    """Model FLOPs of one forward of an HF decoder CausalLM on a (B, S) batch."""
+    return _flops_split(model, batch_size, seq_len)[0]
 
 
 def train_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> float:
-    """Model FLOPs of one training step (fwd + bwd: 3x the forward) of an HF decoder CausalLM on a (B, S) batch."""
-    return 3.0 * forward_flops_per_batch(model, batch_size, seq_len)
+    """Model FLOPs of one training step of an HF decoder CausalLM on a (B, S) batch: forward, input gradient of
+    every matmul, weight gradient of trainable weights only (3x the forward for a full fine-tune, less for LoRA)."""
+    fwd, frozen = _flops_split(model, batch_size, seq_len)
+    return 3.0 * fwd - frozen  # a frozen weight's matmul: forward + input gradient, no weight gradient
 
 
 class TokenThroughput(ThroughputMonitor):

@@ -17,6 +17,8 @@ The save policy (selective mode):
     benchmarks/results/sac_accounting.json); these activations are what FSDP does not shard;
   - `"every_other"`: the 2nd, 4th, ... mm of one layer invocation (torchtitan's counting trade-off);
   - `"all"` saves every matmul, `"none"` none;
+- with FP8 (`fsdp.parallelize(fp8=...)`), the float8 casts' amax reductions (`lightning_ffpa.parallel.fp8` states
+  the rule), passed in as extra save ops;
 - everything else (norms, rope, activations, casts) is recomputed: cheap elementwise work.
 torch >= 2.11 calls the policy in the recompute pass too (`ctx.is_recompute`). The matmul counter is
 kept separately per pass and reset for every layer invocation, so both passes see the same op

@@ -37,6 +37,8 @@ from lightning_ffpa.parallel.checkpointing import (
     check_ac_mode,
     sac_context_fn,
 )
+from lightning_ffpa.parallel.fp8 import SAC_SAVE_OPS as FP8_SAC_SAVE_OPS
+from lightning_ffpa.parallel.fp8 import Float8Training
 
 __all__ = ["parallelize", "find_decoder_layers", "causal_lm_hidden_states", "FSDP_MESH_NAME"]
 
@@ -47,18 +49,23 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
                 sac_extra_save_ops: list[str] | tuple[str, ...] = (), sac_save_mm: SaveMM = "high_k",
                 compile: bool = False, mp_policy: MixedPrecisionPolicy | None = None,
                 reshard_after_forward: bool = True, cpu_offload: bool = False,
-                replicate_frozen: bool = False) -> nn.Module:
-    """Apply AC, then per-layer compile, then FSDP2 per decoder layer and at the root; returns `model`.
+                replicate_frozen: bool = False, fp8: Float8Training | None = None) -> nn.Module:
+    """FP8 conversion, AC, per-layer compile, then FSDP2 per decoder layer and at the root; returns `model`.
 
     `mesh` may be 2D ("data_parallel", "context_parallel"); FSDP shards over the flattened dp x cp.
     `mesh=None` applies AC and compile only (single process without a process group).
     `replicate_frozen`: parameters with `requires_grad=False` (a LoRA's base) stay whole plain tensors on
     every rank (FSDP2's `ignored_params`): no all-gather and no gathered copy of them, each rank holding all
     of them. They must already be in the compute dtype (`mp_policy.param_dtype`), which FSDP2 would cast to.
+    `fp8`: torchao float8 training of the decoder layers' nn.Linear modules (`lightning_ffpa.parallel.fp8`); what
+    was converted is kept in `model.fp8_layout`.
     Sets `use_cache=False` in the model's HF configs: a training forward needs no KV cache.
     """
     # Validate and resolve op names first: a typo must fail before any wrapping.
     check_ac_mode(activation_checkpointing)
+    fp8 = fp8 or Float8Training()
+    if fp8.enabled:  # the float8 casts' amax reductions are saved (the SAC rule in `fp8`)
+        sac_extra_save_ops = (*sac_extra_save_ops, *FP8_SAC_SAVE_OPS)
     context_fn = sac_context_fn(sac_extra_save_ops, sac_save_mm) if activation_checkpointing == "selective" else None
     found = find_decoder_layers(model)
     if found is None:
@@ -72,6 +79,16 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
         allow_checkpoint_side_effects_under_compile()
     if compile:
         compile_fallbacks.prepare()
+
+    # FP8 conversion comes first, on the raw layers (meta weights are fine):
+    # - before compile, so each compiled layer traces the float8 forward and fuses its casts (a swap after
+    #   compile would change the modules the compiled code guards on);
+    # - before fully_shard, which takes each parameter as it is then: with float8 all-gather the converted weight
+    #   is torchao's tensor subclass, whose FSDP2 hooks cast the shard to float8 before the all-gather;
+    # - AC has no order with it (its wrapper holds the same layer object); the SAC rule is in the save ops above.
+    fp8_layout = fp8.convert(layers)
+    if fp8.enabled:
+        model.fp8_layout = fp8_layout
 
     for i, layer in enumerate(layers):
         # AC wraps the raw layer so the checkpoint region is exactly one decoder layer.

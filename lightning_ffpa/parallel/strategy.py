@@ -32,6 +32,7 @@ from lightning_ffpa.checkpoint.sharded import ShardedCheckpointWriter
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.parallel.activation_offload import ActivationOffload
 from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, check_ac_mode, sac_context_fn
+from lightning_ffpa.parallel.fp8 import Float8Training, FP8Recipe
 from lightning_ffpa.parallel.fsdp import REPLICATE_WITH_OFFLOAD, dtypes_cast, parallelize
 
 if TYPE_CHECKING:
@@ -178,6 +179,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         replicate_frozen: bool | str = "auto",
         activation_offload: bool = False,
         compile: bool | None = None,
+        fp8: FP8Recipe = "none",
+        fp8_emulate: bool = False,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
         process_group_backend: str | None = None,
@@ -208,6 +211,12 @@ class FSDP2Strategy(ModelParallelStrategy):
             compile: torch.compile each decoder layer (after AC wrapping, before FSDP); null = on for CUDA,
                 off elsewhere. Its gain over the eager SAC path: `benchmarks/train_throughput.py --rows ours
                 ours_nocompile` (the ablation row is not in the default set).
+            fp8: FP8 training (torchao float8) of the decoder layers' linear layers, full fine-tuning only:
+                "none", "rowwise" (a scale per row) or "tensorwise" (a scale per tensor; FSDP2 all-gathers the
+                weights in float8). The lm_head and embeddings stay bf16. Needs a GPU with FP8 (capability
+                >= 8.9) and `pip install lightning-ffpa[fp8]`; not yet measured on GPU (`docs/performance.md`).
+            fp8_emulate: Emulate the float8 matmuls in high precision (torchao's `emulate`), so `fp8` runs on CPU
+                or an older GPU: for tests of the wiring, never for speed.
             save_distributed_checkpoint: Save per-rank DCP shards (True) or one full file on rank 0; either is
                 written under a temporary name and renamed when complete (`lightning_ffpa.checkpoint`).
             async_save: Write DCP checkpoints in the background (`torch.distributed.checkpoint.async_save`);
@@ -248,6 +257,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.activation_offload = activation_offload
         self._offload = ActivationOffload() if activation_offload else None
         self.compile = compile
+        self.fp8_training = Float8Training(fp8, fp8_emulate)  # an unknown value fails here
         self._dcp_writer = ShardedCheckpointWriter(async_save=async_save)
 
     @property
@@ -277,6 +287,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         # Check sizes before the process group exists (the world size is known from the devices).
         dp, cp = self._resolve_sizes(self.num_nodes * self.num_processes)
         self.check_activation_offload()
+        self.fp8_training.check_device(self.root_device)
         lightning_compat.setup_distributed(self)
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -317,7 +328,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             module, self.device_mesh, activation_checkpointing=self.activation_checkpointing,
             sac_extra_save_ops=self.sac_extra_save_ops, sac_save_mm=self.sac_save_mm, compile=self.compile_layers,
             mp_policy=self.mp_policy(), reshard_after_forward=self.reshard_after_forward,
-            cpu_offload=self.cpu_offload, replicate_frozen=self.place_frozen(module),
+            cpu_offload=self.cpu_offload, replicate_frozen=self.place_frozen(module), fp8=self.fp8_training,
         )
 
     def place_frozen(self, module: nn.Module) -> bool:
@@ -365,6 +376,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             lightning_compat.optimizers_to_device(self.optimizers, self.root_device)
 
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().optimizer_step(*args, **kwargs)
+        self.fp8_training.after_optimizer_step(self.model)  # tensorwise: next all-gather's float8 scales
+        return out
+
     @property
     def activation_offload_stats(self) -> dict[str, int] | None:
         """What activation offload has moved to host memory (tensors, bytes) and kept on the device, or None."""
@@ -397,6 +414,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if not self._save_distributed_checkpoint:
+            if self.fp8_training.float8_all_gather:  # one file of plain tensors, loadable without torchao
+                checkpoint = self.fp8_training.plain_tensors(checkpoint)
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError("FSDP2Strategy.save_checkpoint(..., storage_options=...) is not supported")

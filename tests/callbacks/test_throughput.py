@@ -8,6 +8,7 @@ from lightning_ffpa.callbacks.throughput import (
     BF16_PEAK_FLOPS,
     _keys_per_query,
     count_real_tokens,
+    forward_flops_per_batch,
     train_flops_per_batch,
 )
 from lightning_ffpa.presets import build_text_config
@@ -67,3 +68,49 @@ def test_a_context_parallel_rank_counts_its_share_of_the_batch():
     whole = (monitor.batch_size_fn(batch), monitor.length_fn(batch))
     monitor._cp = 2
     assert (monitor.batch_size_fn(batch), monitor.length_fn(batch)) == (whole[0] / 2, whole[1] / 2) == (2, 32)
+
+
+def _tiny_lora():
+    """A two-layer tiny Gemma4 on meta (no weights needed to count) and the same model under a peft LoRA."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = build_text_config("tiny", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    with torch.device("meta"):
+        base = transformers.Gemma4ForCausalLM(cfg)
+    full = train_flops_per_batch(base, 2, 32)
+    matmul = sum(p.numel() for layer in base.model.layers for p in layer.parameters() if p.dim() == 2)
+    matmul += base.lm_head.weight.numel()
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    adapters = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    return peft, full, matmul, adapters
+
+
+def test_a_lora_step_counts_no_weight_gradient_for_the_frozen_base():
+    """A frozen weight's backward computes the input gradient only (2 of its 4 backward FLOPs per weight and
+    token): the LoRA count is the full fine-tune's less 2 x frozen matmul params x tokens, plus the adapters' 6 x."""
+    peft, full, matmul, adapters = _tiny_lora()
+    tokens = 2 * 32
+    lora = train_flops_per_batch(peft.get_base_model(), 2, 32)
+    assert lora == pytest.approx(full - 2 * matmul * tokens + 6 * adapters * tokens)
+    assert lora < full
+    # the forward is the same work either way (plus the adapters' own matmuls)
+    assert forward_flops_per_batch(peft.get_base_model(), 2, 32) == pytest.approx(full / 3 + 2 * adapters * tokens)
+
+
+def test_token_throughput_logs_the_lora_count():
+    """TokenThroughput hands Lightning the count the benchmarks use: a LoRA module's step is not counted as a
+    full fine-tune's (which logged 52% MFU where the benchmark computed 36%)."""
+    from types import SimpleNamespace
+
+    import lightning as L
+
+    from lightning_ffpa.callbacks.throughput import TokenThroughput
+
+    peft, full, _, _ = _tiny_lora()
+    module = L.LightningModule()
+    module.model = peft
+    monitor = TokenThroughput()
+    monitor._auto_flops = True
+    batch = {"input_ids": torch.zeros(2, 32, dtype=torch.long)}
+    with monitor._flops_of(SimpleNamespace(is_global_zero=True), module, batch, backward=True):
+        assert module.flops_per_batch == train_flops_per_batch(peft.get_base_model(), 2, 32) < full

@@ -74,6 +74,12 @@ ROWS = [
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.replicate_frozen true "
      "--trainer.strategy.param_dtype bf16 --model.init_args.lora '{r: 2, lora_alpha: 4, target_modules: [q_proj]}'",
      "replicate_frozen"),
+    (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.fp8 rowwise",
+     "`fp8='rowwise'`: needs a CUDA GPU with FP8"),  # CPU, no fp8_emulate
+    (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.fp8 fp4", "fp8"),
+    (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.fp8 tensorwise "
+     "--trainer.strategy.fp8_emulate true --model.init_args.lora '{r: 2, lora_alpha: 4, target_modules: [q_proj]}'",
+     "`fp8='tensorwise'`: converts the weights of a full fine-tune"),
     # nested init args of a class held in a Union with `str` (Trainer.strategy): the class's own error, not `str`'s
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.init_args.compile maybe",
      "`trainer.strategy.init_args.compile='maybe'`: expected bool"),

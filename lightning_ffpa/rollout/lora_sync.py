@@ -107,6 +107,10 @@ class LoraSync:
                                        if isinstance(src, tuple) and k in targets]
         self.copies: list[tuple[torch.Tensor, nn.Parameter]] = [
             (targets[k], src) for k, src in sources.items() if not isinstance(src, tuple) and k in targets]
+        # Persistent buffers too (Gemma4's `layer_scalar` comes from the checkpoint): a fresh model's are defaults.
+        train_buffers = {_infer_name(n): b for n, b in train.named_buffers(remove_duplicate=False)}
+        self.buffers = [(b, train_buffers[k]) for k, b in inference.named_buffers(remove_duplicate=False)
+                        if k in train_buffers]
         self.num_refreshes = 0
 
     @property
@@ -126,6 +130,9 @@ class LoraSync:
         if full or self.trains_base:
             for target, src in self.copies:
                 target.copy_(_full(src))
+        if full:
+            for target, src in self.buffers:
+                target.copy_(src)
         self.num_refreshes += 1
 
     # ---- drift verification ---------------------------------------------------------------------

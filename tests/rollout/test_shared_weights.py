@@ -222,3 +222,21 @@ def test_merged_copy_takes_the_policys_buffers():
         for mode in ("shared", "merged"):
             sync = WeightsPlan(train, mode, torch.float32, CPU).build()
             torch.testing.assert_close(sync.inference(ids).logits, want, rtol=1e-4, atol=1e-4, msg=mode)
+
+
+def test_shared_decode_step_traces_as_one_graph(monkeypatch):
+    """What `compile_decode` compiles on CUDA, over unmerged LoRA groups: dynamo (eager backend, CPU) takes the
+    step whole, with no graph break in the groups' serving state, and the tokens do not change."""
+    import torch._dynamo.testing
+
+    train = _policy()
+    sync = WeightsPlan(train, "shared", torch.float32, CPU).build()
+    cfg = EngineConfig(page_size=16, num_pages=16, max_batch_size=4, max_seq_len=64)
+    prompts = _prompts()
+    plain = [s.output for s in RolloutEngine(sync.inference, cfg).generate(prompts, 5)]
+    eng = RolloutEngine(sync.inference, cfg)
+    torch._dynamo.reset()
+    counts = torch._dynamo.testing.CompileCounter()
+    monkeypatch.setattr(eng, "_step", torch.compile(eng._decode_step, backend=counts, dynamic=False))
+    assert [s.output for s in eng.generate(prompts, 5)] == plain
+    assert counts.frame_count == 1

@@ -9,7 +9,9 @@ that serve their rows of it. The Parameters keep their names and identities: the
 view of the buffer, so in-place writes (the LoRA refresh, an optimizer step) land in the fused weight and
 captured CUDA graphs stay valid. Outside `serving(groups)` a `SlicedLinear` is a plain
 `nn.Linear` (HF's own forward, training, `generate` run unchanged); inside it, the first member called on an
-input computes the group's GEMM and every member returns its columns of that output. It does not know about
+input computes the group's GEMM and every member returns its columns of that output. `lora_linear.LoraGroup`
+serves the shared engine's groups (the policy's W0 plus unmerged adapters) through the same protocol, and
+Parameters marked `SHARED_MARK` (the policy's own) are never moved into a buffer here. It does not know about
 attention, caches or the decode step.
 """
 

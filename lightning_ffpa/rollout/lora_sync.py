@@ -1,4 +1,5 @@
-"""Weight sync from the training model into the rollout engine's inference copy, without drift.
+"""Weight sync from the training model into the rollout engine's inference copy, without drift: the
+`weights="merged"` option of `RolloutCallback` (the default, `shared`, reads the policy's tensors: `shared_weights.py`).
 
 Owns the name mapping (training names -> inference names: wrapper levels removed, then `lora.hf_name`) and the
 in-place refresh W = W0 + s * B @ A (`lora.merged_weight(out=W)`), where W0 is the training model's frozen base weight: the base is

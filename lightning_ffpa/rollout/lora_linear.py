@@ -74,6 +74,8 @@ class LoraGroup(ProjectionGroup):
 
     def compute_member(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member `index`'s output for `x` alone (outside the engine: HF forward, tests)."""
+        if len(self.spans) == 1:  # a linear alone (o_proj, down_proj): its addmm form
+            return self.compute(x)
         (lo, hi), (rlo, rhi) = self.spans[index], self.rank_spans[index]
         y = F.linear(x, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])
         if rhi > rlo:

@@ -91,6 +91,9 @@ def test_the_engine_holds_no_copy_of_the_base():
     base = sum(p.numel() * p.element_size() for n, p in train.named_parameters() if "lora_" not in n)
     assert sync.stats["aliased_bytes"] == base
     assert "read from the policy's tensors (base fused in 8 groups)" in sync.weights_path
+    again = WeightsPlan(train, "shared", torch.float32, CPU).build()  # a second engine: the rows are where they are
+    assert [g.weight.data_ptr() for g in again.groups] == [g.weight.data_ptr() for g in sync.groups]
+    assert _storages(train.parameters()) == policy_storages
     # an in-place write to the policy's W0 reaches the engine: the same memory
     with torch.no_grad():
         base_q.mul_(2.0)

@@ -65,8 +65,9 @@ def test_greedy_tokens_and_logprobs_equal_the_merged_copy_and_hf(fuse):
     assert [s.output for s in got] == [s.output for s in want]
     torch.testing.assert_close(torch.tensor([s.logprobs for s in got]), torch.tensor([s.logprobs for s in want]),
                                rtol=0, atol=1e-5)
-    for p, s in zip(_prompts(), got):
-        assert s.output == _hf_greedy(train, p, 10)
+    if fuse:  # HF once: the separate path already equals the merged copy, which the fused one checks against HF
+        for p, s in zip(_prompts(), got):
+            assert s.output == _hf_greedy(train, p, 10)
 
 
 def test_the_engine_holds_no_copy_of_the_base():
@@ -234,8 +235,8 @@ def test_shared_decode_step_traces_as_one_graph(monkeypatch):
 
     train = _policy()
     sync = WeightsPlan(train, "shared", torch.float32, CPU).build()
-    cfg = EngineConfig(page_size=16, num_pages=16, max_batch_size=4, max_seq_len=64)
-    prompts = _prompts()
+    cfg = EngineConfig(page_size=16, num_pages=16, max_batch_size=4, max_seq_len=64, attention="dense")
+    prompts = _prompts()[:2]
     plain = [s.output for s in RolloutEngine(sync.inference, cfg).generate(prompts, 5)]
     eng = RolloutEngine(sync.inference, cfg)
     torch._dynamo.reset()

@@ -241,6 +241,8 @@ class RolloutCallback(L.Callback):
         # rollout samples from the restored policy, frozen weights included. A fresh fit's copy is current.
         if trainer.ckpt_path is not None:
             self.sync.refresh(full=True)
+            if self.drift_report is not None:  # the restored base is the one the end-of-fit hash must find
+                self.drift_report["base_sha256"] = self.sync.base_digest()
 
     # ---- resume: rollouts are seeded by their place in the run (rollout/seed.py) ------------------
     @property

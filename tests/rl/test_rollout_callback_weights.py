@@ -31,7 +31,7 @@ def _fit(weights="shared", verify=False, extra=(), steps=2):
                               engine=EngineConfig(page_size=8, num_pages=16, max_batch_size=4, max_seq_len=16,
                                                   attention="dense"),
                               eos_token_ids=[], verify_no_drift=verify, weights=weights)
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in extra),
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout, *extra])
     module = GRPOModule(preset="tiny", lora=LORA)
     trainer.fit(module, datamodule=PromptDataModule(num_random_prompts=4, prompt_len=4, batch_size=2))
@@ -50,3 +50,51 @@ def test_both_weights_options_fit_and_say_which_ran(weights):
 def test_a_planted_write_to_w0_during_the_fit_is_caught_at_its_end():
     with pytest.raises(RuntimeError, match=r"base weights drifted over \d+ refreshes of this fit"):
         _fit(verify=True, extra=[_WriteToW0()])
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_fsdp2_fit_hashes_the_restored_base(tmp_path, monkeypatch):
+    """FSDP2Strategy restores a checkpoint after `on_fit_start` built (and hashed) the engine: the end-of-fit hash
+    is compared with the restored base's, not with the one the checkpoint replaced, and the engine (reading the
+    replicated base in place) runs the restored one."""
+    import socket
+
+    import torch.distributed as dist
+
+    from lightning_ffpa.parallel import FSDP2Strategy
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+
+    def fit(steps, ckpt_path=None):
+        rollout = RolloutCallback([token_range_reward], num_generations=2, sampling=SamplingParams(max_new_tokens=3),
+                                  engine=EngineConfig(page_size=8, num_pages=16, max_batch_size=4, max_seq_len=16,
+                                                      attention="dense"),
+                                  eos_token_ids=[], verify_no_drift=True)
+        ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+        trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[rollout, ckpt], default_root_dir=tmp_path,
+                            strategy=FSDP2Strategy(param_dtype=None, reduce_dtype=None,
+                                                  save_distributed_checkpoint=False))
+        try:
+            trainer.fit(GRPOModule(preset="tiny", lora=LORA),
+                        datamodule=PromptDataModule(num_random_prompts=4, prompt_len=4, batch_size=2),
+                        ckpt_path=ckpt_path)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return rollout
+
+    fit(1)
+    last = tmp_path / "last.ckpt"
+    saved = torch.load(last, weights_only=False)
+    key = next(k for k in saved["state_dict"] if k.endswith("layers.1.mlp.up_proj.base_layer.weight"))
+    saved["state_dict"][key] = saved["state_dict"][key] + 1.0  # a base the resumed process does not build itself
+    torch.save(saved, last)
+    rollout = fit(2, str(last))
+    assert rollout.weights_path.startswith("shared: ")
+    assert rollout.drift_report["base_sha256_at_end"] == rollout.drift_report["base_sha256"]
+    up = rollout.sync.inference.model.layers[1].mlp.up_proj
+    torch.testing.assert_close(up.weight, saved["state_dict"][key], rtol=0, atol=0)

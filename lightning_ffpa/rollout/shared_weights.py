@@ -126,7 +126,8 @@ class WeightsPlan:
         self.requested, self.why = mode, ""
         self.meta = meta_model(unwrap_peft(train), dtype)
         self.sources = _sources(train)
-        missing = [k for k in self.sources if k not in dict(self.meta.named_parameters(remove_duplicate=False))]
+        names = {n for n, _ in self.meta.named_parameters(remove_duplicate=False)}
+        missing = [k for k in self.sources if k not in names]
         if missing:
             raise KeyError(f"training weights without an inference counterpart: {missing}")
         frozen = [s[0] if isinstance(s, tuple) else s for s in self.sources.values()]

@@ -31,7 +31,7 @@ def _fit(weights="shared", verify=False, extra=(), steps=2):
                               engine=EngineConfig(page_size=8, num_pages=16, max_batch_size=4, max_seq_len=16,
                                                   attention="dense"),
                               eos_token_ids=[], verify_no_drift=verify, weights=weights)
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in extra),
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout, *extra])
     module = GRPOModule(preset="tiny", lora=LORA)
     trainer.fit(module, datamodule=PromptDataModule(num_random_prompts=4, prompt_len=4, batch_size=2))

@@ -73,7 +73,8 @@ def test_grpo_example_custom_reward_and_lora_refresh(tmp_path, monkeypatch):
     assert len(calls) == 2 and all(len(c["completion_ids"]) == 2 * 2 for c in calls)  # 2 prompts x G=2
     assert all(len(ids) == 3 for c in calls for ids in c["completion_ids"])
     assert 0.0 <= report["reward"] <= 1.0
-    assert set(report["drift"]) == {"base_sha256", "inference_sha256"}
+    assert set(report["drift"]) == {"base_sha256", "inference_sha256", "base_sha256_at_end"}
+    assert report["drift"]["base_sha256_at_end"] == report["drift"]["base_sha256"]  # W0 unchanged over the fit
 
 
 # ----------------------------------------------------------------------------------------- SLURM

@@ -1,4 +1,4 @@
-"""Rollout Callback: before each training batch, refresh the inference copy, generate `num_generations`
+"""Rollout Callback: before each training batch, refresh the engine's weights, generate `num_generations`
 completions per prompt with the paged engine, score them, and fill the batch for GRPO in place.
 
 Drop-in for an existing Lightning project: the LightningModule only needs its HF model at
@@ -8,6 +8,8 @@ It owns the orchestration and the checks of its options (all before any model is
 (`rollout/`), LoRA sync, batch layout (`rl/batch.py`), rewards and GRPO math (`rl/`) live in their own files.
 On resume it continues the run: rollouts are seeded by their place in it (`rollout/seed.py`, the run seed kept
 in this Callback's checkpoint state), and the first rollout of a fit copies every weight of the restored policy.
+What the engine's weights are (the policy's own tensors, or a merged copy: the `weights` option) is
+`rollout/shared_weights.py`'s; this file picks the option, checks the room and logs the plan's one-line path.
 """
 
 from __future__ import annotations
@@ -33,18 +35,12 @@ from lightning_ffpa.rollout.kv_cache import pool_bytes
 from lightning_ffpa.rollout.lora_sync import LoraSync
 from lightning_ffpa.rollout.sampler import SamplingParams
 from lightning_ffpa.rollout.seed import rollout_seed, run_seed, seeded
+from lightning_ffpa.rollout.shared_weights import WEIGHTS_MODES, SharedWeights, WeightsMode, WeightsPlan
 from lightning_ffpa.rollout.walker import DecoderWalker
 
 OPTION = "RolloutCallback"  # how errors spell this Callback's options: `RolloutCallback.sampling.top_p`
 NO_LORA_TO_VERIFY = ("checks the LoRA refresh (W0 + s*B@A from the frozen base), and this policy has no LoRA "
                      "adapters: every refresh copies all weights, so there is nothing to verify; set it false")
-
-
-def _meta_copy(base: torch.nn.Module) -> torch.nn.Module:
-    """The inference copy `_build` makes of `base` (a fresh model of its class and config: no LoRA layers), on
-    the meta device: exact shapes, no storage."""
-    with torch.device("meta"):
-        return type(base)(base.config)
 
 
 class RolloutCallback(L.Callback):
@@ -54,7 +50,7 @@ class RolloutCallback(L.Callback):
                  sampling: SamplingParams | None = None, num_generations: int = 4, verify_no_drift: bool = False,
                  eos_token_ids: list[int] | None = None, tokenizer: str | None = None, model_attr: str = "model",
                  pad_token_id: int = 0,
-                 inference_dtype: DtypeName | None = None) -> None:
+                 inference_dtype: DtypeName | None = None, weights: WeightsMode = "shared") -> None:
         """
         Args:
             reward_funcs: TRL-signature reward functions, summed; in YAML dotted import paths
@@ -71,11 +67,19 @@ class RolloutCallback(L.Callback):
             inference_dtype: Dtype of the inference copy; null = the strategy's compute dtype (its public
                 `param_dtype`, as FSDP2Strategy has) if it has one, else the training weights' dtype. Under
                 FSDP2 the stored weights are fp32 masters: a copy in their dtype would double its memory.
+            weights: "shared": the engine reads the policy's frozen tensors in place (LoRA applied unmerged from
+                adapter buffers; only adapters and trained weights are copied). "merged": its own full copy with
+                W0 + s*B@A written in, faster per decode step by the unmerged adapters' share, for models where a
+                second copy fits. Under FSDP2 without `replicate_frozen` the base is sharded and "shared" runs
+                the merged copy (the start-up line says so).
         """
         super().__init__()
         self.engine_config = engine if engine is not None else EngineConfig()
         self.sampling = sampling if sampling is not None else SamplingParams()
         self._check_options(reward_funcs, num_generations, eos_token_ids, pad_token_id, inference_dtype)
+        if weights not in WEIGHTS_MODES:
+            raise ConfigError(f"{OPTION}.weights", weights, f"must be one of {list(WEIGHTS_MODES)}")
+        self.weights = weights
         self.reward_funcs = list(reward_funcs)
         self.num_generations = num_generations
         self.inference_dtype = parse_dtype(f"{OPTION}.inference_dtype", inference_dtype, allow_auto=False,
@@ -83,7 +87,8 @@ class RolloutCallback(L.Callback):
         self.verify_no_drift, self.eos_token_ids = verify_no_drift, eos_token_ids
         self.tokenizer_name, self.model_attr, self.pad_token_id = tokenizer, model_attr, pad_token_id
         self.engine: RolloutEngine | None = None
-        self.sync: LoraSync | None = None
+        self.sync: LoraSync | SharedWeights | None = None
+        self.weights_path: str | None = None  # what the engine's weights are (logged at start-up)
         self.metrics = {k: MeanMetric() for k in ("reward", "completion_length", "refresh_s", "generate_s")}
         self.drift_report: dict[str, str] | None = None
         self._resumed_seed: int | None = None  # the seed of the checkpoint this fit resumes, if any
@@ -167,27 +172,34 @@ class RolloutCallback(L.Callback):
         self._check_room_before_fit(trainer, pl_module)  # last: it builds the model on meta
 
     # ---- build ------------------------------------------------------------------------------------
-    def _check_room(self, meta: torch.nn.Module, dtype: torch.dtype, device: torch.device, free: int,
+    def _check_room(self, plan: WeightsPlan, dtype: torch.dtype, device: torch.device, free: int,
                     policy: int = 0) -> None:
-        """Raise one ConfigError when the inference copy (`meta`, from `_meta_copy`) in `dtype` and the KV pool,
-        beside `policy` bytes not yet allocated, exceed `free` bytes on `device`."""
-        copy = sum(p.numel() for p in meta.parameters()) * dtype.itemsize
+        """Raise one ConfigError when what the engine's weights own (`plan`: a full copy when merged; adapters and
+        copies when shared) and the KV pool in `dtype`, beside `policy` bytes not yet allocated, exceed `free`."""
+        own = plan.own_bytes
         cfg = self.engine_config
-        pool = pool_bytes(DecoderWalker(meta).specs, cfg.num_pages, cfg.page_size, dtype)
-        if policy + copy + pool <= free:
+        pool = pool_bytes(DecoderWalker(plan.meta).specs, cfg.num_pages, cfg.page_size, dtype)
+        if policy + own + pool <= free:
             return
         beside = f" beside the policy (at least {policy / GIB:.1f} GiB per device)" if policy else ""
         after = "" if policy else " after the policy"
-        sizes = (f"the inference copy ({copy / GIB:.1f} GiB in {dtype}) and the KV pool ({pool / GIB:.1f} GiB){beside} "
-                 f"need {(policy + copy + pool) / GIB:.1f} GiB and {free / GIB:.1f} GiB is free on {device}{after}")
-        if policy + copy < free:
+        what = "the inference copy" if plan.mode == "merged" else "the engine's own weights"
+        sizes = (f"{what} ({own / GIB:.1f} GiB in {dtype}) and the KV pool ({pool / GIB:.1f} GiB){beside} "
+                 f"need {(policy + own + pool) / GIB:.1f} GiB and {free / GIB:.1f} GiB is free on {device}{after}")
+        if policy + own < free:
             raise ConfigError(f"{OPTION}.engine.num_pages", cfg.num_pages,
-                              f"{sizes}; at most {int(cfg.num_pages * (free - policy - copy) / pool)} pages fit "
+                              f"{sizes}; at most {int(cfg.num_pages * (free - policy - own) / pool)} pages fit "
                               "(fewer, to leave room for the training step)")
-        raise ConfigError(f"{OPTION}.inference_dtype", self.inference_dtype,
-                          f"{sizes}: the engine keeps its own full copy of the model (the LoRA refresh writes "
-                          "W0 + s*B@A into it), so this model needs more memory per GPU (a smaller model, or "
-                          "fewer layers)")
+        if plan.mode == "merged":
+            instead = (f"; {plan.why}" if plan.why else
+                       f"; `{OPTION}.weights: shared` reads the policy's frozen base instead")
+            why = ("the engine keeps its own full copy of the model (the LoRA refresh writes W0 + s*B@A into it), "
+                   f"so this model needs more memory per GPU (a smaller model, or fewer layers){instead}")
+        else:
+            why = (f"the engine shares the policy's frozen tensors and owns only these ({plan.describe()}), so this "
+                   "model needs more memory per GPU (a smaller model, fewer layers, or LoRA instead of training "
+                   "every weight)")
+        raise ConfigError(f"{OPTION}.inference_dtype", self.inference_dtype, f"{sizes}: {why}")
 
     def _check_room_before_fit(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """The room check before any model exists, for modules that can build theirs on meta (`HFModule`): the
@@ -199,7 +211,9 @@ class RolloutCallback(L.Callback):
         policy_dtype = resolve_dtype(pl_module.hparams.get("dtype", "auto"))
         dtype = self.inference_dtype or getattr(trainer.strategy, "param_dtype", None) or policy_dtype
         policy = sum(p.numel() for p in meta.parameters()) * policy_dtype.itemsize // max(trainer.world_size, 1)
-        self._check_room(_meta_copy(unwrap_peft(meta)), dtype, trainer.strategy.root_device, free, policy)
+        # No device yet: frozen weights in the engine's dtype count as shared, a lower bound if FSDP2 shards them
+        plan = WeightsPlan(meta, self.weights, dtype, None, self.engine_config.fuse_projections)
+        self._check_room(plan, dtype, trainer.strategy.root_device, free, policy)
 
     def _build(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         train = getattr(pl_module, self.model_attr)
@@ -207,19 +221,13 @@ class RolloutCallback(L.Callback):
         compute = getattr(trainer.strategy, "param_dtype", None)
         dtype = self.inference_dtype or compute or next(base.parameters()).dtype
         device = pl_module.device
+        plan = WeightsPlan(train, self.weights, dtype, device, self.engine_config.fuse_projections)
         free = free_device_bytes(device)
-        if free is not None:  # the policy is resident now: what is free is what the copy and the pool get
-            self._check_room(_meta_copy(base), dtype, device, free)
-        saved_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)  # build in the final dtype: no fp32 staging copy of a 31B model
-        try:
-            with torch.device(device):  # a fresh model: no peft modules, weights filled by the sync
-                inference = type(base)(base.config)
-        finally:
-            torch.set_default_dtype(saved_dtype)
-        inference.eval().requires_grad_(False)
-        self.sync = LoraSync(train, inference)
-        self.sync.refresh(full=True)
+        if free is not None:  # the policy is resident now: what is free is what the engine's weights and pool get
+            self._check_room(plan, dtype, device, free)
+        self.sync = plan.build()  # allocated and filled (a full refresh)
+        self.weights_path = self.sync.weights_path
+        inference = self.sync.inference
         if self.verify_no_drift:
             if not self.sync.pairs:  # a module whose hparams do not say (a user's own)
                 raise ConfigError(f"{OPTION}.verify_no_drift", True, NO_LORA_TO_VERIFY)
@@ -230,7 +238,7 @@ class RolloutCallback(L.Callback):
             eos = [] if e is None else ([e] if isinstance(e, int) else list(e))
         self.engine = RolloutEngine(inference, self.engine_config, set(eos), option=f"{OPTION}.engine")
         e = self.engine
-        rank_zero_info(f"RolloutCallback: {dtype} inference copy; attention {e.attention_path} over "
+        rank_zero_info(f"RolloutCallback: {dtype} engine weights {self.weights_path}; attention {e.attention_path} over "
                        f"{e.config.decode_block}-token KV blocks in {e.config.page_size}-token pages, decode step "
                        f"{e.decode_path} (K/V write {e.kv_write_path}), projections {e.projection_path}, CUDA graphs "
                        f"{'on' if e.on_cuda and e.config.cuda_graphs else 'off'}")
@@ -245,11 +253,23 @@ class RolloutCallback(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._build(trainer, pl_module)
 
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The base hash before and after every rollout and refresh of the fit: shared weights cannot drift by
+        # construction, and this keeps that claim checked (an in-place write to W0 anywhere is caught here).
+        if self.drift_report is not None:
+            after = self.sync.base_digest()
+            self.drift_report["base_sha256_at_end"] = after
+            if after != self.drift_report["base_sha256"]:
+                raise RuntimeError(f"base weights drifted over {self.sync.num_refreshes} refreshes of this fit: "
+                                   f"{self.drift_report['base_sha256']} -> {after}")
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # A checkpoint restore can come after `on_fit_start` built the copy (FSDP2Strategy's does): the first
         # rollout samples from the restored policy, frozen weights included. A fresh fit's copy is current.
         if trainer.ckpt_path is not None:
             self.sync.refresh(full=True)
+            if self.drift_report is not None:  # the restored base is the one the end-of-fit hash must find
+                self.drift_report["base_sha256"] = self.sync.base_digest()
 
     # ---- resume: rollouts are seeded by their place in the run (rollout/seed.py) ------------------
     @property

@@ -1,8 +1,8 @@
 """Rollout engine: packed prefill and paged decode over an HF decoder, with one CUDA graph per batch bucket.
 
 Owns the generation loop (scheduler -> prefill/decode -> sampler -> scheduler) and the decode graphs.
-It knows nothing about tokenizers, rewards or training; weights arrive from outside (`lora_sync.py`)
-by in-place copies, so captured graphs stay valid across refreshes.
+It knows nothing about tokenizers, rewards or training; its model's weights are the policy's own tensors or a
+merged copy (`shared_weights.py`), refreshed from outside by in-place writes, so captured graphs stay valid.
 
 On CPU everything runs eagerly (flex's eager path). On CUDA, flex is compiled and every decode bucket
 (1, 2, 4, ..., max_batch_size) is captured once on first use.

@@ -9,7 +9,9 @@ that serve their rows of it. The Parameters keep their names and identities: the
 view of the buffer, so in-place writes (the LoRA refresh, an optimizer step) land in the fused weight and
 captured CUDA graphs stay valid. Outside `serving(groups)` a `SlicedLinear` is a plain
 `nn.Linear` (HF's own forward, training, `generate` run unchanged); inside it, the first member called on an
-input computes the group's GEMM and every member returns its columns of that output. It does not know about
+input computes the group's GEMM and every member returns its columns of that output. `lora_linear.LoraGroup`
+serves the shared engine's groups (the policy's W0 plus unmerged adapters) through the same protocol, and
+Parameters marked `SHARED_MARK` (the policy's own) are never moved into a buffer here. It does not know about
 attention, caches or the decode step.
 """
 
@@ -25,6 +27,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+SHARED_MARK = "_lightning_ffpa_shared"  # on Parameters the engine reads from the policy: never moved or copied here
 # Groups looked for under each decoder layer: (submodule, Linear names that read the same input).
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 
@@ -71,12 +74,16 @@ class ProjectionGroup:
                     return False
         return True
 
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole group's output for `x`: (..., sum of out)."""
+        return F.linear(x, self.weight, self.bias)
+
     def take(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member `index`'s output for `x`: its columns of the group's GEMM, computed once per input."""
         if self._input is not x:
             if self._pending:
                 self.num_split_inputs += 1
-            self._input, self._output, self._pending = x, F.linear(x, self.weight, self.bias), self.num_members
+            self._input, self._output, self._pending = x, self.compute(x), self.num_members
         lo, hi = self.spans[index]
         out = self._output[..., lo:hi]
         self._pending -= 1
@@ -107,6 +114,8 @@ def _fusable(linears: list[nn.Module]) -> str | None:
     if any(type(m) not in (nn.Linear, SlicedLinear) for m in linears):
         return "not plain nn.Linear (adapter layers: fuse the merged inference copy instead)"
     weights = [m.weight for m in linears]
+    if any(getattr(w, SHARED_MARK, False) for w in weights):
+        return "weights are the policy's own (shared_weights.py): fusing them here would copy them"
     if any(type(w.data) is not torch.Tensor for w in weights):
         return "weights are not plain tensors (sharded or subclassed)"
     if len({(w.dtype, w.device, w.shape[1]) for w in weights}) > 1:

@@ -1,4 +1,5 @@
-"""Weight sync from the training model into the rollout engine's inference copy, without drift.
+"""Weight sync from the training model into the rollout engine's inference copy, without drift: the
+`weights="merged"` option of `RolloutCallback` (the default, `shared`, reads the policy's tensors: `shared_weights.py`).
 
 Owns the name mapping (training names -> inference names: wrapper levels removed, then `lora.hf_name`) and the
 in-place refresh W = W0 + s * B @ A (`lora.merged_weight(out=W)`), where W0 is the training model's frozen base weight: the base is
@@ -107,6 +108,10 @@ class LoraSync:
                                        if isinstance(src, tuple) and k in targets]
         self.copies: list[tuple[torch.Tensor, nn.Parameter]] = [
             (targets[k], src) for k, src in sources.items() if not isinstance(src, tuple) and k in targets]
+        # Persistent buffers too (Gemma4's `layer_scalar` comes from the checkpoint): a fresh model's are defaults.
+        train_buffers = {_infer_name(n): b for n, b in train.named_buffers(remove_duplicate=False)}
+        self.buffers = [(b, train_buffers[k]) for k, b in inference.named_buffers(remove_duplicate=False)
+                        if k in train_buffers]
         self.num_refreshes = 0
 
     @property
@@ -126,6 +131,9 @@ class LoraSync:
         if full or self.trains_base:
             for target, src in self.copies:
                 target.copy_(_full(src))
+        if full:
+            for target, src in self.buffers:
+                target.copy_(src)
         self.num_refreshes += 1
 
     # ---- drift verification ---------------------------------------------------------------------
@@ -144,28 +152,35 @@ class LoraSync:
         """sha256 over the inference copy's parameters."""
         return self._digest(list(self.inference.parameters()))
 
-    @torch.no_grad()
     def verify_no_drift(self, num_refreshes: int = 3) -> dict[str, str]:
         """Refresh `num_refreshes` times around a perturbation of A/B; raise unless the base hash is unchanged
-        and the inference copy is bit-identical once A/B are restored."""
-        if not self.pairs:
-            raise ValueError("verify_no_drift needs LoRA adapters: without them there is no frozen base to check")
-        base0 = self.base_digest()
-        saved = [(p.a.detach().clone(), p.b.detach().clone()) for p in self.pairs]
-        self.refresh(full=True)
-        infer0 = self.inference_digest()
-        for i in range(num_refreshes):
-            for p in self.pairs:  # stand-in for optimizer steps on the adapters
-                p.a.add_(torch.randn_like(p.a) * 1e-2)
-                p.b.add_(torch.randn_like(p.b) * 1e-2 + (1e-2 if i == 0 else 0.0))
-            self.refresh()
-        for p, (a, b) in zip(self.pairs, saved):
-            p.a.copy_(a)
-            p.b.copy_(b)
-        self.refresh()
-        base1, infer1 = self.base_digest(), self.inference_digest()
-        if base1 != base0:
-            raise RuntimeError(f"base weights drifted over {num_refreshes} refreshes: {base0} -> {base1}")
-        if infer1 != infer0:
-            raise RuntimeError(f"inference copy not deterministic after restoring A/B: {infer0} -> {infer1}")
-        return {"base_sha256": base1, "inference_sha256": infer1}
+        and the inference copy is bit-identical once A/B are restored (`check_no_drift`)."""
+        return check_no_drift(self, num_refreshes)
+
+
+@torch.no_grad()
+def check_no_drift(sync, num_refreshes: int = 3) -> dict[str, str]:
+    """Refresh `sync` (a `LoraSync` or `shared_weights.SharedWeights`) `num_refreshes` times around a perturbation
+    of its adapters (stand-ins for optimizer steps); raise unless `base_digest()` (W0) is unchanged and
+    `inference_digest()` (what the engine owns) is bit-identical once the adapters are restored."""
+    if not sync.pairs:
+        raise ValueError("verify_no_drift needs LoRA adapters: without them there is no frozen base to check")
+    base0 = sync.base_digest()
+    saved = [(p.a.detach().clone(), p.b.detach().clone()) for p in sync.pairs]
+    sync.refresh(full=True)
+    infer0 = sync.inference_digest()
+    for i in range(num_refreshes):
+        for p in sync.pairs:
+            p.a.add_(torch.randn_like(p.a) * 1e-2)
+            p.b.add_(torch.randn_like(p.b) * 1e-2 + (1e-2 if i == 0 else 0.0))
+        sync.refresh()
+    for p, (a, b) in zip(sync.pairs, saved):
+        p.a.copy_(a)
+        p.b.copy_(b)
+    sync.refresh()
+    base1, infer1 = sync.base_digest(), sync.inference_digest()
+    if base1 != base0:
+        raise RuntimeError(f"base weights drifted over {num_refreshes} refreshes: {base0} -> {base1}")
+    if infer1 != infer0:
+        raise RuntimeError(f"inference copy not deterministic after restoring A/B: {infer0} -> {infer1}")
+    return {"base_sha256": base1, "inference_sha256": infer1}

@@ -1,8 +1,9 @@
 """GPU memory arithmetic for GRPO on one device: what a config costs before anything is allocated.
 
-Owns the estimate only: the policy's weights, the rollout engine's inference copy (its own full model:
-LoRA targets are rewritten in place as W0 + s*B@A, so they cannot alias the policy's frozen W0, and the
-copy is built as a separate module), the LoRA optimizer state (fp32 adapters, gradients and two AdamW
+Owns the estimate only: the policy's weights, the rollout engine's own weights (`weights="shared"`, the
+Callback's default: the engine reads the policy's frozen base in place, so it owns only the LoRA A and B
+buffers, with each fused group's B laid out block-diagonally; `weights="merged"`: a second full model with
+W0 + s*B@A written in, `shared_weights.py`), the LoRA optimizer state (fp32 adapters, gradients and two AdamW
 moments), the paged KV pool, and a rough bound for one training step's activations. Parameters and KV
 specs come from the model built on the meta device (no memory, exact shapes); the activation terms
 are per-token rules of thumb whose coefficients `tests/rollout/test_memory.py` checks by counting the
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_ffpa.rollout.engine import GIB, EngineConfig
+from lightning_ffpa.rollout.fused_linear import GROUPS
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ACTIVATION_BYTES_PER_HIDDEN = 110
@@ -36,7 +38,7 @@ class GRPOMemory:
     """Bytes per component on the one GPU."""
 
     policy: int
-    inference_copy: int
+    engine_weights: int
     lora_optimizer: int
     kv_pool: int
     activations: int
@@ -69,6 +71,25 @@ def lora_params(model: nn.Module, r: int, targets: tuple[str, ...] = LORA_TARGET
                if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets)
 
 
+def shared_adapter_params(model: nn.Module, r: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
+    """Elements of the A and B buffers the shared engine owns for LoRA rank `r` on every target: per fused group
+    (q/k/v, gate/up) R*in + out_total*R with R = r * members (B block-diagonal), r * (in + out) for the rest."""
+    from lightning_ffpa.rollout.walker import _decoder
+
+    total, grouped = 0, set()
+    for layer in _decoder(model).layers:
+        for parent_name, names in GROUPS:
+            parent = getattr(layer, parent_name, None)
+            members = [getattr(parent, n, None) for n in names if n in targets]
+            members = [m for m in members if isinstance(m, nn.Linear)]
+            if len(members) >= 2:
+                rank, out = r * len(members), sum(m.out_features for m in members)
+                total += rank * members[0].in_features + out * rank
+                grouped.update(id(m) for m in members)
+    return total + sum(r * (m.in_features + m.out_features) for name, m in model.named_modules()
+                       if isinstance(m, nn.Linear) and id(m) not in grouped and name.rsplit(".", 1)[-1] in targets)
+
+
 def kv_bytes_per_token(model: nn.Module, dtype_bytes: int) -> int:
     """K+V bytes one cached token costs over every caching layer (what `PagedKVCache` allocates per slot)."""
     from lightning_ffpa.rollout.kv_cache import token_bytes
@@ -79,7 +100,7 @@ def kv_bytes_per_token(model: nn.Module, dtype_bytes: int) -> int:
 
 def estimate(preset: str = "gemma4-31b", num_hidden_layers: int | None = None, lora_r: int = 16,
              weight_bytes: int = 2, inference_bytes: int = 2, engine: EngineConfig | None = None,
-             train_tokens: int = 0, kl: bool = True) -> GRPOMemory:
+             train_tokens: int = 0, kl: bool = True, weights: str = "shared") -> GRPOMemory:
     """Estimate one GPU's GRPO memory.
 
     Args:
@@ -87,11 +108,14 @@ def estimate(preset: str = "gemma4-31b", num_hidden_layers: int | None = None, l
         num_hidden_layers: Depth override (`model.config_overrides.num_hidden_layers`); None = the preset's.
         lora_r: LoRA rank on every projection (0 = full fine-tune, not estimated here: its optimizer is the model).
         weight_bytes: Bytes per policy weight (2 = bf16).
-        inference_bytes: Bytes per inference-copy weight and KV element (2 = bf16).
+        inference_bytes: Bytes per engine weight (adapter buffers, or the merged copy) and KV element (2 = bf16).
         engine: The rollout engine's page pool (`num_pages * page_size` tokens are allocated up front).
         train_tokens: Tokens in one GRPO training batch (prompts x num_generations x (prompt + completion)).
         kl: Whether the KL reference pass (beta > 0) runs in the training step.
+        weights: `RolloutCallback.weights`: "shared" (the engine owns the adapter buffers) or "merged" (a full copy).
     """
+    if weights not in ("shared", "merged"):
+        raise ValueError(f"`weights={weights!r}` must be 'shared' or 'merged'")
     if lora_r <= 0:
         raise ValueError("`lora_r` must be > 0: this estimate covers LoRA (adapter-only optimizer state)")
     engine = engine or EngineConfig()
@@ -103,7 +127,7 @@ def estimate(preset: str = "gemma4-31b", num_hidden_layers: int | None = None, l
     logits_per_token = LOGITS_BYTES_PER_VOCAB if kl else LOGITS_BYTES_PER_VOCAB - 10
     return GRPOMemory(
         policy=params * weight_bytes + adapters * 4,
-        inference_copy=params * inference_bytes,
+        engine_weights=(params if weights == "merged" else shared_adapter_params(model, lora_r)) * inference_bytes,
         lora_optimizer=adapters * 4 * 3,  # gradient + AdamW exp_avg + exp_avg_sq, fp32
         kv_pool=engine.num_pages * engine.page_size * kv_bytes_per_token(model, inference_bytes),
         activations=train_tokens * cfg.num_hidden_layers * cfg.hidden_size * ACTIVATION_BYTES_PER_HIDDEN,

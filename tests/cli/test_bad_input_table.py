@@ -102,6 +102,7 @@ ROWS = [
     (f"{G} --trainer.callbacks.init_args.sampling.top_p 0", "sampling.top_p"),
     (f"{G} --trainer.callbacks.init_args.sampling '{{max_new_tokens: 40}}'", "engine.max_seq_len"),
     (f"{G} --trainer.callbacks.init_args.inference_dtype fp8", "inference_dtype"),
+    (f"{G} --trainer.callbacks.init_args.weights copy", "weights"),
     (f"{G} --trainer.callbacks.init_args.max_seq_len 4", "trainer.callbacks.init_args.max_seq_len"),  # old flat option
     (f"{G} --trainer.callbacks.init_args.bogus 1", "trainer.callbacks.init_args.bogus"),
     (f"{G} --model.init_args.beta 0.1", "beta"),

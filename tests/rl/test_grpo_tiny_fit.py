@@ -69,6 +69,8 @@ def test_grpo_fits_under_fsdp2_with_selective_ac_lora_and_kl(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lightning_ffpa.cli", "fit", "--config", str(path)], env=env,
                           capture_output=True, text=True, timeout=220, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # FSDP2 on one device keeps the frozen base whole (replicate_frozen auto): the engine reads it in place
+    assert "engine weights shared: " in proc.stdout + proc.stderr, proc.stderr[-4000:]
 
 
 def test_inference_dtype_option():

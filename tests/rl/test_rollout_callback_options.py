@@ -47,6 +47,7 @@ CASES = [
     (dict(eos_token_ids=[-1]), "RolloutCallback.eos_token_ids"),
     (dict(pad_token_id=-1), "RolloutCallback.pad_token_id"),
     (dict(inference_dtype="bf17"), "RolloutCallback.inference_dtype"),
+    (dict(weights="copy"), "RolloutCallback.weights"),
     (dict(reward_funcs=[]), "RolloutCallback.reward_funcs"),
     (dict(reward_funcs=["lightning_ffpa.rl.rewards:length_reward"]), "RolloutCallback.reward_funcs"),
     (dict(reward_funcs=[token_range_reward, _two_args]), "RolloutCallback.reward_funcs[1]"),
@@ -213,9 +214,10 @@ def _room(monkeypatch, free_of, before_fit=True):
 def test_preflight_names_the_inference_copy_before_any_model_when_policy_and_copy_cannot_fit(monkeypatch):
     _room(monkeypatch, lambda policy, copy, pool: policy + copy // 2)
     module = GRPOModule(preset="tiny")
-    with pytest.raises(ConfigError, match=r"^`RolloutCallback.inference_dtype=None`: .* beside the policy \(at least "
-                                          r".* keeps its own full copy"):
-        _fit(_callback(num_generations=2), module)
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.inference_dtype=None`: the inference copy .* beside the "
+                                          r"policy \(at least .* keeps its own full copy .* `RolloutCallback.weights: "
+                                          r"shared` reads"):
+        _fit(_callback(num_generations=2, weights="merged"), module)
     assert module.model is None  # refused before the policy was built
 
 
@@ -230,8 +232,8 @@ def test_preflight_names_num_pages_when_only_the_pool_cannot_fit(monkeypatch):
 def test_build_check_names_num_pages_when_the_pool_cannot_fit_beside_the_resident_policy(monkeypatch):
     _room(monkeypatch, lambda policy, copy, pool: copy + pool // 2, before_fit=False)
     rollout = _callback(num_generations=2)
-    with pytest.raises(ConfigError, match=r"^`RolloutCallback.engine.num_pages=16`: the inference copy .* after the "
-                                          r"policy; at most 8 pages fit"):
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.engine.num_pages=16`: the engine's own weights .* after "
+                                          r"the policy; at most 8 pages fit"):
         _fit(rollout)
     assert rollout.engine is None and rollout.sync is None  # refused before the copy was built
 
@@ -239,6 +241,10 @@ def test_build_check_names_num_pages_when_the_pool_cannot_fit_beside_the_residen
 def test_build_check_names_the_inference_copy_when_it_cannot_fit(monkeypatch):
     _room(monkeypatch, lambda policy, copy, pool: copy // 2, before_fit=False)
     with pytest.raises(ConfigError, match=r"^`RolloutCallback.inference_dtype=None`: .* keeps its own full copy"):
+        _fit(_callback(num_generations=2, weights="merged"))
+    # A full fine-tune trains every weight: shared, the engine still owns a copy of each, and says so
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.inference_dtype=None`: the engine's own weights .* "
+                                          r"copied \(trained by the policy\) .* LoRA instead of training every"):
         _fit(_callback(num_generations=2))
 
 
@@ -247,25 +253,36 @@ def test_callback_fits_when_policy_copy_and_pool_fit_exactly(monkeypatch):
     assert _fit(_callback(num_generations=2)).global_step == 1
 
 
-def test_preflight_sizes_a_lora_policy_copy_without_its_adapters(monkeypatch):
-    """A LoRA policy: the copy the check sizes is the plain base (what `_build` makes), so the pool's page count is
-    the same as without LoRA, and the refusal still comes before any model is built."""
+def test_a_lora_policy_refused_for_a_merged_copy_fits_with_shared_weights(monkeypatch):
+    """LoRA: the merged copy is the whole base, refused before any model is built; shared, the engine owns only the
+    adapter buffers, so the same free memory runs the fit (the real 31B must not be refused for a copy it no longer
+    makes)."""
     from lightning_ffpa.callbacks import rollout as callback_mod
 
     seen = []
     real = callback_mod.RolloutCallback._check_room
 
-    def spy(self, meta, dtype, device, free, policy=0):
-        seen.append((sum(p.numel() for p in meta.parameters()), policy))
-        return real(self, meta, dtype, device, free, policy)
+    def spy(self, plan, dtype, device, free, policy=0):
+        seen.append((plan.mode, plan.own_bytes, plan.aliased_bytes, policy))
+        return real(self, plan, dtype, device, free, policy)
 
     monkeypatch.setattr(callback_mod.RolloutCallback, "_check_room", spy)
     _room(monkeypatch, lambda policy, copy, pool: policy + copy // 2)
-    lora = GRPOModule(preset="tiny", lora={"r": 2, "target_modules": ["q_proj", "o_proj"]})
-    with pytest.raises(ConfigError, match=r"^`RolloutCallback.inference_dtype=None`"):
-        _fit(_callback(num_generations=2), lora)
-    assert lora.model is None
+    lora = {"r": 2, "target_modules": ["q_proj", "o_proj"]}
+    merged = GRPOModule(preset="tiny", lora=lora)
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.inference_dtype=None`: the inference copy"):
+        _fit(_callback(num_generations=2, weights="merged"), merged)
+    assert merged.model is None
     plain = GRPOModule(preset="tiny").build_model("meta")
-    (copy_params, policy), = seen
-    assert copy_params == sum(p.numel() for p in plain.parameters())  # adapters are not in the copy
-    assert policy > copy_params * 4  # ... but they are in the policy (fp32 on the CPU fit)
+    params = sum(p.numel() for p in plain.parameters())
+    (mode, own, aliased, policy), = seen
+    assert (mode, own, aliased) == ("merged", params * 4, 0)  # adapters are not in the copy
+    assert policy > params * 4  # ... but they are in the policy (fp32 on the CPU fit)
+
+    seen.clear()
+    rollout = _callback(num_generations=2)
+    assert _fit(rollout, GRPOModule(preset="tiny", lora=lora)).trainer.global_step == 1
+    (mode, own, aliased, _), (mode2, own2, aliased2, _) = seen  # pre-flight on meta, then at build
+    assert mode == mode2 == "shared" and own == own2 and aliased == aliased2 == params * 4
+    assert 0 < own < params * 4 // 20  # the adapters' A and B buffers only
+    assert rollout.weights_path.startswith("shared: ") and rollout.sync.stats["own_bytes"] == own

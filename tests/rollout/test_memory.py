@@ -19,19 +19,27 @@ KV_SLIDING, KV_FULL = 2 * 16 * 256, 2 * 4 * 512  # K+V elements per token per la
 
 def test_31b_at_12_layers_by_hand():
     est = memory.estimate("gemma4-31b", num_hidden_layers=12, lora_r=16,
-                          engine=EngineConfig(page_size=128, num_pages=64, max_seq_len=384), train_tokens=0)
+                          engine=EngineConfig(page_size=128, num_pages=64, max_seq_len=384), train_tokens=0,
+                          weights="merged")
     params = V * H + H + 10 * SLIDING + 2 * FULL  # 5:1 sliding:full, tied embeddings, final norm
     assert params == 7_266_902_272
     adapters = (est.policy - params * 2) // 4
-    assert est.inference_copy == params * 2 and est.lora_optimizer == adapters * 12
+    assert est.engine_weights == params * 2 and est.lora_optimizer == adapters * 12
     assert est.kv_pool == 64 * 128 * 2 * (10 * KV_SLIDING + 2 * KV_FULL)
     assert est.activations == 0 and est.logits == 0
 
 
-def test_full_depth_31b_policy_and_copy_alone_fill_an_h200():
-    est = memory.estimate("gemma4-31b", lora_r=16, engine=EngineConfig(page_size=128, num_pages=1024))
-    assert est.inference_copy == 2 * (V * H + H + 50 * SLIDING + 10 * FULL)  # 30.7e9 parameters in bf16
-    assert est.policy + est.inference_copy > 114 * memory.GIB
+def test_full_depth_31b_policy_and_merged_copy_alone_fill_an_h200_and_shared_weights_do_not():
+    est = memory.estimate("gemma4-31b", lora_r=16, engine=EngineConfig(page_size=128, num_pages=1024),
+                          weights="merged")
+    assert est.engine_weights == 2 * (V * H + H + 50 * SLIDING + 10 * FULL)  # 30.7e9 parameters in bf16
+    assert est.policy + est.engine_weights > 114 * memory.GIB
+    shared = memory.estimate("gemma4-31b", lora_r=16, engine=EngineConfig(page_size=128, num_pages=1024))
+    # by hand: per layer (q, k, v) and (gate, up) fused with block-diagonal B; o and down alone; 16 = r
+    sliding = (48 * H + (32 + 16 + 16) * 256 * 48) + (32 * H + 2 * INTER * 32) + 16 * (32 * 256 + H) + 16 * (INTER + H)
+    full = (32 * H + (32 + 4) * 512 * 32) + (32 * H + 2 * INTER * 32) + 16 * (32 * 512 + H) + 16 * (INTER + H)
+    assert shared.engine_weights == 2 * (50 * sliding + 10 * full)
+    assert shared.engine_weights < 0.5 * memory.GIB and shared.policy + shared.engine_weights < 58 * memory.GIB
     assert est.kv_pool == 1024 * 128 * 2 * (50 * KV_SLIDING + 10 * KV_FULL)  # the old recipe's pool: ~110 GiB
 
 
@@ -39,14 +47,14 @@ def test_tiny_against_real_model_peft_and_kv_cache():
     from peft import LoraConfig, get_peft_model
 
     engine = EngineConfig(page_size=8, num_pages=16, max_seq_len=64)
-    est = memory.estimate("tiny", lora_r=4, weight_bytes=4, inference_bytes=2, engine=engine)
+    est = memory.estimate("tiny", lora_r=4, weight_bytes=4, inference_bytes=2, engine=engine, weights="merged")
     torch.manual_seed(0)
     model = transformers.Gemma4ForCausalLM(build_text_config("tiny"))
     params = sum(p.numel() for p in model.parameters())
     cache = PagedKVCache(DecoderWalker(model).specs, 16, 8, torch.bfloat16, "cpu")
     peft = get_peft_model(model, LoraConfig(r=4, target_modules=list(memory.LORA_TARGETS)))
     adapters = sum(p.numel() for n, p in peft.named_parameters() if "lora_" in n)
-    assert est.inference_copy == params * 2 and est.policy == params * 4 + adapters * 4
+    assert est.engine_weights == params * 2 and est.policy == params * 4 + adapters * 4
     assert est.lora_optimizer == adapters * 12
     assert est.kv_pool == sum(t.numel() * t.element_size() for t in (*cache.k.values(), *cache.v.values()))
 
@@ -81,3 +89,20 @@ def test_cli_prints_the_table(capsys):
     assert "kv_pool" in out and f"{est.total / memory.GIB:8.1f} GiB" in out
     with pytest.raises(ValueError, match="lora_r"):
         memory.estimate("tiny", lora_r=0)
+
+
+def test_shared_engine_weights_equal_what_the_engine_allocates():
+    """The estimate's adapter buffers against a real shared engine's own bytes (tiny, LoRA on every target)."""
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_ffpa.rollout.shared_weights import WeightsPlan
+
+    est = memory.estimate("tiny", lora_r=4, inference_bytes=4, engine=EngineConfig(page_size=8, num_pages=16,
+                                                                                 max_seq_len=64))
+    torch.manual_seed(0)
+    peft = get_peft_model(transformers.Gemma4ForCausalLM(build_text_config("tiny")),
+                          LoraConfig(r=4, target_modules=list(memory.LORA_TARGETS)))
+    plan = WeightsPlan(peft, "shared", torch.float32, torch.device("cpu"))
+    assert est.engine_weights == plan.own_bytes == sum(g.adapter_bytes for g in plan.build().groups)
+    with pytest.raises(ValueError, match="weights='copy'"):
+        memory.estimate("tiny", weights="copy")

@@ -28,7 +28,6 @@ from lightning_ffpa.lora import unwrap_peft
 from lightning_ffpa.rl.batch import build_grpo_batch, repeat_groups
 from lightning_ffpa.rl.rewards import check_reward_funcs, total_reward
 from lightning_ffpa.rollout.engine import GIB, EngineConfig, RolloutEngine, free_device_bytes
-from lightning_ffpa.rollout.kv_cache import pool_bytes
 from lightning_ffpa.rollout.lora_sync import LoraSync
 from lightning_ffpa.rollout.sampler import SamplingParams
 from lightning_ffpa.rollout.seed import rollout_seed, run_seed, seeded
@@ -137,6 +136,9 @@ class RolloutCallback(L.Callback):
         hparams = getattr(pl_module, "hparams", {})
         if self.verify_no_drift and "lora" in hparams and not hparams["lora"]:
             raise ConfigError(f"{OPTION}.verify_no_drift", True, NO_LORA_TO_VERIFY)
+        if self.engine_config.num_sliding_pages and isinstance(pl_module, HFModule):  # set by hand: one window fits
+            meta = _meta_copy(unwrap_peft(pl_module.build_model("meta")))
+            self.engine_config.sliding_pages(DecoderWalker(meta).specs, f"{OPTION}.engine")
         self._check_room_before_fit(trainer, pl_module)  # last: it builds the model on meta
 
     # ---- build ------------------------------------------------------------------------------------
@@ -146,7 +148,8 @@ class RolloutCallback(L.Callback):
         beside `policy` bytes not yet allocated, exceed `free` bytes on `device`."""
         copy = sum(p.numel() for p in meta.parameters()) * dtype.itemsize
         cfg = self.engine_config
-        pool = pool_bytes(DecoderWalker(meta).specs, cfg.num_pages, cfg.page_size, dtype)
+        specs = DecoderWalker(meta).specs
+        pool = cfg.pool_bytes(specs, dtype)
         if policy + copy + pool <= free:
             return
         beside = f" beside the policy (at least {policy / GIB:.1f} GiB per device)" if policy else ""
@@ -155,7 +158,7 @@ class RolloutCallback(L.Callback):
                  f"need {(policy + copy + pool) / GIB:.1f} GiB and {free / GIB:.1f} GiB is free on {device}{after}")
         if policy + copy < free:
             raise ConfigError(f"{OPTION}.engine.num_pages", cfg.num_pages,
-                              f"{sizes}; at most {int(cfg.num_pages * (free - policy - copy) / pool)} pages fit "
+                              f"{sizes}; at most {cfg.pages_that_fit(specs, dtype, free - policy - copy)} pages fit "
                               "(fewer, to leave room for the training step)")
         raise ConfigError(f"{OPTION}.inference_dtype", self.inference_dtype,
                           f"{sizes}: the engine keeps its own full copy of the model (the LoRA refresh writes "

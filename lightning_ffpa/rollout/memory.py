@@ -3,8 +3,9 @@
 Owns the estimate only: the policy's weights, the rollout engine's inference copy (its own full model:
 LoRA targets are rewritten in place as W0 + s*B@A, so they cannot alias the policy's frozen W0, and the
 copy is built as a separate module), the LoRA optimizer state (fp32 adapters, gradients and two AdamW
-moments), the paged KV pool, and a rough bound for one training step's activations. Parameters and KV
-specs come from the model built on the meta device (no memory, exact shapes); the activation terms
+moments), the paged KV pools (the full layers' grows with `num_pages`; the sliding layers' own pool is
+sized by their window, `EngineConfig.sliding_pages`), and a rough bound for one training step's
+activations. Parameters and KV specs come from the model built on the meta device (no memory, exact shapes); the activation terms
 are per-token rules of thumb whose coefficients `tests/rollout/test_memory.py` checks by counting the
 tensors autograd saves. It does not measure a run; `benchmarks/results/` holds measured peaks.
 
@@ -77,6 +78,14 @@ def kv_bytes_per_token(model: nn.Module, dtype_bytes: int) -> int:
     return token_bytes(DecoderWalker(model).specs, dtype_bytes)
 
 
+def kv_pool_bytes(model: nn.Module, engine: EngineConfig, dtype_bytes: int) -> int:
+    """Bytes of the engine's KV pools for this model (what `PagedKVCache` allocates): `num_pages` pages in the
+    full layers, the sliding pool's pages (a few windows' worth, not the sequences' length) in the sliding ones."""
+    from lightning_ffpa.rollout.walker import DecoderWalker
+
+    return engine.pool_bytes(DecoderWalker(model).specs, dtype_bytes)
+
+
 def estimate(preset: str = "gemma4-31b", num_hidden_layers: int | None = None, lora_r: int = 16,
              weight_bytes: int = 2, inference_bytes: int = 2, engine: EngineConfig | None = None,
              train_tokens: int = 0, kl: bool = True) -> GRPOMemory:
@@ -88,7 +97,8 @@ def estimate(preset: str = "gemma4-31b", num_hidden_layers: int | None = None, l
         lora_r: LoRA rank on every projection (0 = full fine-tune, not estimated here: its optimizer is the model).
         weight_bytes: Bytes per policy weight (2 = bf16).
         inference_bytes: Bytes per inference-copy weight and KV element (2 = bf16).
-        engine: The rollout engine's page pool (`num_pages * page_size` tokens are allocated up front).
+        engine: The rollout engine's page pools (allocated up front: `num_pages * page_size` tokens in the full
+            layers, the sliding pool's `EngineConfig.sliding_pages` pages in the sliding ones).
         train_tokens: Tokens in one GRPO training batch (prompts x num_generations x (prompt + completion)).
         kl: Whether the KL reference pass (beta > 0) runs in the training step.
     """
@@ -105,7 +115,7 @@ def estimate(preset: str = "gemma4-31b", num_hidden_layers: int | None = None, l
         policy=params * weight_bytes + adapters * 4,
         inference_copy=params * inference_bytes,
         lora_optimizer=adapters * 4 * 3,  # gradient + AdamW exp_avg + exp_avg_sq, fp32
-        kv_pool=engine.num_pages * engine.page_size * kv_bytes_per_token(model, inference_bytes),
+        kv_pool=kv_pool_bytes(model, engine, inference_bytes),
         activations=train_tokens * cfg.num_hidden_layers * cfg.hidden_size * ACTIVATION_BYTES_PER_HIDDEN,
         logits=train_tokens * cfg.vocab_size * logits_per_token,
     )

@@ -95,8 +95,9 @@ class EngineConfig:
     the block holding its newest token. None: the largest divisor of `page_size` up to 64. Gain:
     `benchmarks/results/rollout_kv_block.json` (row `ours_paged_flex_block128` is one block per page)."""
     num_pages: int = 1024
-    """Physical pages per layer, page 0 reserved. The pools must fit the device's free memory when the engine is
-    built (else one ConfigError naming this option, with how many pages would fit)."""
+    """Physical pages per layer (sliding-window layers have their own pool, `num_sliding_pages`), page 0 reserved.
+    The pools must fit the device's free memory when the engine is built (else one ConfigError naming this
+    option, with how many pages would fit)."""
     num_sliding_pages: int | None = None
     """Physical pages of the sliding-window layers' own pool, page 0 reserved: they keep only the pages their
     window reads (about window / page_size + 1 per sequence) and reuse the ones behind it. None: enough for

@@ -3,7 +3,7 @@
 A tiny Gemma4 with a 32-token window and 16-token pages (flex's decode tiles) decodes ten windows past prompts
 shorter and longer than the window, on scrambled pages: fp32 is token-identical to HF greedy with logprobs close;
 in bf16 the engine's logprobs differ from an HF forward over its own tokens by no more than HF's `generate` and
-forward differ from each other (a few times over), the spread bf16 gives HF itself. The graphs are captured once and replayed
+forward differ from each other (a few times over: the spread bf16 gives HF itself). The graphs are captured once and replayed
 while the sliding table's pages are released and reused in place; a sliding pool short of two windows forces
 preemption and recompute under the same graphs. The weights are drawn so the next-token distribution is not flat
 (a flat one hides a wrong attention read, as in `test_logprob_parity.py`).
@@ -117,7 +117,8 @@ def test_compiled_graphs_with_recycling_bf16_logprobs_match_hf_on_its_tokens():
         tokens, generated = _hf_generate_logprobs(model, p)
         noise.append((generated - _hf_logprobs(model, p, tokens)).abs())
     ours, noise = torch.cat(ours), torch.cat(noise)
-    # A released page read as live would put another sequence's (or page 0's) keys in the window: far off.
-    assert ours.mean() <= 3 * noise.mean() + 5e-3, (ours.mean(), noise.mean())
+    # A released page read as live would put another sequence's (or page 0's) keys in the window: nats off, where
+    # bf16 paths differ by hundredths (on the CPU, this test's shapes: 0.032 against HF's own 0.010).
+    assert ours.mean() <= 4 * noise.mean() + 0.01, (ours.mean(), noise.mean())
     assert ours.max() < 1.0, ours.max()
     _check_pages(eng)

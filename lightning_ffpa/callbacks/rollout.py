@@ -31,7 +31,6 @@ from lightning_ffpa.rl.algorithm import GRPOAlgorithm
 from lightning_ffpa.rl.batch import repeat_groups
 from lightning_ffpa.rl.rewards import check_reward_funcs, total_reward
 from lightning_ffpa.rollout.engine import GIB, EngineConfig, RolloutEngine, free_device_bytes
-from lightning_ffpa.rollout.kv_cache import pool_bytes
 from lightning_ffpa.rollout.lora_sync import LoraSync
 from lightning_ffpa.rollout.sampler import SamplingParams
 from lightning_ffpa.rollout.seed import rollout_seed, run_seed, seeded
@@ -160,6 +159,9 @@ class RolloutCallback(L.Callback):
         hparams = getattr(pl_module, "hparams", {})
         if self.verify_no_drift and "lora" in hparams and not hparams["lora"]:
             raise ConfigError(f"{OPTION}.verify_no_drift", True, NO_LORA_TO_VERIFY)
+        if self.engine_config.num_sliding_pages and isinstance(pl_module, HFModule):  # set by hand: one window fits
+            meta = _meta_copy(unwrap_peft(pl_module.build_model("meta")))
+            self.engine_config.sliding_pages(DecoderWalker(meta).specs, f"{OPTION}.engine")
         if not pl_module.automatic_optimization:  # GRPOModule steps its optimizer itself (micro-batches, iterations)
             if trainer.gradient_clip_val:
                 raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val,
@@ -178,7 +180,8 @@ class RolloutCallback(L.Callback):
         copies when shared) and the KV pool in `dtype`, beside `policy` bytes not yet allocated, exceed `free`."""
         own = plan.own_bytes
         cfg = self.engine_config
-        pool = pool_bytes(DecoderWalker(plan.meta).specs, cfg.num_pages, cfg.page_size, dtype)
+        specs = DecoderWalker(plan.meta).specs
+        pool = cfg.pool_bytes(specs, dtype)
         if policy + own + pool <= free:
             return
         beside = f" beside the policy (at least {policy / GIB:.1f} GiB per device)" if policy else ""
@@ -188,7 +191,7 @@ class RolloutCallback(L.Callback):
                  f"need {(policy + own + pool) / GIB:.1f} GiB and {free / GIB:.1f} GiB is free on {device}{after}")
         if policy + own < free:
             raise ConfigError(f"{OPTION}.engine.num_pages", cfg.num_pages,
-                              f"{sizes}; at most {int(cfg.num_pages * (free - policy - own) / pool)} pages fit "
+                              f"{sizes}; at most {cfg.pages_that_fit(specs, dtype, free - policy - own)} pages fit "
                               "(fewer, to leave room for the training step)")
         if plan.mode == "merged":
             instead = (f"; {plan.why}" if plan.why else

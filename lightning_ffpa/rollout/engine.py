@@ -36,12 +36,15 @@ per batch bucket at capture, logged with its time and counted in `stats["capture
 `EngineConfig.fuse_projections` (on by default, CPU too) runs the projections that read one input (q/k/v,
 gate/up) as one GEMM per group (`fused_linear.py`): a skinny decode GEMM streams its weights faster when larger.
 
-Sliding-window pages are not freed early. One page table serves every layer, and Gemma4's full layers
-read every page, so freeing a sliding layer's out-of-window pages needs a second page pool and table
-for sliding layers (a second set of masks and index maps per step). It saves memory, not bytes read:
-the decode masks already list only in-window pages, so the roofline is unchanged, and at the
-benchmark's lengths (256 + 512 tokens against Gemma4-31B's 1024-token window) no page ever leaves the
-window. Worth it only for long rollouts where KV memory limits the batch.
+Sliding-window layers keep only their window. They have their own page pool and table
+(`EngineConfig.num_sliding_pages`), under the same slots as the full layers' one (`page_pools.py`): each
+step releases the pages that left every sliding layer's window, and other sequences reuse them, so a
+sequence holds at most `window_pages` pages there (`page_table.py`) however long it grows. The decode step
+builds the sliding layers' masks and write indices from that table, with the same functions and shapes as
+the full layers' ones, so it stays one captured graph; tables change in place at `flush`. A prefill writes a
+prompt's tokens that are already out of the window to page 0, which nothing reads (its attention reads the
+packed K/V, not the pool). It saves memory, not bytes read: the decode masks listed only in-window pages
+before too. Full layers are unchanged: their table keeps every page of a sequence.
 """
 
 from __future__ import annotations
@@ -61,14 +64,15 @@ from lightning_ffpa.attention.flex import compiled_flex
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.rollout.attention import StepContext, dense_reference, kernel_options
 from lightning_ffpa.rollout.capture import check_capture
-from lightning_ffpa.rollout.kv_cache import PagedKVCache, pool_bytes
+from lightning_ffpa.rollout.kv_cache import LayerSpec, PagedKVCache, pool_bytes
 from lightning_ffpa.rollout.masks import (
     PREFILL_BLOCK,
     decode_block_mask,
     logical_block_mask,
     prefill_block_mask,
 )
-from lightning_ffpa.rollout.page_table import PageTable
+from lightning_ffpa.rollout.page_pools import PagePools
+from lightning_ffpa.rollout.page_table import PageTable, window_pages
 from lightning_ffpa.rollout.sampler import SamplingParams, sample
 from lightning_ffpa.rollout.scheduler import Scheduler, Sequence
 from lightning_ffpa.rollout.walker import DecoderWalker
@@ -91,8 +95,15 @@ class EngineConfig:
     the block holding its newest token. None: the largest divisor of `page_size` up to 64. Gain:
     `benchmarks/results/rollout_kv_block.json` (row `ours_paged_flex_block128` is one block per page)."""
     num_pages: int = 1024
-    """Physical pages per layer, page 0 reserved. The pools must fit the device's free memory when the engine is
-    built (else one ConfigError naming this option, with how many pages would fit)."""
+    """Physical pages per layer (sliding-window layers have their own pool, `num_sliding_pages`), page 0 reserved.
+    The pools must fit the device's free memory when the engine is built (else one ConfigError naming this
+    option, with how many pages would fit)."""
+    num_sliding_pages: int | None = None
+    """Physical pages of the sliding-window layers' own pool, page 0 reserved: they keep only the pages their
+    window reads (about window / page_size + 1 per sequence) and reuse the ones behind it. None: enough for
+    `max_batch_size` windows, at most `num_pages`; 0: no own pool (they keep every page, as full layers do).
+    Fewer than one sequence's window needs is one ConfigError naming this option. No effect without sliding
+    layers."""
     max_batch_size: int = 64
     """Most sequences decoded together (slot 0 is extra, reserved)."""
     max_seq_len: int = 2048
@@ -132,6 +143,11 @@ class EngineConfig:
             if not isinstance(value, int) or value < minimum:
                 why = "page 0 is reserved" if name == "num_pages" else "a count"
                 raise ConfigError(f"{option}.{name}", value, f"must be an int >= {minimum} ({why})")
+        if self.num_sliding_pages is not None and (isinstance(self.num_sliding_pages, bool)
+                                                   or not isinstance(self.num_sliding_pages, int)
+                                                   or self.num_sliding_pages < 0 or self.num_sliding_pages == 1):
+            raise ConfigError(f"{option}.num_sliding_pages", self.num_sliding_pages,
+                              "must be None (derived), 0 (no sliding pool) or an int >= 2 (page 0 is reserved)")
         if self.kv_block_size is not None and (isinstance(self.kv_block_size, bool)
                                                or not isinstance(self.kv_block_size, int) or self.kv_block_size < 1
                                                or self.page_size % self.kv_block_size):
@@ -190,6 +206,44 @@ class EngineConfig:
         """The decode masks' KV block in tokens (`kv_block_size`, or its default)."""
         return self.kv_block_size or math.gcd(self.page_size, DEFAULT_KV_BLOCK)
 
+    def sliding_window(self, specs: list[LayerSpec]) -> int | None:
+        """The window the sliding pool keeps (the widest sliding layer's), None when no layer has one."""
+        return max((s.window for s in specs if s.window is not None), default=None)
+
+    def sliding_pages(self, specs: list[LayerSpec], option: str = "engine") -> int:
+        """Pages of the sliding layers' pool for a model of these layers: 0 when it has none (no sliding layer,
+        or `num_sliding_pages=0`). Raise ConfigError naming `num_sliding_pages` when it cannot hold one
+        sequence's window."""
+        window = self.sliding_window(specs)
+        if window is None or self.num_sliding_pages == 0:
+            return 0
+        per_seq = min(window_pages(window, self.page_size, self.decode_block), self.max_seq_len // self.page_size)
+        if self.num_sliding_pages is None:  # every slot's window; more than the full pool could never be used
+            return min(self.num_pages, self.max_batch_size * per_seq + 1)
+        if self.num_sliding_pages < per_seq + 1:
+            raise ConfigError(f"{option}.num_sliding_pages", self.num_sliding_pages,
+                              f"must be >= {per_seq + 1}, or 0 (no sliding pool): one sequence's {window}-token "
+                              f"window spans up to {per_seq} pages of {self.page_size} tokens, plus the reserved "
+                              "page 0")
+        return self.num_sliding_pages
+
+    def pool_bytes(self, specs: list[LayerSpec], dtype: torch.dtype | int, num_pages: int | None = None) -> int:
+        """Bytes of every KV pool (full and sliding) for these layers in `dtype` (or that many bytes per element),
+        at `num_pages` (None: this config's)."""
+        cfg = self if num_pages is None else replace(self, num_pages=num_pages)
+        return pool_bytes(specs, cfg.num_pages, cfg.page_size, dtype, cfg.sliding_pages(specs))
+
+    def pages_that_fit(self, specs: list[LayerSpec], dtype: torch.dtype, room: int) -> int:
+        """The largest `num_pages` (at most this config's) whose pools fit in `room` bytes; 0 if none does."""
+        lo, hi = 0, self.num_pages
+        while lo < hi:  # pool bytes grow with num_pages (the derived sliding pool too)
+            mid = (lo + hi + 1) // 2
+            if mid >= 2 and self.pool_bytes(specs, dtype, mid) <= room:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
 
 def free_device_bytes(device: torch.device) -> int | None:
     """Bytes the allocator can still get on `device` (None off CUDA, where nothing is checked)."""
@@ -199,13 +253,15 @@ def free_device_bytes(device: torch.device) -> int | None:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def check_pool_fits(need: int, num_pages: int, free: int | None, device: torch.device, option: str) -> None:
+def check_pool_fits(cfg: EngineConfig, specs: list[LayerSpec], dtype: torch.dtype, free: int | None,
+                    device: torch.device, option: str) -> None:
     """Raise ConfigError naming `<option>.num_pages` when the KV pools alone exceed the free device memory:
     one clear error before anything is allocated, in place of an out-of-memory error halfway through."""
+    need = cfg.pool_bytes(specs, dtype)
     if free is None or need <= free:
         return
-    fit = int(num_pages * free / need)
-    raise ConfigError(f"{option}.num_pages", num_pages,
+    fit = cfg.pages_that_fit(specs, dtype, free)
+    raise ConfigError(f"{option}.num_pages", cfg.num_pages,
                       f"the KV pools need {need / GIB:.1f} GiB and {free / GIB:.1f} GiB is free on {device}; "
                       f"at most {fit} pages fit (fewer, to leave room for activations): lower it, "
                       "`max_batch_size` or `max_seq_len`")
@@ -239,12 +295,18 @@ class RolloutEngine:
             self.walker.fuse()
             if self.on_cuda:
                 torch.cuda.empty_cache()  # the weights' old blocks: cached, they would hold a second copy's worth
+        self.num_sliding_pages = cfg.sliding_pages(self.walker.specs, option)  # 0: no sliding pool
         self.page_table = PageTable(cfg.num_pages, cfg.page_size, cfg.max_batch_size + 1,
                                     cfg.max_seq_len // cfg.page_size, self.device)
-        check_pool_fits(pool_bytes(self.walker.specs, cfg.num_pages, cfg.page_size, self.dtype), cfg.num_pages,
-                        free_device_bytes(self.device), self.device, option)
+        self.sliding_table = None  # the sliding layers' table; None: they use `page_table` like the full ones
+        if self.num_sliding_pages:
+            self.sliding_table = PageTable(self.num_sliding_pages, cfg.page_size, cfg.max_batch_size + 1,
+                                           cfg.max_seq_len // cfg.page_size, self.device,
+                                           window=cfg.sliding_window(self.walker.specs), kv_block=cfg.decode_block)
+        self.pages = PagePools(self.page_table, self.sliding_table)
+        check_pool_fits(cfg, self.walker.specs, self.dtype, free_device_bytes(self.device), self.device, option)
         self.cache = PagedKVCache(self.walker.specs, cfg.num_pages, cfg.page_size, self.dtype, self.device,
-                                  cfg.fuse_kv_write)
+                                  cfg.fuse_kv_write, self.num_sliding_pages)
         self.logical = {w: logical_block_mask(cfg.max_seq_len, cfg.decode_block, w, self.device)
                         for w in self.walker.windows}
         self.flex, self.attention_path = flex_attention, "flex_eager"
@@ -266,7 +328,8 @@ class RolloutEngine:
         # Each row's newest token, by slot: decode reads its input here on the device (slot 0: padding).
         self.last_token = torch.zeros(cfg.max_batch_size + 1, dtype=torch.long, device=self.device)
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "graph_replays": 0, "eager_decodes": 0,
-                      "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0, "syncs": 0, "capture_s": 0.0}
+                      "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0, "syncs": 0, "capture_s": 0.0,
+                      **self.pages.stats()}
 
     @property
     def kv_write_path(self) -> str:
@@ -299,13 +362,14 @@ class RolloutEngine:
         if generator is not None and self.on_cuda and self.config.cuda_graphs:
             raise ValueError("a custom `generator` cannot drive captured CUDA graphs; seed torch.cuda instead")
         cfg = self.config
-        self.page_table.restart()
-        sched = Scheduler(self.page_table, cfg.max_batch_size, cfg.max_prefill_tokens, self.eos_token_ids)
+        self.pages.restart()
+        sched = Scheduler(self.pages, cfg.max_batch_size, cfg.max_prefill_tokens, self.eos_token_ids)
         for i, p in enumerate(prompts):
             sched.add(Sequence(i, list(p), sampling.max_new_tokens))
         with self.walker.paged_attention():
             self._run(sched, sampling, generator)
         self.stats["preemptions"] += sched.num_preemptions
+        self.stats.update(self.pages.stats())
         return sorted(sched.finished, key=lambda s: s.seq_id)
 
     def _run(self, sched: Scheduler, sampling: SamplingParams, generator) -> None:
@@ -363,8 +427,9 @@ class RolloutEngine:
         last = torch.tensor(lens).cumsum(0) - 1
         seq_slots = torch.tensor([s.slot for s in seqs])
         ids, pos, doc, slots, last, seq_slots = (self._to_device(t) for t in (ids, pos, doc, slots, last, seq_slots))
-        self.page_table.flush()
-        self.cache.begin(self.page_table.physical_index(slots, pos), decode=False)
+        self.pages.flush()
+        index, sliding_index = self._write_index(slots, pos)
+        self.cache.begin(index, decode=False, sliding_index=sliding_index)
         ctx = StepContext({w: prefill_block_mask(doc, pos, w) for w in self.walker.windows}, decode=False,
                           flex=self.flex)
         logits = self.walker.logits(ids[None], pos[None], ctx, self.cache, logits_index=last)
@@ -381,17 +446,29 @@ class RolloutEngine:
         The input token comes from `last_token[slot]` and the sampled one goes back there, so the
         host never has to see a token before the next step can run.
         """
-        pt = self.page_table
         ids = self.last_token[slots]  # (B,)
-        self.cache.begin(pt.physical_index(slots, pos), decode=True)
+        index, sliding_index = self._write_index(slots, pos)
+        self.cache.begin(index, decode=True, sliding_index=sliding_index)
         block = self.config.decode_block
-        masks = {w: decode_block_mask(self.logical[w], pt.table, pt.owner, slots, pos, pt.page_size, block, w)
-                 for w in self.walker.windows}
+        masks = {}
+        for w in self.walker.windows:
+            pt = self._table_of(w)
+            masks[w] = decode_block_mask(self.logical[w], pt.table, pt.owner, slots, pos, pt.page_size, block, w)
         ctx = StepContext(masks, decode=True, flex=self.flex, kv_block=block)
         logits = self.walker.logits(ids[:, None], pos[:, None], ctx, self.cache)  # (B, V)
         tokens, logprobs = sample(logits, sampling, generator)
         self.last_token.index_copy_(0, slots, tokens)  # padded rows all write slot 0, which nobody reads
         return tokens, logprobs
+
+    def _table_of(self, window: int | None) -> PageTable:
+        """The page table a layer of this window reads: the sliding one for windowed layers, when there is one."""
+        return self.page_table if window is None or self.sliding_table is None else self.sliding_table
+
+    def _write_index(self, slots: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flat pool indices of (slot, position) in the full pools and in the sliding ones (None: no sliding pool).
+        A token whose sliding page was released (out of the window already) is written to page 0."""
+        sliding = None if self.sliding_table is None else self.sliding_table.physical_index(slots, pos)
+        return self.page_table.physical_index(slots, pos), sliding
 
     def _decode(self, seqs: list[Sequence], sampling: SamplingParams, generator) -> _Readback:
         n = len(seqs)
@@ -401,7 +478,7 @@ class RolloutEngine:
         host[1, :n] = torch.tensor([s.slot for s in seqs])
         for s in seqs:
             s.num_pending += 1
-        self.page_table.flush()
+        self.pages.flush()
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += n
         if self.on_cuda and self.config.cuda_graphs:

@@ -4,7 +4,8 @@ Owns the estimate only: the policy's weights, the rollout engine's own weights (
 Callback's default: the engine reads the policy's frozen base in place, so it owns only the LoRA A and B
 buffers, with each fused group's B laid out block-diagonally; `weights="merged"`: a second full model with
 W0 + s*B@A written in, `shared_weights.py`), the LoRA optimizer state (fp32 adapters, gradients and two AdamW
-moments), the paged KV pool, and a rough bound for one training step's activations. Parameters and KV
+moments), the paged KV pools (the full layers' grows with `num_pages`; the sliding layers' own pool is
+sized by their window, `EngineConfig.sliding_pages`), and a rough bound for one training step's activations. Parameters and KV
 specs come from the model built on the meta device (no memory, exact shapes); the activation terms
 are per-token rules of thumb whose coefficients `tests/rollout/test_memory.py` checks by counting the
 tensors autograd saves. It does not measure a run; `benchmarks/results/` holds measured peaks.
@@ -98,6 +99,14 @@ def kv_bytes_per_token(model: nn.Module, dtype_bytes: int) -> int:
     return token_bytes(DecoderWalker(model).specs, dtype_bytes)
 
 
+def kv_pool_bytes(model: nn.Module, engine: EngineConfig, dtype_bytes: int) -> int:
+    """Bytes of the engine's KV pools for this model (what `PagedKVCache` allocates): `num_pages` pages in the
+    full layers, the sliding pool's pages (a few windows' worth, not the sequences' length) in the sliding ones."""
+    from lightning_ffpa.rollout.walker import DecoderWalker
+
+    return engine.pool_bytes(DecoderWalker(model).specs, dtype_bytes)
+
+
 def estimate(preset: str = "gemma4-31b", num_hidden_layers: int | None = None, lora_r: int = 16,
              weight_bytes: int = 2, inference_bytes: int = 2, engine: EngineConfig | None = None,
              train_tokens: int = 0, kl: bool = True, weights: str = "shared") -> GRPOMemory:
@@ -109,7 +118,8 @@ def estimate(preset: str = "gemma4-31b", num_hidden_layers: int | None = None, l
         lora_r: LoRA rank on every projection (0 = full fine-tune, not estimated here: its optimizer is the model).
         weight_bytes: Bytes per policy weight (2 = bf16).
         inference_bytes: Bytes per engine weight (adapter buffers, or the merged copy) and KV element (2 = bf16).
-        engine: The rollout engine's page pool (`num_pages * page_size` tokens are allocated up front).
+        engine: The rollout engine's page pools (allocated up front: `num_pages * page_size` tokens in the full
+            layers, the sliding pool's `EngineConfig.sliding_pages` pages in the sliding ones).
         train_tokens: Tokens in one GRPO training batch (prompts x num_generations x (prompt + completion)).
         kl: Whether the KL reference pass (beta > 0) runs in the training step.
         weights: `RolloutCallback.weights`: "shared" (the engine owns the adapter buffers) or "merged" (a full copy).
@@ -129,7 +139,7 @@ def estimate(preset: str = "gemma4-31b", num_hidden_layers: int | None = None, l
         policy=params * weight_bytes + adapters * 4,
         engine_weights=(params if weights == "merged" else shared_adapter_params(model, lora_r)) * inference_bytes,
         lora_optimizer=adapters * 4 * 3,  # gradient + AdamW exp_avg + exp_avg_sq, fp32
-        kv_pool=engine.num_pages * engine.page_size * kv_bytes_per_token(model, inference_bytes),
+        kv_pool=kv_pool_bytes(model, engine, inference_bytes),
         activations=train_tokens * cfg.num_hidden_layers * cfg.hidden_size * ACTIVATION_BYTES_PER_HIDDEN,
         logits=train_tokens * cfg.vocab_size * logits_per_token,
     )

@@ -2,8 +2,10 @@
 preemption when decode runs out of pages.
 
 Owns sequence state and the choice of what runs next (a packed prefill, one decode step, or a sync).
-It never touches tensors; pages and slots come from the `PageTable`. A preempted sequence gives back
-all its pages and later re-enters as a prefill of prompt + generated tokens (recompute, no KV swapping).
+It never touches tensors; pages and slots come from the `PagePools` (the full layers' page table, and the
+sliding layers' one when the engine recycles their pages), and a sequence runs only while both have room.
+A preempted sequence gives back all its pages and later re-enters as a prefill of prompt + generated
+tokens (recompute, no KV swapping).
 
 Decode may run ahead of the host: the engine issues a step before it has read the previous step's
 tokens (`Sequence.num_pending` counts tokens issued but not read back). Positions and pages follow the
@@ -17,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from lightning_ffpa.rollout.page_pools import PagePools
 from lightning_ffpa.rollout.page_table import PageTable
 
 
@@ -59,13 +62,14 @@ class Sequence:
 class Scheduler:
     """FIFO admission under slot, page and prefill-token budgets; newest-first preemption."""
 
-    def __init__(self, page_table: PageTable, max_batch_size: int, max_prefill_tokens: int,
+    def __init__(self, pages: PagePools | PageTable, max_batch_size: int, max_prefill_tokens: int,
                  eos_token_ids: set[int] | None = None) -> None:
-        self.page_table = page_table
+        """`pages`: the engine's pools, or one page table serving every layer."""
+        self.pages = pages if isinstance(pages, PagePools) else PagePools(pages)
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = set(eos_token_ids or ())
-        self.max_seq_len = page_table.max_blocks_per_slot * page_table.page_size
+        self.max_seq_len = self.pages.max_blocks_per_slot * self.pages.page_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finished: list[Sequence] = []
@@ -75,7 +79,7 @@ class Scheduler:
         """Queue a request; rejects prompts that can never fit."""
         if len(seq.prompt) + 1 > self.max_seq_len:
             raise ValueError(f"prompt of {len(seq.prompt)} tokens does not fit `max_seq_len={self.max_seq_len}`")
-        if self.page_table.num_pages_for(len(seq.prompt) + 1) > self.page_table.num_pages - 1:
+        if not self.pages.fits_alone(len(seq.prompt) + 1):
             raise ValueError(f"prompt of {len(seq.prompt)} tokens needs more than `num_pages` holds")
         self.waiting.append(seq)
 
@@ -96,70 +100,56 @@ class Scheduler:
             return "prefill", admitted
         if not self.running:
             raise RuntimeError("nothing runs and nothing can be admitted: the KV pool is too small")
-        pt = self.page_table
         rows = [seq for seq in self.running if seq.can_issue(self.max_seq_len)]
         if not rows:
             return "sync", []  # every running sequence is waiting for its last tokens to come back
-        if not self._fits(rows):
+        if not self.pages.can_reserve_all(_growth(rows)):
             if pending:
                 return "sync", []  # preemption recomputes from host tokens: read them back first
             self._preempt_for(rows)
             rows = [seq for seq in self.running if seq.can_issue(self.max_seq_len)]
-        for seq in rows:
-            pt.reserve(seq.slot, seq.num_issued_tokens)
+        self.pages.reserve_all(_growth(rows))
         if not rows:
             raise RuntimeError("every running sequence was preempted: the KV pool is too small")
         return "decode", rows
 
-    def _fits(self, rows: list[Sequence]) -> bool:
-        """Whether every row can grow to hold its next token at once."""
-        pt = self.page_table
-        need = [pt.num_pages_for(seq.num_issued_tokens) for seq in rows]
-        if max(need) > pt.max_blocks_per_slot:
-            return False
-        return sum(n - pt.num_pages_of(seq.slot) for n, seq in zip(need, rows)) <= pt.num_free_pages
-
     def _can_admit(self) -> bool:
-        seq = self.waiting[0]
-        return (len(self.running) < self.max_batch_size and self.page_table.num_free_slots > 0
-                and self.page_table.can_reserve(None, seq.num_tokens + 1))
+        return len(self.running) < self.max_batch_size and self.pages.can_admit(self.waiting[0].num_tokens)
 
     def _admit(self) -> list[Sequence]:
         """FIFO admission under the slot, page and prefill-token budgets."""
         admitted: list[Sequence] = []
         budget = self.max_prefill_tokens
-        pt = self.page_table
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size and pt.num_free_slots:
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
             n = seq.num_tokens
             if admitted and n > budget:
                 break
-            if not pt.can_reserve(None, n + 1):  # room for the prompt and the first decode write
+            if not self.pages.can_admit(n):  # a slot, and room for the prompt and the first decode write
                 break
             self.waiting.popleft()
-            seq.slot = pt.allocate_slot()
-            pt.reserve(seq.slot, n)
+            seq.slot = self.pages.admit(n)
             admitted.append(seq)
             budget -= n
         return admitted
 
     def _preempt_for(self, rows: list[Sequence]) -> None:
         """Oldest first; the newest are preempted until every older row can grow by its next token."""
-        pt = self.page_table
+        self.pages.release_all(_growth(rows))  # what left a window is free before anyone is preempted
         for seq in rows:
             if seq.slot is None:
                 continue
-            while not pt.can_reserve(seq.slot, seq.num_tokens):
+            while not self.pages.can_reserve(seq.slot, seq.num_tokens):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
             if seq.slot is not None:
-                pt.reserve(seq.slot, seq.num_tokens)
+                self.pages.reserve(seq.slot, seq.num_tokens)
 
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s slot and pages; it re-enters first in line and is recomputed by prefill."""
-        self.page_table.erase(seq.slot)
+        self.pages.erase(seq.slot)
         seq.slot = None
         self.running.remove(seq)
         self.waiting.appendleft(seq)
@@ -184,7 +174,12 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
-        self.page_table.erase(seq.slot)
+        self.pages.erase(seq.slot)
         seq.slot = None
         self.running.remove(seq)
         self.finished.append(seq)
+
+
+def _growth(rows: list[Sequence]) -> list[tuple[int, int]]:
+    """(slot, positions after the step) of every row of a decode step."""
+    return [(seq.slot, seq.num_issued_tokens) for seq in rows]

@@ -138,6 +138,12 @@ CASES = [
     ("reward function import path that does not resolve",
      {"callbacks": [{"class_path": "lightning_ffpa.callbacks.rollout.RolloutCallback",
                      "init_args": {"reward_funcs": ["no_such_module.reward"]}}]}, [], None, P("reward_funcs")),
+    ("sliding KV page pool smaller than one window",  # tiny: a 16-token window spans 3 pages of 8, plus page 0
+     {"callbacks": [{"class_path": "lightning_ffpa.callbacks.rollout.RolloutCallback",
+                     "init_args": {"reward_funcs": ["lightning_ffpa.rl.rewards.length_reward"],
+                                   "sampling": {"max_new_tokens": 8},
+                                   "engine": {"page_size": 8, "max_seq_len": 64, "num_sliding_pages": 3}}}]},
+     [], None, R("RolloutCallback.engine.num_sliding_pages=3")),
 ]
 
 

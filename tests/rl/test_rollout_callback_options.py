@@ -167,17 +167,18 @@ def test_kv_pool_larger_than_free_memory_is_one_error_naming_num_pages(monkeypat
 
     from lightning_ffpa.presets import build_text_config
     from lightning_ffpa.rollout import engine as engine_mod
-    from lightning_ffpa.rollout.kv_cache import pool_bytes
-
     torch.manual_seed(0)
     model = transformers.Gemma4ForCausalLM(build_text_config("tiny"))
     ok = engine_mod.RolloutEngine(model, EngineConfig(**SMALL))
     allocated = sum(t.numel() * t.element_size() for pools in (ok.cache.k, ok.cache.v) for t in pools.values())
-    need = pool_bytes(ok.walker.specs, SMALL["num_pages"], SMALL["page_size"], ok.dtype)
-    assert need == allocated
+    need = ok.config.pool_bytes(ok.walker.specs, ok.dtype)  # full layers' pools and the sliding layers' own
+    assert need == allocated and ok.num_sliding_pages == 13  # 4 slots' 16-token windows: 3 pages of 8 each
     monkeypatch.setattr(engine_mod, "free_device_bytes", lambda device: need // 2)
-    with pytest.raises(ConfigError, match=r"^`engine.num_pages=16`: the KV pools need .* at most 8 pages fit"):
+    with pytest.raises(ConfigError, match=r"^`engine.num_pages=16`: the KV pools need .* at most 7 pages fit"):
         engine_mod.RolloutEngine(model, EngineConfig(**SMALL))
+    engine_mod.RolloutEngine(model, EngineConfig(**{**SMALL, "num_pages": 7}))  # the advice holds...
+    with pytest.raises(ConfigError, match=r"at most 7 pages fit"):
+        engine_mod.RolloutEngine(model, EngineConfig(**{**SMALL, "num_pages": 8}))  # ...and is the most that fits
     monkeypatch.setattr(engine_mod, "free_device_bytes", lambda device: need)
     engine_mod.RolloutEngine(model, EngineConfig(**SMALL))  # exactly enough is allowed
 

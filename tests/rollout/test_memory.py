@@ -1,6 +1,8 @@
 """The GRPO memory arithmetic against known sizes: parameter counts derived by hand from the 31B shapes, real
 models, peft's adapters, the KV pool the engine allocates, and the bytes autograd saves per layer."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import transformers
@@ -40,7 +42,30 @@ def test_full_depth_31b_policy_and_merged_copy_alone_fill_an_h200_and_shared_wei
     full = (32 * H + (32 + 4) * 512 * 32) + (32 * H + 2 * INTER * 32) + 16 * (32 * 512 + H) + 16 * (INTER + H)
     assert shared.engine_weights == 2 * (50 * sliding + 10 * full)
     assert shared.engine_weights < 0.5 * memory.GIB and shared.policy + shared.engine_weights < 58 * memory.GIB
-    assert est.kv_pool == 1024 * 128 * 2 * (50 * KV_SLIDING + 10 * KV_FULL)  # the old recipe's pool: ~110 GiB
+    # 64 slots' windows of 1024 tokens span 9 pages each: the sliding layers' pool is 577 pages, not 1024
+    assert est.kv_pool == 128 * 2 * (577 * 50 * KV_SLIDING + 1024 * 10 * KV_FULL)
+
+
+def test_31b_sliding_pool_is_sized_by_the_window_not_the_length():
+    """16 sequences of 4.5k tokens at the 31B shapes: the pages the sliding layers would keep without recycling
+    (every page, like the full layers: ~62 GiB) against their windows (~20 GiB in all)."""
+    engine = EngineConfig(page_size=128, num_pages=16 * 36 + 1, max_batch_size=16, max_seq_len=36 * 128)
+    est = memory.estimate("gemma4-31b", lora_r=16, engine=engine)
+    kept = memory.estimate("gemma4-31b", lora_r=16, engine=replace(engine, num_sliding_pages=0))
+    assert kept.kv_pool == 577 * 128 * 2 * (50 * KV_SLIDING + 10 * KV_FULL)
+    assert est.kv_pool == 128 * 2 * ((16 * 9 + 1) * 50 * KV_SLIDING + 577 * 10 * KV_FULL)
+    assert 61 < kept.kv_pool / memory.GIB < 63 and 19 < est.kv_pool / memory.GIB < 21
+
+
+def test_kv_pool_estimate_is_what_the_engine_allocates_with_a_sliding_pool():
+    from lightning_ffpa.rollout.engine import RolloutEngine
+
+    engine = EngineConfig(page_size=8, num_pages=32, max_batch_size=2, max_seq_len=128, attention="dense")
+    torch.manual_seed(0)
+    eng = RolloutEngine(transformers.Gemma4ForCausalLM(build_text_config("tiny")), engine)
+    assert 0 < eng.num_sliding_pages < engine.num_pages  # two 16-token windows: 2 * 3 pages of 8, plus page 0
+    allocated = sum(t.numel() * t.element_size() for t in (*eng.cache.k.values(), *eng.cache.v.values()))
+    assert memory.estimate("tiny", lora_r=4, inference_bytes=4, engine=engine).kv_pool == allocated
 
 
 def test_tiny_against_real_model_peft_and_kv_cache():

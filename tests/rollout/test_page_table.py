@@ -68,3 +68,68 @@ def test_physical_index_and_errors():
         pt.reserve(s, 13)
     with pytest.raises(ValueError, match="num_pages"):
         PageTable(num_pages=1, page_size=4, num_slots=2, max_blocks_per_slot=3)
+
+
+def _read_back(window, page_size, kv_block, position):
+    """Pages the decode mask of a query at `position` lists: its KV block's queries read back `window - 1` tokens."""
+    first = max(0, position // kv_block * kv_block - window + 1)
+    return set(range(first // page_size, position // page_size + 1))
+
+
+@pytest.mark.parametrize("window, page_size, kv_block", [(16, 4, 4), (16, 4, 2), (6, 4, 4), (10, 4, 1), (20, 8, 8),
+                                                         (5, 16, 16), (1024, 128, 64)])
+def test_windowed_table_holds_every_page_a_query_reads_and_at_most_window_pages(window, page_size, kv_block):
+    """One sequence grows a token at a time to ten windows: each step it holds every page its query block reads
+    (a released one would be read as page 0), never more than `window_pages`, and the rest went back."""
+    from lightning_ffpa.rollout.page_table import window_pages
+
+    length = 10 * window + 3 * page_size
+    blocks = -(-length // page_size)
+    pt = PageTable(num_pages=blocks + 1, page_size=page_size, num_slots=2, max_blocks_per_slot=blocks,
+                   window=window, kv_block=kv_block)
+    slot = pt.allocate_slot()
+    peak = 0
+    for n in range(1, length + 1):
+        pt.reserve(slot, n)
+        first = pt.first_block_of(slot)
+        held = set(range(first, first + pt.num_pages_of(slot)))
+        assert _read_back(window, page_size, kv_block, n - 1) <= held, n
+        peak = max(peak, len(held))
+    assert peak == window_pages(window, page_size, kv_block) == pt.peak_pages_per_slot
+    assert pt.num_recycled == blocks - pt.num_pages_of(slot)
+    pt.flush()
+    pt.check_invariants()
+
+
+def test_windowed_random_walk_keeps_invariants_and_reuses_released_pages():
+    pt = PageTable(num_pages=12, page_size=4, num_slots=4, max_blocks_per_slot=30, window=8, kv_block=4)
+    rng = random.Random(1)
+    live: dict[int, int] = {}
+    for _ in range(400):
+        if live and (rng.random() < 0.1 or not pt.num_free_slots):
+            slot = rng.choice(sorted(live))
+            pt.erase(slot)
+            del live[slot]
+        elif pt.num_free_slots and rng.random() < 0.3:
+            slot = pt.allocate_slot()
+            live[slot] = 0
+            want = rng.randint(1, 40)  # a prompt: longer ones start past their first pages
+            if pt.can_reserve(slot, want):
+                pt.reserve(slot, want)
+                live[slot] = want
+        elif live:
+            slot = rng.choice(sorted(live))
+            want = min(live[slot] + rng.randint(1, 3), 120)
+            if pt.can_reserve(slot, want):
+                before = pt.num_free_pages
+                assert pt.num_new_pages(slot, want) == before - (pt.reserve(slot, want) or pt.num_free_pages)
+                live[slot] = want
+        if rng.random() < 0.5:
+            pt.flush()
+            pt.check_invariants()
+    assert pt.num_recycled > pt.num_pages  # pages went round the pool more than once
+    for slot in list(live):
+        pt.erase(slot)
+    pt.flush()
+    pt.check_invariants()
+    assert pt.num_free_pages == 11 and pt.num_free_slots == 3

@@ -12,6 +12,10 @@ The checkpoint is verified first (every record's CRC for a `.ckpt`, shard sizes 
 `--config` folder must describe the checkpoint's tensors (same names and shapes). Bad input exits with
 code 2 and one line (`lightning_ffpa.errors.console_entry`); `--merge-lora`-style spellings also work.
 
+A LoRA checkpoint saved without its frozen base (`model.save_frozen_weights: false`) gets the base rebuilt as a
+resume rebuilds it (`rebuilt_base`: from `pretrained`, or the preset under the fit's seed; held in memory), refused
+in one line unless its digest is the checkpoint's.
+
 The result loads with `Gemma4ForCausalLM.from_pretrained(OUT)` (`Gemma4ForConditionalGeneration` for a
 `model_class: conditional_generation` run; `AutoModelForCausalLM` for either); a LoRA run also writes `OUT/adapter`
 (`PeftModel.from_pretrained(base, OUT/adapter)`) unless `--merge_lora`.
@@ -37,7 +41,7 @@ from safetensors.torch import save_file
 
 from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa._compat.transformers import text_config
-from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY
+from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base, under_fit_seed
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.dtypes import choices as dtype_choices
 from lightning_ffpa.errors import CheckpointError, ConfigError, console_entry
@@ -75,16 +79,29 @@ class _Source:
             self._state = self.meta["state_dict"]  # memory-mapped: tensors are read when touched
             self.specs = {k: (tuple(v.shape), v.dtype) for k, v in self._state.items() if torch.is_tensor(v)}
 
+        self._added: dict[str, torch.Tensor] = {}
+
     @property
     def hparams(self) -> dict[str, Any]:
         return dict(self.meta.get("hyper_parameters") or {})
 
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve `tensors` (the rebuilt frozen base) beside the checkpoint's own, which they must not overlap."""
+        overlap = sorted(tensors.keys() & self.specs.keys())
+        if overlap:
+            raise CheckpointError(f"`ckpt={str(self.path)!r}` holds `{overlap[0]}`, a frozen weight it records as "
+                                  "left out (`model.save_frozen_weights=false`); the checkpoint is inconsistent")
+        self._added.update(tensors)
+        self.specs.update({k: (tuple(v.shape), v.dtype) for k, v in tensors.items()})
+
     def load(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        out = {k: self._added[k] for k in keys if k in self._added}
+        keys = [k for k in keys if k not in self._added]
         if not self.path.is_dir():
-            return {k: self._state[k] for k in keys}
-        loaded = torch_compat.load_dcp_keys(str(self.path), {self._dcp_keys[k] for k in keys})
+            return {**out, **{k: self._state[k] for k in keys}}
+        loaded = torch_compat.load_dcp_keys(str(self.path), {self._dcp_keys[k] for k in keys}) if keys else {}
         flat = dict(_flatten(loaded))
-        return {k: flat[self._dcp_keys[k]] for k in keys}
+        return {**out, **{k: flat[self._dcp_keys[k]] for k in keys}}
 
 
 def _flatten(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -130,12 +147,8 @@ def module_class_path(meta: dict[str, Any]) -> str:
     return fits[0]
 
 
-def model_config(meta: dict[str, Any], config_dir: str | None = None):
-    """The HF config of the checkpoint's model: from `config_dir`, or rebuilt by the checkpoint's module class."""
-    if config_dir is not None:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(config_dir)
+def build_module(meta: dict[str, Any]):
+    """The checkpoint's module class built from its hyper-parameters: its HF config, no weights yet."""
     from lightning_ffpa.hf_module import HFModule
 
     kwargs = {k: v for k, v in (meta.get("hyper_parameters") or {}).items() if not k.startswith("_")}
@@ -150,7 +163,37 @@ def model_config(meta: dict[str, Any], config_dir: str | None = None):
     if not (isinstance(cls, type) and issubclass(cls, HFModule)):
         raise CheckpointError(f"the checkpoint's module class {path!r} does not build its model from the shared "
                               "model options (not an HFModule); pass `--config DIR` (an HF config folder)")
-    return cls(**kwargs).config  # reads the config only; builds no weights
+    return cls(**kwargs)
+
+
+def model_config(meta: dict[str, Any], config_dir: str | None = None):
+    """The HF config of the checkpoint's model: from `config_dir`, or rebuilt by the checkpoint's module class."""
+    if config_dir is not None:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(config_dir)
+    return build_module(meta).config  # reads the config only; builds no weights
+
+
+def rebuilt_base(meta: dict[str, Any], ckpt: str | Path) -> dict[str, torch.Tensor]:
+    """The frozen base a checkpoint saved with `model.save_frozen_weights: false` was trained over, by Lightning
+    name: rebuilt as a resume rebuilds it (the checkpoint's module class from its hyper-parameters, then
+    `configure_model`, under the fit's seed) and refused in one line unless its digest is the checkpoint's."""
+    record = meta[FROZEN_BASE_KEY]
+    hparams = meta.get("hyper_parameters") or {}
+    if hparams.get("pretrained") is not None:
+        rebuilt = f"the one export loaded from `model.pretrained={hparams['pretrained']!r}`"
+        fix = "restore the weights the fit read there, or export a checkpoint saved with the base"
+    else:
+        rebuilt = (f"the one export drew from `model.preset={hparams.get('preset')!r}` under the fit's "
+                   f"`seed_everything={record.get('seed')}`")
+        fix = ("export draws it on CPU, and a fit on GPU drew another; export a checkpoint saved with the base "
+               "(`model.save_frozen_weights: true`)")
+    with under_fit_seed(record):
+        module = build_module(meta)
+        module.configure_model()  # the whole model on CPU, as a single-device resume builds it
+        check_frozen_base(record, module, ckpt, "ckpt", rebuilt=rebuilt, fix=fix)
+    return module.frozen_base_state(record)
 
 
 @dataclass
@@ -262,9 +305,6 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
         raise ConfigError("--config", config_dir, "is not a folder with a config.json (an HF config folder)")
     _split({}, max_shard_size, "--max_shard_size")
     source = _Source(Path(ckpt))
-    if source.meta.get(FROZEN_BASE_KEY) is not None:  # the base is not in it, and export does not rebuild one
-        raise ConfigError("ckpt", str(ckpt), "was saved with `model.save_frozen_weights=false`: it holds the trained "
-                          "weights (the LoRA adapters), not the frozen base; export a checkpoint saved with it true")
     hparams = source.hparams
     config = model_config(source.meta, config_dir)
     text = text_config(config)
@@ -272,6 +312,8 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     tied = bool(getattr(text, "tie_word_embeddings", False))
     if merge_lora and not lora:
         raise ConfigError("--merge_lora", True, "the checkpoint was not trained with `model.lora`")
+    if source.meta.get(FROZEN_BASE_KEY) is not None:  # an adapter-only checkpoint: the base is rebuilt, checked
+        source.add(rebuilt_base(source.meta, ckpt))
     plan = _plan(sorted(source.specs), tied=tied, merge=merge_lora)
     if plan.untie:
         tied = text.tie_word_embeddings = config.tie_word_embeddings = False

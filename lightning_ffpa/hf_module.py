@@ -378,9 +378,14 @@ class HFModule(L.LightningModule):
         check_frozen_base(saved, self, getattr(self._trainer, "ckpt_path", None))
         # The base's own tensors fill the keys left out: the load copies them onto themselves, and a missing
         # trained weight is still a missing key to the strict load that follows.
-        for key, value in self.state_dict().items():
-            if key not in state and without_wrapper_levels(key) in saved["tensors"]:
-                state[key] = value
+        for key, value in self.frozen_base_state(saved).items():
+            state.setdefault(key, value)
+
+    def frozen_base_state(self, record: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """This module's state-dict entries of the frozen base a checkpoint's `record` digests (what a checkpoint
+        saved with `save_frozen_weights: false` leaves out): filled in by a resume, and by the export."""
+        return {key: value for key, value in self.state_dict().items()
+                if without_wrapper_levels(key) in record["tensors"]}
 
 
 def check_options_match_checkpoint(given: Any, saved: dict[str, Any] | None, ckpt_path: str, switch: str) -> None:

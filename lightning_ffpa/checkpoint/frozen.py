@@ -4,11 +4,12 @@ proves it rebuilt the same base.
 Owns: the names of a module's frozen weights (parameters with `requires_grad=False`, named as state dicts
 name them, without `parallelize`'s wrapper levels), their digest, the record a checkpoint saved without them
 carries (`checkpoint[FROZEN_BASE_KEY]`: the run's seed and name -> digest), reading that record from a `.ckpt`
-file or a DCP folder, and the checks a resume makes: the seed of a `preset` base before any model is built, the
-digest against the base it rebuilt. Does not own building the base (`HFModule`
-rebuilds it from `pretrained`, or from `preset` under the run's seed), leaving the weights out of the state
-dict (`HFModule.on_save_checkpoint`, `FSDP2Strategy.lightning_module_state_dict`) or loading the trained
-weights over the base (Lightning, and `_compat.lightning.module_keys_with_wrappers` under FSDP2Strategy).
+file or a DCP folder, and the checks a resume (or an export) makes: the seed of a `preset` base before any model is
+built, the digest against the base it rebuilt; seeding as the fit did outside a run (`under_fit_seed`, for export).
+Does not own building the base (`HFModule` rebuilds it from `pretrained`, or from `preset` under the run's seed),
+leaving the weights out of the state dict (`HFModule.on_save_checkpoint`, `FSDP2Strategy.lightning_module_state_dict`)
+or loading the trained weights over the base (Lightning, and `_compat.lightning.module_keys_with_wrappers` under
+FSDP2Strategy; `lightning_ffpa.export` for an export).
 
 The digest of a tensor is its shape, dtype, and the sum and the sum of squares of its bits read as 16-bit
 integers, summed in int64: integer sums do not depend on the order they are taken in, so a tensor sharded
@@ -19,7 +20,9 @@ a permutation of the same values would not (a rebuild that permutes a base is no
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +34,7 @@ from lightning_ffpa._compat.torch import without_wrapper_levels
 from lightning_ffpa.errors import ConfigError
 
 __all__ = ["FROZEN_BASE_KEY", "OPTION", "check_frozen_base", "check_frozen_seed", "fingerprint", "frozen_names",
-           "frozen_record", "read_frozen_record"]
+           "frozen_record", "read_frozen_record", "under_fit_seed"]
 
 # top-level checkpoint key: {"seed": seed_everything's seed or None, "tensors": {name: [shape, dtype, word sum,
 # squared word sum]}}
@@ -105,6 +108,34 @@ def _run_seed() -> int | None:
     return int(seed) if seed is not None else None
 
 
+@contextlib.contextmanager
+def under_fit_seed(record: dict[str, Any]) -> Iterator[None]:
+    """Seed as the fit's `seed_everything` did (the record's seed; nothing if it ran unseeded), for rebuilding its
+    base outside a run (export): a resume gets the seed from the CLI. RNG states and the seed variables are restored
+    after."""
+    import random
+
+    import lightning as L
+    import numpy as np
+
+    seed = record.get("seed")
+    env = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            if seed is not None:
+                L.seed_everything(seed, verbose=False)
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
+            for key, value in env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
 def frozen_record(module: nn.Module) -> dict[str, Any]:
     """What a checkpoint saved without the frozen base carries: the run's seed and the base's digest."""
     return {"seed": _run_seed(), "tensors": fingerprint(module)}
@@ -124,10 +155,14 @@ def read_frozen_record(path: str | os.PathLike, weights_only: bool | None = None
     return state.get(FROZEN_BASE_KEY) if isinstance(state, dict) else None
 
 
-def _refuse(ckpt_path: Any, why: str) -> ConfigError:
-    return ConfigError("ckpt_path", str(ckpt_path), f"was saved with `{OPTION}=false` (without the frozen base) "
-                       f"over another base than the one this run builds: {why}; rebuild the fit's base (the same "
-                       "`model.pretrained`, or `model.preset` and `config_overrides` under the fit's `seed_everything`)")
+_RESUME_FIX = ("rebuild the fit's base (the same `model.pretrained`, or `model.preset` and `config_overrides` under "
+               "the fit's `seed_everything`)")
+
+
+def _refuse(ckpt_path: Any, why: str, option: str = "ckpt_path", rebuilt: str = "the one this run builds",
+            fix: str = _RESUME_FIX) -> ConfigError:
+    return ConfigError(option, str(ckpt_path), f"was saved with `{OPTION}=false` (without the frozen base) "
+                       f"over another base than {rebuilt}: {why}; {fix}")
 
 
 def check_frozen_seed(record: dict[str, Any] | None, hparams: dict[str, Any], ckpt_path: Any) -> None:
@@ -139,9 +174,11 @@ def check_frozen_seed(record: dict[str, Any] | None, hparams: dict[str, Any], ck
                                  f"this run's under {_run_seed()}")
 
 
-def check_frozen_base(record: dict[str, Any], module: nn.Module, ckpt_path: Any) -> None:
-    """Refuse (ConfigError naming `ckpt_path` and the option) a resume whose rebuilt frozen base is not the one
-    the checkpoint `ckpt_path` was saved over. Collective where the base is sharded."""
+def check_frozen_base(record: dict[str, Any], module: nn.Module, ckpt_path: Any, option: str = "ckpt_path",
+                      **wording: str) -> None:
+    """Refuse (ConfigError naming `option`=`ckpt_path` and `save_frozen_weights`) a resume whose rebuilt frozen base
+    is not the one the checkpoint `ckpt_path` was saved over. Collective where the base is sharded. `wording`
+    (`rebuilt`, `fix`) says what rebuilt the base and how to repair it, for callers other than a resume (export)."""
     saved, current = record["tensors"], fingerprint(module)
     why = None
     if set(saved) != set(current):
@@ -158,4 +195,4 @@ def check_frozen_base(record: dict[str, Any], module: nn.Module, ckpt_path: Any)
     if why is not None:
         if record.get("seed") != _run_seed():
             why += f" (the fit ran under `seed_everything={record.get('seed')}`, this run under {_run_seed()})"
-        raise _refuse(ckpt_path, why)
+        raise _refuse(ckpt_path, why, option, **wording)

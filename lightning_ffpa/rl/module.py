@@ -69,8 +69,8 @@ class GRPOModule(HFModule):
             dtype: parameter dtype; `auto` is bf16 on GPUs that support it, else fp32.
             lora: peft LoRA options (e.g. `{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}`); None trains all weights.
             save_frozen_weights: write the frozen base (weights with requires_grad False: a LoRA's base) into
-                checkpoints; false saves only the trained weights and a digest of the base, which a resume
-                rebuilds from `pretrained` (or `preset` under the run's seed) and checks. Needs `lora`.
+                checkpoints; false saves only the trained weights and a digest of the base, which a resume (or
+                `lightning-ffpa-export`) rebuilds from `pretrained` (or `preset` under the run's seed) and checks. Needs `lora`.
             learning_rate: AdamW learning rate (> 0).
             clip_eps: lower ratio clip: the ratio is kept >= 1 - clip_eps (> 0).
             clip_eps_high: upper ratio clip: the ratio is kept <= 1 + clip_eps_high (DAPO's clip-higher); None = clip_eps.

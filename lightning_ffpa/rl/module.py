@@ -171,7 +171,25 @@ class GRPOModule(HFModule):
         lengths = batch["attention_mask"].sum(1).tolist()
         algo.check_sequence_fits(max(lengths), f" (batch {batch_idx})")
         weights = algo.loss_weights(mask, n_seq, n_tok, float(mask.sum()), world)  # (N, L-1)
-        return _Step(microbatches(lengths, algo.max_tokens_per_microbatch), weights, float(mask.sum()), world)
+        parts, pads = self._equal_parts(microbatches(lengths, algo.max_tokens_per_microbatch), world)
+        return _Step(parts, weights, float(mask.sum()), world, pads)
+
+    def _equal_parts(self, parts: list[list[int]], world: int) -> tuple[list[list[int]], int]:
+        """The rank's micro-batches, as many as the rank with the most: every forward and backward is a collective
+        under DDP and FSDP2, so a rank with fewer (shorter rows, or its groups dropped by dynamic sampling) would
+        hang the others. Its largest parts are halved (still within the budget); when every part is one row,
+        zero-weight repeats of row 0 pad the count (the second value: how many)."""
+        if world <= 1:
+            return parts, 0
+        counts = self.trainer.strategy.all_gather(torch.tensor(len(parts), device=self.device))
+        most = int(counts.max())
+        parts = [list(p) for p in parts]
+        while len(parts) < most and max(map(len, parts)) > 1:
+            big = max(range(len(parts)), key=lambda i: len(parts[i]))
+            half = len(parts[big]) // 2
+            parts[big:big + 1] = [parts[big][:half], parts[big][half:]]
+        pads = most - len(parts)
+        return parts + [[0]] * pads, pads
 
     def backward_pass(self, batch: dict, step: _Step, iteration: int = 0) -> float:
         """One pass over the step's micro-batches, each loss backpropagated (gradients accumulate); returns the
@@ -179,6 +197,7 @@ class GRPOModule(HFModule):
         hp, algo = self.hparams, self.algorithm
         total = 0.0
         for k, rows in enumerate(step.parts):
+            pad = k >= len(step.parts) - step.pads  # a zero-weight forward/backward that keeps ranks in step
             mb = _rows(batch, rows)
             logp, entropy = self.token_logprobs(mb)
             m = mb["completion_mask"][:, 1:]
@@ -189,13 +208,16 @@ class GRPOModule(HFModule):
             first = step.first[k]
             old = first if hp.old_logprobs == "policy" else engine
             is_w = sampler_weights(first, engine, hp.sampler_is_cap) if hp.sampler_is_cap is not None else None
-            loss, stats = policy_loss(logp, old, mb["advantages"], m, step.weights[rows][:, :m.shape[1]],
+            weights = step.weights[rows][:, :m.shape[1]] * (0.0 if pad else 1.0)
+            loss, stats = policy_loss(logp, old, mb["advantages"], m, weights,
                                       algo.sequence_ratio, algo.clip_eps, algo.clip_eps_high, algo.beta,
                                       step.refs[k], is_w)
             if self._trainer is not None:
                 self.manual_backward(loss)
             else:  # a module used on its own (tests, a user's loop): plain autograd
                 loss.backward()
+            if pad:
+                continue
             total += float(loss.detach())
             step.sums["clipped"] += float(stats["clipped"])
             step.sums["clip_tokens"] += float(m.sum())
@@ -248,6 +270,7 @@ class _Step:
     weights: torch.Tensor  # (N, L-1) loss weight per token (the loss type's normalisation)
     tokens: float  # this rank's loss tokens
     world: int
+    pads: int = 0  # trailing parts that only keep this rank's collectives in step with the others (zero weight)
     first: list[torch.Tensor] = field(default_factory=list)  # pass 0's log-probs per micro-batch
     refs: list[torch.Tensor | None] = field(default_factory=list)  # the reference's, when beta > 0
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(

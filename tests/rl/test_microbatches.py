@@ -75,6 +75,32 @@ def test_microbatch_packing_by_padded_tokens():
     assert microbatches([5, 5], None) == [[0, 1]]
 
 
+def test_a_rank_with_fewer_microbatches_splits_then_pads_to_the_most():
+    """Under data parallelism every rank runs as many forwards/backwards as the rank with the most (each is a
+    collective): parts are halved, then zero-weight repeats of row 0 pad the count; the loss and gradient stay
+    those of one forward."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    module = _module()
+    others = torch.tensor(5)  # another rank's micro-batch count
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(all_gather=lambda t: torch.stack([t, others])))
+    assert module._equal_parts([[0, 1, 2], [3]], world=2) == ([[0], [1], [2], [3], [0]], 1)
+    others = torch.tensor(2)
+    assert module._equal_parts([[0, 1, 2], [3]], world=2) == ([[0, 1, 2], [3]], 0)  # already the most
+    module._trainer = None
+    batch = _batch()
+    whole, g_whole, step = _loss_and_grads(_module(loss_type="dapo", beta=0.04), batch)
+    module = _module(loss_type="dapo", beta=0.04)
+    module.model.zero_grad()
+    padded = replace(step, parts=[[0, 1], [2], [3, 4, 5], [0], [0]], pads=2, first=[], refs=[])
+    got = module.backward_pass(batch, padded)
+    assert got == pytest.approx(whole, rel=1e-5, abs=1e-7)
+    for name, p in module.model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, g_whole[name], atol=1e-7, rtol=1e-4, msg=name)
+
+
 def test_later_iterations_use_the_first_pass_as_old_policy():
     """Pass 1 after an update: its ratio is pi_new / pi_first, not 1, so the loss differs from on-policy."""
     module = _module(clip_eps=10.0, num_iterations=2)  # no clipping: the ratio reaches the loss unchanged

@@ -160,7 +160,7 @@ class RolloutCallback(L.Callback):
         if self.verify_no_drift and "lora" in hparams and not hparams["lora"]:
             raise ConfigError(f"{OPTION}.verify_no_drift", True, NO_LORA_TO_VERIFY)
         if self.engine_config.num_sliding_pages and isinstance(pl_module, HFModule):  # set by hand: one window fits
-            meta = _meta_copy(unwrap_peft(pl_module.build_model("meta")))
+            meta = unwrap_peft(pl_module.build_model("meta"))
             self.engine_config.sliding_pages(DecoderWalker(meta).specs, f"{OPTION}.engine")
         if not pl_module.automatic_optimization:  # GRPOModule steps its optimizer itself (micro-batches, iterations)
             if trainer.gradient_clip_val:

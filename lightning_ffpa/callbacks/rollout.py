@@ -88,7 +88,9 @@ class RolloutCallback(L.Callback):
         self.engine: RolloutEngine | None = None
         self.sync: LoraSync | SharedWeights | None = None
         self.weights_path: str | None = None  # what the engine's weights are (logged at start-up)
-        self.metrics = {k: MeanMetric() for k in ("reward", "completion_length", "refresh_s", "generate_s")}
+        self.metrics = {k: MeanMetric() for k in ("reward", "completion_length", "refresh_s", "generate_s",
+                                                  "update_s")}
+        self._update_start: float | None = None  # when the step's update (forward, backward, optimizer) began
         self.drift_report: dict[str, str] | None = None
         self._resumed_seed: int | None = None  # the seed of the checkpoint this fit resumes, if any
         self.algorithm = GRPOAlgorithm()  # the module's, bound to this rollout in `setup`
@@ -348,9 +350,24 @@ class RolloutCallback(L.Callback):
                           batch_size=len(seqs), prog_bar=name == "reward")
             metric.reset()
         # How the engine ran this rollout: preemptions mean too few pages; eager decodes on CUDA mean no graph.
-        for name in ("preemptions", "eager_decodes", "graph_replays", "capture_s"):
+        for name in ("preemptions", "eager_decodes", "graph_replays", "capture_s", "decode_steps"):
             pl_module.log(f"rollout/{name}", float(self.engine.stats[name] - before[name]), on_step=True,
                           on_epoch=False, batch_size=len(seqs))
+        self._update_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """Log the update's seconds (every micro-batch and optimizer step of this rollout), beside the rollout's
+        `refresh_s` and `generate_s`: the three add up to the step."""
+        if self._update_start is None:
+            return
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)  # the update's kernels, not just their launches
+        metric = self.metrics["update_s"]
+        metric.update(torch.tensor(time.perf_counter() - self._update_start, device=pl_module.device))
+        pl_module.log("rollout/update_s", metric.compute(), on_step=True, on_epoch=False, batch_size=1)
+        metric.reset()
+        self._update_start = None
 
 
 def _gather_fn(trainer: L.Trainer, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -207,6 +207,7 @@ class TokenThroughput(ThroughputMonitor):
         metrics: dict[str, float] = {}
         if trainer.strategy.root_device.type == "cuda":
             metrics["device/peak_memory_gb"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device) / 2**30
+            metrics["device/peak_reserved_gb"] = torch.cuda.max_memory_reserved(trainer.strategy.root_device) / 2**30
         if self.log_attention_dispatch:
             from lightning_ffpa.attention import dispatch_counts
 

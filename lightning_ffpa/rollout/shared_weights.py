@@ -21,7 +21,6 @@ Does not run generation, and does not own the name mapping from training to infe
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
@@ -32,7 +31,14 @@ from torch import nn
 from lightning_ffpa.lora import merged_weight, unwrap_peft
 from lightning_ffpa.rollout.fused_linear import GROUPS, SHARED_MARK
 from lightning_ffpa.rollout.lora_linear import LoraGroup, LoraLinear
-from lightning_ffpa.rollout.lora_sync import LoraSync, _full, _infer_name, _sources, check_no_drift
+from lightning_ffpa.rollout.lora_sync import (
+    LoraSync,
+    _full,
+    _infer_name,
+    _sources,
+    check_no_drift,
+    tensor_digest,
+)
 
 WeightsMode = Literal["shared", "merged"]
 WEIGHTS_MODES = ("shared", "merged")
@@ -368,25 +374,18 @@ class SharedWeights:
         self.num_refreshes += 1
 
     # ---- drift verification --------------------------------------------------------------------------------
-    @staticmethod
-    def _digest(tensors) -> str:
-        h = hashlib.sha256()
-        for t in tensors:
-            h.update(_full(t).detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
-        return h.hexdigest()
-
     def base_digest(self) -> str:
-        """sha256 over every frozen policy tensor the engine reads or copies: W0 included."""
+        """`tensor_digest` of every frozen policy tensor the engine reads or copies: W0 included."""
         read = [t for _, t, _ in self._aliased.values()]
         frozen = [p.base for p in self.pairs if isinstance(p, _Merged)] + [s for _, s in self.copies
                                                                            if not s.requires_grad]
-        return self._digest(read + frozen)
+        return tensor_digest(read + frozen)
 
     def inference_digest(self) -> str:
-        """sha256 over what the engine owns: adapter buffers, copies and merged targets."""
+        """`tensor_digest` of what the engine owns: adapter buffers, copies and merged targets."""
         own = [t for g in self.groups for t in (g.a, g.b) if t is not None]
         own += [p.target for p in self.pairs if isinstance(p, _Merged)] + [t for t, _ in self.copies]
-        return self._digest(own)
+        return tensor_digest(own)
 
     def verify_no_drift(self, num_refreshes: int = 3) -> dict[str, str]:
         """Refresh around perturbed adapters; raise unless W0's hash is unchanged and the engine's own tensors are

@@ -70,3 +70,10 @@ def length_reward(prompts: list[Any], completions: list[str], completion_ids: li
                   **kw: Any) -> list[float | None]:
     """Toy reward: completion length in tokens."""
     return [float(len(ids)) for ids in completion_ids]
+
+
+def even_token_reward(prompts: list[Any], completions: list[str], completion_ids: list[list[int]],
+                      **kw: Any) -> list[float | None]:
+    """Toy reward: the fraction of completion tokens with an even id. Random weights sample about half even ids
+    with spread between completions, so every group has reward variance (a benchmark's advantages are not 0)."""
+    return [sum(t % 2 == 0 for t in ids) / len(ids) if ids else None for ids in completion_ids]

@@ -1,8 +1,8 @@
 """GPU: the shipped GRPO recipe at full 31B depth on one GPU is refused by the console script in seconds.
 
 The room check runs in the CLI's pre-flight, before any model exists: the policy's lower bound (its
-parameters at model.dtype), the inference copy and a 1024-page KV pool cannot share one H200, so the command
-exits 2 naming `engine.num_pages` instead of loading 57 GiB of policy first.
+parameters at model.dtype) and an 8192-page KV pool (86 GiB in the full layers alone) cannot share one H200, so
+the command exits 2 naming `engine.num_pages` instead of loading 57 GiB of policy first.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ def test_full_depth_grpo_with_a_large_page_pool_exits_2_before_building_a_model(
     gpu = {**env(), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
     start = time.monotonic()
     out = run(["lightning-ffpa", "fit", "--config", "grpo.yaml",
-               "--model.init_args.config_overrides", "{num_hidden_layers: 60}",
-               "--trainer.callbacks.init_args.engine.num_pages", "1024"], cwd=tmp_path, env=gpu)
+               "--trainer.callbacks.init_args.engine.num_pages", "8192"], cwd=tmp_path, env=gpu)
     seconds = time.monotonic() - start
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2, out.stderr[-2000:]

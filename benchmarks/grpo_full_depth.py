@@ -1,0 +1,184 @@
+"""The full-depth GRPO step as a user runs it: `lightning-ffpa fit --config gemma4_grpo.yaml`, one process per
+completion length, read back from the CSV logger.
+
+Each row runs the shipped recipe through the console script with only the completion length (and the engine's
+`max_seq_len` it needs) and the step count changed, and a CSV logger to read the numbers back. Per optimizer step it
+records what the RolloutCallback and TokenThroughput log: refresh, generation and update seconds, completion
+lengths, decode steps, peak memory allocated and reserved. The first step (CUDA graph capture and compile) is
+reported but left out of the medians. The decode's fraction of the HBM roofline divides the bytes a decode step
+must read (every weight once, the LoRA adapters, and each row's K/V: the last `window` tokens on sliding layers,
+all of them on full layers) by the generation seconds per decode step (prefill included, so a lower bound) and the
+bandwidth: the datasheet's (primary) and a device-to-device copy measured in this process before the rows.
+
+    python benchmarks/grpo_full_depth.py --lengths 4096 --steps 3 --logs $OUT --out $OUT/grpo_full_depth.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.fit_recipes import console_command  # noqa: E402
+from benchmarks.results_io import write_result  # noqa: E402
+
+_NOISE = ("DEBUG", "V1201", "I1201")
+CB = "--trainer.callbacks.init_args."  # lands on the recipe's last callback, the RolloutCallback
+
+
+def read_steps(root: Path) -> list[dict[str, float]]:
+    """One dict per logged training step (the CSV logger's rows merged by `step`)."""
+    found = sorted(root.rglob("metrics.csv"))
+    steps: dict[int, dict[str, float]] = {}
+    if not found:
+        return []
+    with open(found[-1]) as f:
+        for row in csv.DictReader(f):
+            if not row.get("step"):
+                continue
+            step = steps.setdefault(int(float(row["step"])), {})
+            for k, v in row.items():
+                try:
+                    step[k] = float(v)
+                except (TypeError, ValueError):
+                    pass
+    return [steps[k] for k in sorted(steps)]
+
+
+def page_multiple(n: int, page: int) -> int:
+    return -(-n // page) * page
+
+
+def fit_row(length: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Fit the recipe with completions of `length` tokens; the row's command, exit code, log and steps."""
+    root = Path(tempfile.mkdtemp(prefix=f"grpo_{length}_"))
+    max_seq = page_multiple(args.prompt_len + length, args.page_size)
+    cmd = [*console_command(), "fit", "--config", str(REPO / "configs" / f"{args.recipe}.yaml"),
+           "--trainer.max_steps", str(args.steps), "--trainer.default_root_dir", str(root),
+           "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(root),
+           f"{CB}sampling.max_new_tokens", str(length), f"{CB}engine.max_seq_len", str(max_seq), *args.extra]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:
+        rc = "timeout"
+        out = (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
+    wall = round(time.monotonic() - t0, 1)
+    lines = [ln for ln in out.splitlines() if not ln.startswith(_NOISE)]
+    log = Path(args.logs) / f"grpo_full_depth_{length}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(" ".join(cmd) + "\n" + "\n".join(lines) + "\n")
+    steps = read_steps(root)
+    return {"name": f"ours_grpo_{length}", "completion_len": length, "prompt_len": args.prompt_len,
+            "command": " ".join(cmd[len(console_command()):]), "exit_code": rc, "wall_s": wall,
+            "last_line": lines[-1] if lines else "", "log": log.name, "steps": steps}
+
+
+def _stat(values: list[float]) -> dict[str, float] | None:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)} if values else None
+
+
+def decode_bytes(prompt_len: int, length: int, seqs: int, preset: str, layers: int | None, lora_r: int) -> float:
+    """Bytes one decode step must read, averaged over the completion's positions: every weight once (the
+    embedding as the head's matrix), the LoRA adapters, and each row's K/V within its layers' reach."""
+    from lightning_ffpa.rollout.kv_cache import token_bytes
+    from lightning_ffpa.rollout.memory import lora_params, meta_model
+    from lightning_ffpa.rollout.walker import DecoderWalker
+
+    model = meta_model(preset, **({} if layers is None else {"num_hidden_layers": layers}))
+    weights = sum(p.numel() for p in model.parameters()) * 2 + lora_params(model, lora_r) * 2
+    kv = 0.0
+    for spec in DecoderWalker(model).specs:
+        per_tok = token_bytes([spec], 2)
+        for p in range(prompt_len, prompt_len + length):
+            kv += per_tok * (p + 1 if spec.window is None else min(p + 1, spec.window))
+    return weights + seqs * kv / length
+
+
+def summarize(rows: list[dict[str, Any]], bandwidth: dict[str, Any] | None, args: argparse.Namespace) -> dict:
+    out: dict[str, Any] = {"complete": len(rows) == len(args.lengths)}
+    for r in rows:
+        L = r["completion_len"]
+        timed = r["steps"][1:]  # the first step captures and compiles the decode graphs
+        step_s = [s["rollout/refresh_s"] + s["rollout/generate_s"] + s["rollout/update_s"] for s in timed
+                  if {"rollout/refresh_s", "rollout/generate_s", "rollout/update_s"} <= s.keys()]
+        r["step_s"] = _stat(step_s)
+        for key in ("rollout/refresh_s", "rollout/generate_s", "rollout/update_s"):
+            r[key.split("/")[1]] = _stat([s[key] for s in timed if key in s])
+        peak = [s.get("device/peak_memory_gb") for s in r["steps"] if "device/peak_memory_gb" in s]
+        reserved = [s.get("device/peak_reserved_gb") for s in r["steps"] if "device/peak_reserved_gb" in s]
+        r["peak_mem_gib"] = max(peak) if peak else None
+        r["peak_reserved_gib"] = max(reserved) if reserved else None
+        seqs = args.prompts * args.group
+        tokens = [s["rollout/completion_length"] * seqs for s in timed if "rollout/completion_length" in s]
+        if step_s and tokens:
+            r["completion_tokens_per_s"] = statistics.median(t / s for t, s in zip(tokens, step_s))
+        out[f"grpo_full_depth_fits_{L}"] = r["exit_code"] == 0
+        out[f"grpo_full_depth_step_s_{L}"] = r["step_s"]["median"] if r["step_s"] else None
+        out[f"grpo_full_depth_peak_mem_gib_{L}"] = r["peak_mem_gib"]
+        out[f"grpo_full_depth_peak_reserved_gib_{L}"] = r["peak_reserved_gib"]
+        decode = [s["rollout/generate_s"] / s["rollout/decode_steps"] for s in timed
+                  if s.get("rollout/decode_steps")]
+        if decode and bandwidth:
+            need = decode_bytes(args.prompt_len, L, seqs, args.preset, args.layers, args.lora_r)
+            per_step = statistics.median(decode)
+            r["decode_bytes_per_step"], r["decode_s_per_step_upper"] = need, per_step
+            if bandwidth.get("datasheet_bytes_per_s"):
+                r["decode_roofline_datasheet"] = need / per_step / bandwidth["datasheet_bytes_per_s"]
+            r["decode_roofline_copy_bw"] = need / per_step / bandwidth["copy_bytes_per_s"]
+            out[f"grpo_full_depth_decode_roofline_datasheet_bs{seqs}_{L}"] = r.get("decode_roofline_datasheet")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096])
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per row (the first is not timed)")
+    p.add_argument("--recipe", default="gemma4_grpo")
+    p.add_argument("--preset", default="gemma4-31b")
+    p.add_argument("--layers", type=int, default=None, help="the recipe's depth (None: the preset's)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--prompts", type=int, default=2, help="the recipe's data.batch_size")
+    p.add_argument("--group", type=int, default=8, help="the recipe's num_generations")
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=128)
+    p.add_argument("--timeout", type=float, default=540)
+    p.add_argument("--logs", default=str(REPO / "benchmarks" / "results" / "logs"))
+    p.add_argument("--out", default=None)
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more console overrides, last")
+    args = p.parse_args()
+    bandwidth = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            from benchmarks.rollout_rows import bandwidths
+
+            bandwidth = bandwidths("cuda", 4.0)
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    rows: list[dict[str, Any]] = []
+    for length in args.lengths:  # rewritten after every row: a call cut short keeps the rows it finished
+        rows.append(fit_row(length, args))
+        print(f"completions {length}: exit {rows[-1]['exit_code']} in {rows[-1]['wall_s']} s", flush=True)
+        summary = summarize(rows, bandwidth, args)
+        summary["bandwidth"] = bandwidth
+        write_result("grpo_full_depth", rows, summary, out=args.out)
+
+
+if __name__ == "__main__":
+    main()

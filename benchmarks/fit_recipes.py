@@ -42,7 +42,9 @@ _NOISE = ("DEBUG", "V1201", "I1201")  # torch/inductor debug chatter
 
 
 def console_command() -> list[str]:
-    script = shutil.which("lightning-ffpa")
+    """The installed console script: beside this Python (its venv's bin/), else on PATH."""
+    beside = Path(sys.executable).parent / "lightning-ffpa"
+    script = str(beside) if beside.exists() else shutil.which("lightning-ffpa")
     return [script] if script else [sys.executable, "-m", "lightning_ffpa.cli"]
 
 

@@ -99,19 +99,20 @@ def full_token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0)
     return torch.log_softmax(logits / temperature, -1).gather(2, batch["input_ids"][:, 1:, None])[..., 0]
 
 
-def policy_token_logprobs(model: nn.Module, lm_head_weight: torch.Tensor, batch: dict, softcap: float | None,
+def policy_token_logprobs(model: nn.Module, lm_head: nn.Module, batch: dict, softcap: float | None,
                           temperature: float = 1.0, chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, L-1) log-probs and entropies of the completion tokens (0 elsewhere), scoring only the positions whose
     next token is a completion token.
 
     `model` is the module given to `parallelize` when sharded (its root hook gathers the lm_head, as for the
-    SFT loss); `lm_head_weight` is read after that forward.
+    SFT loss); `lm_head.weight` is read after that forward: under FSDP2 the gathered weight is another tensor
+    than the sharded parameter the module held before it.
     """
     hidden = causal_lm_hidden_states(model, input_ids=batch["input_ids"],
                                      attention_mask=batch["attention_mask"])[:, :-1]  # (N, L-1, H)
     mask = batch["completion_mask"][:, 1:].bool()  # (N, L-1)
     labels = batch["input_ids"][:, 1:][mask]  # (M,)
-    logp, entropy = chunked_token_logprobs(hidden[mask], lm_head_weight, labels, softcap=softcap,
+    logp, entropy = chunked_token_logprobs(hidden[mask], lm_head.weight, labels, softcap=softcap,
                                            temperature=temperature, chunk_size=chunk_size)
     out = hidden.new_zeros(mask.shape, dtype=torch.float32).masked_scatter(mask, logp)
     ent = hidden.new_zeros(mask.shape, dtype=torch.float32).masked_scatter(mask, entropy)

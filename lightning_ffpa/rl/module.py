@@ -134,7 +134,7 @@ class GRPOModule(HFModule):
         """(N, L-1) log-probs and entropies of the completion tokens, chunked through the lm_head."""
         # Pass the module given to `parallelize` (the FSDP root), so its hooks gather lm_head too.
         softcap = getattr(text_config(self.config), "final_logit_softcapping", None)
-        return policy_token_logprobs(self.model, self.hf_model.get_output_embeddings().weight, batch, softcap,
+        return policy_token_logprobs(self.model, self.hf_model.get_output_embeddings(), batch, softcap,
                                      self.hparams.temperature, self.hparams.logprob_chunk_size)
 
     def _global_counts(self, mask: torch.Tensor) -> tuple[float, float, int]:

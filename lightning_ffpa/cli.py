@@ -12,12 +12,15 @@ validates its own options, `lightning_ffpa.validation` the ones that span compon
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
+import tempfile
 import warnings
 from argparse import ArgumentError
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -27,6 +30,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_ffpa import recipes
 from lightning_ffpa._compat import lightning as lightning_compat
+from lightning_ffpa.environment import check_environment, check_world_matches_launcher
 from lightning_ffpa.errors import (
     EXIT_TERMINATED,
     NOT_GIVEN,
@@ -41,6 +45,7 @@ from lightning_ffpa.errors import (
 )
 from lightning_ffpa.parallel import close_process_group
 from lightning_ffpa.validation import PreflightCLIMixin, check_strategy_loads
+from lightning_ffpa.yaml_files import refuse_duplicate_keys
 
 # handled before LightningCLI, which owns fit/validate/test/predict: {name: its line in `--help`}
 COMMANDS = {"recipes": "List the packaged recipes (names `--config` takes).",
@@ -78,10 +83,57 @@ def check_trainer_options(options: dict[str, Any]) -> None:
         value = options.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < low:
             raise ConfigError(f"trainer.{key}", value, f"must be >= {low}")
+    if options.get("max_steps") == 0:
+        raise ConfigError("trainer.max_steps", 0, "trains nothing: give the number of optimizer steps (or -1 to let "
+                          "trainer.max_epochs decide)")
+    if _number(options.get("limit_train_batches")) == 0:
+        raise ConfigError("trainer.limit_train_batches", options["limit_train_batches"],
+                          "trains nothing: give a number of batches or a fraction of the epoch > 0")
+    if options.get("max_epochs") == -1 and options.get("max_steps") in (-1, None):
+        raise ConfigError("trainer.max_epochs", -1, "with `trainer.max_steps=-1` the run never ends, and the "
+                          "learning-rate schedule needs a horizon: set trainer.max_steps (or a max_epochs >= 1)")
     interval = options.get("val_check_interval")
     if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
         raise ConfigError("trainer.val_check_interval", interval,
                           "must be > 0 (a fraction of the epoch in (0, 1], or a number of batches)")
+
+
+def _number(value: Any) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+# numpy's seed range, which `seed_everything` enforces with a traceback
+SEED_RANGE = (0, 2**32 - 1)
+
+
+def check_seed(seed: Any) -> None:
+    """`seed_everything` must be in numpy's range (Lightning raises its ValueError as a traceback)."""
+    if isinstance(seed, int) and not isinstance(seed, bool) and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ConfigError("seed_everything", seed, f"must be in {SEED_RANGE[0]}..{SEED_RANGE[1]} (numpy's seed range)")
+
+
+def check_precision_runs_here(trainer: L.Trainer, precision: Any) -> None:
+    """float16 mixed precision on CPU: Lightning only warns and trains in bf16-mixed instead."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    if str(precision) in ("16-mixed", "16") and isinstance(trainer.accelerator, CPUAccelerator):
+        raise ConfigError("trainer.precision", precision, "float16 mixed precision needs a CUDA GPU (on CPU Lightning "
+                          "would train in bf16-mixed instead); use bf16-mixed or 32-true")
+
+
+# a negative number argparse reads as an option (its own pattern takes `-5` and `-0.5`, not `-3e-3` or `-1.`)
+_NEGATIVE = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+_ARGPARSE_NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
+def check_negative_values(args: list[str]) -> None:
+    """`--opt -3e-3` (space form): argparse takes the value for an unknown option and says only "argument
+    --model: expected one argument"; name the option and give the `=` form that works."""
+    for option, value in zip(args, args[1:]):
+        if option.startswith("--") and "=" not in option and _NEGATIVE.match(value) \
+                and not _ARGPARSE_NEGATIVE.match(value):
+            raise ConfigError(option, NOT_GIVEN, f"its value {value} starts with `-`, so it is read as an option; "
+                                                 f"write `{option}={value}`")
 
 
 def check_strategy_options(strategy: Any) -> None:
@@ -157,14 +209,37 @@ def check_cluster_layout(trainer: L.Trainer) -> None:
         raise ConfigError(option, NOT_GIVEN, one_line(err)) from None
 
 
-def check_run_dir_free(trainer: L.Trainer) -> None:
-    """Refuse a fit into a run directory another fit holds (RunLock's own check) before the logger writes its
-    version folder there; RunLock takes the lock only in `setup`, after that folder exists."""
-    from lightning_ffpa.checkpoint import RunLock
+def check_folder_writable(folder: str | os.PathLike, option: str) -> None:
+    """A folder the run will create or write into: its nearest existing ancestor must be a writable folder (a file
+    there, or a read-only one, fails later as an OSError traceback from the logger or the checkpoint save)."""
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"is under the file {existing}"
+        raise ConfigError(option, str(folder), f"{where}, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "is" if existing == path else f"would be created in {existing}, which is"
+        raise ConfigError(option, str(folder), f"{where} not writable (read-only or another user's)")
+    if existing != path:  # the fit creates it: try (`access` passes for root, and on file systems that refuse later)
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".lightning-ffpa-probe-", dir=existing))
+        except OSError as err:
+            raise ConfigError(option, str(folder), f"cannot be created in {existing} ({err.strerror})") from None
 
+
+def check_run_dir_free(trainer: L.Trainer) -> None:
+    """Refuse a fit into a run directory (or checkpoint folder) that is a file, read-only, or held by another fit
+    (RunLock's own check) before the logger writes its version folder there; RunLock takes the lock only in
+    `setup`, after that folder exists."""
+    from lightning_ffpa.checkpoint import RunLock
+    from lightning_ffpa.checkpoint.lock import locked_folders
+
+    for option, folder in locked_folders(trainer):
+        check_folder_writable(folder, option)
     for callback in trainer.callbacks:
         if isinstance(callback, RunLock):
-            callback.check_free(trainer.default_root_dir)
+            for option, folder in locked_folders(trainer):
+                callback.check_free(folder, option)
 
 
 @contextmanager
@@ -203,12 +278,16 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         parser.set_defaults({"trainer.log_every_n_steps": 10})
 
     def parse_arguments(self, parser, args) -> None:  # noqa: D102
+        check_negative_values(list(args or []))
         with _as_user_errors(), warnings.catch_warnings():
             # `main` passes the console's argv explicitly (recipe names resolved); that is not a mistake
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
             super().parse_arguments(parser, args)
+        config = self.config[self.config["subcommand"]] if self.config.get("subcommand") else self.config
+        check_seed(config.get("seed_everything"))
 
     def before_instantiate_classes(self) -> None:  # noqa: D102
+        check_environment()
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_trainer_options(dict(config.get("trainer") or {}))
         check_strategy_options((config.get("trainer") or {}).get("strategy"))
@@ -234,21 +313,25 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         if any(isinstance(c, ParameterSummary) for c in extra):
             kwargs.setdefault("enable_model_summary", False)  # ours replaces Lightning's default summary
         try:
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except TypeError as err:  # Lightning reports some bad values as TypeError (e.g. `devices=-2`)
             raise InputError(one_line(err)) from err
         except (MisconfigurationException, ModuleNotFoundError, ValueError) as err:
             if (named := accelerator_error(options.get("accelerator"), err)) is not None:
                 raise named from None
             raise
+        check_precision_runs_here(trainer, options.get("precision"))
+        return trainer
 
     def _ready(self) -> None:
+        check_world_matches_launcher(self.trainer)
         check_cluster_layout(self.trainer)
         if self._on_ready is not None:
             self._on_ready(self.trainer)
 
     def before_fit(self) -> None:
         """Pre-flight checks (checkpoint, LoRA targets, vocab, layout) before any model is built."""
+        check_world_matches_launcher(self.trainer)  # before the run-dir lock: a sibling rank is not "another fit"
         with _as_user_errors():
             super().before_fit()
         check_run_dir_free(self.trainer)
@@ -316,6 +399,17 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
                              "for held-out loss and perplexity use `lightning-ffpa validate`")
 
 
+def _strict_yaml() -> None:
+    """jsonargparse's YAML loader, refusing a repeated key (YAML lets the later one win silently)."""
+    import jsonargparse
+    import yaml
+
+    if not getattr(jsonargparse.get_loader("yaml"), "refuses_duplicate_keys", False):
+        load = refuse_duplicate_keys(jsonargparse.get_loader("yaml"))
+        load.refuses_duplicate_keys = True
+        jsonargparse.set_loader("yaml", load, exceptions=(yaml.YAMLError,))
+
+
 def build(args: list[str] | None = None, *, run: bool = True, on_ready: Callable[[L.Trainer], None] | None = None,
           **cli_kwargs: Any) -> FFPACLI:
     """The CLI exactly as `lightning-ffpa` builds it; runs the subcommand in `args` unless `run=False`.
@@ -327,6 +421,7 @@ def build(args: list[str] | None = None, *, run: bool = True, on_ready: Callable
         cli_kwargs: LightningCLI arguments that replace the project's defaults.
     """
     _import_components()
+    _strict_yaml()
     args = recipes.resolve_config_args(list(sys.argv[1:] if args is None else args))
     kwargs: dict[str, Any] = dict(
         model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,

@@ -24,6 +24,28 @@ def test_every_shipped_config_parses(config, capsys):
     assert "class_path" in capsys.readouterr().out
 
 
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_YAML = sorted(p for p in REPO.rglob("*.y*ml") if p.suffix in (".yaml", ".yml")
+                      and not {".git", ".venv", "runs", "build", "node_modules"} & set(p.relative_to(REPO).parts))
+
+
+def test_shipped_yaml_has_no_duplicate_key():
+    """YAML lets a repeated key's later value win silently; no shipped file (configs, CI, docs) may repeat one."""
+    from lightning_ffpa.yaml_files import check_unique_keys
+
+    assert any(p.parent.name == "configs" for p in SHIPPED_YAML)
+    for path in SHIPPED_YAML:
+        check_unique_keys(path.read_text())  # DuplicateKeyError names the key and its lines
+
+
+def test_duplicate_key_is_named_with_its_section_and_lines():
+    from lightning_ffpa.yaml_files import DuplicateKeyError, check_unique_keys
+
+    check_unique_keys("a: {b: 1}\nc: [{b: 2}, {b: 3}]\n<<: {a: 1}\n")  # same name in different mappings is fine
+    with pytest.raises(DuplicateKeyError, match=r"`default_root_dir` appears twice in `trainer` \(lines 3 and 4\)"):
+        check_unique_keys("seed_everything: 1\ntrainer:\n  default_root_dir: a\n  default_root_dir: b\n")
+
+
 def test_dotted_override_reaches_the_module(capsys):
     cfg = CONFIGS[0].parent / "tiny.yaml"
     with pytest.raises(SystemExit):

@@ -32,6 +32,7 @@ from lightning_ffpa import recipes
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa.environment import check_environment, check_world_matches_launcher
 from lightning_ffpa.errors import (
+    EXIT_INTERRUPTED,
     EXIT_TERMINATED,
     NOT_GIVEN,
     ConfigError,
@@ -53,7 +54,8 @@ COMMANDS = {"recipes": "List the packaged recipes (names `--config` takes).",
 DESCRIPTION = ("Train Hugging Face Gemma4 with Lightning from YAML configs. `--config` takes a file or a "
                "packaged recipe name (`lightning-ffpa recipes` lists them; `lightning-ffpa cp NAME DEST` copies "
                "one out for editing). Exit code 0 on success, 2 on a bad input (one `error:` line; add --debug "
-               "for the traceback), 3 when NonFiniteGuard stops a diverged fit.")
+               "for the traceback), 3 when NonFiniteGuard stops a diverged fit, 143 on SIGTERM and "
+               "130 on Ctrl-C (each with a line naming the checkpoint to resume from).")
 
 # Trainer options Lightning accepts but fails on mid-run (e.g. accumulate_grad_batches=0 divides by zero at
 # the first step): the smallest value that works.
@@ -448,16 +450,22 @@ def _command(argv: list[str]) -> int:
         if running and running[-1].is_global_zero:
             print(_terminated_line(running[-1]), file=sys.stderr, flush=True)
         return EXIT_TERMINATED
+    except SystemExit as err:  # Lightning ends fit with SystemExit(1) on Ctrl-C, and prints no checkpoint
+        if not (running and isinstance(err.__context__, KeyboardInterrupt)):
+            raise
+        if running[-1].is_global_zero:
+            print(_terminated_line(running[-1], "SIGINT (Ctrl-C)"), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     return 0
 
 
-def _terminated_line(trainer: L.Trainer) -> str:
+def _terminated_line(trainer: L.Trainer, signal_name: str = "SIGTERM") -> str:
     """Where the stopped run's last checkpoint is and how to continue from it (`--ckpt_path last` finds only a
     ModelCheckpoint's `last` file: without `save_last`, the line names the newest file instead)."""
     ckpt = trainer.checkpoint_callback
     last = ckpt.last_model_path if ckpt is not None else ""
     newest = lightning_compat.last_checkpoint_saved(ckpt) if ckpt is not None else ""
-    stopped = f"stopped by SIGTERM at step {trainer.global_step}"
+    stopped = f"stopped by {signal_name} at step {trainer.global_step}"
     if last or not newest:
         where = f"; last checkpoint {last}" if last else "; no checkpoint was written"
         return f"{stopped}{where}; continue with the same command and --ckpt_path last"

@@ -356,6 +356,8 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and (ckpt.last_model_path or ckpt.best_model_path):
             saved_at = lightning_compat.last_checkpoint_step(ckpt)
+            if saved_at is None:  # nothing saved in this process: the checkpoint is the one it resumed from (or older)
+                saved_at = _saved_step(ckpt.last_model_path or ckpt.best_model_path)
             behind = (f" (step {saved_at}: the steps after it are not saved)"
                       if saved_at is not None and saved_at < trainer.global_step else "")
             parts.append(f"checkpoint {ckpt.last_model_path or ckpt.best_model_path}{behind}")
@@ -457,6 +459,21 @@ def _command(argv: list[str]) -> int:
             print(_terminated_line(running[-1], "SIGINT (Ctrl-C)"), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     return 0
+
+
+def _saved_step(path: str) -> int | None:
+    """The `global_step` a checkpoint file (or DCP folder) holds, or None if it cannot be read."""
+    import torch
+
+    target = Path(path)
+    if target.is_dir():
+        target = target / lightning_compat.lightning_dcp_meta_filename()
+    try:
+        state = torch.load(target, map_location="cpu", mmap=True, weights_only=True)
+    except Exception:  # noqa: BLE001 - the closing line then just names the file
+        return None
+    step = state.get("global_step") if isinstance(state, dict) else None
+    return step if isinstance(step, int) else None
 
 
 def _terminated_line(trainer: L.Trainer, signal_name: str = "SIGTERM") -> str:

@@ -63,6 +63,19 @@ def _fit_tiny(tmp_path, *extra):
     ])
 
 
+def test_resuming_a_finished_run_names_the_step_its_checkpoint_holds(tmp_path, capsys):
+    """A resumed run that saves nothing (it had already reached max_steps) said "(step 0: the steps after it are
+    not saved)" of a last.ckpt holding its final step."""
+    args = ["fit", "--config", str(CONFIGS[0].parent / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false", "--data.init_args.batch_size=2", "--data.init_args.max_seq_length=32"]
+    closing = f"fit finished at step 2; checkpoint {tmp_path / 'checkpoints' / 'last.ckpt'}; logs "
+    build(args)
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(closing)
+    build([*args, "--ckpt_path", "last"])
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(closing)
+
+
 GOLDEN = Path(__file__).parent / "assets" / "tiny_loss_curve.json"
 
 

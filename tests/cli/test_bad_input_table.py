@@ -9,6 +9,7 @@ time (each is a real process: most of its time is imports).
 
 from __future__ import annotations
 
+import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -148,6 +149,7 @@ ROWS = [
     (f"{F} --config empty.yaml", "`--config='empty.yaml'`: is empty"),
     (f"{F} --config section.yaml", "`--config='section.yaml'`: section `trainer` names the file 'other.yaml', which"),
     ("lightning-ffpa fit --config binary.yaml", "`--config='binary.yaml'`: is not a text (UTF-8) YAML file"),
+    (f"{F} --data.init_args.tokenizer stubtok", "`data.init_args.tokenizer='stubtok'`: has no vocabulary"),
 ]
 
 
@@ -170,6 +172,11 @@ def template(tmp_path_factory) -> Path:
     (root / "empty.yaml").write_text("")
     (root / "section.yaml").write_text("trainer: other.yaml\n")
     (root / "binary.yaml").write_bytes(bytes(range(256)) * 4)
+    # a tokenizer folder without its vocabulary file: AutoTokenizer builds the 5 special tokens alone
+    (root / "stubtok").mkdir()
+    specials = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    (root / "stubtok" / "tokenizer_config.json").write_text(json.dumps({**specials, "tokenizer_class": "GemmaTokenizer"}))
+    (root / "stubtok" / "special_tokens_map.json").write_text(json.dumps(specials))
     (root / "garbage.ckpt").write_bytes(b"not a checkpoint\n" * 64)
     (root / "afile").write_text("a file where a folder is expected\n")
     (root / "emptydir").mkdir()

@@ -35,7 +35,7 @@ def text_reward(prompts, completions, completion_ids, **kw):
 
 
 @pytest.mark.parametrize("fn, why", [
-    (nan_reward, "returned nan for completion 1; return a finite number, or None"),
+    (nan_reward, "returned nan for completion 1; return a finite number, or None for 'not applicable' (counted as 0)"),
     (failing_reward, "raised KeyError: 'answer'"),
     (short_reward, "returned 1 values for 2 completions"),
     (text_reward, "raised ValueError: could not convert string to float: 'good'"),

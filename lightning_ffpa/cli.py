@@ -299,10 +299,11 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs: Any):
-        """The Trainer, with `StopOnSigterm`, and the step progress bar and parameter summary unless the config
+        """The Trainer, with `StopOnSigterm`, `CheckpointSpace`, and the step progress bar and parameter summary unless the config
         disables or sets them."""
         from lightning_ffpa.callbacks.preemption import StopOnSigterm
         from lightning_ffpa.callbacks.screen import ParameterSummary, default_callbacks
+        from lightning_ffpa.checkpoint.space import CheckpointSpace
 
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         options = dict(config.get("trainer") or {})
@@ -311,6 +312,8 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         extra = default_callbacks(options, callbacks)
         if not any(isinstance(c, StopOnSigterm) for c in callbacks):
             extra.append(StopOnSigterm())  # every rank stops at the same step (exit 143)
+        if not any(isinstance(c, CheckpointSpace) for c in callbacks):
+            extra.append(CheckpointSpace())  # a checkpoint that will not fit: refused at fit start, not when due
         kwargs.setdefault("callbacks", callbacks + extra)
         if any(isinstance(c, ParameterSummary) for c in extra):
             kwargs.setdefault("enable_model_summary", False)  # ours replaces Lightning's default summary

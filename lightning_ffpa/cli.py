@@ -12,10 +12,8 @@ validates its own options, `lightning_ffpa.validation` the ones that span compon
 from __future__ import annotations
 
 import importlib
-import os
 import re
 import sys
-import tempfile
 import warnings
 from argparse import ArgumentError
 from collections.abc import Callable, Iterator
@@ -30,6 +28,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_ffpa import recipes
 from lightning_ffpa._compat import lightning as lightning_compat
+from lightning_ffpa.cli_checks import (
+    check_folder_writable,
+    check_negative_values,
+    check_precision_runs_here,
+    check_seed,
+    is_number,
+)
 from lightning_ffpa.environment import check_environment, check_world_matches_launcher
 from lightning_ffpa.errors import (
     EXIT_INTERRUPTED,
@@ -88,7 +93,7 @@ def check_trainer_options(options: dict[str, Any]) -> None:
     if options.get("max_steps") == 0:
         raise ConfigError("trainer.max_steps", 0, "trains nothing: give the number of optimizer steps (or -1 to let "
                           "trainer.max_epochs decide)")
-    if _number(options.get("limit_train_batches")) == 0:
+    if is_number(options.get("limit_train_batches")) == 0:
         raise ConfigError("trainer.limit_train_batches", options["limit_train_batches"],
                           "trains nothing: give a number of batches or a fraction of the epoch > 0")
     if options.get("max_epochs") == -1 and options.get("max_steps") in (-1, None):
@@ -98,44 +103,6 @@ def check_trainer_options(options: dict[str, Any]) -> None:
     if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
         raise ConfigError("trainer.val_check_interval", interval,
                           "must be > 0 (a fraction of the epoch in (0, 1], or a number of batches)")
-
-
-def _number(value: Any) -> float | None:
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-# numpy's seed range, which `seed_everything` enforces with a traceback
-SEED_RANGE = (0, 2**32 - 1)
-
-
-def check_seed(seed: Any) -> None:
-    """`seed_everything` must be in numpy's range (Lightning raises its ValueError as a traceback)."""
-    if isinstance(seed, int) and not isinstance(seed, bool) and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise ConfigError("seed_everything", seed, f"must be in {SEED_RANGE[0]}..{SEED_RANGE[1]} (numpy's seed range)")
-
-
-def check_precision_runs_here(trainer: L.Trainer, precision: Any) -> None:
-    """float16 mixed precision on CPU: Lightning only warns and trains in bf16-mixed instead."""
-    from lightning.pytorch.accelerators import CPUAccelerator
-
-    if str(precision) in ("16-mixed", "16") and isinstance(trainer.accelerator, CPUAccelerator):
-        raise ConfigError("trainer.precision", precision, "float16 mixed precision needs a CUDA GPU (on CPU Lightning "
-                          "would train in bf16-mixed instead); use bf16-mixed or 32-true")
-
-
-# a negative number argparse reads as an option (its own pattern takes `-5` and `-0.5`, not `-3e-3` or `-1.`)
-_NEGATIVE = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-_ARGPARSE_NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$")
-
-
-def check_negative_values(args: list[str]) -> None:
-    """`--opt -3e-3` (space form): argparse takes the value for an unknown option and says only "argument
-    --model: expected one argument"; name the option and give the `=` form that works."""
-    for option, value in zip(args, args[1:]):
-        if option.startswith("--") and "=" not in option and _NEGATIVE.match(value) \
-                and not _ARGPARSE_NEGATIVE.match(value):
-            raise ConfigError(option, NOT_GIVEN, f"its value {value} starts with `-`, so it is read as an option; "
-                                                 f"write `{option}={value}`")
 
 
 def check_strategy_options(strategy: Any) -> None:
@@ -211,24 +178,6 @@ def check_cluster_layout(trainer: L.Trainer) -> None:
         raise ConfigError(option, NOT_GIVEN, one_line(err)) from None
 
 
-def check_folder_writable(folder: str | os.PathLike, option: str) -> None:
-    """A folder the run will create or write into: its nearest existing ancestor must be a writable folder (a file
-    there, or a read-only one, fails later as an OSError traceback from the logger or the checkpoint save)."""
-    path = Path(folder).absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        where = "is a file" if existing == path else f"is under the file {existing}"
-        raise ConfigError(option, str(folder), f"{where}, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        where = "is" if existing == path else f"would be created in {existing}, which is"
-        raise ConfigError(option, str(folder), f"{where} not writable (read-only or another user's)")
-    if existing != path:  # the fit creates it: try (`access` passes for root, and on file systems that refuse later)
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".lightning-ffpa-probe-", dir=existing))
-        except OSError as err:
-            raise ConfigError(option, str(folder), f"cannot be created in {existing} ({err.strerror})") from None
-
-
 def check_run_dir_free(trainer: L.Trainer) -> None:
     """Refuse a fit into a run directory (or checkpoint folder) that is a file, read-only, or held by another fit
     (RunLock's own check) before the logger writes its version folder there; RunLock takes the lock only in
@@ -299,8 +248,8 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs: Any):
-        """The Trainer, with `StopOnSigterm`, `CheckpointSpace`, and the step progress bar and parameter summary unless the config
-        disables or sets them."""
+        """The Trainer, with `StopOnSigterm`, `CheckpointSpace`, and the step progress bar and parameter summary
+        unless the config disables or sets them."""
         from lightning_ffpa.callbacks.preemption import StopOnSigterm
         from lightning_ffpa.callbacks.screen import ParameterSummary, default_callbacks
         from lightning_ffpa.checkpoint.space import CheckpointSpace

@@ -18,6 +18,7 @@ import warnings
 from argparse import ArgumentError
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -27,7 +28,16 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_ffpa import recipes
 from lightning_ffpa._compat import lightning as lightning_compat
+from lightning_ffpa.cli_checks import (
+    check_folder_writable,
+    check_negative_values,
+    check_precision_runs_here,
+    check_seed,
+    is_number,
+)
+from lightning_ffpa.environment import check_environment, check_world_matches_launcher
 from lightning_ffpa.errors import (
+    EXIT_INTERRUPTED,
     EXIT_TERMINATED,
     NOT_GIVEN,
     ConfigError,
@@ -41,6 +51,7 @@ from lightning_ffpa.errors import (
 )
 from lightning_ffpa.parallel import close_process_group
 from lightning_ffpa.validation import PreflightCLIMixin, check_strategy_loads
+from lightning_ffpa.yaml_files import refuse_duplicate_keys
 
 # handled before LightningCLI, which owns fit/validate/test/predict: {name: its line in `--help`}
 COMMANDS = {"recipes": "List the packaged recipes (names `--config` takes).",
@@ -48,7 +59,8 @@ COMMANDS = {"recipes": "List the packaged recipes (names `--config` takes).",
 DESCRIPTION = ("Train Hugging Face Gemma4 with Lightning from YAML configs. `--config` takes a file or a "
                "packaged recipe name (`lightning-ffpa recipes` lists them; `lightning-ffpa cp NAME DEST` copies "
                "one out for editing). Exit code 0 on success, 2 on a bad input (one `error:` line; add --debug "
-               "for the traceback), 3 when NonFiniteGuard stops a diverged fit.")
+               "for the traceback), 3 when NonFiniteGuard stops a diverged fit, 143 on SIGTERM and "
+               "130 on Ctrl-C (each with a line naming the checkpoint to resume from).")
 
 # Trainer options Lightning accepts but fails on mid-run (e.g. accumulate_grad_batches=0 divides by zero at
 # the first step): the smallest value that works.
@@ -78,6 +90,15 @@ def check_trainer_options(options: dict[str, Any]) -> None:
         value = options.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < low:
             raise ConfigError(f"trainer.{key}", value, f"must be >= {low}")
+    if options.get("max_steps") == 0:
+        raise ConfigError("trainer.max_steps", 0, "trains nothing: give the number of optimizer steps (or -1 to let "
+                          "trainer.max_epochs decide)")
+    if is_number(options.get("limit_train_batches")) == 0:
+        raise ConfigError("trainer.limit_train_batches", options["limit_train_batches"],
+                          "trains nothing: give a number of batches or a fraction of the epoch > 0")
+    if options.get("max_epochs") == -1 and options.get("max_steps") in (-1, None):
+        raise ConfigError("trainer.max_epochs", -1, "with `trainer.max_steps=-1` the run never ends, and the "
+                          "learning-rate schedule needs a horizon: set trainer.max_steps (or a max_epochs >= 1)")
     interval = options.get("val_check_interval")
     if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
         raise ConfigError("trainer.val_check_interval", interval,
@@ -158,13 +179,18 @@ def check_cluster_layout(trainer: L.Trainer) -> None:
 
 
 def check_run_dir_free(trainer: L.Trainer) -> None:
-    """Refuse a fit into a run directory another fit holds (RunLock's own check) before the logger writes its
-    version folder there; RunLock takes the lock only in `setup`, after that folder exists."""
+    """Refuse a fit into a run directory (or checkpoint folder) that is a file, read-only, or held by another fit
+    (RunLock's own check) before the logger writes its version folder there; RunLock takes the lock only in
+    `setup`, after that folder exists."""
     from lightning_ffpa.checkpoint import RunLock
+    from lightning_ffpa.checkpoint.lock import locked_folders
 
+    for option, folder in locked_folders(trainer):
+        check_folder_writable(folder, option)
     for callback in trainer.callbacks:
         if isinstance(callback, RunLock):
-            callback.check_free(trainer.default_root_dir)
+            for option, folder in locked_folders(trainer):
+                callback.check_free(folder, option)
 
 
 @contextmanager
@@ -203,12 +229,16 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         parser.set_defaults({"trainer.log_every_n_steps": 10})
 
     def parse_arguments(self, parser, args) -> None:  # noqa: D102
+        check_negative_values(list(args or []))
         with _as_user_errors(), warnings.catch_warnings():
             # `main` passes the console's argv explicitly (recipe names resolved); that is not a mistake
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
             super().parse_arguments(parser, args)
+        config = self.config[self.config["subcommand"]] if self.config.get("subcommand") else self.config
+        check_seed(config.get("seed_everything"))
 
     def before_instantiate_classes(self) -> None:  # noqa: D102
+        check_environment()
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_trainer_options(dict(config.get("trainer") or {}))
         check_strategy_options((config.get("trainer") or {}).get("strategy"))
@@ -218,10 +248,11 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs: Any):
-        """The Trainer, with `StopOnSigterm`, and the step progress bar and parameter summary unless the config
-        disables or sets them."""
+        """The Trainer, with `StopOnSigterm`, `CheckpointSpace`, and the step progress bar and parameter summary
+        unless the config disables or sets them."""
         from lightning_ffpa.callbacks.preemption import StopOnSigterm
         from lightning_ffpa.callbacks.screen import ParameterSummary, default_callbacks
+        from lightning_ffpa.checkpoint.space import CheckpointSpace
 
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         options = dict(config.get("trainer") or {})
@@ -230,25 +261,31 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         extra = default_callbacks(options, callbacks)
         if not any(isinstance(c, StopOnSigterm) for c in callbacks):
             extra.append(StopOnSigterm())  # every rank stops at the same step (exit 143)
+        if not any(isinstance(c, CheckpointSpace) for c in callbacks):
+            extra.append(CheckpointSpace())  # a checkpoint that will not fit: refused at fit start, not when due
         kwargs.setdefault("callbacks", callbacks + extra)
         if any(isinstance(c, ParameterSummary) for c in extra):
             kwargs.setdefault("enable_model_summary", False)  # ours replaces Lightning's default summary
         try:
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except TypeError as err:  # Lightning reports some bad values as TypeError (e.g. `devices=-2`)
             raise InputError(one_line(err)) from err
         except (MisconfigurationException, ModuleNotFoundError, ValueError) as err:
             if (named := accelerator_error(options.get("accelerator"), err)) is not None:
                 raise named from None
             raise
+        check_precision_runs_here(trainer, options.get("precision"))
+        return trainer
 
     def _ready(self) -> None:
+        check_world_matches_launcher(self.trainer)
         check_cluster_layout(self.trainer)
         if self._on_ready is not None:
             self._on_ready(self.trainer)
 
     def before_fit(self) -> None:
         """Pre-flight checks (checkpoint, LoRA targets, vocab, layout) before any model is built."""
+        check_world_matches_launcher(self.trainer)  # before the run-dir lock: a sibling rank is not "another fit"
         with _as_user_errors():
             super().before_fit()
         check_run_dir_free(self.trainer)
@@ -271,6 +308,8 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and (ckpt.last_model_path or ckpt.best_model_path):
             saved_at = lightning_compat.last_checkpoint_step(ckpt)
+            if saved_at is None:  # nothing saved in this process: the checkpoint is the one it resumed from (or older)
+                saved_at = _saved_step(ckpt.last_model_path or ckpt.best_model_path)
             behind = (f" (step {saved_at}: the steps after it are not saved)"
                       if saved_at is not None and saved_at < trainer.global_step else "")
             parts.append(f"checkpoint {ckpt.last_model_path or ckpt.best_model_path}{behind}")
@@ -316,6 +355,17 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
                              "for held-out loss and perplexity use `lightning-ffpa validate`")
 
 
+def _strict_yaml() -> None:
+    """jsonargparse's YAML loader, refusing a repeated key (YAML lets the later one win silently)."""
+    import jsonargparse
+    import yaml
+
+    if not getattr(jsonargparse.get_loader("yaml"), "refuses_duplicate_keys", False):
+        load = refuse_duplicate_keys(jsonargparse.get_loader("yaml"))
+        load.refuses_duplicate_keys = True
+        jsonargparse.set_loader("yaml", load, exceptions=(yaml.YAMLError,))
+
+
 def build(args: list[str] | None = None, *, run: bool = True, on_ready: Callable[[L.Trainer], None] | None = None,
           **cli_kwargs: Any) -> FFPACLI:
     """The CLI exactly as `lightning-ffpa` builds it; runs the subcommand in `args` unless `run=False`.
@@ -327,6 +377,7 @@ def build(args: list[str] | None = None, *, run: bool = True, on_ready: Callable
         cli_kwargs: LightningCLI arguments that replace the project's defaults.
     """
     _import_components()
+    _strict_yaml()
     args = recipes.resolve_config_args(list(sys.argv[1:] if args is None else args))
     kwargs: dict[str, Any] = dict(
         model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
@@ -353,16 +404,37 @@ def _command(argv: list[str]) -> int:
         if running and running[-1].is_global_zero:
             print(_terminated_line(running[-1]), file=sys.stderr, flush=True)
         return EXIT_TERMINATED
+    except SystemExit as err:  # Lightning ends fit with SystemExit(1) on Ctrl-C, and prints no checkpoint
+        if not (running and isinstance(err.__context__, KeyboardInterrupt)):
+            raise
+        if running[-1].is_global_zero:
+            print(_terminated_line(running[-1], "SIGINT (Ctrl-C)"), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     return 0
 
 
-def _terminated_line(trainer: L.Trainer) -> str:
+def _saved_step(path: str) -> int | None:
+    """The `global_step` a checkpoint file (or DCP folder) holds, or None if it cannot be read."""
+    import torch
+
+    target = Path(path)
+    if target.is_dir():
+        target = target / lightning_compat.lightning_dcp_meta_filename()
+    try:
+        state = torch.load(target, map_location="cpu", mmap=True, weights_only=True)
+    except Exception:  # noqa: BLE001 - the closing line then just names the file
+        return None
+    step = state.get("global_step") if isinstance(state, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def _terminated_line(trainer: L.Trainer, signal_name: str = "SIGTERM") -> str:
     """Where the stopped run's last checkpoint is and how to continue from it (`--ckpt_path last` finds only a
     ModelCheckpoint's `last` file: without `save_last`, the line names the newest file instead)."""
     ckpt = trainer.checkpoint_callback
     last = ckpt.last_model_path if ckpt is not None else ""
     newest = lightning_compat.last_checkpoint_saved(ckpt) if ckpt is not None else ""
-    stopped = f"stopped by SIGTERM at step {trainer.global_step}"
+    stopped = f"stopped by {signal_name} at step {trainer.global_step}"
     if last or not newest:
         where = f"; last checkpoint {last}" if last else "; no checkpoint was written"
         return f"{stopped}{where}; continue with the same command and --ckpt_path last"

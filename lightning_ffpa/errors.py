@@ -31,6 +31,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3  # training stopped on non-finite values: an outcome of the run, neither the input nor a bug
 EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM (143)
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for a process ended by Ctrl-C (130)
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a writer whose reader went away (141)
 DEBUG_ENV = "LIGHTNING_FFPA_DEBUG"
 
@@ -338,6 +339,11 @@ def console_entry(body: Callable[[list[str]], Any], user_errors: tuple[type[Base
             traceback.print_exc()
         print(f"error: {one_line(err)}", file=sys.stderr)
         return EXIT_DIVERGED
+    except KeyboardInterrupt:  # Ctrl-C before the run started (the command's own handler covers a running fit)
+        release_stderr()
+        if debug:
+            traceback.print_exc()
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # the reader of stdout went away (`lightning-ffpa recipes | head -1`): stop quietly, as a shell tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # interpreter exit flushes stdout again

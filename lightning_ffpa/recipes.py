@@ -13,9 +13,8 @@ import shutil
 from importlib.resources import files
 from pathlib import Path
 
-import yaml
-
 from lightning_ffpa.errors import ArgumentParser, ConfigError
+from lightning_ffpa.yaml_files import check_config_file
 
 SUFFIXES = (".yaml", ".yml")
 
@@ -56,12 +55,7 @@ def _resolve(value: str) -> str:
     if os.path.isdir(value):
         raise ConfigError("--config", value, "is a folder; give a YAML file or a recipe name")
     if os.path.exists(value):
-        try:
-            yaml.safe_load(Path(value).read_text())
-        except yaml.YAMLError as err:
-            where = getattr(err, "problem_mark", None)
-            line = f" (line {where.line + 1})" if where is not None else ""
-            raise ConfigError("--config", value, f"is not valid YAML{line}: {getattr(err, 'problem', err)}") from err
+        check_config_file(value, "--config")
         return value
     found = find(value)
     if found is not None:

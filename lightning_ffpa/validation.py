@@ -285,6 +285,10 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
     check_data_fits_model(model, datamodule)
     check_attention_trains_here(trainer, model)
     check_lora_targets(model)
+    if ckpt_path == "best" and not any(getattr(cb, "best_model_path", "") for cb in trainer.checkpoint_callbacks):
+        # Lightning's own error blames the ModelCheckpoint configuration
+        raise ConfigError("ckpt_path", "best", "there is no best checkpoint yet: `best` is the best one this process's "
+                          "ModelCheckpoint saved, and it has saved none; pass a checkpoint file (or `last`)")
     resolved = lightning_compat.resolve_ckpt_path(trainer, ckpt_path)
     if resolved is None:
         if ckpt_path == "last":

@@ -24,6 +24,28 @@ def test_every_shipped_config_parses(config, capsys):
     assert "class_path" in capsys.readouterr().out
 
 
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_YAML = sorted(p for p in REPO.rglob("*.y*ml") if p.suffix in (".yaml", ".yml")
+                      and not {".git", ".venv", "runs", "build", "node_modules"} & set(p.relative_to(REPO).parts))
+
+
+def test_shipped_yaml_has_no_duplicate_key():
+    """YAML lets a repeated key's later value win silently; no shipped file (configs, CI, docs) may repeat one."""
+    from lightning_ffpa.yaml_files import check_unique_keys
+
+    assert any(p.parent.name == "configs" for p in SHIPPED_YAML)
+    for path in SHIPPED_YAML:
+        check_unique_keys(path.read_text())  # DuplicateKeyError names the key and its lines
+
+
+def test_duplicate_key_is_named_with_its_section_and_lines():
+    from lightning_ffpa.yaml_files import DuplicateKeyError, check_unique_keys
+
+    check_unique_keys("a: {b: 1}\nc: [{b: 2}, {b: 3}]\n<<: {a: 1}\n")  # same name in different mappings is fine
+    with pytest.raises(DuplicateKeyError, match=r"`default_root_dir` appears twice in `trainer` \(lines 3 and 4\)"):
+        check_unique_keys("seed_everything: 1\ntrainer:\n  default_root_dir: a\n  default_root_dir: b\n")
+
+
 def test_dotted_override_reaches_the_module(capsys):
     cfg = CONFIGS[0].parent / "tiny.yaml"
     with pytest.raises(SystemExit):
@@ -39,6 +61,19 @@ def _fit_tiny(tmp_path, *extra):
         "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
         *extra,
     ])
+
+
+def test_resuming_a_finished_run_names_the_step_its_checkpoint_holds(tmp_path, capsys):
+    """A resumed run that saves nothing (it had already reached max_steps) said "(step 0: the steps after it are
+    not saved)" of a last.ckpt holding its final step."""
+    args = ["fit", "--config", str(CONFIGS[0].parent / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false", "--data.init_args.batch_size=2", "--data.init_args.max_seq_length=32"]
+    closing = f"fit finished at step 2; checkpoint {tmp_path / 'checkpoints' / 'last.ckpt'}; logs "
+    build(args)
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(closing)
+    build([*args, "--ckpt_path", "last"])
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(closing)
 
 
 GOLDEN = Path(__file__).parent / "assets" / "tiny_loss_curve.json"

@@ -185,6 +185,8 @@ def last_checkpoint_saved(checkpoint_callback: Any) -> str:
 
 def last_checkpoint_step(checkpoint_callback: Any) -> int | None:
     """The global step of a ModelCheckpoint's newest save in this run, or None if it saved nothing."""
+    if not last_checkpoint_saved(checkpoint_callback):  # `_last_global_step_saved` starts at 0, not "none"
+        return None
     step = getattr(checkpoint_callback, "_last_global_step_saved", None)
     return step if isinstance(step, int) and step >= 0 else None
 

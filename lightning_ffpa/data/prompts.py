@@ -142,6 +142,10 @@ class PromptDataModule(SeededDataModule):
         rows = []
         for n, row in enumerate(load_rows(source, opt, self.dataset_config, self.split), 1):
             prompt = record_of(row, f"row {n}", opt, source, self.prompt_field, self.messages_field)
+            contents = [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt]
+            if not any(isinstance(c, str) and c.strip() for c in contents):  # it would be the start token alone
+                raise ConfigError(opt, source, f"row {n} has an empty prompt: the policy would be prompted with the "
+                                               "start token alone; fill it or remove the row")
             text, ids = render_prompt(self.tokenizer, prompt, self.chat_template)
             # every other field (the chat, an answer, ...) rides along to the reward functions
             extra = {k: v for k, v in row.items() if k not in ("prompt", "prompt_ids")}

@@ -99,9 +99,22 @@ def load_tokenizer(spec: str, option: str = "data.init_args.tokenizer") -> Any:
 
     where = "the local folder" if os.path.isdir(spec) else "the Hugging Face hub (or its local cache)"
     try:
-        return AutoTokenizer.from_pretrained(spec)
+        tokenizer = AutoTokenizer.from_pretrained(spec)
     except Exception as e:  # one line naming the option; the cause stays chained for --debug
         raise ConfigError(option, spec, f"AutoTokenizer could not load it from {where}: {one_line(e)}") from e
+    check_has_vocabulary(tokenizer, spec, option)
+    return tokenizer
+
+
+def check_has_vocabulary(tokenizer: Any, spec: str, option: str = "data.init_args.tokenizer") -> None:
+    """A folder with only `tokenizer_config.json` (+ `special_tokens_map.json`) still loads: AutoTokenizer builds a
+    tokenizer of the special tokens alone, which turns every document into one `<unk>` (or nothing)."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or [])
+    if special and len(tokenizer) <= len(special):
+        names = ", ".join(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
+        raise ConfigError(option, spec, f"has no vocabulary: its {len(tokenizer)} tokens are all special ({names}), "
+                                        "so every document would become <unk>; the folder lacks the vocabulary file "
+                                        "(tokenizer.json or tokenizer.model)")
 
 
 def pad_id_of(tokenizer: Any) -> int:

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.errors import ConfigError, InputError, one_line
 
 RewardFn = Callable[..., list]
+OPTION = "trainer.callbacks.init_args.reward_funcs"
 REQUIRED = ("prompts", "completions", "completion_ids")
 
 
@@ -52,11 +53,19 @@ def total_reward(funcs: Sequence[RewardFn], prompts: list[Any], completions: lis
     """Sum of every function's rewards, one float per completion (None counts as 0)."""
     total = torch.zeros(len(completion_ids))
     for fn in funcs:
-        r = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+        where = f"`{OPTION}`: reward function {_name(fn)}"
+        try:  # the user's code: its exception is one line (the traceback stays chained for --debug)
+            r = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs))
+            values = torch.tensor([0.0 if x is None else float(x) for x in r])  # None: not applicable (TRL)
+        except Exception as err:
+            raise InputError(f"{where} raised {type(err).__name__}: {one_line(err)}") from err
         if len(r) != len(completion_ids):
-            raise ValueError(f"reward function {_name(fn)} returned {len(r)} values for {len(completion_ids)} "
-                             "completions")
-        total += torch.tensor([float("nan") if x is None else float(x) for x in r]).nan_to_num(0.0)
+            raise InputError(f"{where} returned {len(r)} values for {len(completion_ids)} completions")
+        if not torch.isfinite(values).all():  # a NaN would be trained on as 0 (or poison the advantages)
+            i = int((~torch.isfinite(values)).nonzero()[0])
+            raise InputError(f"{where} returned {r[i]} for completion {i}; return a finite number, or None for "
+                             "'not applicable' (counted as 0)")
+        total += values
     return total
 
 

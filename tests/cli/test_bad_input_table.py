@@ -9,6 +9,7 @@ time (each is a real process: most of its time is imports).
 
 from __future__ import annotations
 
+import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -141,6 +142,25 @@ ROWS = [
     (f"{G} --trainer.callbacks.init_args.engine.max_seq_len 8", "engine.max_seq_len"),  # callback setup: prompts
     (f"{G} --model.init_args.temperature 0.5", "sampling.temperature"),  # callback setup: vs module temperature
     (f"{G} --trainer.callbacks.init_args.engine.bogus 1", "engine.bogus"),  # a dataclass: no `init_args`
+    # issue 46: inputs that exited 0 having done nothing (or the wrong thing), or ended in a traceback
+    (f"{F} --trainer.max_steps 0", "`trainer.max_steps=0`: trains nothing"),
+    (f"{F} --trainer.limit_train_batches 0", "`trainer.limit_train_batches=0`: trains nothing"),
+    (f"{F} --trainer.limit_train_batches 0.0", "`trainer.limit_train_batches=0.0`: trains nothing"),
+    (f"{F} --trainer.max_epochs -1 --trainer.max_steps -1", "with `trainer.max_steps=-1` the run never ends"),
+    (f"{F} --trainer.precision 16-mixed", "`trainer.precision='16-mixed'`: float16 mixed precision needs a CUDA"),
+    (f"{F} --seed_everything 4294967296", "`seed_everything=4294967296`: must be in 0..4294967295"),
+    (f"{F} --seed_everything -1", "`seed_everything=-1`"),
+    (f"{F} --ckpt_path best", "`ckpt_path='best'`: there is no best checkpoint yet"),
+    (f"{F} --trainer.default_root_dir afile", "`trainer.default_root_dir='afile'`: is a file"),
+    (f"{F} --trainer.default_root_dir afile/runs", "`trainer.default_root_dir='afile/runs'`: is under the file"),
+    (f"{F} --trainer.default_root_dir /sys/lightning-ffpa-runs", "trainer.default_root_dir='/sys/lightning-ffpa-runs'"),
+    (f"{F} --model.init_args.learning_rate -3e-3", "write `--model.init_args.learning_rate=-3e-3`"),
+    (f"{F} --config dup.yaml", "`--config='dup.yaml'`: the key `max_steps` appears twice in `trainer` (lines 2 and 3)"),
+    (f"{F} --trainer dup_trainer.yaml", "`trainer`: the key `max_steps` appears twice"),  # jsonargparse's loader
+    (f"{F} --config empty.yaml", "`--config='empty.yaml'`: is empty"),
+    (f"{F} --config section.yaml", "`--config='section.yaml'`: section `trainer` names the file 'other.yaml', which"),
+    ("lightning-ffpa fit --config binary.yaml", "`--config='binary.yaml'`: is not a text (UTF-8) YAML file"),
+    (f"{F} --data.init_args.tokenizer stubtok", "`data.init_args.tokenizer='stubtok'`: has no vocabulary"),
 ]
 
 
@@ -158,6 +178,16 @@ def template(tmp_path_factory) -> Path:
     (root / "fit.yaml").write_text(yaml.safe_dump(_fit_config()))
     shutil.copy(ROOT / "configs" / "tiny_grpo.yaml", root / "grpo.yaml")
     (root / "bad.yaml").write_text("trainer: [unclosed\n")
+    (root / "dup.yaml").write_text("trainer:\n  max_steps: 3\n  max_steps: 4\n")
+    (root / "dup_trainer.yaml").write_text("max_steps: 3\nmax_steps: 4\n")
+    (root / "empty.yaml").write_text("")
+    (root / "section.yaml").write_text("trainer: other.yaml\n")
+    (root / "binary.yaml").write_bytes(bytes(range(256)) * 4)
+    # a tokenizer folder without its vocabulary file: AutoTokenizer builds the 5 special tokens alone
+    (root / "stubtok").mkdir()
+    specials = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    (root / "stubtok" / "tokenizer_config.json").write_text(json.dumps({**specials, "tokenizer_class": "GemmaTokenizer"}))
+    (root / "stubtok" / "special_tokens_map.json").write_text(json.dumps(specials))
     (root / "garbage.ckpt").write_bytes(b"not a checkpoint\n" * 64)
     (root / "afile").write_text("a file where a folder is expected\n")
     (root / "emptydir").mkdir()

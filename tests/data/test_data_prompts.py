@@ -116,6 +116,15 @@ def test_setup_errors_name_the_option(write, offline):
         dm.setup()
 
 
+@pytest.mark.parametrize("row", [{"prompt": ""}, {"prompt": "  \n"}, {"messages": [{"role": "user", "content": ""}]}])
+def test_an_empty_prompt_is_refused_naming_the_row(write, hf_tokenizer_dir, row):
+    """An empty prompt became `<bos>` alone, and the run trained on it."""
+    path = write("p.jsonl", [{"prompt": "hello world"}, row])
+    dm = PromptDataModule(path=path, tokenizer=hf_tokenizer_dir, batch_size=1)
+    with pytest.raises(ConfigError, match=rf"^`data\.init_args\.path='{path}'`: row 2 has an empty prompt"):
+        dm.setup()
+
+
 def test_prompt_vocab_is_the_tokenizers_and_is_checked_against_the_model(write, hf_tokenizer_dir):
     """A tokenizer larger than the model failed mid-rollout with an IndexError; now before any model is built."""
     from transformers import AutoTokenizer

@@ -113,3 +113,21 @@ def test_kill9_resume_on_gpu_within_1e_3(tmp_path, record_property):
     record_property("case", f"GPU: kill -9 at step {KILL_AT}, resume from last, loss within 1e-3")
     record_property("data_lost", len(lost))
     assert not lost, f"steps off by more than 1e-3 (or on another batch): {lost}"
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_mid_step_exits_130_with_the_resume_line(tmp_path, record_property):
+    """Ctrl-C (SIGINT): Lightning ends fit with exit 1 and no word on the checkpoint; the console gives the
+    shell's 130 and the line SIGTERM gets."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run_log = tmp_path / "run.log"
+    run = start_fit(_config(run_dir, run_log, "cpu", hang_at=KILL_AT))
+    wait_for_line(run_log, "hang", run)
+    run.send_signal(signal.SIGINT)
+    assert run.wait(timeout=60) == 130, run.log_path.read_text()[-3000:]  # 128 + SIGINT
+    record_property("hardening", "fault")
+    record_property("case", f"Ctrl-C at step {KILL_AT}: exit 130 and the line naming the checkpoint to resume from")
+    last_line = run.log_path.read_text().strip().splitlines()[-1]
+    assert last_line.startswith(f"stopped by SIGINT (Ctrl-C) at step {KILL_AT - 1}; last checkpoint "), last_line
+    assert f"{run_dir / 'ckpt' / 'last.ckpt'}" in last_line and last_line.endswith("--ckpt_path last"), last_line

@@ -115,3 +115,38 @@ def test_partial_checkpoints_of_a_killed_save_are_swept_once_locked(tmp_path):
                         callbacks=[RunLock(), ModelCheckpoint(dirpath=ckpt, every_n_train_steps=10)])
     trainer.fit(BoringModel())
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=2.ckpt"]  # partials gone, complete kept
+
+
+def test_a_checkpoint_folder_outside_the_run_dir_is_locked_too(tmp_path, live_pid, record_property):
+    """Two fits with different run directories but one ModelCheckpoint.dirpath would both write its last.ckpt."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    shared = tmp_path / "shared_ckpt"
+    held = _hold(shared, live_pid)  # the other fit, which took the lock of the shared folder
+    trainer = L.Trainer(default_root_dir=tmp_path / "run_b", max_steps=1, accelerator="cpu", logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[RunLock(), ModelCheckpoint(dirpath=shared, every_n_train_steps=1)])
+    with pytest.raises(ConfigError) as err:
+        trainer.fit(BoringModel())
+    record_property("hardening", "checkpoint")
+    record_property("case", "two fits, two run directories, one ModelCheckpoint.dirpath: the second refused")
+    assert str(err.value).startswith(f"`trainer.callbacks.init_args.dirpath={str(shared)!r}`: another fit (pid {live_pid}")
+    assert (shared / LOCK_NAME).read_text() == held
+    assert not list(shared.glob("*.ckpt")) and not (tmp_path / "run_b" / LOCK_NAME).exists()  # its own lock released
+
+
+def test_both_folders_are_locked_during_fit_and_released_after(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    seen = []
+
+    class Peek(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.extend(p.exists() for p in (tmp_path / "run" / LOCK_NAME, tmp_path / "ckpt" / LOCK_NAME))
+
+    trainer = L.Trainer(default_root_dir=tmp_path / "run", max_steps=1, accelerator="cpu", logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[RunLock(), Peek(), ModelCheckpoint(dirpath=tmp_path / "ckpt")])
+    trainer.fit(BoringModel())
+    assert seen == [True, True]
+    assert not (tmp_path / "run" / LOCK_NAME).exists() and not (tmp_path / "ckpt" / LOCK_NAME).exists()

@@ -1,0 +1,77 @@
+"""Checks of the command line's own options that Lightning or argparse would meet with a traceback, a misleading
+line, or a silent fallback: a seed outside numpy's range, float16 mixed precision on CPU, a negative number in
+the space form (`--opt -3e-3`), and a run folder that is a file or cannot be written.
+
+Owns these checks, each one `ConfigError` naming the option. Does not own when they run (`lightning_ffpa.cli`
+calls them before the model is built), the trainer's range checks (`cli.check_trainer_options`) or the checks
+between components (`lightning_ffpa.validation`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lightning_ffpa.errors import NOT_GIVEN, ConfigError
+
+__all__ = ["check_folder_writable", "check_negative_values", "check_precision_runs_here", "check_seed", "is_number"]
+
+
+def is_number(value: Any) -> float | None:
+    """`value` if it is an int or float (not a bool), else None."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+# numpy's seed range, which `seed_everything` enforces with a traceback
+SEED_RANGE = (0, 2**32 - 1)
+
+
+def check_seed(seed: Any) -> None:
+    """`seed_everything` must be in numpy's range (Lightning raises its ValueError as a traceback)."""
+    if isinstance(seed, int) and not isinstance(seed, bool) and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ConfigError("seed_everything", seed, f"must be in {SEED_RANGE[0]}..{SEED_RANGE[1]} (numpy's seed range)")
+
+
+def check_precision_runs_here(trainer: Any, precision: Any) -> None:
+    """float16 mixed precision on CPU: Lightning only warns and trains in bf16-mixed instead."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    if str(precision) in ("16-mixed", "16") and isinstance(trainer.accelerator, CPUAccelerator):
+        raise ConfigError("trainer.precision", precision, "float16 mixed precision needs a CUDA GPU (on CPU Lightning "
+                          "would train in bf16-mixed instead); use bf16-mixed or 32-true")
+
+
+# a negative number argparse reads as an option (its own pattern takes `-5` and `-0.5`, not `-3e-3` or `-1.`)
+_NEGATIVE = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+_ARGPARSE_NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
+def check_negative_values(args: list[str]) -> None:
+    """`--opt -3e-3` (space form): argparse takes the value for an unknown option and says only "argument
+    --model: expected one argument"; name the option and give the `=` form that works."""
+    for option, value in zip(args, args[1:]):
+        if option.startswith("--") and "=" not in option and _NEGATIVE.match(value) \
+                and not _ARGPARSE_NEGATIVE.match(value):
+            raise ConfigError(option, NOT_GIVEN, f"its value {value} starts with `-`, so it is read as an option; "
+                                                 f"write `{option}={value}`")
+
+
+def check_folder_writable(folder: str | os.PathLike, option: str) -> None:
+    """A folder the run will create or write into: its nearest existing ancestor must be a writable folder (a file
+    there, or a read-only one, fails later as an OSError traceback from the logger or the checkpoint save)."""
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"is under the file {existing}"
+        raise ConfigError(option, str(folder), f"{where}, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "is" if existing == path else f"would be created in {existing}, which is"
+        raise ConfigError(option, str(folder), f"{where} not writable (read-only or another user's)")
+    if existing != path:  # the fit creates it: try (`access` passes for root, and on file systems that refuse later)
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".lightning-ffpa-probe-", dir=existing))
+        except OSError as err:
+            raise ConfigError(option, str(folder), f"cannot be created in {existing} ({err.strerror})") from None

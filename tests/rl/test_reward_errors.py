@@ -1,0 +1,52 @@
+"""A reward function's bad result or exception is one line naming the function and the option (exit 2 through the
+console), not a silent 0 (NaN went through `nan_to_num`) or a traceback; its exception stays chained for --debug."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_ffpa.errors import InputError
+from lightning_ffpa.rl.rewards import total_reward
+
+IDS = [[1, 2], [3]]
+OPTION = "`trainer.callbacks.init_args.reward_funcs`: reward function "
+
+
+def nan_reward(prompts, completions, completion_ids, **kw):
+    return [1.0, math.nan]
+
+
+def none_reward(prompts, completions, completion_ids, **kw):
+    return [None, 2.0]
+
+
+def failing_reward(prompts, completions, completion_ids, **kw):
+    raise KeyError("answer")
+
+
+def short_reward(prompts, completions, completion_ids, **kw):
+    return [1.0]
+
+
+def text_reward(prompts, completions, completion_ids, **kw):
+    return ["good", "bad"]
+
+
+@pytest.mark.parametrize("fn, why", [
+    (nan_reward, "returned nan for completion 1; return a finite number, or None for 'not applicable' (counted as 0)"),
+    (failing_reward, "raised KeyError: 'answer'"),
+    (short_reward, "returned 1 values for 2 completions"),
+    (text_reward, "raised ValueError: could not convert string to float: 'good'"),
+])
+def test_a_bad_reward_function_is_one_line_naming_it(fn, why):
+    with pytest.raises(InputError) as err:
+        total_reward([none_reward, fn], ["p", "p"], ["a", "b"], IDS)
+    assert str(err.value) == f"{OPTION}{__name__}.{fn.__name__} {why}"
+    if fn is failing_reward:
+        assert isinstance(err.value.__cause__, KeyError)  # --debug prints it
+
+
+def test_none_still_counts_as_zero():
+    assert total_reward([none_reward], ["p", "p"], ["a", "b"], IDS).tolist() == [0.0, 2.0]

@@ -1,0 +1,47 @@
+"""The command line's own option checks (`lightning_ffpa.cli_checks`), in-process: what each refuses and what it
+lets through. The console rows (exit 2, one line) are in tests/cli/test_bad_input_table.py."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from lightning_ffpa.cli_checks import check_folder_writable, check_negative_values, check_seed
+from lightning_ffpa.errors import ConfigError
+
+
+def test_negative_values_in_the_space_form():
+    for fine in (["--trainer.max_steps", "-5"], ["--model.init_args.learning_rate", "-0.5"],
+                 ["--model.init_args.learning_rate=-3e-3"], ["--a", "1e-3"], ["-c", "-3e-3"]):
+        check_negative_values(fine)  # argparse reads these itself
+    for value in ("-3e-3", "-1.", "-2E+5"):
+        with pytest.raises(ConfigError, match=re.escape(f"write `--model.init_args.learning_rate={value}`")):
+            check_negative_values(["fit", "--model.init_args.learning_rate", value])
+
+
+def test_seed_range():
+    for seed in (0, 2**32 - 1, None):
+        check_seed(seed)
+    for seed in (-1, 2**32):
+        with pytest.raises(ConfigError, match=rf"^`seed_everything={seed}`: must be in 0\.\.4294967295"):
+            check_seed(seed)
+
+
+def test_run_folder_that_is_a_file_or_under_one(tmp_path):
+    (tmp_path / "f").write_text("x")
+    check_folder_writable(tmp_path / "new" / "run", "trainer.default_root_dir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # the probe left nothing behind
+    with pytest.raises(ConfigError, match=r"is a file, not a folder$"):
+        check_folder_writable(tmp_path / "f", "trainer.default_root_dir")
+    with pytest.raises(ConfigError, match=rf"is under the file {tmp_path / 'f'}, not a folder$"):
+        check_folder_writable(tmp_path / "f" / "run", "trainer.default_root_dir")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only (mode 555) folder")
+def test_read_only_run_folder(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    with pytest.raises(ConfigError, match=rf"would be created in {ro}, which is not writable"):
+        check_folder_writable(ro / "run", "trainer.default_root_dir")

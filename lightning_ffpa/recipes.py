@@ -18,6 +18,14 @@ import yaml
 from lightning_ffpa.errors import ArgumentParser, ConfigError
 
 SUFFIXES = (".yaml", ".yml")
+# The tool's `--help` head and its help-only subcommands (handled before LightningCLI, which owns fit/validate/
+# test/predict): here, beside the commands, so the Lightning-free `cli` and the LightningCLI share them.
+COMMANDS = {"recipes": "List the packaged recipes (names `--config` takes).",
+            "cp": "Copy a packaged recipe out for editing: cp NAME DEST."}
+DESCRIPTION = ("Train Hugging Face Gemma4 with Lightning from YAML configs. `--config` takes a file or a "
+               "packaged recipe name (`lightning-ffpa recipes` lists them; `lightning-ffpa cp NAME DEST` copies "
+               "one out for editing). Exit code 0 on success, 2 on a bad input (one `error:` line; add --debug "
+               "for the traceback), 3 when NonFiniteGuard stops a diverged fit.")
 
 
 def recipe_dir() -> Path:

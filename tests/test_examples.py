@@ -63,7 +63,7 @@ def test_drop_in_callback_with_the_fsdp2_strategy(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_grpo_example_custom_reward_and_lora_refresh(tmp_path, monkeypatch):
+def test_grpo_example_custom_reward_and_lora_refresh(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
     example = _load("grpo_tiny")
     calls = []
@@ -74,6 +74,8 @@ def test_grpo_example_custom_reward_and_lora_refresh(tmp_path, monkeypatch):
     assert all(len(ids) == 3 for c in calls for ids in c["completion_ids"])
     assert 0.0 <= report["reward"] <= 1.0
     assert set(report["drift"]) == {"base_sha256", "inference_sha256"}
+    screen = "".join(capfd.readouterr())
+    assert "step" in screen and "/-2" not in screen and "-0.000" not in screen, screen[-2000:]  # the step bar
 
 
 # ----------------------------------------------------------------------------------------- SLURM

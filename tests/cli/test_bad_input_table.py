@@ -214,6 +214,7 @@ FRESH = [ROWS[0][0], f"{F} --data.init_args.batch_size 100000", f"{G} --model.in
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_preloaded_rows_match_fresh_processes(template, tmp_path_factory):
     """A row forked from the preloader gives what a fresh process of the installed script gives."""
     assert set(FRESH) <= {c for c, _ in ROWS}

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from lightning_ffpa import recipes
-from lightning_ffpa.errors import console_entry
+from lightning_ffpa.errors import InputError, console_entry, one_line
 
 COMMANDS = recipes.COMMANDS
 # LightningCLI's subcommands with the first sentence of its help line for each (tests/cli/test_help.py
@@ -51,16 +51,23 @@ def _answer_without_lightning(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The `lightning-ffpa` console script: exit code 0 on success, 2 with one `error:` line on a bad input."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if _help_only(argv):
-        return console_entry(_answer_without_lightning, argv=argv)
+def _run_lightning(argv: list[str]) -> int:
+    # imported here, inside `console_entry`'s held stderr: what the imports print (a library's notices) is
+    # dropped with a rejected input, as the rest of its output is, and shown once the input is accepted
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     from lightning_ffpa import lightning_cli
 
-    return console_entry(lightning_cli.command, user_errors=(MisconfigurationException,), argv=argv)
+    try:
+        return lightning_cli.command(argv)
+    except MisconfigurationException as err:  # Lightning's word for a bad option value: the user's mistake
+        raise InputError(one_line(err)) from err
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `lightning-ffpa` console script: exit code 0 on success, 2 with one `error:` line on a bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return console_entry(_answer_without_lightning if _help_only(argv) else _run_lightning, argv=argv)
 
 
 def __getattr__(name: str) -> Any:

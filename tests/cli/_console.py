@@ -81,8 +81,9 @@ for line in sys.stdin:
 
 
 class Preloaded:
-    """A preloader process (see `_PRELOADER`): `run(command, cwd)` gives what `run` gives for the same command;
-    `import_stderr` is what the imports printed (a fresh process would print it before every command)."""
+    """A preloader process (see `_PRELOADER`): `run(command, cwd)` gives what `run` gives for the same command.
+    `import_stderr` is what the imports printed: the console script imports the stack with its stderr held,
+    so a rejected input drops it there too."""
 
     def __init__(self, scratch: Path) -> None:
         """`scratch`: a folder for the captured stdout/stderr files."""

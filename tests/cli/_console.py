@@ -82,22 +82,27 @@ for line in sys.stdin:
 
 class Preloaded:
     """A preloader process (see `_PRELOADER`): `run(command, cwd)` gives what `run` gives for the same command.
-    `import_stderr` is what the imports printed: the console script imports the stack with its stderr held,
-    so a rejected input drops it there too."""
+    What the imports print goes to `import.err` (the console script imports the stack with its stderr held,
+    so a rejected input drops it there too)."""
 
     def __init__(self, scratch: Path) -> None:
         """`scratch`: a folder for the captured stdout/stderr files."""
-        self.scratch, self._n = scratch, 0
+        self.scratch, self._n, self._ready = scratch, 0, False
+        # started here, waited for at the first command: several preloaders import at the same time
         self.proc = subprocess.Popen([sys.executable, "-c", _PRELOADER], env=env(), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=open(scratch / "import.err", "w"), text=True)
-        ready = self.proc.stdout.readline()
-        assert ready.strip() == '{"ready": true}', (ready, (scratch / "import.err").read_text()[-3000:])
-        self.import_stderr = (scratch / "import.err").read_text()
+
+    def _wait_ready(self) -> None:
+        if not self._ready:
+            ready = self.proc.stdout.readline()
+            assert ready.strip() == '{"ready": true}', (ready, (self.scratch / "import.err").read_text()[-3000:])
+            self._ready = True
 
     def run(self, command: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
         """Run `command` (its first word is the script name) in `cwd` in a child forked from the preloader."""
         import json
 
+        self._wait_ready()
         words = shlex.split(command)
         argv = [console_script(words[0]), *words[1:]]
         self._n += 1

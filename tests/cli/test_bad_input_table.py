@@ -221,8 +221,10 @@ def test_preloaded_rows_match_fresh_processes(template, tmp_path_factory):
         forked = [preloader.run(c, _row_dir(template, tmp_path_factory, i), timeout=240) for i, c in enumerate(FRESH)]
     finally:
         preloader.close()
-    for i, (command, proc) in enumerate(zip(FRESH, forked)):
-        fresh = run(command, _row_dir(template, tmp_path_factory, i), timeout=240)
+    dirs = [_row_dir(template, tmp_path_factory, i) for i in range(len(FRESH))]
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        fresh_runs = list(pool.map(lambda c_d: run(c_d[0], c_d[1], timeout=240), zip(FRESH, dirs)))
+    for proc, fresh in zip(forked, fresh_runs):
         assert fresh.returncode == 2 and fresh.stderr.startswith("error: "), fresh.stderr[-3000:]
         assert (proc.returncode, proc.stdout, proc.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
 

@@ -18,8 +18,10 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 install: $(VENV)/.installed
 
+# the first 100 of the tiny recipe's 300 steps: ~1.5 minutes of one CPU core (measured: the train loss falls
+# from 5.75 at step 10 to 2.88 at step 60)
 demo: install
-	$(BIN)/lightning-ffpa fit --config configs/tiny.yaml
+	$(BIN)/lightning-ffpa fit --config tiny --trainer.max_steps 100
 
 test: install
 	$(BIN)/python -m pytest -q --durations=15   # the slowest tests, for keeping CI short

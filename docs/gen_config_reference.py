@@ -51,7 +51,7 @@ NESTED: list[tuple[str, str, str]] = [
 ]
 
 
-# How the `lightning-ffpa` command behaves (lightning_ffpa/cli.py, errors.py, recipes.py).
+# How the `lightning-ffpa` command behaves (lightning_ffpa/cli.py, lightning_cli.py, errors.py, recipes.py).
 COMMAND_LINE = [
     "## The command line",
     "",

@@ -4,7 +4,8 @@ Everything here is the user's own code: the LightningModule, the data, the Train
 comes from lightning-ffpa and is marked `# lightning-ffpa`: the `FFPAAttention` Callback (routes Gemma4's
 head_dim-512 full-attention layers to FFPA and reports which kernels ran) and, optionally, the
 `FSDP2Strategy` (per-layer FSDP2 + selective activation checkpointing). The other imports from the package
-only read the dispatch counters, pick the CPU reference kernel, and build a tiny random Gemma4 config.
+only read the dispatch counters, pick the CPU reference kernel, build a tiny random Gemma4 config, and add
+the step progress bar.
 
     python examples/drop_in_callback.py                      # tiny random Gemma4, CPU, a few seconds
     python examples/drop_in_callback.py --pretrained /path/to/gemma-4 --accelerator gpu --devices 8 \\
@@ -27,6 +28,7 @@ from transformers import AutoModelForCausalLM, Gemma4ForCausalLM
 
 from lightning_ffpa.attention import dispatch_counts, force_kernel, kernel_counts
 from lightning_ffpa.callbacks import FFPAAttention  # lightning-ffpa
+from lightning_ffpa.callbacks.screen import default_callbacks  # lightning-ffpa
 from lightning_ffpa.presets import build_text_config
 
 
@@ -103,7 +105,9 @@ def main(argv: list[str] | None = None) -> dict:
     attention = FFPAAttention(log_every_n_steps=1)
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                         strategy=strategy, precision=args.precision, max_steps=args.max_steps,
-                        callbacks=[attention], logger=False, enable_checkpointing=False,
+                        # the step progress bar (Lightning's reads `Epoch 0/-2` under max_steps)
+                        callbacks=[attention, *default_callbacks({"enable_model_summary": False}, [attention])],
+                        logger=False, enable_checkpointing=False,
                         enable_model_summary=False, log_every_n_steps=1)
     vocab = 512 if not args.pretrained else 262144  # RandomTokens only; real projects bring their data
     data = DataLoader(RandomTokens(vocab, args.seq_len, args.batch_size * args.max_steps * 2),

@@ -19,6 +19,7 @@ from typing import Any
 import lightning as L
 
 from lightning_ffpa.callbacks.rollout import RolloutCallback
+from lightning_ffpa.callbacks.screen import default_callbacks
 from lightning_ffpa.rl.module import GRPOModule
 from lightning_ffpa.rl.prompts import PromptDataModule
 from lightning_ffpa.rollout.engine import EngineConfig
@@ -56,13 +57,16 @@ def main(argv: list[str] | None = None) -> dict:
         eos_token_ids=[],
         verify_no_drift=True,  # proves the in-place LoRA refresh is exact before training starts
     )
-    trainer = L.Trainer(accelerator=args.accelerator, devices=1, max_steps=args.steps, callbacks=[rollout],
+    # the project's step progress bar: `step 2/2` (Lightning's reads `Epoch 0/-2` under max_steps, and a small
+    # GRPO loss `-0.000`)
+    trainer = L.Trainer(accelerator=args.accelerator, devices=1, max_steps=args.steps,
+                        callbacks=[rollout, *default_callbacks({"enable_model_summary": False}, [rollout])],
                         logger=False, enable_checkpointing=False, enable_model_summary=False,
                         log_every_n_steps=1)
     trainer.fit(policy, prompts)
     report = {"reward": float(trainer.callback_metrics["rollout/reward"]), "drift": rollout.drift_report,
               "loss": float(trainer.callback_metrics["train/loss"])}
-    print(f"last rollout reward {report['reward']:.3f}, loss {report['loss']:.4f}, LoRA drift check {report['drift']}")
+    print(f"last rollout reward {report['reward']:.3f}, loss {report['loss']:.4g}, LoRA drift check {report['drift']}")
     return report
 
 

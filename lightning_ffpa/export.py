@@ -306,12 +306,12 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     _split({}, max_shard_size, "--max_shard_size")
     source = _Source(Path(ckpt))
     hparams = source.hparams
+    lora = hparams.get("lora")
+    if merge_lora and not lora:  # from the hyper-parameters alone: before the module class is resolved
+        raise ConfigError("--merge_lora", True, "the checkpoint was not trained with `model.lora`")
     config = model_config(source.meta, config_dir)
     text = text_config(config)
-    lora = hparams.get("lora")
     tied = bool(getattr(text, "tie_word_embeddings", False))
-    if merge_lora and not lora:
-        raise ConfigError("--merge_lora", True, "the checkpoint was not trained with `model.lora`")
     if source.meta.get(FROZEN_BASE_KEY) is not None:  # an adapter-only checkpoint: the base is rebuilt, checked
         source.add(rebuilt_base(source.meta, ckpt))
     plan = _plan(sorted(source.specs), tied=tied, merge=merge_lora)

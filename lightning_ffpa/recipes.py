@@ -17,6 +17,15 @@ from lightning_ffpa.errors import ArgumentParser, ConfigError
 from lightning_ffpa.yaml_files import check_config_file
 
 SUFFIXES = (".yaml", ".yml")
+# The tool's `--help` head and its help-only subcommands (handled before LightningCLI, which owns fit/validate/
+# test/predict): here, beside the commands, so the Lightning-free `cli` and the LightningCLI share them.
+COMMANDS = {"recipes": "List the packaged recipes (names `--config` takes).",
+            "cp": "Copy a packaged recipe out for editing: cp NAME DEST."}
+DESCRIPTION = ("Train Hugging Face Gemma4 with Lightning from YAML configs. `--config` takes a file or a "
+               "packaged recipe name (`lightning-ffpa recipes` lists them; `lightning-ffpa cp NAME DEST` copies "
+               "one out for editing). Exit code 0 on success, 2 on a bad input (one `error:` line; add --debug "
+               "for the traceback), 3 when NonFiniteGuard stops a diverged fit, 143 on SIGTERM and "
+               "130 on Ctrl-C (each with a line naming the checkpoint to resume from).")
 
 
 def recipe_dir() -> Path:

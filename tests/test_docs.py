@@ -206,3 +206,36 @@ def test_makefile_has_the_readme_commands():
     readme = (ROOT / "README.md").read_text()
     for target in re.findall(r"^make ([\w-]+)", readme, re.M):
         assert re.search(rf"^{target}:", makefile, re.M), f"README runs `make {target}`"
+
+
+def test_readme_commands_run_from_any_folder_and_come_before_the_numbers():
+    """The README's `lightning-ffpa ... --config X` commands name packaged recipes (a `configs/...` path works only
+    in a checkout), and the headline numbers follow the ways in rather than sitting between them and Quick start."""
+    from lightning_ffpa import recipes
+
+    readme = (ROOT / "README.md").read_text()
+    configs = [c for c in re.findall(r"lightning-ffpa [^\n`]*?--config[ =]([^\s`]+)", readme) if c != "..."]
+    assert configs, "the README shows no `lightning-ffpa ... --config` command"
+    for name in configs:
+        assert recipes.find(name) is not None and "/" not in name, f"README: `--config {name}` is not a recipe name"
+    sections = re.findall(r"^## (.+)$", readme, re.M)
+    assert sections.index("Quick start (CPU, fresh machine)") < sections.index("Three ways in") \
+        < sections.index("Headline numbers")
+
+
+def test_rows_cited_beside_a_result_file_are_in_it():
+    """A sentence that names benchmark rows (`rows `a` and `b` in [file](../benchmarks/results/f.json)`) names
+    rows that file holds (docs/parallelism.md cited `sdpa` and `ours_nocompile` rows no file had)."""
+    import json
+
+    cited = re.compile(r"\brows? ((?:`\w+`(?:,|\s+and|\s+or)?\s*)+)(?:\([^)]*\)\s*)?(?:and\s+`\w+`\s*(?:\([^)]*\)\s*)?)?"
+                       r"in\s+\[[^\]]*\]\((?:\.\./)?(benchmarks/results/[\w.-]+\.json)\)")
+    checked = 0
+    for page in PAGES:
+        text = re.sub(r"\s+", " ", page.read_text())
+        for names, path in cited.findall(text):
+            rows = {r.get("row") for r in json.loads((ROOT / path).read_text()).get("rows", [])}
+            for name in re.findall(r"`(\w+)`", names):
+                checked += 1
+                assert name in rows, f"{page.name}: row `{name}` is not in {path} ({sorted(rows)})"
+    assert checked >= 2

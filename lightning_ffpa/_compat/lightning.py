@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
+import warnings
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -15,6 +17,21 @@ import torch
 from torch import nn
 
 from lightning_ffpa._compat.torch import without_wrapper_levels
+
+# Two lines Lightning prints on every fit that the user can do nothing about, each silenced by its exact text:
+# - its own `_pytree` helper still builds `LeafSpec()`, which torch deprecates with a FutureWarning
+#   (Lightning-AI/pytorch-lightning#21326);
+# - a tip advertising its hosted logger (`rank_zero_info` in the trainer's logger connector).
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+                        module=r"lightning\.pytorch\.utilities\._pytree")
+_LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"
+
+
+def _not_the_litlogger_tip(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_LITLOGGER_TIP)
+
+
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_the_litlogger_tip)
 
 __all__ = [
     "accumulating",

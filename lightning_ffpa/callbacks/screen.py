@@ -3,7 +3,8 @@ summary without a FLOPs column it cannot fill.
 
 Owns `StepProgressBar` (tqdm) and `RichStepProgressBar` (rich, Lightning's default when rich is installed):
 with `trainer.max_steps` set, the training bar reads `steps done / max_steps` and the epoch without a total
-(Lightning's reads batches of the epoch and `Epoch 0/-2`, from `max_epochs=-1`). `ParameterSummary` is
+(Lightning's reads batches of the epoch and `Epoch 0/-2`, from `max_epochs=-1`), and a small number in
+scientific notation (rich's `.3f` shows a GRPO loss of -2e-5 as `-0.000`). `ParameterSummary` is
 Lightning's ModelSummary without its FLOPs column and total, which are 0 unless the module defines an
 `example_input_array` (and then miss the FFPA and flex attention ops). `default_callbacks` picks them for the
 CLI. Does not own throughput or MFU (`TokenThroughput` logs those as metrics).
@@ -11,6 +12,7 @@ CLI. Does not own throughput or MFU (`TokenThroughput` logs those as metrics).
 
 from __future__ import annotations
 
+import math
 from importlib.util import find_spec
 from typing import Any
 
@@ -26,6 +28,14 @@ def _description(trainer: pl.Trainer) -> str:
         return f"Epoch {trainer.current_epoch}, step"
     last = trainer.max_epochs - 1 if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
     return f"Epoch {trainer.current_epoch}" + (f"/{last}" if last is not None else "")  # Lightning's 0-based form
+
+
+def format_metric(value: float) -> str:
+    """A number for the progress bar: 3 decimals from 0.001 to 1e5 (and for 0), else 3 significant digits in
+    scientific notation, so a small loss reads `-2.31e-05`, not `-0.000`."""
+    if not math.isfinite(value) or value == 0 or 1e-3 <= abs(value) < 1e5:
+        return f"{value + 0.0:.3f}"  # + 0.0: -0.0 reads `0.000`
+    return f"{value:.2e}"
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -67,11 +77,11 @@ class RichStepProgressBar(RichProgressBar):
         self._set_train_task(trainer, description=_description(trainer), **steps)
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        """Lightning's, with the logger's version number as text: rich formats every number `.3f` (`v_num: 1.000`)."""
+        """Lightning's, as text: rich formats every number `.3f` (`v_num: 1.000`, a loss of -2e-5 `-0.000`)."""
         items = super().get_metrics(trainer, pl_module)
         if isinstance(items.get("v_num"), int):
             items["v_num"] = str(items["v_num"])
-        return items
+        return {k: format_metric(v) if isinstance(v, float) else v for k, v in items.items()}
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -3,8 +3,10 @@
 
 Each row runs `lightning-ffpa` / `lightning-ffpa-export` in a fresh folder holding the tiny configs
 (`fit.yaml` = configs/tiny.yaml at CPU size, `grpo.yaml` = configs/tiny_grpo.yaml) and a few prepared
-files; the folder's tree (names, sizes, mtimes) must be the same after the command. Rows run two at a
-time (each is a real process: most of its time is imports).
+files; the folder's tree (names, sizes, mtimes) must be the same after the command. Most of a fresh
+process's time is imports (Lightning, torch: ~5 s a row, ~8 minutes for the table), so each row runs the
+installed script in a process forked from a preloader that imported them once (`_console.Preloaded`), two at
+a time; `test_preloaded_rows_match_fresh_processes` runs a few rows both ways and compares.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _console import ROOT, run, snapshot
+from _console import ROOT, Preloaded, run, snapshot
 
 F = "lightning-ffpa fit --config fit.yaml"
 G = "lightning-ffpa fit --config grpo.yaml"
@@ -199,22 +201,43 @@ def template(tmp_path_factory) -> Path:
     return root
 
 
+WORKERS = 2  # preloaders, one per CPU core of CI
+
+
+def _row_dir(template: Path, tmp_path_factory, i: int) -> Path:
+    cwd = tmp_path_factory.mktemp(f"row{i}")
+    shutil.copytree(template, cwd, dirs_exist_ok=True)
+    return cwd
+
+
 @pytest.fixture(scope="module")
 def results(template, tmp_path_factory, request) -> dict[str, tuple]:
     """Every selected row run once, two at a time: {command: (process, tree before, tree after)}."""
     selected = {item.callspec.params["command"] for item in request.session.items
                 if item.module is request.module and "command" in getattr(getattr(item, "callspec", None), "params", {})}
+    rows = [(i, row) for i, row in enumerate(ROWS) if row[0] in selected]
+    if not rows:
+        return {}
+    preloaders = [Preloaded(tmp_path_factory.mktemp("preloader")) for _ in range(min(WORKERS, len(rows)))]
+    idle = list(preloaders)
 
     def one(i_row):
         i, (command, _) = i_row
-        cwd = tmp_path_factory.mktemp(f"row{i}")
-        shutil.copytree(template, cwd, dirs_exist_ok=True)
+        cwd = _row_dir(template, tmp_path_factory, i)
         before = snapshot(cwd)
-        proc = run(command, cwd, timeout=240)
+        preloader = idle.pop()  # each thread holds one preloader at a time (list.pop/append are atomic)
+        try:
+            proc = preloader.run(command, cwd, timeout=240)
+        finally:
+            idle.append(preloader)
         return command, (proc, before, snapshot(cwd))
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(one, [(i, row) for i, row in enumerate(ROWS) if row[0] in selected]))
+    try:
+        with ThreadPoolExecutor(max_workers=len(preloaders)) as pool:
+            return dict(pool.map(one, rows))
+    finally:
+        for p in preloaders:
+            p.close()
 
 
 def test_table_is_large_and_unique():
@@ -222,6 +245,29 @@ def test_table_is_large_and_unique():
     assert len(ROWS) >= 40 and len(set(commands)) == len(commands)
     assert {c.split()[0] for c, _ in ROWS} == {"lightning-ffpa", "lightning-ffpa-export"}
     assert sum(c.startswith(G) for c, _ in ROWS) >= 5  # GRPO options (configs/tiny_grpo.yaml)
+
+
+# one row of each kind: a fit parse error, a fit pre-flight error (components built), GRPO, export
+FRESH = [ROWS[0][0], f"{F} --data.init_args.batch_size 100000", f"{G} --model.init_args.clip_eps 0",
+         f"{E} fake.ckpt out --dtype float64"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_preloaded_rows_match_fresh_processes(template, tmp_path_factory):
+    """A row forked from the preloader gives what a fresh process of the installed script gives."""
+    assert set(FRESH) <= {c for c, _ in ROWS}
+    preloader = Preloaded(tmp_path_factory.mktemp("preloader"))
+    try:
+        forked = [preloader.run(c, _row_dir(template, tmp_path_factory, i), timeout=240) for i, c in enumerate(FRESH)]
+    finally:
+        preloader.close()
+    dirs = [_row_dir(template, tmp_path_factory, i) for i in range(len(FRESH))]
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        fresh_runs = list(pool.map(lambda c_d: run(c_d[0], c_d[1], timeout=240), zip(FRESH, dirs)))
+    for proc, fresh in zip(forked, fresh_runs):
+        assert fresh.returncode == 2 and fresh.stderr.startswith("error: "), fresh.stderr[-3000:]
+        assert (proc.returncode, proc.stdout, proc.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
 
 
 @pytest.mark.slow

@@ -66,6 +66,7 @@ def fit_row(length: int, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [*console_command(), "fit", "--config", str(REPO / "configs" / f"{args.recipe}.yaml"),
            "--trainer.max_steps", str(args.steps), "--trainer.default_root_dir", str(root),
            "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(root),
+           "--trainer.logger.flush_logs_every_n_steps", "1",  # a row cut short keeps the steps it finished
            f"{CB}sampling.max_new_tokens", str(length), f"{CB}engine.max_seq_len", str(max_seq), *args.extra]
     t0 = time.monotonic()
     try:

@@ -7,7 +7,6 @@ a one-process FSDP2Strategy fit, DCP folder and single file). Another base is re
 from __future__ import annotations
 
 import shutil
-import socket
 
 import lightning as L
 import pytest
@@ -133,17 +132,6 @@ def test_a_missing_trained_weight_is_still_an_error(tmp_path):
 
 
 # ---- FSDP2Strategy (one process, gloo) ---------------------------------------------------------------------
-
-
-@pytest.fixture
-def one_process(monkeypatch):
-    with socket.socket() as sock:  # the port Lightning writes into os.environ is undone after the test
-        sock.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    yield
-    if dist.is_initialized():  # the one-process group must not leak into later tests
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

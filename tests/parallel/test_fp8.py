@@ -5,7 +5,6 @@ resume (with float8 all-gather), the HF export, and the refusals. The real strat
 from __future__ import annotations
 
 import math
-import socket
 import sys
 from collections import Counter
 
@@ -172,17 +171,6 @@ def test_compiled_fp8_layers_match_eager_without_breaks_or_recompiles(monkeypatc
         torch.testing.assert_close(got_grads[name], want, atol=1e-5, rtol=1e-5, msg=name)
     assert got_kernels == want_kernels == {"cutedsl": 0, "reference": 2 * cfg.layer_types.count("full_attention")}
     assert any(_float8(m) for m in compiled.modules())
-
-
-@pytest.fixture
-def one_process(monkeypatch):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -52,11 +52,14 @@ def device_name() -> str:
 
 def write_result(benchmark: str, rows: list[dict[str, Any]], summary: dict[str, Any],
                  out: str | Path | None = None, **extra: Any) -> Path:
-    """Write one result JSON (benchmark, command, commit, date, device, versions, rows, summary)."""
+    """Write one result JSON (benchmark, command, commit, tree, date, device, versions, rows, summary)."""
+    from benchmarks.checkout import tree_digest
+
     record = {
         "benchmark": benchmark,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": _commit(),
+        "tree": tree_digest(),  # the files as run: a device copy's local edits, which `commit` cannot name
         "date": _dt.date.today().isoformat(),
         "finished_at": _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S"),  # orders two files of one day
         "device": device_name(),

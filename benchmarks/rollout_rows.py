@@ -11,6 +11,8 @@ V = v_norm(k) apart from K = rope(k_norm(k)), so both count), averaged exactly o
 fraction divides the ideal step time at the measured copy bandwidth (read + write bytes / s, this process) by the
 measured step; `roofline_fraction_datasheet` uses the datasheet HBM figure instead, `roofline_fraction_read_bw` a
 measured read bandwidth (a bf16 sum). Flex reads whole KV blocks: `kv_bytes_read_paged` is reported, not counted.
+An engine row times TIMED_SAMPLES rollouts after its warm-up (each a prefill alone, then the whole rollout); its
+throughput, decode step and roofline fractions are their median, with `_min` and `_max` beside (`timed_samples`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import sys
 import traceback
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import torch
@@ -26,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.rollout_hf import peaks, reference_check, run_hf_cb, run_hf_static, timed  # noqa: E402
 from benchmarks.row_process import row_main  # noqa: E402
 from lightning_ffpa.presets import build_text_config  # noqa: E402
+
+TIMED_SAMPLES = 3  # timed rollouts per engine row, after the warm-up; the row records their median, min and max
 
 # HBM bandwidth from the vendors' datasheets, bytes/s, by a substring of the device name
 DATASHEET_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -105,6 +110,13 @@ def kv_bytes_per_step(eng, plen: int, new: int) -> tuple[float, float]:
     return need / n, paged / n
 
 
+def spread(key: str, values: list[float] | None) -> dict[str, float | None]:
+    """`key` (the median of the timed samples' `values`), `key_min` and `key_max`; all None without values."""
+    if not values:
+        return {key: None, f"{key}_min": None, f"{key}_max": None}
+    return {key: median(values), f"{key}_min": min(values), f"{key}_max": max(values)}
+
+
 def run_ours(model, prompts, new: int, bw: dict, wbytes: int, spec: dict, device: str) -> tuple[dict, Any, list]:
     from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
     from lightning_ffpa.rollout.sampler import SamplingParams
@@ -122,24 +134,29 @@ def run_ours(model, prompts, new: int, bw: dict, wbytes: int, spec: dict, device
     sampling = SamplingParams(temperature=0.0) if spec["mode"] == "greedy" else SamplingParams(temperature=1.0,
                                                                                                top_p=1.0, top_k=0)
     _, t_warm = timed(lambda: eng.generate(prompts, 4, sampling), device)  # compiles, captures this sampler's graphs
-    _, t_prefill = timed(lambda: eng.generate(prompts, 1, sampling), device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    seqs, t_total = timed(lambda: eng.generate(prompts, new, sampling), device)
-    t_decode = max(t_total - t_prefill, 1e-9)
+    t_prefill, t_total, t_decode = [], [], []
+    for _ in range(TIMED_SAMPLES):  # each: a prefill alone, then the whole rollout; decode = their difference
+        t_prefill.append(timed(lambda: eng.generate(prompts, 1, sampling), device)[1])
+        seqs, t = timed(lambda: eng.generate(prompts, new, sampling), device)
+        t_total.append(t)
+        t_decode.append(max(t - t_prefill[-1], 1e-9))
     kv_need, kv_paged = kv_bytes_per_step(eng, plen, new)
     step_bytes = wbytes + bs * kv_need
-    decode_tps = bs * (new - 1) / t_decode
-    frac = decode_tps / (bs / (step_bytes / bw["copy_bytes_per_s"]))
+    ideal_s = step_bytes / bw["copy_bytes_per_s"]
     sheet = bw["datasheet_bytes_per_s"]
-    res = {"tokens_per_s": bs * new / t_total, "decode_tokens_per_s": decode_tps,
-           "roofline_fraction": frac,
-           "roofline_fraction_datasheet": frac * bw["copy_bytes_per_s"] / sheet if sheet else None,
-           "roofline_fraction_read_bw": frac * bw["copy_bytes_per_s"] / bw["read_bytes_per_s"],
+    decode_step_s = [t / (new - 1) for t in t_decode]
+    res = {"timed_samples": TIMED_SAMPLES,
+           "tokens_per_s": bs * new / median(t_total),
+           **spread("decode_tokens_per_s", [bs / s for s in decode_step_s]),
+           **spread("roofline_fraction", [ideal_s / s for s in decode_step_s]),
+           **spread("roofline_fraction_datasheet", [step_bytes / sheet / s for s in decode_step_s] if sheet else None),
+           "roofline_fraction_read_bw": step_bytes / bw["read_bytes_per_s"] / median(decode_step_s),
            "step_bytes": step_bytes, "weight_bytes": wbytes,
            "kv_bytes_per_step": bs * kv_need, "kv_bytes_read_paged": bs * kv_paged,
-           "decode_step_ms": t_decode / (new - 1) * 1e3, "ideal_step_ms": step_bytes / bw["copy_bytes_per_s"] * 1e3,
-           "total_s": t_total, "prefill_s": t_prefill, "warmup_s": t_warm, **peaks(device),
+           **spread("decode_step_ms", [s * 1e3 for s in decode_step_s]), "ideal_step_ms": ideal_s * 1e3,
+           "total_s": median(t_total), "prefill_s": median(t_prefill), "warmup_s": t_warm, **peaks(device),
            "graph_replays": eng.stats["graph_replays"], "eager_decodes": eng.stats["eager_decodes"],
            "syncs": eng.stats["syncs"], "preemptions": eng.stats["preemptions"], "pipeline": ecfg.pipeline,
            "compile_mode": ecfg.compile_mode, "decode_path": eng.decode_path, "attention_path": eng.attention_path,

@@ -1,9 +1,12 @@
-"""Shared test fixtures: the gpu marker gate, and launch and seed variables restored after every test."""
+"""Shared test fixtures: the gpu marker gate, launch and seed variables restored after every test, and the
+environment of a one-process gloo fit (`one_process`)."""
 
 import os
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 
 # Set by Lightning's launcher in the process that fits (here: pytest itself, for in-process fits). Left behind,
 # LOCAL_RANK makes a later multi-rank fit started from this process believe its ranks were started outside
@@ -22,6 +25,19 @@ def _launch_vars_do_not_leak():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """A free MASTER_PORT and MASTER_ADDR for an in-process fit (FSDP2 on a mesh of one, gloo); its process
+    group is destroyed after the test."""
+    with socket.socket() as sock:  # the port Lightning writes into os.environ is undone after the test
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    yield
+    if dist.is_initialized():  # the one-process group must not leak into later tests
+        dist.destroy_process_group()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -44,6 +44,10 @@ def test_rows_run_in_own_processes_with_hf_check(tmp_path, monkeypatch):
     assert check["hf_generate_vs_forward_logprob_max_abs_diff"] < 1e-3  # HF's two paths agree in fp32
     assert "token_match_rate" not in sampled["hf_check"] and sampled["hf_check"]["logprob_max_abs_diff"] < 1e-3
     assert 0 < greedy["roofline_fraction"] and greedy["roofline_fraction_datasheet"] is None  # no CPU datasheet
+    for r in (greedy, sampled):  # the engine rows: the median of three timed rollouts, their spread beside
+        assert r["timed_samples"] == 3 and r["roofline_fraction_datasheet_max"] is None
+        for key in ("roofline_fraction", "decode_tokens_per_s", "decode_step_ms"):
+            assert 0 < r[f"{key}_min"] <= r[key] <= r[f"{key}_max"], (key, r)
     prof = greedy["profile"]  # mid-run: 6 steps + 2 must fit the 12 new tokens, so it skips 4 (512 new: 256)
     assert "error" not in prof and prof["steps"] == 6 and prof["first_step"] == 5 and prof["context_at_first_step"] == 12
     assert prof["wall_ms_per_step"] > 0 and "profile" not in sampled

@@ -7,7 +7,6 @@ weights changed since the fit is refused in one line naming the checkpoint and `
 from __future__ import annotations
 
 import shutil
-import socket
 
 import lightning as L
 import pytest
@@ -38,17 +37,6 @@ QUIET = dict(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=
 
 def _ids() -> torch.Tensor:
     return torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
-
-
-@pytest.fixture
-def one_process(monkeypatch):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    yield
-    if dist.is_initialized():  # the one-process group must not leak into later tests
-        dist.destroy_process_group()
 
 
 @torch.no_grad()

@@ -7,7 +7,6 @@ a one-process FSDP2Strategy fit, DCP folder and single file). Another base is re
 from __future__ import annotations
 
 import shutil
-import socket
 
 import lightning as L
 import pytest
@@ -121,29 +120,24 @@ def test_plain_resume_over_another_base_is_refused_before_training(tmp_path):
     assert "(the fit ran under `seed_everything=0`, this run under 1)" in message
 
 
+def _drop_a_trained_weight(path, part: str) -> str:
+    """Delete the first `part` (an adapter's name part) tensor from the single-file checkpoint at `path`; its key."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    lost = next(k for k in ckpt["state_dict"] if part in k)
+    del ckpt["state_dict"][lost]
+    torch.save(ckpt, path)
+    return lost
+
+
 def test_a_missing_trained_weight_is_still_an_error(tmp_path):
     _fit(tmp_path, N)
     path = tmp_path / "ckpt" / "last.ckpt"
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    lost = next(k for k in ckpt["state_dict"] if "lora_A" in k)
-    del ckpt["state_dict"][lost]
-    torch.save(ckpt, path)
+    lost = _drop_a_trained_weight(path, "lora_A")
     with pytest.raises(RuntimeError, match=f"Missing key.*{lost}"):
         _fit(tmp_path, 2 * N, ckpt_path=path)
 
 
 # ---- FSDP2Strategy (one process, gloo) ---------------------------------------------------------------------
-
-
-@pytest.fixture
-def one_process(monkeypatch):
-    with socket.socket() as sock:  # the port Lightning writes into os.environ is undone after the test
-        sock.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    yield
-    if dist.is_initialized():  # the one-process group must not leak into later tests
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -211,10 +205,7 @@ def test_fsdp2_single_file_missing_a_trained_weight_is_still_an_error(one_proces
 
     fit(N)
     path = tmp_path / "ckpt" / "last.ckpt"
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    lost = next(k for k in ckpt["state_dict"] if "lora_B" in k)
-    del ckpt["state_dict"][lost]
-    torch.save(ckpt, path)
+    lost = _drop_a_trained_weight(path, "lora_B")
     with pytest.raises(KeyError, match=f"{lost}.*missing besides the frozen weights"):
         fit(2 * N, ckpt_path=path)
 

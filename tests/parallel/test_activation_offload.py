@@ -94,15 +94,9 @@ def test_offload_on_a_cpu_run_is_refused_before_the_process_group_starts():
     assert not dist.is_initialized()
 
 
-def test_the_strategy_offloads_inside_each_training_step(tmp_path, monkeypatch):
+def test_the_strategy_offloads_inside_each_training_step(tmp_path, one_process):
     """A one-process CPU fit through FSDP2Strategy: its training_step runs under the hooks (swapped for CPU ones
     here), the losses equal a fit without them, and the counts show what moved."""
-    import socket
-
-    with socket.socket() as sock:  # Lightning writes the port into os.environ: undone after the test, so later
-        sock.bind(("127.0.0.1", 0))  # tests' subprocesses do not inherit a port this process may still hold
-        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
 
     class Blocks(L.LightningModule):
         def __init__(self):

@@ -5,12 +5,13 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface
 
 from lightning_ffpa import saved_ops
 from lightning_ffpa.parallel import checkpointing, parallelize, resolve_op
 from lightning_ffpa.presets import build_text_config
+
+from ._steps import count_ops
 
 # A counted custom attention op standing in for an FFPA kernel: users add it through
 # `sac_extra_save_ops`, the same path the YAML list takes.
@@ -55,29 +56,11 @@ def _counting_attention(module, query, key, value, attention_mask, scaling=None,
 AttentionInterface.register("counting_test", _counting_attention)
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self, ops):
-        super().__init__()
-        self.ops, self.counts = ops, Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.ops:
-            self.counts[func] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _tiny(attn: str):
     torch.manual_seed(0)
     cfg = build_text_config("tiny")
     cfg._attn_implementation = attn
     return transformers.Gemma4ForCausalLM(cfg)
-
-
-def _step(model, ops=()):
-    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
-    with _OpCounter(set(ops)) as counter:
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    return counter.counts
 
 
 @pytest.mark.parametrize("mode,per_layer", [("none", 1), ("selective", 1), ("full", 2)])
@@ -86,7 +69,7 @@ def test_custom_attention_op_runs_once_under_sac(mode, per_layer):
     extra = ["lightning_ffpa_test.attn.default"] if mode == "selective" else []
     parallelize(model, None, activation_checkpointing=mode, sac_extra_save_ops=extra)
     _CALLS.clear()
-    _step(model)
+    count_ops(model)
     assert _CALLS["fwd"] == per_layer * 4  # all 4 tiny layers use the custom op
 
 
@@ -95,7 +78,7 @@ def test_sdpa_forward_is_must_save(mode, per_layer):
     sdpa_ops = {op for op in checkpointing.default_save_ops() if "scaled_dot_product" in str(op)}
     model = _tiny("sdpa")
     parallelize(model, None, activation_checkpointing=mode)
-    counts = _step(model, sdpa_ops)
+    counts = count_ops(model, sdpa_ops)
     assert sum(counts.values()) == per_layer * 4
 
 
@@ -126,7 +109,7 @@ def test_registered_forward_ops_are_saved(mode, per_layer):
     model = _tiny("kernel_test")
     parallelize(model, None, activation_checkpointing=mode)
     with kernels.force_kernel("reference"):
-        counts = _step(model, {ref_fwd})
+        counts = count_ops(model, {ref_fwd})
     n_full = build_text_config("tiny").layer_types.count("full_attention")
     assert counts[ref_fwd] == per_layer * n_full
 
@@ -142,7 +125,7 @@ def test_ffpa_reference_op_runs_once_per_full_layer():
         model = _tiny("ffpa")
         parallelize(model, None, activation_checkpointing=mode)
         with attention.force_kernel("reference"):  # the backend's own dispatch, on the CPU reference op
-            counts = _step(model, ref_ops)
+            counts = count_ops(model, ref_ops)
         assert sum(counts.values()) == per_layer * n_full, (mode, counts)
 
 
@@ -158,7 +141,7 @@ def test_policy_answers_the_same_in_forward_and_recompute(monkeypatch):
     monkeypatch.setattr(checkpointing, "sac_policy", recording)
     model = _tiny("sdpa")
     parallelize(model, None, activation_checkpointing="selective")
-    _step(model)
+    count_ops(model)
     fwd = [(op, d) for rec, op, d in calls if not rec]
     rec = [(op, d) for rec, op, d in calls if rec]
     if rec:  # torch 2.11 asks again while recomputing; torch 2.13 replays without asking
@@ -212,7 +195,7 @@ def test_high_k_saves_exactly_the_matmuls_wider_than_the_layer(monkeypatch):
     calls = _record_policy(monkeypatch)
     model = _tiny("sdpa")
     parallelize(model, None, activation_checkpointing="selective", sac_save_mm="high_k")
-    _step(model)
+    count_ops(model)
     mm = [(k, saved) for rec, op, k, saved in calls if not rec and k is not None]
     assert mm and all(saved == (k > cfg.hidden_size) for k, saved in mm), mm
     # Per layer: o_proj (K = heads * head_dim) and down_proj (K = intermediate) are saved, q/k/v/gate/up not.
@@ -229,8 +212,8 @@ def test_every_rule_gives_the_eager_gradients(rule):
     ref = _tiny("sdpa")
     model = _tiny("sdpa")
     parallelize(model, None, activation_checkpointing="selective", sac_save_mm=rule)
-    _step(ref)
-    _step(model)
+    count_ops(ref)
+    count_ops(model)
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
 

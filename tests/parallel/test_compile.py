@@ -6,8 +6,6 @@ the sliding layers take the flex_cpu fallback. The Gemma4 tests compile with dyn
 inductor adds only codegen and is covered by the small counter test below.
 """
 
-import functools
-
 import pytest
 import torch
 import torch._dynamo
@@ -15,44 +13,14 @@ import torch._dynamo.utils
 import transformers
 
 from lightning_ffpa import attention
-from lightning_ffpa.attention import counters, kernels
+from lightning_ffpa.attention import counters
 from lightning_ffpa.parallel import parallelize
 from lightning_ffpa.parallel.checkpointing import sac_context_fn
 from lightning_ffpa.presets import build_text_config
 
+from ._steps import run_steps
+
 STEPS = 3
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    strip = ("._orig_mod", "._checkpoint_wrapped_module")
-    out = {}
-    for name, p in model.named_parameters():
-        for s in strip:
-            name = name.replace(s, "")
-        out[name] = p.grad
-    return out
-
-
-def _run(model, ids, steps=STEPS):
-    """`steps` forward+backward passes; returns (losses, grads of the last step, dispatch, kernel counts)."""
-    attention.reset_dispatch_counts()
-    losses = []
-    with kernels.force_kernel("reference"):
-        for _ in range(steps):
-            model.zero_grad(set_to_none=True)
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            losses.append(loss.detach())
-    return losses, _grads(model), attention.dispatch_counts(), attention.kernel_counts()
-
-
-@pytest.fixture
-def aot_eager_compile(monkeypatch):
-    """`parallelize(compile=True)` compiles with dynamo + AOT autograd only (seconds instead of a minute)."""
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.timeout(240)
@@ -72,14 +40,14 @@ def test_compiled_sac_ffpa_layers_match_eager_without_breaks_or_recompiles(aot_e
 
     stats = torch._dynamo.utils.counters
     stats.clear()
-    _run(compiled, ids, steps=1)  # compiles every layer variant
+    run_steps(compiled, ids, 1)  # compiles every layer variant
     graphs_after_first_step = stats["stats"]["unique_graphs"]
-    got_losses, got_grads, got_dispatch, got_kernels = _run(compiled, ids)
+    got_losses, got_grads, got_dispatch, got_kernels = run_steps(compiled, ids, STEPS)
     assert not stats["graph_break"], dict(stats["graph_break"])
     # A counter read while tracing becomes a guard on its value and recompiles the layer every call.
     assert stats["stats"]["unique_graphs"] == graphs_after_first_step, dict(stats["stats"])
 
-    want_losses, want_grads, want_dispatch, want_kernels = _run(eager, ids)
+    want_losses, want_grads, want_dispatch, want_kernels = run_steps(eager, ids, STEPS)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for got, want in zip(got_losses, want_losses):
         torch.testing.assert_close(got, want, **tol)
@@ -101,7 +69,7 @@ def test_eager_counts_skip_the_checkpoint_recompute():
     model = transformers.Gemma4ForCausalLM(cfg)
     parallelize(model, None, activation_checkpointing="full")
     ids = torch.randint(0, 512, (1, 24))
-    *_, dispatch, kernel = _run(model, ids, steps=2)
+    *_, dispatch, kernel = run_steps(model, ids, 2)
     assert dispatch["ffpa-dense"] == 2 * 2 and kernel["reference"] == 2 * 2
     assert attention.fallback_counts() == {"flex_cpu": 2 * 2}
 

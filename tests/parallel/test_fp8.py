@@ -5,7 +5,6 @@ resume (with float8 all-gather), the HF export, and the refusals. The real strat
 from __future__ import annotations
 
 import math
-import socket
 import sys
 from collections import Counter
 
@@ -14,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ffpa.data import MockDataModule
 from lightning_ffpa.errors import ConfigError
@@ -23,6 +21,8 @@ from lightning_ffpa.parallel import FSDP2Strategy, parallelize
 from lightning_ffpa.parallel import fp8 as fp8_mod
 from lightning_ffpa.parallel.fp8 import Float8Training
 from lightning_ffpa.presets import build_text_config
+
+from ._steps import count_ops, run_steps
 
 EMULATED = {r: Float8Training(r, emulate=True) for r in ("rowwise", "tensorwise")}
 # torchao is the `fp8` extra, not in `dev` (pyproject says why): the tests that convert modules need it
@@ -65,24 +65,6 @@ def test_moe_routers_stay_high_precision_and_are_reported():
     assert not any(_float8(m) for n, m in model.named_modules() if n.endswith("router.proj"))
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self, ops):
-        super().__init__()
-        self.ops, self.counts = ops, Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.ops:
-            self.counts[func] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _step(model, ops):
-    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
-    with _OpCounter(set(ops)) as counter:
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    return counter.counts
-
-
 @needs_torchao
 def test_ffpa_forward_stays_must_save_under_fp8():
     """The FFPA op (its CPU reference) runs once per full layer under SAC with float8 layers, twice under full AC."""
@@ -96,7 +78,7 @@ def test_ffpa_forward_stays_must_save_under_fp8():
         model = _tiny(attn="ffpa")
         parallelize(model, None, activation_checkpointing=mode, fp8=EMULATED["rowwise"])
         with attention.force_kernel("reference"):
-            counts = _step(model, ref_ops)
+            counts = count_ops(model, ref_ops)
         assert sum(counts.values()) == per_layer * n_full, (mode, counts)
 
 
@@ -111,7 +93,7 @@ def test_sac_saves_the_float8_casts_amax_and_recomputes_the_rest(recipe, amax):
     for mode in ("none", "selective", "full"):
         model = _tiny()
         parallelize(model, None, activation_checkpointing=mode, fp8=EMULATED[recipe])
-        counts[mode] = _step(model, {reduction, elementwise})
+        counts[mode] = count_ops(model, {reduction, elementwise})
     assert counts["none"][reduction] > 0
     assert counts["selective"][reduction] == counts["none"][reduction] < counts["full"][reduction]
     assert counts["none"][elementwise] < counts["selective"][elementwise] == counts["full"][elementwise]
@@ -119,19 +101,14 @@ def test_sac_saves_the_float8_casts_amax_and_recomputes_the_rest(recipe, amax):
 
 @needs_torchao
 @pytest.mark.timeout(240)
-def test_compiled_fp8_layers_match_eager_without_breaks_or_recompiles(monkeypatch):
+def test_compiled_fp8_layers_match_eager_without_breaks_or_recompiles(aot_eager_compile):
     """Per-layer compile (dynamo + AOT autograd, as tests/parallel/test_compile.py) of SAC-wrapped float8 layers:
     no graph break, no recompile after the first step, the eager float8 losses and gradients, and the FFPA op
     once per full layer per step."""
-    import functools
-
-    import torch._dynamo
     import torch._dynamo.utils
 
     from lightning_ffpa import attention
 
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    torch._dynamo.reset()
     attention.register_ffpa()
     cfg = build_text_config("tiny", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
     cfg._attn_implementation = "ffpa"
@@ -142,47 +119,20 @@ def test_compiled_fp8_layers_match_eager_without_breaks_or_recompiles(monkeypatc
     parallelize(eager, None, activation_checkpointing="selective", fp8=EMULATED["rowwise"])
     ids = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
 
-    def run(model, steps):
-        losses = []
-        attention.reset_dispatch_counts()
-        with attention.force_kernel("reference"):
-            for _ in range(steps):
-                model.zero_grad(set_to_none=True)
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-                loss.backward()
-                losses.append(loss.detach())
-        grads = {n.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""): p.grad
-                 for n, p in model.named_parameters()}
-        return losses, grads, attention.kernel_counts()
-
     stats = torch._dynamo.utils.counters
     stats.clear()
-    try:
-        run(compiled, 1)
-        graphs = stats["stats"]["unique_graphs"]
-        got_losses, got_grads, got_kernels = run(compiled, 2)
-        assert not stats["graph_break"], dict(stats["graph_break"])
-        assert stats["stats"]["unique_graphs"] == graphs, dict(stats["stats"])
-    finally:
-        torch._dynamo.reset()
-    want_losses, want_grads, want_kernels = run(eager, 2)
+    run_steps(compiled, ids, 1)
+    graphs = stats["stats"]["unique_graphs"]
+    got_losses, got_grads, _, got_kernels = run_steps(compiled, ids, 2)
+    assert not stats["graph_break"], dict(stats["graph_break"])
+    assert stats["stats"]["unique_graphs"] == graphs, dict(stats["stats"])
+    want_losses, want_grads, _, want_kernels = run_steps(eager, ids, 2)
     for got, want in zip(got_losses, want_losses):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for name, want in want_grads.items():
         torch.testing.assert_close(got_grads[name], want, atol=1e-5, rtol=1e-5, msg=name)
     assert got_kernels == want_kernels == {"cutedsl": 0, "reference": 2 * cfg.layer_types.count("full_attention")}
     assert any(_float8(m) for m in compiled.modules())
-
-
-@pytest.fixture
-def one_process(monkeypatch):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,6 @@ from ._fit_replicated import seeded_weights
 from ._launch import torchrun_json
 
 
-@pytest.fixture
-def one_process(monkeypatch):
-    with socket.socket() as sock:  # the port Lightning writes into os.environ is undone after the test
-        sock.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    yield
-    if dist.is_initialized():  # the one-process group must not leak into later tests
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     torch.manual_seed(0)

@@ -53,20 +53,13 @@ def test_a_planted_write_to_w0_during_the_fit_is_caught_at_its_end():
 
 
 @pytest.mark.timeout(300)
-def test_a_resumed_fsdp2_fit_hashes_the_restored_base(tmp_path, monkeypatch):
+def test_a_resumed_fsdp2_fit_hashes_the_restored_base(tmp_path, one_process):
     """FSDP2Strategy restores a checkpoint after `on_fit_start` built (and hashed) the engine: the end-of-fit hash
     is compared with the restored base's, not with the one the checkpoint replaced, and the engine (reading the
     replicated base in place) runs the restored one."""
-    import socket
-
     import torch.distributed as dist
 
     from lightning_ffpa.parallel import FSDP2Strategy
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
 
     def fit(steps, ckpt_path=None):
         rollout = RolloutCallback([token_range_reward], num_generations=2, sampling=SamplingParams(max_new_tokens=3),

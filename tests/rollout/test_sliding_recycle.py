@@ -10,6 +10,7 @@ dense reference reads only the mask mod, not the masks' block lists, where a rel
 
 import pytest
 import torch
+from _scramble import scrambled
 from transformers import Gemma4ForCausalLM
 
 from lightning_ffpa.errors import ConfigError
@@ -57,22 +58,9 @@ def reference(model):
     return prompts, [_hf(model, p) for p in prompts]
 
 
-def _scrambled(eng, seed):
-    """Every `generate` starts from shuffled free lists: pages far from consecutive, in both pools."""
-    g = torch.Generator().manual_seed(seed)
-    restart = eng.pages.restart
-
-    def scrambled_restart():
-        restart()
-        eng.pages.scramble(g)
-
-    eng.pages.restart = scrambled_restart
-    return eng
-
-
 def _generate_and_check(model, reference, cfg, n=2, seed=0):
     prompts, refs = reference
-    eng = _scrambled(RolloutEngine(model, cfg), seed)
+    eng = scrambled(RolloutEngine(model, cfg), seed)
     seqs = eng.generate(prompts[:n], NEW)
     for seq, (tokens, logprobs) in zip(seqs, refs):
         assert seq.output == tokens, f"prompt {seq.seq_id} diverged at {_first_diff(seq.output, tokens)}"
@@ -122,7 +110,7 @@ def test_tight_pools_preempt_and_still_match_hf(model, reference, tight):
     kw = {"num_sliding_pages": PER_SEQ + 2} if tight == "sliding" else {"num_pages": 30}
     kw["attention"] = "dense"
     prompts, refs = reference
-    eng = _scrambled(RolloutEngine(model, _cfg(**kw)), seed=2)
+    eng = scrambled(RolloutEngine(model, _cfg(**kw)), seed=2)
     seqs = eng.generate(prompts, NEW)
     assert eng.stats["preemptions"] > 0
     for seq, (tokens, logprobs) in zip(seqs, refs):

@@ -11,6 +11,7 @@ preemption and recompute under the same graphs. The weights are drawn so the nex
 
 import pytest
 import torch
+from _scramble import scrambled
 
 from lightning_ffpa.presets import build_text_config
 from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
@@ -48,18 +49,6 @@ def _cfg(**kw):
                                   max_seq_len=MAX_LEN), **kw})
 
 
-def _scrambled(eng, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    restart = eng.pages.restart
-
-    def scrambled_restart():
-        restart()
-        eng.pages.scramble(g)
-
-    eng.pages.restart = scrambled_restart
-    return eng
-
-
 def _hf_logprobs(model, prompt, output):
     ids = torch.tensor([prompt + output], device="cuda")
     with torch.no_grad():
@@ -82,7 +71,7 @@ def _check_pages(eng):
 def test_compiled_graphs_with_recycling_match_hf_greedy_fp32(tight):
     model = _model(torch.float32)
     prompts = _prompts()
-    eng = _scrambled(RolloutEngine(model, _cfg(num_sliding_pages=PER_SEQ + 2 if tight else None)))
+    eng = scrambled(RolloutEngine(model, _cfg(num_sliding_pages=PER_SEQ + 2 if tight else None)))
     seqs = eng.generate(prompts, NEW)
     if tight:
         assert eng.stats["preemptions"] > 0
@@ -107,7 +96,7 @@ def _hf_generate_logprobs(model, prompt):
 def test_compiled_graphs_with_recycling_bf16_logprobs_match_hf_on_its_tokens():
     model = _model(torch.bfloat16)
     prompts = _prompts(seed=1)
-    eng = _scrambled(RolloutEngine(model, _cfg()), seed=1)
+    eng = scrambled(RolloutEngine(model, _cfg()), seed=1)
     seqs = eng.generate(prompts, NEW)
     ours, noise = [], []
     for p, seq in zip(prompts, seqs):

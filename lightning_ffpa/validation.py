@@ -31,6 +31,7 @@ from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_seed
 from lightning_ffpa.checkpoint.paths import root_checkpoint_dirs
 from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.hf_module import ARCHITECTURE_HPARAMS, check_hparams_match  # noqa: F401 - re-exported
+from lightning_ffpa.lora import check_parameters_match
 
 # LightningCLI option: take the model options from an explicit checkpoint file even where they differ.
 RESUME_SWITCH = "resume_model_from_checkpoint"
@@ -125,32 +126,37 @@ def check_no_dangling_last(trainer: Any, option: str = "ckpt_path") -> None:
                                       f"did not complete; pass a complete checkpoint explicitly ({hint})")
 
 
-def check_lora_targets(model: Any, option: str = "model.lora.target_modules") -> None:
-    """Every entry of the LoRA `target_modules` must name at least one Linear/Embedding of the model."""
+def check_lora_targets(model: Any, option: str = "model.lora") -> None:
+    """Every entry of the LoRA `target_modules` must name at least one Linear/Embedding of the model, and every
+    entry of `target_parameters` at least one parameter (peft's rule: the name or a `.`-suffix of it; peft only
+    warns when one matches nothing)."""
     spec = (getattr(model, "hparams", None) or {}).get("lora")
     if not spec or not hasattr(model, "config"):
         return
-    targets = spec.get("target_modules")
+    targets, params = spec.get("target_modules"), spec.get("target_parameters")
+    if (targets is None or targets == "all-linear") and not params:
+        return
+    hf = _meta_model(model)
+    check_parameters_match(hf, params, option)
     if targets is None or targets == "all-linear":
         return
-    names = _adaptable_module_names(model)
+    names = [n for n, m in hf.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
     if isinstance(targets, str):  # peft: one string is a regex over the full module name
         if not any(re.fullmatch(targets, n) for n in names):
-            raise ValueError(f"`{option}={targets!r}` (a regex) matches no Linear/Embedding module; "
-                             f"e.g. {_suffixes(names)}")
+            raise ConfigError(f"{option}.target_modules", targets, "(a regex) matches no Linear/Embedding module; "
+                              f"e.g. {_suffixes(names)}")
         return
     unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if unmatched:
-        raise ValueError(f"`{option}`: {unmatched} match no Linear/Embedding module of the model; "
-                         f"available: {_suffixes(names)}")
+        raise ConfigError(f"{option}.target_modules", unmatched, "match no Linear/Embedding module of the model; "
+                          f"available: {_suffixes(names)}")
 
 
-def _adaptable_module_names(model: Any) -> list[str]:
+def _meta_model(model: Any) -> nn.Module:
     from lightning_ffpa.module import _MODEL_CLASSES
 
     with torch.device("meta"):  # names only: no memory, no init
-        hf = from_config(_MODEL_CLASSES[getattr(model, "model_class_name", "causal_lm")], model.config)
-    return [n for n, m in hf.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+        return from_config(_MODEL_CLASSES[getattr(model, "model_class_name", "causal_lm")], model.config)
 
 
 def _suffixes(names: list[str]) -> list[str]:

@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_ffpa.errors import ConfigError
 
-__all__ = ["LoraSpec", "lora_hparam", "check_targets_given", "check_parameters_match", "apply_lora", "unwrap_peft",
+__all__ = ["LoraSpec", "lora_hparam", "check_targets_given", "check_targets_match", "apply_lora", "unwrap_peft",
            "PEFT_PREFIX", "hf_name", "merged_weight"]
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> HF model
@@ -128,17 +128,32 @@ def check_targets_given(lora: dict[str, Any] | None, model_type: str, option: st
                           f"{model_type!r}; set it, e.g. [q_proj, v_proj] or all-linear")
 
 
-def check_parameters_match(model: nn.Module, targets: list[str] | None, option: str = "model.lora") -> None:
-    """Every `target_parameters` entry must name a parameter of `model` by peft's rule (the name or a `.`-suffix
-    of it): peft only warns when one matches nothing, and trains without it."""
-    if not targets:
+def check_targets_match(model: nn.Module, lora: dict[str, Any], option: str = "model.lora") -> None:
+    """Every `target_modules` entry must name a Linear/Embedding of `model` and every `target_parameters` entry a
+    parameter, by peft's rules (the name or a `.`-suffix of it; one string is a regex over full module names).
+    peft raises only when nothing at all matches, and otherwise trains without the names that matched nothing."""
+    params = lora.get("target_parameters")
+    if params:
+        names = [n for n, _ in model.named_parameters()]
+        unmatched = [t for t in params if not any(n == t or n.endswith("." + t) for n in names)]
+        if unmatched:
+            stacks = sorted({".".join(n.split(".")[-2:]) for n, p in model.named_parameters() if p.dim() == 3})
+            raise ConfigError(f"{option}.target_parameters", unmatched, "match no parameter of the model; its "
+                              f"expert stacks: {stacks or 'none (not a MoE model)'}")
+    targets = lora.get("target_modules")
+    if targets is None or targets == "all-linear":
         return
-    names = [n for n, _ in model.named_parameters()]
+    names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    available = sorted({n.rsplit(".", 1)[-1] for n in names})
+    if isinstance(targets, str):
+        if not any(re.fullmatch(targets, n) for n in names):
+            raise ConfigError(f"{option}.target_modules", targets, f"(a regex) matches no Linear/Embedding module; "
+                              f"e.g. {available}")
+        return
     unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if unmatched:
-        stacks = sorted({".".join(n.split(".")[-2:]) for n, p in model.named_parameters() if p.dim() == 3})
-        raise ConfigError(f"{option}.target_parameters", unmatched, "match no parameter of the model; its "
-                          f"expert stacks: {stacks or 'none (not a MoE model)'}")
+        raise ConfigError(f"{option}.target_modules", unmatched, f"match no Linear/Embedding module of the model; "
+                          f"available: {available}")
 
 
 def apply_lora(model: nn.Module, lora: dict[str, Any], option: str = "model.lora") -> nn.Module:
@@ -146,7 +161,7 @@ def apply_lora(model: nn.Module, lora: dict[str, Any], option: str = "model.lora
     from peft import LoraConfig, get_peft_model
 
     spec = {"task_type": "CAUSAL_LM", **lora_hparam(lora, option)}
-    check_parameters_match(model, spec.get("target_parameters"), option)
+    check_targets_match(model, spec, option)
     try:
         return get_peft_model(model, LoraConfig(**spec))
     except ValueError as err:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_seed
 from lightning_ffpa.checkpoint.paths import root_checkpoint_dirs
 from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.hf_module import ARCHITECTURE_HPARAMS, check_hparams_match  # noqa: F401 - re-exported
-from lightning_ffpa.lora import check_parameters_match
+from lightning_ffpa.lora import check_targets_match
 
 # LightningCLI option: take the model options from an explicit checkpoint file even where they differ.
 RESUME_SWITCH = "resume_model_from_checkpoint"
@@ -127,29 +126,14 @@ def check_no_dangling_last(trainer: Any, option: str = "ckpt_path") -> None:
 
 
 def check_lora_targets(model: Any, option: str = "model.lora") -> None:
-    """Every entry of the LoRA `target_modules` must name at least one Linear/Embedding of the model, and every
-    entry of `target_parameters` at least one parameter (peft's rule: the name or a `.`-suffix of it; peft only
-    warns when one matches nothing)."""
+    """Every LoRA `target_modules` / `target_parameters` entry must match the model (`lora.check_targets_match`
+    over the model built on meta), before fit writes any file."""
     spec = (getattr(model, "hparams", None) or {}).get("lora")
     if not spec or not hasattr(model, "config"):
         return
-    targets, params = spec.get("target_modules"), spec.get("target_parameters")
-    if (targets is None or targets == "all-linear") and not params:
+    if spec.get("target_modules") in (None, "all-linear") and not spec.get("target_parameters"):
         return
-    hf = _meta_model(model)
-    check_parameters_match(hf, params, option)
-    if targets is None or targets == "all-linear":
-        return
-    names = [n for n, m in hf.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
-    if isinstance(targets, str):  # peft: one string is a regex over the full module name
-        if not any(re.fullmatch(targets, n) for n in names):
-            raise ConfigError(f"{option}.target_modules", targets, "(a regex) matches no Linear/Embedding module; "
-                              f"e.g. {_suffixes(names)}")
-        return
-    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
-    if unmatched:
-        raise ConfigError(f"{option}.target_modules", unmatched, "match no Linear/Embedding module of the model; "
-                          f"available: {_suffixes(names)}")
+    check_targets_match(_meta_model(model), spec, option)
 
 
 def _meta_model(model: Any) -> nn.Module:
@@ -157,10 +141,6 @@ def _meta_model(model: Any) -> nn.Module:
 
     with torch.device("meta"):  # names only: no memory, no init
         return from_config(_MODEL_CLASSES[getattr(model, "model_class_name", "causal_lm")], model.config)
-
-
-def _suffixes(names: list[str]) -> list[str]:
-    return sorted({n.rsplit(".", 1)[-1] for n in names})
 
 
 def check_components(trainer: Any, model: Any, datamodule: Any) -> None:

@@ -3,7 +3,8 @@
 Owns: reading the model weights out of a checkpoint one shard-sized group of tensors at a time (a `.ckpt`
 is memory-mapped; a DCP folder is read key group by key group with DCP, with no process group and without
 ever holding the whole model), mapping Lightning/PEFT names to HF names, writing safetensors shards, the
-index and `config.json`; LoRA adapters in PEFT format, or merged into the base weights in fp32.
+index and `config.json`; LoRA adapters in PEFT format, or merged into the base weights in fp32 (a Linear's weight,
+or a 3-D expert stack adapted through `model.lora.target_parameters`, expert by expert, in HF's layout).
 Does not own training-time saving (`ModelCheckpoint`) or checking the checkpoint (`lightning_ffpa.validation`).
 
     python -m lightning_ffpa.export CKPT OUT [--merge_lora] [--dtype bfloat16] [--max_shard_size 5GB] [--config DIR]
@@ -208,7 +209,20 @@ class _Plan:
 _HEAD = "lm_head.weight"
 
 
-def _plan(names: list[str], tied: bool, merge: bool) -> _Plan:
+def adapted_parameters(meta: dict[str, Any]) -> dict[str, str]:
+    """peft module name -> the parameter its LoRA adapts, for the `target_parameters` adapters (peft's
+    `ParamWrapper`s, nested one per parameter: their names in a checkpoint do not say which parameter each one
+    adapts). Read from the checkpoint's module built on meta; empty without `target_parameters`."""
+    if not ((meta.get("hyper_parameters") or {}).get("lora") or {}).get("target_parameters"):
+        return {}
+    model = build_module(meta).build_model(device="meta")
+    return {name: module.parameter_name for name, module in model.named_modules()
+            if isinstance(getattr(module, "parameter_name", None), str) and hasattr(module, "lora_A")}
+
+
+def _plan(names: list[str], tied: bool, merge: bool, params: dict[str, str] | None = None) -> _Plan:
+    """`params`: `adapted_parameters` (which parameter each parameter adapter adapts)."""
+    params = params or {}
     base: dict[str, list[str]] = {}
     adapter: dict[str, str] = {}
     loras: dict[str, dict[str, str]] = {}
@@ -245,7 +259,9 @@ def _plan(names: list[str], tied: bool, merge: bool) -> _Plan:
         base.pop(_HEAD, None)  # tied to embed_tokens; from_pretrained re-ties it
     if merge:
         for module, ab in loras.items():
-            base[f"{module}.weight"] += [ab["A"], ab["B"]]
+            wrapped = PEFT_PREFIX + module
+            weight = hf_name(f"{wrapped}.{params[wrapped]}") if wrapped in params else f"{module}.weight"
+            base[weight] += [ab["A"], ab["B"]]
         adapter = {}
     return _Plan(base, adapter, untie)
 
@@ -314,7 +330,8 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     tied = bool(getattr(text, "tie_word_embeddings", False))
     if source.meta.get(FROZEN_BASE_KEY) is not None:  # an adapter-only checkpoint: the base is rebuilt, checked
         source.add(rebuilt_base(source.meta, ckpt))
-    plan = _plan(sorted(source.specs), tied=tied, merge=merge_lora)
+    params = adapted_parameters(source.meta) if merge_lora else {}
+    plan = _plan(sorted(source.specs), tied=tied, merge=merge_lora, params=params)
     if plan.untie:
         tied = text.tie_word_embeddings = config.tie_word_embeddings = False
     check_config_matches(config, hparams, {hf: source.specs[src[0]][0] for hf, src in plan.base.items()}, tied,

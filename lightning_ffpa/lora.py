@@ -5,8 +5,9 @@ document them: `--model.init_args.lora '{r: 16, lora_alpha: 32, target_modules: 
 `--model.init_args.lora.r 16`), their range checks, the plain dict form kept in `hparams` and checkpoints
 (`torch.load(weights_only=True)` cannot unpickle a dataclass), `apply_lora`, `unwrap_peft` (the HF model inside a
 peft wrapper), and the peft naming and merge rule shared by export and the rollout weight sync (`PEFT_PREFIX`,
-`hf_name`, `merged_weight`). Does not own which modules exist (validation.py checks that `target_modules`
-match) or reading/writing checkpoints (export.py).
+`hf_name`, `merged_weight`, for a Linear's 2-D weight and a 3-D expert stack adapted through
+`target_parameters`). Does not own which modules and parameters exist (validation.py checks that
+`target_modules` and `target_parameters` match) or reading/writing checkpoints (export.py).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from torch import nn
 
 from lightning_ffpa.errors import ConfigError
 
-__all__ = ["LoraSpec", "lora_hparam", "check_targets_given", "apply_lora", "unwrap_peft", "PEFT_PREFIX", "hf_name",
-           "merged_weight"]
+__all__ = ["LoraSpec", "lora_hparam", "check_targets_given", "check_targets_match", "apply_lora", "unwrap_peft",
+           "PEFT_PREFIX", "hf_name", "merged_weight"]
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> HF model
 # Levels peft puts inside a wrapped module: a LoRA layer's `base_layer`, a `modules_to_save` module's copies.
@@ -40,6 +41,9 @@ class LoraSpec:
     """scaling numerator: the update is scaled by lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)."""
     target_modules: list[str] | str | None = None
     """module name suffixes to adapt (e.g. [q_proj, v_proj]), a regex over full names, or `all-linear`."""
+    target_parameters: list[str] | None = None
+    """parameter name suffixes to adapt where no Linear holds them: the 3-D MoE expert stacks (e.g.
+    [experts.gate_up_proj, experts.down_proj]; peft's `target_parameters`, no lora_dropout, no DoRA)."""
     lora_dropout: float = 0.0
     """dropout on the adapter input, in [0, 1)."""
     bias: Literal["none", "all", "lora_only"] = "none"
@@ -87,6 +91,7 @@ def lora_hparam(value: LoraSpec | dict[str, Any] | None, option: str = "model.lo
         raise ConfigError(f"{option}.lora_dropout", spec.lora_dropout, "must be in [0, 1)")
     if spec.bias not in ("none", "all", "lora_only"):
         raise ConfigError(f"{option}.bias", spec.bias, "must be one of 'none', 'all', 'lora_only'")
+    _check_target_parameters(spec, option)
     plain = {"r": spec.r}
     for name, field in _FIELDS.items():
         v = getattr(spec, name)
@@ -95,14 +100,60 @@ def lora_hparam(value: LoraSpec | dict[str, Any] | None, option: str = "model.lo
     return plain
 
 
+def _check_target_parameters(spec: LoraSpec, option: str) -> None:
+    """`target_parameters` is a list of names, and peft's parameter LoRA has no dropout and no DoRA (its
+    `ParamWrapper` refuses both only when the model is built)."""
+    names = spec.target_parameters
+    if names is None:
+        return
+    if isinstance(names, str) or not all(isinstance(n, str) and n for n in names) or not names:
+        raise ConfigError(f"{option}.target_parameters", names, "must be a non-empty list of parameter names "
+                          "(peft matches by suffix; no regex), e.g. [experts.gate_up_proj, experts.down_proj]")
+    if spec.lora_dropout:
+        raise ConfigError(f"{option}.lora_dropout", spec.lora_dropout, "must be 0 with `target_parameters` "
+                          "(peft folds the adapter into the weight, so there is no adapter input to drop)")
+    if spec.use_dora:
+        raise ConfigError(f"{option}.use_dora", True, "does not work with `target_parameters` (peft's parameter "
+                          "LoRA has no DoRA)")
+
+
 def check_targets_given(lora: dict[str, Any] | None, model_type: str, option: str = "model.lora") -> None:
     """Refuse LoRA without `target_modules` where peft has no default for the model type (the text-only
     `gemma4_text` of a CausalLM): peft would fail only when the model is built, after the run folder exists."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
 
-    if lora and lora.get("target_modules") is None and model_type not in PEFT_DEFAULTS:
+    if (lora and lora.get("target_modules") is None and not lora.get("target_parameters")
+            and model_type not in PEFT_DEFAULTS):
         raise ConfigError(f"{option}.target_modules", None, f"must be set: peft has no default modules for "
                           f"{model_type!r}; set it, e.g. [q_proj, v_proj] or all-linear")
+
+
+def check_targets_match(model: nn.Module, lora: dict[str, Any], option: str = "model.lora") -> None:
+    """Every `target_modules` entry must name a Linear/Embedding of `model` and every `target_parameters` entry a
+    parameter, by peft's rules (the name or a `.`-suffix of it; one string is a regex over full module names).
+    peft raises only when nothing at all matches, and otherwise trains without the names that matched nothing."""
+    params = lora.get("target_parameters")
+    if params:
+        names = [n for n, _ in model.named_parameters()]
+        unmatched = [t for t in params if not any(n == t or n.endswith("." + t) for n in names)]
+        if unmatched:
+            stacks = sorted({".".join(n.split(".")[-2:]) for n, p in model.named_parameters() if p.dim() == 3})
+            raise ConfigError(f"{option}.target_parameters", unmatched, "match no parameter of the model; its "
+                              f"expert stacks: {stacks or 'none (not a MoE model)'}")
+    targets = lora.get("target_modules")
+    if targets is None or targets == "all-linear":
+        return
+    names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    available = sorted({n.rsplit(".", 1)[-1] for n in names})
+    if isinstance(targets, str):
+        if not any(re.fullmatch(targets, n) for n in names):
+            raise ConfigError(f"{option}.target_modules", targets, f"(a regex) matches no Linear/Embedding module; "
+                              f"e.g. {available}")
+        return
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:
+        raise ConfigError(f"{option}.target_modules", unmatched, f"match no Linear/Embedding module of the model; "
+                          f"available: {available}")
 
 
 def apply_lora(model: nn.Module, lora: dict[str, Any], option: str = "model.lora") -> nn.Module:
@@ -110,6 +161,7 @@ def apply_lora(model: nn.Module, lora: dict[str, Any], option: str = "model.lora
     from peft import LoraConfig, get_peft_model
 
     spec = {"task_type": "CAUSAL_LM", **lora_hparam(lora, option)}
+    check_targets_match(model, spec, option)
     try:
         return get_peft_model(model, LoraConfig(**spec))
     except ValueError as err:
@@ -129,5 +181,16 @@ def hf_name(train_name: str) -> str:
 
 def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """W0 + scaling * B @ A (A: (r, in), B: (out, r)) in the inputs' dtype; written into `out` when given."""
-    return torch.addmm(base, b, a, alpha=scaling, out=out)
+    """W0 + scaling * B @ A in the inputs' dtype; written into `out` when given.
+
+    A Linear's weight: W0 (out, in), A (r, in), B (out, r). An expert stack (peft's `ParamWrapper` over a
+    parameter stored (experts, out, in), as HF's MoE layers store it): A (r * experts, in) holds expert e's rows
+    at [e*r, (e+1)*r), B (out, r * experts) its columns at e, e + experts, ... (peft's layout), and each expert
+    gets its own B_e @ A_e.
+    """
+    if base.dim() == 2:
+        return torch.addmm(base, b, a, alpha=scaling, out=out)
+    experts, rows, cols = base.shape  # (E, out, in)
+    a_e = a.reshape(experts, -1, cols)  # (E, r, in)
+    b_e = b.reshape(rows, -1, experts).permute(2, 0, 1)  # (E, out, r)
+    return torch.baddbmm(base, b_e, a_e, alpha=scaling, out=out)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_seed
 from lightning_ffpa.checkpoint.paths import root_checkpoint_dirs
 from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.hf_module import ARCHITECTURE_HPARAMS, check_hparams_match  # noqa: F401 - re-exported
+from lightning_ffpa.lora import check_targets_match
 
 # LightningCLI option: take the model options from an explicit checkpoint file even where they differ.
 RESUME_SWITCH = "resume_model_from_checkpoint"
@@ -125,36 +125,22 @@ def check_no_dangling_last(trainer: Any, option: str = "ckpt_path") -> None:
                                       f"did not complete; pass a complete checkpoint explicitly ({hint})")
 
 
-def check_lora_targets(model: Any, option: str = "model.lora.target_modules") -> None:
-    """Every entry of the LoRA `target_modules` must name at least one Linear/Embedding of the model."""
+def check_lora_targets(model: Any, option: str = "model.lora") -> None:
+    """Every LoRA `target_modules` / `target_parameters` entry must match the model (`lora.check_targets_match`
+    over the model built on meta), before fit writes any file."""
     spec = (getattr(model, "hparams", None) or {}).get("lora")
     if not spec or not hasattr(model, "config"):
         return
-    targets = spec.get("target_modules")
-    if targets is None or targets == "all-linear":
+    if spec.get("target_modules") in (None, "all-linear") and not spec.get("target_parameters"):
         return
-    names = _adaptable_module_names(model)
-    if isinstance(targets, str):  # peft: one string is a regex over the full module name
-        if not any(re.fullmatch(targets, n) for n in names):
-            raise ValueError(f"`{option}={targets!r}` (a regex) matches no Linear/Embedding module; "
-                             f"e.g. {_suffixes(names)}")
-        return
-    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
-    if unmatched:
-        raise ValueError(f"`{option}`: {unmatched} match no Linear/Embedding module of the model; "
-                         f"available: {_suffixes(names)}")
+    check_targets_match(_meta_model(model), spec, option)
 
 
-def _adaptable_module_names(model: Any) -> list[str]:
+def _meta_model(model: Any) -> nn.Module:
     from lightning_ffpa.module import _MODEL_CLASSES
 
     with torch.device("meta"):  # names only: no memory, no init
-        hf = from_config(_MODEL_CLASSES[getattr(model, "model_class_name", "causal_lm")], model.config)
-    return [n for n, m in hf.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
-
-
-def _suffixes(names: list[str]) -> list[str]:
-    return sorted({n.rsplit(".", 1)[-1] for n in names})
+        return from_config(_MODEL_CLASSES[getattr(model, "model_class_name", "causal_lm")], model.config)
 
 
 def check_components(trainer: Any, model: Any, datamodule: Any) -> None:

@@ -68,6 +68,9 @@ def _sources(train: nn.Module) -> dict[str, _Source]:
         if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
             continue
         (adapter,) = module.active_adapters
+        if getattr(module, "parameter_name", None) is not None:  # peft's ParamWrapper (`target_parameters`)
+            raise ValueError(f"{name}: LoRA on the parameter {module.parameter_name!r} (`target_parameters`) is not "
+                             "supported by the LoRA refresh, which covers Linear layers only")
         if getattr(module, "use_dora", {}).get(adapter, False):
             raise ValueError(f"{name}: DoRA adapters are not supported by the in-place LoRA refresh")
         loras[name] = (module.base_layer.weight, module.lora_A[adapter].weight, module.lora_B[adapter].weight,

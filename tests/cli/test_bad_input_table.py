@@ -45,6 +45,8 @@ ROWS = [
     (f"{F} --model.init_args.preset gemma4-999b", "preset"),
     (f"{F} --model.init_args.pretrained /nonexistent/gemma4", "model.pretrained"),
     (f"{F} --model.init_args.lora '{{r: 2, lora_alpha: 4, target_modules: [nope_proj]}}'", "target_modules"),
+    (f"{F} --model.init_args.lora '{{r: 2, lora_alpha: 4, target_parameters: [experts.down_proj]}}'",
+     "model.lora.target_parameters"),  # the dense tiny model has no expert stacks
     (f"{F} --trainer.precision fp8", "trainer.precision"),
     (f"{F} --trainer.accumulate_grad_batches 0", "trainer.accumulate_grad_batches"),
     (f"{F} --trainer.val_check_interval 0", "trainer.val_check_interval"),
@@ -92,6 +94,9 @@ ROWS = [
     ("lightning-ffpa cp no_such_recipe out.yaml", "recipe"),
     ("lightning-ffpa cp tiny afile", "dest"),
     (f"{G} --trainer.callbacks.init_args.num_generations 1", "num_generations"),
+    (f"{G} --model.init_args.preset tiny-moe --model.init_args.lora "
+     "'{r: 2, lora_alpha: 4, target_modules: [q_proj], target_parameters: [experts.down_proj]}'",
+     "model.lora.target_parameters"),  # expert LoRA: the rollout engine cannot serve it
     (f"{G} --trainer.callbacks.init_args.reward_funcs=[no_such_module:reward]", "reward_funcs"),
     (f"{G} --trainer.callbacks.init_args.reward_funcs '[lightning_ffpa.rl.rewards:token_range_reward]'",
      "reward_funcs`: `lightning_ffpa.rl.rewards:token_range_reward` is the old `module:function` form"),

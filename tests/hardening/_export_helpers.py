@@ -13,10 +13,11 @@ from lightning_ffpa.data import MockDataModule
 from lightning_ffpa.module import Gemma4LM
 
 
-def train(tmp_path: Path, lora: dict[str, Any] | None = None, **module_kwargs: Any) -> tuple[Gemma4LM, Path]:
-    """Two optimizer steps of the tiny preset (fp32); the module in eval mode and its `.ckpt`."""
+def train(tmp_path: Path, lora: dict[str, Any] | None = None, preset: str = "tiny",
+          **module_kwargs: Any) -> tuple[Gemma4LM, Path]:
+    """Two optimizer steps of a tiny preset (fp32); the module in eval mode and its `.ckpt`."""
     torch.manual_seed(0)
-    lm = Gemma4LM(preset="tiny", dtype="float32", lora=lora, learning_rate=1e-2, warmup_steps=0, **module_kwargs)
+    lm = Gemma4LM(preset=preset, dtype="float32", lora=lora, learning_rate=1e-2, warmup_steps=0, **module_kwargs)
     trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(lm, MockDataModule(seq_length=16, num_samples=4, batch_size=2))

@@ -25,7 +25,7 @@ def torchrun_json(script: Path, out: Path, nproc: int, port: int, *args: str, ti
                str(master_port), str(script), str(out), *map(str, args)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if attempt == 0 and proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr:
-            warnings.warn(f"{script.name}: a rank aborted in gloo's teardown; running it again")
+            warnings.warn(f"{script.name}: a rank aborted in gloo's teardown; running it again", stacklevel=2)
             continue
         assert proc.returncode == 0, proc.stderr[-4000:]
         return json.loads(out.read_text())

@@ -23,8 +23,9 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/lightning-ffpa fit --config tiny --trainer.max_steps 100
 
+# two workers, one test file each at a time (a file's fixtures are built once); --durations: keeping CI short
 test: install
-	$(BIN)/python -m pytest -q --durations=15   # the slowest tests, for keeping CI short
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 gpu-test: install
 	$(BIN)/python -m pytest -q -m gpu

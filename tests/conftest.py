@@ -16,6 +16,11 @@ _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_
                 "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on two cores: one thread each
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # and so do the processes a test starts
+
+
 @pytest.fixture(autouse=True)
 def _launch_vars_do_not_leak():
     before = {k: os.environ.get(k) for k in _LAUNCH_VARS}

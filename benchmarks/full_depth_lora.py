@@ -50,9 +50,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import results_io  # noqa: E402
 from benchmarks.lora_step import config_overrides, static_memory, step_stats, sync  # noqa: E402
-from benchmarks.results_io import RESULTS_DIR, resummarize, write_result  # noqa: E402
+from benchmarks.report import results_io  # noqa: E402
+from benchmarks.report.results_io import RESULTS_DIR, resummarize, write_result  # noqa: E402
 from benchmarks.row_process import add_run_options, fastest_row, row_at, row_main, run_rows  # noqa: E402
 from lightning_ffpa._compat import transformers as hf_compat  # noqa: E402
 from lightning_ffpa.callbacks.throughput import train_flops_per_batch  # noqa: E402

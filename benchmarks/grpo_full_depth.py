@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.fit_recipes import console_command  # noqa: E402
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.report.results_io import write_result  # noqa: E402
 
 _NOISE = ("DEBUG", "V1201", "I1201")
 CB = "--trainer.callbacks.init_args."  # lands on the recipe's last callback, the RolloutCallback

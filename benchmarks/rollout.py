@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import results_io  # noqa: E402
-from benchmarks.results_io import resummarize, write_result  # noqa: E402
+from benchmarks.report import results_io  # noqa: E402
+from benchmarks.report.results_io import resummarize, write_result  # noqa: E402
 from benchmarks.row_process import run_rows  # noqa: E402
 
 ROWS_SCRIPT = Path(__file__).resolve().parent / "rollout_rows.py"

@@ -42,8 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import results_io  # noqa: E402
-from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
+from benchmarks.report import results_io  # noqa: E402
+from benchmarks.report.results_io import RESULTS_DIR, write_result  # noqa: E402
 from benchmarks.row_process import (  # noqa: E402
     MIN_ROW_S,
     add_run_options,

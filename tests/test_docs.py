@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of scripts, not part of the installed package
-from benchmarks import plots, report, results_io  # noqa: E402
+from benchmarks.report import pages, plots, results_io  # noqa: E402
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -46,7 +46,7 @@ def _sections(text: str) -> list[str]:
 
 
 def test_benchmark_pages_are_generated_from_the_results():
-    assert report.main(["--check"]) == 0, "run `python -m benchmarks.report`"
+    assert pages.main(["--check"]) == 0, "run `python -m benchmarks.report`"
 
 
 def test_config_reference_is_generated_from_the_code():
@@ -139,27 +139,27 @@ def test_numbers_beside_a_result_link_are_in_that_result(page):
 def test_headline_numbers_match_their_json():
     """Each README headline value is the linked file's summary (or row) value, formatted as the report does."""
     readme = (ROOT / "README.md").read_text()
-    block = readme[readme.index(report.BEGIN):readme.index(report.END)]
+    block = readme[readme.index(pages.BEGIN):readme.index(pages.END)]
     lines = [ln for ln in block.splitlines() if ln.startswith("- **")]
-    recorded = [r for r in results_io.load_results() if any(k in r[1]["summary"] for k in report.HEADLINES)]
+    recorded = [r for r in results_io.load_results() if any(k in r[1]["summary"] for k in pages.HEADLINES)]
     assert bool(lines) == bool(recorded)
-    row_specs = {report.row_ref(m, metric): (m, metric, fmt) for _, m, metric, _, fmt in report.ROW_HEADLINES}
+    row_specs = {pages.row_ref(m, metric): (m, metric, fmt) for _, m, metric, _, fmt in pages.ROW_HEADLINES}
     for line in lines:
         value = re.match(r"- \*\*(.+?)\*\*", line).group(1)
         path, ref = re.search(r"\]\((benchmarks/results/[\w.-]+\.json)\) \(`(.+?)`\)$", line).groups()
         record = json.loads((ROOT / path).read_text())
         if ref.startswith("summary."):
             key = ref.removeprefix("summary.")
-            assert report.HEADLINES[key][1].format(record["summary"][key]) == value, line
+            assert pages.HEADLINES[key][1].format(record["summary"][key]) == value, line
         else:
             match, metric, fmt = row_specs[ref]
-            assert fmt.format(report.find_row(record["rows"], match)[metric]) == value, line
+            assert fmt.format(pages.find_row(record["rows"], match)[metric]) == value, line
 
 
 def test_plots_exist_for_every_plottable_result():
     for path, rec in results_io.load_results():
         if plots.can_plot(rec):
-            assert (plots.IMG_DIR / f"{path.stem}.png").exists(), f"run `python -m benchmarks.plots` ({path.name})"
+            assert (plots.IMG_DIR / f"{path.stem}.png").exists(), f"run `python -m benchmarks.report.plots` ({path.name})"
 
 
 def test_report_renders_every_benchmark_kind(tmp_path):
@@ -177,7 +177,7 @@ def test_report_renders_every_benchmark_kind(tmp_path):
          "summary": {"cp2_vs_cp1_loss_max_abs_diff": 1e-6}},
     ]
     results = [(results_io.RESULTS_DIR / f"{r['benchmark']}.json", r) for r in recs]
-    page = report.render_benchmarks_md(results, {r["benchmark"] for r in recs})
+    page = pages.render_benchmarks_md(results, {r["benchmark"] for r in recs})
     assert "OutOfResources \\| shared memory" in page  # a failing row is shown with its error, pipes escaped
     assert "**1.20x tokens/s**" in page and "ours_mfu_8k" in page  # None summary: in the table, not a headline
     assert "**30.0%**" in page and "**1.00e-06**" in page

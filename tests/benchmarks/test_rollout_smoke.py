@@ -243,7 +243,7 @@ def test_an_unfused_row_runs_unfused_and_is_compared_with_the_default_row(tmp_pa
 
 
 def test_a_merge_with_a_history_note_is_kept_out_of_the_readme_headline(tmp_path, monkeypatch):
-    from benchmarks import report
+    from benchmarks.report import pages
 
     monkeypatch.setenv("LIGHTNING_FFPA_COMMIT", "9c81b9a")  # a clean commit, as the README's files name
 
@@ -256,7 +256,7 @@ def test_a_merge_with_a_history_note_is_kept_out_of_the_readme_headline(tmp_path
     rollout.main(["--merge", str(run), "--out", str(current)])
     records = [(p, json.loads(p.read_text())) for p in (kept, current)]
     assert records[0][1]["summary"]["history_note"] == "a variant that does not ship"
-    assert [p for p, _ in report.current(records)] == [current]
+    assert [p for p, _ in pages.current(records)] == [current]
     with pytest.raises(SystemExit):
         rollout.parse_args(["--history-note", "x"])  # only a merge takes one
 

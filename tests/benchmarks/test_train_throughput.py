@@ -157,7 +157,7 @@ def test_resume_refuses_another_shape(tmp_path):
 
 
 def test_resume_keeps_rows_killed_only_after_writing_themselves(tmp_path):
-    from benchmarks import results_io
+    from benchmarks.report import results_io
 
     shape = dict(preset="tiny", layers=2)
     rows = [dict(row="ours", seq=64, tokens_per_s_per_gpu=1.0),

@@ -4,7 +4,7 @@ Owns choosing and formatting the cells: which rows and fields a reader compares 
 baselines and peers, per sequence length or batch), each column header linking its result file and naming the
 JSON field, and the notes under a table ("—" cells: a failed or skipped row, its error's first line). Every number
 printed is a field of the result record, formatted with one of `FORMATS`; a ratio is printed only where the file's
-summary recorded it. Does not load files, write pages or draw plots (`benchmarks/report.py`, `benchmarks/plots.py`).
+summary recorded it. Does not load files, write pages or draw plots (`benchmarks/report/pages.py`, `benchmarks/report/plots.py`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Turn `benchmarks/results/*.json` into docs: `docs/benchmarks.md` and the README's headline block.
 
 Owns rendering only: every number on those pages is read from a result file here, none is typed by hand.
-It does not run benchmarks (the scripts next to it do) and does not draw plots (`benchmarks/plots.py`,
+It does not run benchmarks (the scripts in `benchmarks/` do) and does not draw plots (`benchmarks/report/plots.py`,
 called from here unless `--no-plots`).
 
     python -m benchmarks.report            # rewrite docs/benchmarks.md, the README block, docs/img/*.png
@@ -16,12 +16,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report_tables
-from benchmarks.report_tables import CURATED, is_number
-from benchmarks.report_targets import MEMORY_BARS, measured_at, render_targets
-from benchmarks.results_io import load_results
+from benchmarks.report import tables
+from benchmarks.report.results_io import load_results
+from benchmarks.report.tables import CURATED, is_number
+from benchmarks.report.targets import MEMORY_BARS, measured_at, render_targets
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS_MD = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
 BEGIN = "<!-- BEGIN GENERATED: headline numbers (python -m benchmarks.report) -->"
@@ -323,7 +323,7 @@ def clean_commit(record: dict[str, Any]) -> bool:
 
 
 def tree_note(tree: dict[str, Any] | None) -> str:
-    """The provenance line's tail for a file's `tree` (benchmarks/checkout.py): its digest and whether the
+    """The provenance line's tail for a file's `tree` (benchmarks/report/checkout.py): its digest and whether the
     files differed from the commit; empty for a file written before trees were recorded."""
     if not tree:
         return ""
@@ -349,7 +349,7 @@ def render_headline(results: list[tuple[Path, dict[str, Any]]]) -> str:
 
 
 def curated(rec: dict[str, Any]) -> bool:
-    """Whether a result file gets a curated table: a benchmark of report_tables.CURATED, not kept as history."""
+    """Whether a result file gets a curated table: a benchmark of tables.CURATED, not kept as history."""
     return rec.get("benchmark") in CURATED and "history_note" not in rec.get("summary", {})
 
 
@@ -368,7 +368,7 @@ def curated_section(results: list[tuple[Path, dict[str, Any]]], link_from: Path,
     out = ["## Curated tables", "",
            "The comparisons to read first, one table per result file. Every column header links the file and names "
            "the JSON field its cells come from; a ratio is printed only where the file's summary recorded it. "
-           f"{report_tables.DASH} marks a row that failed or was skipped (the note under the table gives the first "
+           f"{tables.DASH} marks a row that failed or was skipped (the note under the table gives the first "
            "line of its error); an empty cell, a row that was not run; n/a, a field the row did not record "
            "(e.g. memory on CPU).", ""]
     for path, rec in files:
@@ -394,7 +394,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         "Every number on this page is read from a result file in `benchmarks/results/`. Each file records the",
         "exact command, commit, device and library versions of its run; files written since 2026-12-05 also record",
         "`tree`, a SHA-256 over the package, benchmark and example files as they were on disk, and whether they",
-        "differed from the commit (benchmarks/checkout.py). Ratios in a summary come from rows measured in the same",
+        "differed from the commit (benchmarks/report/checkout.py). Ratios in a summary come from rows measured in the same",
         "run. To record a run, run the benchmark script with `--out` and regenerate this page; see",
         "[How to reproduce](#how-to-reproduce).",
         "",
@@ -435,7 +435,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         if name in plotted and not curated(rec):  # curated files show their plot beside their table
             out += [f"![{name}](img/{name}.png)", ""]
         link_rel = rel(path, docs)
-        if kinds := report_tables.kernel_time(rec, link_rel) or report_tables.decode_kernel_time(rec, link_rel):
+        if kinds := tables.kernel_time(rec, link_rel) or tables.decode_kernel_time(rec, link_rel):
             out += [f"### {name}: kernel time by kind ({link})", "", *kinds]
         out += [f"### {name}: rows ({link})", "", table(rec["rows"]), ""]
     out += [
@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-plots", action="store_true", help="do not redraw docs/img/*.png")
     args = p.parse_args(argv)
 
-    from benchmarks import plots
+    from benchmarks.report import plots
 
     results = load_results()
     plotted = {path.stem for path, rec in results if plots.can_plot(rec)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report_tables import is_number
+from benchmarks.report.tables import is_number
 
 __all__ = ["TARGETS", "render_targets", "target_status"]
 

@@ -37,6 +37,14 @@ HEADLINES: dict[str, tuple[str, str]] = {
     **{f"ours_vs_flex_recipe_tps_{k}": (f"training step, {k} tokens: ours vs Flex with the same recipe and the "
                                         "best options of a sweep in the same run", "{:.2f}x tokens/s")
        for k in ("8k", "16k", "32k")},
+    # Which part of the same-recipe ratio comes from which kernel (the two factors of ours_vs_sdpa_recipe).
+    **{f"ours_vs_ours_sdpa_d512_tps_{k}": (f"training step, {k} tokens: FFPA's share of that ratio, ours vs ours with "
+                                           "SDPA on the D=512 layers (sliding layers on ours' Flex path in both)",
+                                           "{:.2f}x tokens/s") for k in ("8k", "16k", "32k")},
+    **{f"ours_sdpa_d512_vs_sdpa_recipe_tps_{k}": (f"training step, {k} tokens: the sliding path's share, ours' "
+                                                  "block-sparse Flex vs HF SDPA on the sliding layers (SDPA on the "
+                                                  "D=512 layers in both)", "{:.2f}x tokens/s")
+       for k in ("8k", "16k", "32k")},
     "ours_vs_liger_tps_8k": ("training step, 8k tokens: ours vs HF + liger-kernel's Gemma4 patches, same recipe "
                              "(the faster of with and without per-layer compile where both ran: `liger_baseline`)",
                              "{:.2f}x tokens/s"),

@@ -19,13 +19,14 @@ FORMATS = {"tps": "{:,.0f}", "ratio": "{:.2f}x", "gib": "{:.1f}", "pct": "{:.1%}
 DASH = "—"
 # The scripts' row order (train_rows.ROWS, full_depth_lora.ROWS, rollout.KINDS): each label compares with a
 # neighbour, so tables keep it; rows of other names (ablations, older files) follow in file order.
-TRAIN_ORDER = ("sdpa_defaults", "sdpa_recipe", "flex_recipe", "liger_recipe")
+TRAIN_ORDER = ("sdpa_defaults", "sdpa_recipe", "flex_recipe", "liger_recipe", "ours_sdpa_d512")
 LORA_ORDER = ("ours_lora", "hf_peft_sdpa_recipe", "ours_lora_offload", "unsloth_lora", "unsloth_lora_gc")
 ROLLOUT_ORDER = ("ours_paged_flex", "ours_paged_flex_eager_step", "hf_generate_static", "hf_generate_static_compiled",
                  "hf_continuous_batching")
 # Summary ratio keys (ours over the row), by row name; `{k}` is the sequence tag ("8k").
 TRAIN_RATIOS = {"sdpa_defaults": "ours_vs_sdpa_defaults_tps_{k}", "sdpa_recipe": "ours_vs_sdpa_recipe_tps_{k}",
-                "flex_recipe": "ours_vs_flex_recipe_tps_{k}", "liger_recipe": "ours_vs_liger_tps_{k}"}
+                "flex_recipe": "ours_vs_flex_recipe_tps_{k}", "liger_recipe": "ours_vs_liger_tps_{k}",
+                "ours_sdpa_d512": "ours_vs_ours_sdpa_d512_tps_{k}"}
 LORA_RATIOS = {"hf_peft_sdpa_recipe": "full_depth_lora_ours_vs_sdpa_recipe_tps_{k}",
                "unsloth_lora": "full_depth_lora_ours_vs_unsloth_tps_{k}"}  # beside the Unsloth baseline's row
 

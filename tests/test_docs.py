@@ -6,6 +6,7 @@ import ast
 import importlib.util
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of scripts, not part of the installed package
 from benchmarks.report import pages, plots, results_io  # noqa: E402
 
+RESULTS = ROOT / "benchmarks" / "results"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 RESULT_LINK = re.compile(r"benchmarks/results/[\w.-]+\.json")
@@ -239,3 +241,60 @@ def test_rows_cited_beside_a_result_file_are_in_it():
                 checked += 1
                 assert name in rows, f"{page.name}: row `{name}` is not in {path} ({sorted(rows)})"
     assert checked >= 2
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+
+
+def test_readme_cites_current_result_files_and_marks_the_rest_as_history():
+    """Outside its History section the README cites result files that exist, measured the current code (none of
+    `pages.PREDATES`, no harness flaw) at a commit of this repository (checked where the clone has the history);
+    the History section cites only PREDATES files, each marked with why. A docs section that cites such a file
+    says that it predates the current code."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("\n## History\n")
+    stop = readme.index("\n## ", start + 1)
+    history, outside = readme[start:stop], readme[:start] + readme[stop:]
+    full_history = _git("rev-parse", "--is-shallow-repository").stdout.strip() == "false"
+    cited = sorted(set(RESULT_LINK.findall(outside)))
+    assert cited, "the README cites no result file outside History"
+    for rel in cited:
+        record = json.loads((ROOT / rel).read_text())  # exists
+        stem = Path(rel).stem
+        assert pages.predates(stem, record) is None, f"README cites {rel} outside History: it {pages.PREDATES_MARK}"
+        assert pages.harness_flaw(stem, record) is None and pages.clean_commit(record), rel
+        if full_history:
+            assert _git("cat-file", "-e", f"{record['commit']}^{{commit}}").returncode == 0, \
+                f"{rel}: commit {record['commit']} is not in this repository's history"
+    in_history = sorted({Path(rel).stem for rel in RESULT_LINK.findall(history)})
+    assert in_history and pages.PREDATES_MARK in history
+    for stem in in_history:
+        why = pages.predates(stem, json.loads((RESULTS / f"{stem}.json").read_text()))
+        assert why, f"README History cites {stem}.json, which PREDATES does not name at its commit"
+        assert f"It {pages.PREDATES_MARK}: {why}." in history, stem
+    for page in PAGES:
+        if page.name in ("README.md", "benchmarks.md"):  # README: above; benchmarks.md: generated with the mark
+            continue
+        for section in _sections(page.read_text()):
+            old = sorted({Path(r).stem for r in RESULT_LINK.findall(section)
+                          if pages.predates(Path(r).stem, json.loads((ROOT / r).read_text()))})
+            assert not old or pages.PREDATES_MARK in " ".join(section.split()), \
+                f"{page.name} / {section.splitlines()[0]!r} cites {old} without saying it {pages.PREDATES_MARK}"
+
+
+def test_row_names_in_benchmark_commands_are_rows_of_that_script():
+    """`benchmarks/<script>.py ... --rows a b` in the hand-written docs and the recipe names rows the script defines
+    (its ROWS or KINDS), so a cited ablation (ours_nocompile) is one a reader can run. docs/benchmarks.md is left
+    out: it quotes the commands old files recorded, with the row names of their day."""
+    import importlib
+
+    found = 0
+    for page in [*(p for p in PAGES if p.name != "benchmarks.md"), ROOT / "configs" / "gemma4_ffpa.yaml"]:
+        for script, words in re.findall(r"(?:benchmarks/)?(\w+)\.py\b[^`\n]*?--rows ((?:\w+ ?)+)", page.read_text()):
+            module = importlib.import_module(f"benchmarks.{script}")
+            rows = getattr(module, "ROWS", None) or module.KINDS
+            for name in words.split():
+                found += 1
+                assert name in rows, f"{page.name}: `{script}.py --rows {name}` is no row of the script"
+    assert found >= 5

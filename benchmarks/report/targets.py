@@ -81,8 +81,10 @@ def memory_status(summary: dict[str, Any], key: str) -> tuple[str, str | None]:
     return shown, None if ours <= peer else f"ours' peak memory is {ours - peer:.1f} GiB higher"
 
 
-def render_targets(results: list[tuple[Path, dict[str, Any]]], link_from: Path, rel) -> list[str]:
-    """Markdown lines: one table row per target, with the value, its status and the file it came from."""
+def render_targets(results: list[tuple[Path, dict[str, Any]]], link_from: Path, rel,
+                   marked: dict[str, str] | None = None) -> list[str]:
+    """Markdown lines: one table row per target, with the value, its status and the file it came from; a value
+    read from a file of `marked` (stem -> mark, e.g. one that predates the current code) carries its mark."""
     out = ["## Targets", "",
            "Each target is a ratio or fraction measured in one run on one GPU; the value is the newest file's. "
            "Why a target is missed is written up in [performance notes](performance.md).", "",
@@ -99,5 +101,7 @@ def render_targets(results: list[tuple[Path, dict[str, Any]]], link_from: Path, 
             shown += mem_shown
             status = f"missed: {mem_missed}" if status == "met" and mem_missed else status
         where = f"[`{path.name}`]({rel(path, link_from)}) (`{str(rec.get('commit', '?'))[:7]}`)" if path else "-"
+        if path is not None and (marked or {}).get(path.stem):
+            status += f" ({marked[path.stem]})"
         out.append(f"| {what} (`{key}`) | {bar_text} | {shown} | {status} | {where} |")
     return out + [""]

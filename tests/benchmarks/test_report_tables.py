@@ -452,3 +452,25 @@ def test_decode_kernel_time_is_per_step_by_kind_in_the_files_own_section(tmp_pat
     page = pages.render_benchmarks_md([(tmp_path / "rollout_profile.json", rec)], set())
     assert "### rollout_profile: kernel time by kind" in page
 
+
+
+def test_a_file_that_predates_the_current_code_moves_to_history_until_it_is_re_run(tmp_path):
+    """A file of PREDATES at the commit named there leaves the headline numbers for the README's History block,
+    which says why; the same file re-run at another commit is a headline file again. The targets mark its value."""
+    at, why = pages.PREDATES["rollout"]
+    old = dict(_rollout_record(), commit=f"{at}0000000")
+    new = dict(old, commit="abc1234")
+    for record, current in ((old, False), (new, True)):
+        results = [(tmp_path / "rollout.json", record)]
+        headline, history = pages.render_headline(results), pages.render_history(results)
+        assert ("rollout.json" in headline) is current and ("rollout.json" in history) is not current
+        assert (f"It {pages.PREDATES_MARK}: {why}." in history) is not current
+        assert history.startswith(pages.HISTORY_BEGIN) and history.endswith(pages.HISTORY_END)
+        page = pages.render_benchmarks_md(results, set())
+        assert (f"**It {pages.PREDATES_MARK}:** {why}." in page) is not current
+    from benchmarks.report import targets
+
+    record = dict(old, summary={"roofline_fraction_bs64": 0.9})
+    lines = targets.render_targets([(tmp_path / "rollout_full_depth.json", record)], tmp_path, lambda p, s: p.name,
+                                   {"rollout_full_depth": pages.PREDATES_MARK})
+    assert "| met (predates the current code) |" in next(ln for ln in lines if "roofline_fraction_bs64" in ln)

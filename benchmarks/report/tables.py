@@ -265,19 +265,22 @@ def full_depth_lora(rec: dict[str, Any], link: str) -> list[str]:
 
 
 def rollout(rec: dict[str, Any], link: str) -> list[str]:
-    """Per (batch, row kind): greedy beside sampled, the roofline fraction of both denominators, HF token match."""
+    """Per (batch, row kind): greedy beside sampled, the roofline fraction of both denominators (the datasheet's
+    first: the primary number), HF token match."""
     rows = [r for r in rec["rows"] if "name" in r and "batch" in r]
     kinds = ordered([r["name"].removesuffix("_sampled") for r in rows], ROLLOUT_ORDER)
     summary, notes, t = rec["summary"], Notes(), Table(link)
     cols: list[tuple[str, str, str, str, Callable[[dict], Any]]] = [  # title, field, kind, mode, getter
         ("tokens/s, greedy", "rows[].tokens_per_s", "tps", "", lambda r: r.get("tokens_per_s")),
         ("tokens/s, sampled", "rows[<row>_sampled].tokens_per_s", "tps", "_sampled", lambda r: r.get("tokens_per_s")),
+        ("roofline, greedy, of datasheet HBM", "rows[].roofline_fraction_datasheet", "pct", "",
+         lambda r: r.get("roofline_fraction_datasheet")),
+        ("roofline, sampled, of datasheet HBM", "rows[<row>_sampled].roofline_fraction_datasheet", "pct", "_sampled",
+         lambda r: r.get("roofline_fraction_datasheet")),
         ("roofline, greedy, of measured copy bandwidth", "rows[].roofline_fraction", "pct", "",
          lambda r: r.get("roofline_fraction")),
         ("roofline, sampled, of measured copy bandwidth", "rows[<row>_sampled].roofline_fraction", "pct", "_sampled",
          lambda r: r.get("roofline_fraction")),
-        ("roofline, greedy, of datasheet HBM", "rows[].roofline_fraction_datasheet", "pct", "",
-         lambda r: r.get("roofline_fraction_datasheet")),
         ("greedy tokens equal to HF's", "rows[].hf_check.token_match_rate", "pct", "",
          lambda r: (r.get("hf_check") or {}).get("token_match_rate")),
         ("peak allocated GiB, greedy", "rows[].peak_mem_gb", "gib", "", lambda r: r.get("peak_mem_gb"))]

@@ -35,8 +35,8 @@ TARGETS: list[tuple[str, str | None, float, bool, str]] = [
      "full-attention op, 8k, fwd+bwd: ours vs NeMo-Automodel's FFPA backend"),
     ("ours_vs_nemo_backend_step_tps_8k", None, 1.0, True,
      "training step, 8k: ours vs NeMo-Automodel's FFPA backend, same recipe"),
-    ("roofline_fraction_bs64", "rollout_full_depth", 0.85, False,
-     "rollout decode, 60 layers, batch 64: fraction of the HBM roofline"),
+    ("roofline_fraction_datasheet_bs64", "rollout_full_depth", 0.85, False,
+     "rollout decode, 60 layers, batch 64: fraction of the HBM roofline at the datasheet bandwidth"),
     ("ours_vs_trl_step_speedup", None, 5.0, False, "GRPO optimizer step: ours vs TRL's GRPOTrainer"),
 ]
 # Targets that also need ours' peak memory at or below the peer's: key -> (ours' memory key, the peer's), read

@@ -192,7 +192,7 @@ def test_rollout_puts_sampled_beside_greedy_and_names_the_roofline_denominator(t
     section, _ = _render(tmp_path, record)
     line = next(ln for ln in section.splitlines() if ln.startswith("| 64 | ours_paged_flex |"))
     s = record["summary"]
-    assert line.startswith(f"| 64 | ours_paged_flex | 1,978 | 1,931 | 81.3% | 79.4% | 67.9% | 98.4% | 101.9 | "
+    assert line.startswith(f"| 64 | ours_paged_flex | 1,978 | 1,931 | 67.9% | 66.3% | 81.3% | 79.4% | 98.4% | 101.9 | "
                            f"{s['vs_hf_generate_bs64']:.2f}x | {s['vs_hf_generate_sampled_bs64']:.2f}x |")
     assert "of measured copy bandwidth" in section and "of datasheet HBM" in section
     assert f"`summary.roofline_denominator`: {s['roofline_denominator']}" in section
@@ -470,7 +470,24 @@ def test_a_file_that_predates_the_current_code_moves_to_history_until_it_is_re_r
         assert (f"**It {pages.PREDATES_MARK}:** {why}." in page) is not current
     from benchmarks.report import targets
 
-    record = dict(old, summary={"roofline_fraction_bs64": 0.9})
+    record = dict(old, summary={"roofline_fraction_datasheet_bs64": 0.9})
     lines = targets.render_targets([(tmp_path / "rollout_full_depth.json", record)], tmp_path, lambda p, s: p.name,
                                    {"rollout_full_depth": pages.PREDATES_MARK})
-    assert "| met (predates the current code) |" in next(ln for ln in lines if "roofline_fraction_bs64" in ln)
+    assert "| met (predates the current code) |" in next(ln for ln in lines if "roofline_fraction_datasheet" in ln)
+
+
+def test_the_roofline_reads_the_datasheet_fraction_first():
+    """The datasheet fraction is the roofline's primary number: its headline comes before the copy-bandwidth one,
+    the target reads it, and the rollout table shows it first."""
+    record = _rollout_record()
+    keys = list(pages.HEADLINES)
+    assert keys.index("roofline_fraction_datasheet_bs64") < keys.index("roofline_fraction_bs64")
+    assert keys.index("roofline_fraction_datasheet_sampled_bs64") < keys.index("roofline_fraction_sampled_bs64")
+    from benchmarks.report import targets
+
+    assert [k for k, *_ in targets.TARGETS if "roofline" in k] == ["roofline_fraction_datasheet_bs64"]
+    header = next(ln for ln in tables.rollout(record, "r.json") if ln.startswith("| batch"))
+    assert header.index("of datasheet HBM") < header.index("of measured copy bandwidth")
+    bullets = [ln for ln in pages.render_headline([(Path("rollout_x.json"), dict(record, commit="abc1234"))])
+               .splitlines() if "roofline_fraction" in ln]
+    assert "summary.roofline_fraction_datasheet_bs64" in bullets[0]

@@ -56,9 +56,9 @@ from benchmarks.lora_step import config_overrides, static_memory, step_stats, st
 from benchmarks.report import results_io  # noqa: E402
 from benchmarks.report.results_io import RESULTS_DIR, resummarize, write_result  # noqa: E402
 from benchmarks.row_process import add_run_options, fastest_row, row_at, row_main, run_rows  # noqa: E402
-from lightning_ffpa._compat import transformers as hf_compat  # noqa: E402
-from lightning_ffpa.callbacks.throughput import train_flops_per_batch  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
+
+# No transformers at module level: an Unsloth row's process runs this file and must import Unsloth first.
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gemma4_ffpa.yaml"
 LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
@@ -166,8 +166,10 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.step_probe import StepProfiler
     from lightning_ffpa import attention
     from lightning_ffpa._compat import torch as torch_compat
+    from lightning_ffpa._compat import transformers as hf_compat
     from lightning_ffpa._compat.transformers import find_hf_model
     from lightning_ffpa.attention import kernels
+    from lightning_ffpa.callbacks.throughput import train_flops_per_batch
     from lightning_ffpa.cli import build
     from lightning_ffpa.validation import preflight
 
@@ -280,6 +282,8 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning_ffpa import attention
     from lightning_ffpa._compat import lightning as lightning_compat
     from lightning_ffpa._compat import torch as torch_compat
+    from lightning_ffpa._compat import transformers as hf_compat
+    from lightning_ffpa.callbacks.throughput import train_flops_per_batch
     from lightning_ffpa.module import build_adamw
     from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, materialize
 

@@ -133,14 +133,29 @@ def test_lora_flops_drop_only_the_frozen_weight_gradients():
     assert train_flops_per_batch(peft.get_base_model(), 1, seq) == full - 2 * matmul * seq + 6 * adapters * seq
 
 
-def test_unsloth_row_records_what_it_tried():
+@pytest.mark.timeout(200)
+def test_unsloth_row_imports_unsloth_first_in_its_own_process_and_records_what_it_tried(tmp_path):
+    """The row's process (the script's child) has imported none of transformers, peft and trl when it imports
+    Unsloth, which patches them; in a process that has (this one), the row is refused with one line, untimed."""
     from benchmarks.unsloth_row import measure_unsloth
 
     if importlib.util.find_spec("unsloth") is not None:
         pytest.skip("unsloth is installed here: the row would train")
     spec = dict(row="unsloth_lora", seq=64, preset="tiny", layers=2, dtype="float32", warmup=1, steps=2,
                 smoke=True, lora=fdl.LORA)
-    row = measure_unsloth(spec)
+    import transformers  # noqa: F401 - as in this test process
+
+    refused = measure_unsloth(spec)
+    assert refused["error"].startswith("import unsloth: ") and "Unsloth must come first" in refused["error"]
+    assert refused["tried"] == [] and "transformers" in refused["imported_before_unsloth"]
+    out = tmp_path / "u.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(_ROOT / "benchmarks" / "full_depth_lora.py"), *_SMOKE, "--rows",
+                           "unsloth_lora", "--out", str(out)], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["imported_before_unsloth"] == []  # Unsloth came first in the row's process
     assert row["error"] == "import unsloth: ModuleNotFoundError: No module named 'unsloth'"
     assert [t["step"] for t in row["tried"]] == ["import unsloth"] and not row["tried"][0]["ok"]
     assert row["versions"]["unsloth"] is None and row["versions"]["torch"]

@@ -247,7 +247,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- row: HF + PEFT, same recipe
 def peft_model_on_meta(spec: dict[str, Any]):
     """A one-rank process group (nccl on the GPU, gloo in the smoke run) and the preset's Gemma4 (SDPA) built on
-    meta with the run's LoRA: (peft model, text config, device, ours_lora's FSDP2Strategy)."""
+    meta with the run's LoRA: (peft model, text config, device, FSDP2 mixed-precision policy)."""
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
@@ -268,7 +268,7 @@ def peft_model_on_meta(spec: dict[str, Any]):
         model = from_config(transformers.Gemma4ForCausalLM, cfg, dtype=getattr(torch, spec["dtype"]),
                             attn_implementation="sdpa")
     model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA))
-    return model, cfg, device, FSDP2Strategy(**strategy_init_args(spec))
+    return model, cfg, device, FSDP2Strategy(param_dtype="bf16" if cuda else "fp32").mp_policy()
 
 
 def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
@@ -285,9 +285,11 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning_ffpa._compat import transformers as hf_compat
     from lightning_ffpa.callbacks.throughput import train_flops_per_batch
     from lightning_ffpa.module import build_adamw
+    from lightning_ffpa.parallel import FSDP2Strategy
     from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, materialize
 
-    model, cfg, device, strategy = peft_model_on_meta(spec)
+    model, cfg, device, _ = peft_model_on_meta(spec)
+    strategy = FSDP2Strategy(**strategy_init_args(spec))  # ours_lora's, so the rows differ in the model path only
     cuda = device.type == "cuda"
     lightning_compat.set_device_mesh(strategy, init_device_mesh(device.type, (1, 1), mesh_dim_names=MESH_DIM_NAMES))
     torch_compat.raise_recompile_limit(64)

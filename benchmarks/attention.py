@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.report.results_io import write_result  # noqa: E402
 from lightning_ffpa._compat.torch import raise_recompile_limit  # noqa: E402
 from lightning_ffpa.attention import backend, flex, kernels  # noqa: E402
 

@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.report.results_io import write_result  # noqa: E402
 
 LORA = "{r: 16, lora_alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj]}"
 ONE_GPU = ["--trainer.devices", "1", "--model.init_args.config_overrides", "{num_hidden_layers: 6}"]

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
+from benchmarks.report.results_io import RESULTS_DIR, write_result  # noqa: E402
 from benchmarks.row_process import row_at, row_main, run_rows  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 

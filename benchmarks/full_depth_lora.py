@@ -11,8 +11,10 @@ real), LoRA r=16 (lora_alpha 32) on every linear layer of the decoder, bf16 base
                        overrides (devices 1, max_steps, a tmp run dir, CSV logger, no checkpointing, `model.dtype
                        bfloat16`, the LoRA), the CLI's pre-flight, then `trainer.fit`.
   hf_peft_sdpa_recipe  the same model and LoRA through HF + PEFT (`get_peft_model`), SDPA for every layer, ours'
-                       recipe: FSDP2 `parallelize` on one GPU, selective AC, per-layer compile, chunked linear CE,
-                       fused AdamW, clip 1.0 (train_rows' `sdpa_recipe` with a LoRA wrap).
+                       recipe: the FSDP2Strategy ours_lora's CLI builds (the yaml's strategy options with the same
+                       overrides, `replicate_frozen` included: `strategy_init_args`) applied on one GPU, selective
+                       AC, per-layer compile, chunked linear CE, fused AdamW, clip 1.0 (train_rows' `sdpa_recipe`
+                       with a LoRA wrap). Both rows record `strategy_settings`; they differ in the model path only.
   unsloth_lora         the same LoRA through Unsloth's FastModel; what was tried and the exact error if it cannot run.
 Timing: per-step wall time, CUDA-synchronised, after --warmup steps (compile happens there): median, min, max of
 --steps steps; peak allocated and reserved memory over the timed steps. MFU counts LoRA FLOPs (frozen weights get
@@ -50,13 +52,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import results_io  # noqa: E402
-from benchmarks.lora_step import config_overrides, static_memory, step_stats, sync  # noqa: E402
-from benchmarks.results_io import RESULTS_DIR, resummarize, write_result  # noqa: E402
+from benchmarks.lora_step import config_overrides, static_memory, step_stats, strategy_settings, sync  # noqa: E402
+from benchmarks.report import results_io  # noqa: E402
+from benchmarks.report.results_io import RESULTS_DIR, resummarize, write_result  # noqa: E402
 from benchmarks.row_process import add_run_options, fastest_row, row_at, row_main, run_rows  # noqa: E402
-from lightning_ffpa._compat import transformers as hf_compat  # noqa: E402
-from lightning_ffpa.callbacks.throughput import train_flops_per_batch  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
+
+# No transformers at module level: an Unsloth row's process runs this file and must import Unsloth first.
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gemma4_ffpa.yaml"
 LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
@@ -70,8 +72,9 @@ ROWS = {
                          "FSDP2): ours at the memory Unsloth's offloading reaches",
     "ours_lora_offload_replicated": "ours_lora_offload with replicate_frozen=auto (on one GPU the frozen base "
                                     "stays out of FSDP2: no gathered copy of its units, the embedding's included)",
-    "hf_peft_sdpa_recipe": "HF Gemma4ForCausalLM + peft get_peft_model, SDPA for all layers, ours' recipe (FSDP2 on "
-                           "one GPU, selective AC, per-layer compile, chunked linear CE, fused AdamW, clip 1.0)",
+    "hf_peft_sdpa_recipe": "HF Gemma4ForCausalLM + peft get_peft_model, SDPA for all layers, ours' recipe (ours_lora's "
+                           "FSDP2Strategy options, replicate_frozen included, on one GPU: selective AC, per-layer "
+                           "compile, chunked linear CE, fused AdamW, clip 1.0)",
     "unsloth_lora": "Unsloth FastModel.from_pretrained + FastModel.get_peft_model (its gradient checkpointing, its "
                     "compiled Gemma4 forward and loss), fused AdamW, clip 1.0",
     "unsloth_lora_gc": "unsloth_lora with use_gradient_checkpointing=True (plain checkpointing) in place of its "
@@ -139,6 +142,19 @@ def cli_args(spec: dict[str, Any], root: Path) -> list[str]:
     return args
 
 
+def strategy_init_args(spec: dict[str, Any]) -> dict[str, Any]:
+    """ours_lora's FSDP2Strategy options: the recipe's `init_args` with the strategy overrides `cli_args` passes
+    for this run. The HF + PEFT row builds its strategy from these, so the two cannot drift apart."""
+    import yaml
+
+    options = dict(yaml.safe_load(CONFIG.read_text())["trainer"]["strategy"]["init_args"])
+    words, prefix = cli_args({**spec, "row": "ours_lora"}, Path(".")), "--trainer.strategy.init_args."
+    for flag, value in zip(words, words[1:]):
+        if flag.startswith(prefix):
+            options[flag.removeprefix(prefix)] = yaml.safe_load(value)
+    return options
+
+
 def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
     import tempfile
 
@@ -150,8 +166,10 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.step_probe import StepProfiler
     from lightning_ffpa import attention
     from lightning_ffpa._compat import torch as torch_compat
+    from lightning_ffpa._compat import transformers as hf_compat
     from lightning_ffpa._compat.transformers import find_hf_model
     from lightning_ffpa.attention import kernels
+    from lightning_ffpa.callbacks.throughput import train_flops_per_batch
     from lightning_ffpa.cli import build
     from lightning_ffpa.validation import preflight
 
@@ -218,6 +236,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                token_throughput_logged={k: v for k, v in read_metrics(root).items()
                                         if "per_sec" in k or "mfu" in k or "peak_memory" in k},
                activation_offload=cli.trainer.strategy.activation_offload_stats,
+               strategy_settings=strategy_settings(cli.trainer.strategy, model),
                gpu_clocks=clock.clocks.summary() if clock.clocks else {"unavailable": "no timed steps"})
     row.update(step_stats(clock.times, spec["seq"], train_flops_per_batch(model, 1, spec["seq"]), device))
     if spec.get("profile"):
@@ -259,20 +278,22 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
 
     from benchmarks.gpu_clocks import ClockSampler
     from benchmarks.step_probe import profile_step
-    from benchmarks.train_rows import PRODUCT_SAVE_MM, loss_fn
+    from benchmarks.train_rows import loss_fn
     from lightning_ffpa import attention
+    from lightning_ffpa._compat import lightning as lightning_compat
     from lightning_ffpa._compat import torch as torch_compat
+    from lightning_ffpa._compat import transformers as hf_compat
+    from lightning_ffpa.callbacks.throughput import train_flops_per_batch
     from lightning_ffpa.module import build_adamw
-    from lightning_ffpa.parallel import parallelize
+    from lightning_ffpa.parallel import FSDP2Strategy
     from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, materialize
 
-    model, cfg, device, mp = peft_model_on_meta(spec)
+    model, cfg, device, _ = peft_model_on_meta(spec)
+    strategy = FSDP2Strategy(**strategy_init_args(spec))  # ours_lora's, so the rows differ in the model path only
     cuda = device.type == "cuda"
-    mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=MESH_DIM_NAMES)
+    lightning_compat.set_device_mesh(strategy, init_device_mesh(device.type, (1, 1), mesh_dim_names=MESH_DIM_NAMES))
     torch_compat.raise_recompile_limit(64)
-    compile_layers = not spec["smoke"]
-    parallelize(model, mesh, activation_checkpointing="selective", compile=compile_layers, sac_save_mm=PRODUCT_SAVE_MM,
-                mp_policy=mp, reshard_after_forward=True)
+    strategy.parallelize_module(model)  # ours' recipe as ours_lora's strategy applies it, replicate_frozen included
     materialize(model, device)
     with torch.no_grad():  # HF's init touched the adapters too: back to peft's (B = 0), as the product does
         for module in model.modules():
@@ -312,7 +333,7 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
     hf = model.get_base_model()
     row = dict(built_by="transformers.Gemma4ForCausalLM + peft.get_peft_model + lightning_ffpa.parallel.parallelize",
                attn_implementation=hf_compat.config_attn_implementation(hf.config), dispatch=attention.dispatch_counts(),
-               compile=compile_layers, graph_breaks=sum(dynamo["graph_break"].values()),
+               strategy_settings=strategy_settings(strategy, model), graph_breaks=sum(dynamo["graph_break"].values()),
                recompiles_timed=dynamo["stats"]["unique_graphs"] - graphs_after_warmup, losses=losses,
                static_memory=static_memory(model), gpu_clocks=clocks.summary())
     row.update(step_stats(times, spec["seq"], train_flops_per_batch(hf, 1, spec["seq"]), device))

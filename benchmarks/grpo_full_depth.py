@@ -8,7 +8,9 @@ lengths, decode steps, peak memory allocated and reserved. The first step (CUDA 
 reported but left out of the medians. The decode's fraction of the HBM roofline divides the bytes a decode step
 must read (every weight once, the LoRA adapters, and each row's K/V: the last `window` tokens on sliding layers,
 all of them on full layers) by the generation seconds per decode step (prefill included, so a lower bound) and the
-bandwidth: the datasheet's (primary) and a device-to-device copy measured in this process before the rows.
+bandwidth: the datasheet's (primary) and a device-to-device copy measured in this process before the rows. A GPU
+run times at least 3 steps per row (`--steps` >= 4: the first is not timed); the fraction is the median over them,
+with its min and max.
 
     python benchmarks/grpo_full_depth.py --lengths 4096 --steps 3 --logs $OUT --out $OUT/grpo_full_depth.json
 """
@@ -30,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.fit_recipes import console_command  # noqa: E402
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.report.results_io import write_result  # noqa: E402
 
 _NOISE = ("DEBUG", "V1201", "I1201")
 CB = "--trainer.callbacks.init_args."  # lands on the recipe's last callback, the RolloutCallback
@@ -137,14 +139,20 @@ def summarize(rows: list[dict[str, Any]], bandwidth: dict[str, Any] | None, args
             need = decode_bytes(args.prompt_len, L, seqs, args.preset, args.layers, args.lora_r)
             per_step = statistics.median(decode)
             r["decode_bytes_per_step"], r["decode_s_per_step_upper"] = need, per_step
+            r["decode_timed_samples"] = len(decode)
             if bandwidth.get("datasheet_bytes_per_s"):
                 r["decode_roofline_datasheet"] = need / per_step / bandwidth["datasheet_bytes_per_s"]
+                r["decode_roofline_datasheet_min"] = need / max(decode) / bandwidth["datasheet_bytes_per_s"]
+                r["decode_roofline_datasheet_max"] = need / min(decode) / bandwidth["datasheet_bytes_per_s"]
             r["decode_roofline_copy_bw"] = need / per_step / bandwidth["copy_bytes_per_s"]
             out[f"grpo_full_depth_decode_roofline_datasheet_bs{seqs}_{L}"] = r.get("decode_roofline_datasheet")
     return out
 
 
-def main() -> None:
+MIN_TIMED_STEPS = 3  # timed samples per row on a GPU (median, min and max)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096])
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per row (the first is not timed)")
@@ -160,18 +168,28 @@ def main() -> None:
     p.add_argument("--logs", default=str(REPO / "benchmarks" / "results" / "logs"))
     p.add_argument("--out", default=None)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more console overrides, last")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    import torch
+
+    from lightning_ffpa.errors import ConfigError
+
+    if torch.cuda.is_available() and args.steps < MIN_TIMED_STEPS + 1:
+        raise ConfigError("--steps", args.steps, f"a GPU run times at least {MIN_TIMED_STEPS} steps per row after "
+                                                 "the first (capture and compile), so it needs at least "
+                                                 f"{MIN_TIMED_STEPS + 1}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     bandwidth = None
-    try:
-        import torch
+    import torch
 
-        if torch.cuda.is_available():
-            from benchmarks.rollout_rows import bandwidths
+    if torch.cuda.is_available():
+        from benchmarks.rollout_rows import bandwidths
 
-            bandwidth = bandwidths("cuda", 4.0)
-            torch.cuda.empty_cache()
-    except ImportError:
-        pass
+        bandwidth = bandwidths("cuda", 4.0)
+        torch.cuda.empty_cache()
     rows: list[dict[str, Any]] = []
     for length in args.lengths:  # rewritten after every row: a call cut short keeps the rows it finished
         rows.append(fit_row(length, args))
@@ -182,4 +200,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lightning_ffpa.errors import console_entry
+
+    sys.exit(console_entry(main, hold=False))  # a bad option: exit 2 with one line, before any row runs

@@ -60,7 +60,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.grpo_budget import StepClock, lower_half_vocab_reward, reward_spread, trl_call_estimate  # noqa: E402
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.report.results_io import write_result  # noqa: E402
 from benchmarks.row_process import row_main, run_rows  # noqa: E402
 
 T0 = time.perf_counter()  # the row process's start, near enough: its wall budget counts from here

@@ -1,5 +1,5 @@
-"""What the full-depth LoRA rows share (ours, HF + PEFT, Unsloth): the model's overrides,
-static memory and the timed steps' statistics. Owns no row and no run (`full_depth_lora.py`, `unsloth_row.py`).
+"""What the full-depth LoRA rows share (ours, HF + PEFT, Unsloth): the model's overrides, the FSDP2 recipe a row
+applied, static memory and the timed steps' statistics. Owns no row and no run (`full_depth_lora.py`, `unsloth_row.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,22 @@ def config_overrides(spec: dict[str, Any]) -> dict[str, Any]:
         return {}
     return dict(num_hidden_layers=spec["layers"],
                 layer_types=["sliding_attention"] * (spec["layers"] - 1) + ["full_attention"])
+
+
+def strategy_settings(strategy, model) -> dict[str, Any]:
+    """The FSDP2 recipe `strategy` applied to `model`, as run: its parallelize options, what `replicate_frozen`
+    decided (`frozen_placement`), and how many frozen parameters FSDP2 really holds (DTensors, counted on the
+    model). Two rows compared on speed or memory must agree here except in what they exist to show."""
+    from torch.distributed.tensor import DTensor
+
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    return dict(activation_checkpointing=strategy.activation_checkpointing, sac_save_mm=strategy.sac_save_mm,
+                sac_extra_save_ops=list(strategy.sac_extra_save_ops), compile=strategy.compile_layers,
+                param_dtype=str(strategy.param_dtype), reduce_dtype=str(strategy.reduce_dtype),
+                reshard_after_forward=strategy.reshard_after_forward, cpu_offload=strategy.cpu_offload,
+                activation_offload=strategy.activation_offload, fp8=strategy.fp8_training.recipe,
+                replicate_frozen=strategy.replicate_frozen, frozen_placement=strategy.frozen_placement,
+                frozen_params_in_fsdp2=sum(isinstance(p, DTensor) for p in frozen), frozen_tensors=len(frozen))
 
 
 def static_memory(model) -> dict[str, Any]:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import nemo_wheel  # noqa: E402
 from benchmarks.nemo_paths import fell_back, path_record, reset_paths, time_ms  # noqa: E402
 from benchmarks.nemo_step import STEP_ROWS, step_child, step_rows  # noqa: E402
-from benchmarks.results_io import read_result, write_result  # noqa: E402
+from benchmarks.report.results_io import read_result, write_result  # noqa: E402
 from lightning_ffpa.attention import backend, kernels  # noqa: E402
 from lightning_ffpa.attention.reference import _ref_bwd_math, _ref_fwd_math  # noqa: E402
 

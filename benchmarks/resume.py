@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import _helpers as h  # noqa: E402
 
-from benchmarks.results_io import resummarize, write_result  # noqa: E402
+from benchmarks.report.results_io import resummarize, write_result  # noqa: E402
 
 LORA = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 

@@ -22,8 +22,10 @@ Correctness: each engine row runs HF on its first `--check-prompts` prompts for 
 greedy rows record the token match rate, first-divergence positions and HF's logit gap there; all rows record
 the engine's logprobs against an HF forward over the engine's tokens (`hf_check`).
 
-Roofline (see `rollout_rows.py`): `roofline_fraction` divides by the copy bandwidth measured in the row's own
-process; `roofline_fraction_datasheet` by the datasheet HBM figure; both bandwidths are in every row.
+Roofline (see `rollout_rows.py`): `roofline_fraction_datasheet` divides by the datasheet HBM figure (the primary
+number: the summary, the README and the target read it first); `roofline_fraction` by the copy bandwidth measured in
+the row's own process; both bandwidths are in every row. Each is the median of the row's TIMED_SAMPLES (3) timed
+rollouts, with `_min` and `_max`.
 
     python benchmarks/rollout.py --out $OUT/rollout.json                       # full depth, ours + HF eager
     python benchmarks/rollout.py --rows hf_generate_static_compiled --modes greedy --batches 64 --out $OUT/c.json
@@ -41,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import results_io  # noqa: E402
-from benchmarks.results_io import resummarize, write_result  # noqa: E402
+from benchmarks.report import results_io  # noqa: E402
+from benchmarks.report.results_io import resummarize, write_result  # noqa: E402
 from benchmarks.row_process import run_rows  # noqa: E402
 
 ROWS_SCRIPT = Path(__file__).resolve().parent / "rollout_rows.py"
@@ -148,6 +150,7 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         changed = _variant(row) if row.get("kind") in KINDS and "mode" in row else []
         if changed and "tokens_per_s" in row:
             base, key, bs = _row(rows, label(row["kind"], row["mode"]), row["batch"]), row["name"], row["batch"]
+            out[f"roofline_fraction_datasheet_{key}_bs{bs}"] = row.get("roofline_fraction_datasheet")
             out[f"roofline_fraction_{key}_bs{bs}"] = row.get("roofline_fraction")
             if base:
                 out[f"{key}_vs_default_{'_'.join(changed)}_bs{bs}"] = row["tokens_per_s"] / base["tokens_per_s"]
@@ -160,6 +163,7 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
     if ours64 and best64:
         out["hf_ceiling_bs64"] = 64 / (ours64["ideal_step_ms"] / 1e3) / best64
     if eager64:
+        out["roofline_fraction_datasheet_bs64_eager_step"] = eager64.get("roofline_fraction_datasheet")
         out["roofline_fraction_bs64_eager_step"] = eager64["roofline_fraction"]
     checks = [r["hf_check"] for r in rows if "hf_check" in r]
     rates = [c["token_match_rate"] for c in checks if "token_match_rate" in c]
@@ -314,10 +318,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     lambda done: write(done, str(out), partial=len(done) < len(specs), **extra))
     if not rows:
         write(rows, str(out), partial=False, **extra)
-    print(f"{'name':36} {'bs':>4} {'tok/s':>10} {'roofline':>9} {'match':>6} {'peak GB':>8}  error")
+    print(f"{'name':36} {'bs':>4} {'tok/s':>10} {'roof.sheet':>10} {'roof.copy':>9} {'match':>6} {'peak GB':>8}  error")
     for r in rows:
         check = r.get("hf_check", {})
         print(f"{r['name']:36} {r['batch']:>4} {r.get('tokens_per_s', float('nan')):>10.1f} "
+              f"{r.get('roofline_fraction_datasheet') or float('nan'):>10.3f} "
               f"{r.get('roofline_fraction') or float('nan'):>9.3f} {check.get('token_match_rate', float('nan')):>6.3f} "
               f"{r.get('peak_mem_gb', float('nan')):>8.1f}  {(r.get('error') or r.get('skipped') or '')[:80]}")
     return rows

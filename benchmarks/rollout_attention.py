@@ -38,7 +38,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.report.results_io import write_result  # noqa: E402
 from lightning_ffpa.dtypes import parse_dtype  # noqa: E402
 from lightning_ffpa.rollout import attention as attn  # noqa: E402
 from lightning_ffpa.rollout.engine import EngineConfig  # noqa: E402

@@ -8,9 +8,9 @@ HF rows. Does not own which rows run, processes, budgets or the summary (`rollou
 Roofline: per decode step, bytes read = all weights (lm_head included, embedding rows excluded) + the K and V each
 row needs (its positions so far, capped at the window on sliding layers; Gemma4's k_eq_v layers still store
 V = v_norm(k) apart from K = rope(k_norm(k)), so both count), averaged exactly over the decode positions. The
-fraction divides the ideal step time at the measured copy bandwidth (read + write bytes / s, this process) by the
-measured step; `roofline_fraction_datasheet` uses the datasheet HBM figure instead, `roofline_fraction_read_bw` a
-measured read bandwidth (a bf16 sum). Flex reads whole KV blocks: `kv_bytes_read_paged` is reported, not counted.
+primary fraction, `roofline_fraction_datasheet`, divides the ideal step time at the datasheet HBM figure by the
+measured step; `roofline_fraction` uses the measured copy bandwidth (read + write bytes / s, this process) instead,
+`roofline_fraction_read_bw` a measured read bandwidth (a bf16 sum). Flex reads whole KV blocks: `kv_bytes_read_paged` is reported, not counted.
 An engine row times TIMED_SAMPLES rollouts after its warm-up (each a prefill alone, then the whole rollout); its
 throughput, decode step and roofline fractions are their median, with `_min` and `_max` beside (`timed_samples`).
 """

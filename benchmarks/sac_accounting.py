@@ -125,7 +125,7 @@ def main() -> None:
     for k, v in summary.items():
         print(f"{k:36} {v:8.2f}")
     if args.out:
-        from benchmarks.results_io import write_result
+        from benchmarks.report.results_io import write_result
 
         write_result("sac_accounting", rows, summary, out=args.out, preset=args.preset, device_used="meta")
 

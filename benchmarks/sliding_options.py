@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.report.results_io import write_result  # noqa: E402
 from lightning_ffpa.attention import masks  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 

@@ -35,7 +35,7 @@ from lightning_ffpa.parallel import FSDP2Strategy, causal_lm_hidden_states, para
 from lightning_ffpa.parallel.strategy import materialize
 from lightning_ffpa.presets import build_text_config
 
-__all__ = ["DEFAULT_ROWS", "PRODUCT_SAVE_MM", "ROWS", "measure_row"]
+__all__ = ["DEFAULT_ROWS", "FFPA_BACKEND_ATTN", "PRODUCT_SAVE_MM", "ROWS", "measure_row"]
 
 # "ours" and the recipe rows take the product's defaults, so the benchmark follows them when they change.
 PRODUCT_SAVE_MM = inspect.signature(FSDP2Strategy).parameters["sac_save_mm"].default
@@ -55,6 +55,10 @@ ROWS: dict[str, dict] = {
                                "with softcap) in place of our chunked loss"),
     "ours": dict(attn="ffpa", **_RECIPE, label="sdpa_recipe with the ffpa backend: FFPA for the D=512 layers, "
                                                "block-sparse Flex for the sliding layers (the product path)"),
+    # Splits ours' gain over sdpa_recipe by kernel: against ours, FFPA's share; against sdpa_recipe, the sliding path's.
+    "ours_sdpa_d512": dict(attn="sdpa_d512_ours_sliding", **_RECIPE,
+                           label="ours with SDPA in place of FFPA on the D=512 layers, called as sdpa_recipe calls "
+                                 "it; the sliding layers keep the product's block-sparse Flex path"),
     "liger_recipe_nocompile": dict(attn="sdpa", **dict(_RECIPE, loss="liger", compile=False), patches="liger",
                                    label="liger_recipe without per-layer compile (inductor cannot look into "
                                          "liger's Triton kernels)"),
@@ -72,7 +76,10 @@ ROWS: dict[str, dict] = {
     "ours_foreach": dict(attn="ffpa", **dict(_RECIPE, compile=False, optim="adamw_default"),
                          label="ours_nocompile with foreach AdamW"),
 }
-DEFAULT_ROWS = ["ours", "sdpa_recipe", "sdpa_defaults", "liger_recipe", "liger_recipe_nocompile", "flex_recipe"]
+DEFAULT_ROWS = ["ours", "ours_sdpa_d512", "sdpa_recipe", "sdpa_defaults", "liger_recipe", "liger_recipe_nocompile",
+                "flex_recipe"]
+# Rows whose attention is the ffpa backend's on some layers: the backend is registered as the product does.
+FFPA_BACKEND_ATTN = ("ffpa", "sdpa_d512_ours_sliding")
 
 
 # ----------------------------------------------------------------------------- attentions and patches
@@ -126,11 +133,13 @@ def sweep_flex_options(seq: int, device, preset: str, warmup: int = 2, iters: in
 
 
 def register_baselines(flex_options: int | None) -> dict | None:
-    """Register "sdpa_gqa" and "flex" with transformers; returns the D=512 flex options "flex" uses."""
+    """Register "sdpa_gqa", "flex" and "sdpa_d512_ours_sliding" with transformers; returns the D=512 flex options
+    "flex" uses."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
-    from lightning_ffpa.attention.backend import ffpa_mask
+    from lightning_ffpa.attention import counters
+    from lightning_ffpa.attention.backend import ffpa_attention_forward, ffpa_mask
     from lightning_ffpa.attention.flex import flex_forward  # the product's compiled flex call
 
     def sdpa_gqa(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -155,10 +164,20 @@ def register_baselines(flex_options: int | None) -> dict | None:
         layer, Dynamo traces the mask construction into every layer's graph)."""
         return ffpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
 
+    def sdpa_d512_ours_sliding(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        """D=512 layers through HF's SDPA as sdpa_recipe calls them (the mask function gives them None: causal, as
+        HF's sdpa mask does); the other layers through the ffpa backend, ours' sliding path."""
+        if query.shape[-1] != 512:
+            return ffpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        counters.count("path", "sdpa", query)  # the row's dispatch shows where its D=512 calls went
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
     hf_compat.register_attention("sdpa_gqa", sdpa_gqa)
     hf_compat.register_mask("sdpa_gqa", sdpa_mask)
     hf_compat.register_attention("flex", flex)
     hf_compat.register_mask("flex", flex_mask)
+    hf_compat.register_attention("sdpa_d512_ours_sliding", sdpa_d512_ours_sliding)
+    hf_compat.register_mask("sdpa_d512_ours_sliding", ffpa_mask)  # ours' masks: BlockMasks for the sliding layers
     return large
 
 
@@ -214,10 +233,10 @@ def build_model(spec: dict, mesh, layers: int, device, preset: str):
 
     types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
     cfg = build_text_config(preset, num_hidden_layers=layers, layer_types=types)
-    if spec["attn"] == "ffpa":
+    if spec["attn"] in FFPA_BACKEND_ATTN:
         from lightning_ffpa.attention import kernels, register_ffpa
 
-        if device.type == "cuda" and not kernels.ffpa_available():
+        if spec["attn"] == "ffpa" and device.type == "cuda" and not kernels.ffpa_available():
             # An "ffpa" row timed on the sdpa fallback would be a silent mislabel: fail the row instead.
             raise RuntimeError(f"FFPA CuTeDSL unavailable: {kernels.ffpa_unavailable_reason()}")
         register_ffpa()

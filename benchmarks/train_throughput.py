@@ -14,6 +14,10 @@ Default rows, each at 8k, 16k and 32k (6 layers: 5 sliding + 1 full):
   liger_recipe   sdpa_recipe with liger-kernel's Gemma4 patches in place of our chunked loss; with
                  `liger_recipe_nocompile` beside it, the faster of the two is the Liger baseline (`liger_baseline`)
   ours           the product path: the ffpa backend with the product defaults
+  ours_sdpa_d512 ours with SDPA (as sdpa_recipe calls it) in place of FFPA on the D=512 layers; the sliding layers
+                 keep the product's block-sparse Flex path. It splits ours' gain over sdpa_recipe by kernel:
+                 ours / ours_sdpa_d512 is FFPA's share (`ours_vs_ours_sdpa_d512_tps_*`), ours_sdpa_d512 /
+                 sdpa_recipe the sliding path's (`ours_sdpa_d512_vs_sdpa_recipe_tps_*`)
 Ablations (ours_nocompile, ffpa_defaults, seed_gqa, ...) run when named in --rows.
 MFU is given against the datasheet bf16 peak (`mfu_spec`) and a measured 8192^3 matmul (`mfu_measured_peak`).
 
@@ -42,8 +46,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import results_io  # noqa: E402
-from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
+from benchmarks.report import results_io  # noqa: E402
+from benchmarks.report.results_io import RESULTS_DIR, write_result  # noqa: E402
 from benchmarks.row_process import (  # noqa: E402
     MIN_ROW_S,
     add_run_options,
@@ -180,8 +184,11 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
             missing[key] = "; ".join(filter(None, (why_x, why_y)))
 
     for seq, tag in _SEQ_KEYS.items():
-        for base in ("sdpa_recipe", "flex_recipe"):
+        for base in ("sdpa_recipe", "flex_recipe", "ours_sdpa_d512"):
             ratio(f"ours_vs_{base}_tps_{tag}", row_at(rows, "ours", seq), row_at(rows, base, seq))
+        # the other factor of ours_vs_sdpa_recipe: what the sliding path gains with SDPA on the D=512 layers in both
+        ratio(f"ours_sdpa_d512_vs_sdpa_recipe_tps_{tag}", row_at(rows, "ours_sdpa_d512", seq),
+              row_at(rows, "sdpa_recipe", seq))
     ratio("ours_vs_liger_tps_8k", row_at(rows, "ours", 8192), fastest_row(rows, LIGER_ROWS, 8192, "tokens_per_s_per_gpu"))
     ratio("ours_vs_sdpa_defaults_tps_8k", row_at(rows, "ours", 8192), row_at(rows, "sdpa_defaults", 8192))
     ours16, why = row_at(rows, "ours", 16384)

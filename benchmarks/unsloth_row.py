@@ -2,7 +2,7 @@
 
 Owns what the row tries, in order, each step recorded in `tried` with its outcome: the installed versions of
 Unsloth and what it pulls in (`importlib.metadata`, nothing imported), `import unsloth` (before transformers and
-peft, as Unsloth requires, so its patches apply), a local checkpoint directory of the model's config, a word
+peft, as Unsloth requires, so its patches apply; a process that imported them first is refused, untimed), a local checkpoint directory of the model's config, a word
 tokenizer and no weights but the final norm (so `from_pretrained` initialises every other weight for real,
 on the GPU, through HF's own init), `FastModel.from_pretrained` (bf16, 16-bit LoRA, no quantisation),
 `FastModel.get_peft_model` (r=16, lora_alpha 32, every linear layer of the decoder, the row's
@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from lightning_ffpa._compat import transformers as hf_compat
-
+# Unsloth patches these as it is imported; one imported before it runs unpatched ("Unsloth should be imported before
+# transformers... may run slower"). So this file imports none of them at module level, nor does full_depth_lora.py.
+PATCHED_BY_UNSLOTH = ("transformers", "peft", "trl")
 # What Unsloth 2026.10.x, trl and datasets install beside themselves (their wheel metadata); the row records
 # which are present, so one failed import says what a device image lacks.
 DISTRIBUTIONS = ("unsloth", "unsloth_zoo", "torch", "transformers", "peft", "trl", "accelerate", "datasets",
@@ -80,6 +82,11 @@ def measure_unsloth(spec: dict[str, Any]) -> dict[str, Any]:
         tried.append(dict(step=step, ok=True, s=round(time.perf_counter() - t0, 1)))
         return value
 
+    early = sorted(m for m in PATCHED_BY_UNSLOTH if m in sys.modules)
+    row["imported_before_unsloth"] = early  # [] in the row's own process, where Unsloth comes first
+    if early:  # refused, not timed: an unpatched Unsloth would be a slower baseline than its users get
+        row["error"] = f"import unsloth: {', '.join(early)} already imported in this process; Unsloth must come first"
+        return row
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory; no hub look-ups
     os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")  # its usage ping downloads from the hub
     os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", tempfile.mkdtemp(prefix="unsloth_compiled_"))
@@ -101,6 +108,7 @@ def _run(spec: dict[str, Any], row: dict[str, Any], attempt) -> None:
     from unsloth import FastModel
 
     from benchmarks.lora_step import static_memory, step_stats, sync
+    from lightning_ffpa._compat import transformers as hf_compat
     from lightning_ffpa.callbacks.throughput import train_flops_per_batch
 
     cuda = torch.cuda.is_available() and not spec["smoke"]

@@ -206,7 +206,7 @@ def render_config_table() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))  # run as a script from docs/: make `benchmarks` importable
-    from benchmarks.report import replace_block, write_pages
+    from benchmarks.report.pages import replace_block, write_pages
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md or README.md is stale")

@@ -6,6 +6,7 @@ import ast
 import importlib.util
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,8 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of scripts, not part of the installed package
-from benchmarks import plots, report, results_io  # noqa: E402
+from benchmarks.report import pages, plots, results_io  # noqa: E402
 
+RESULTS = ROOT / "benchmarks" / "results"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 RESULT_LINK = re.compile(r"benchmarks/results/[\w.-]+\.json")
@@ -46,7 +48,7 @@ def _sections(text: str) -> list[str]:
 
 
 def test_benchmark_pages_are_generated_from_the_results():
-    assert report.main(["--check"]) == 0, "run `python -m benchmarks.report`"
+    assert pages.main(["--check"]) == 0, "run `python -m benchmarks.report`"
 
 
 def test_config_reference_is_generated_from_the_code():
@@ -139,27 +141,27 @@ def test_numbers_beside_a_result_link_are_in_that_result(page):
 def test_headline_numbers_match_their_json():
     """Each README headline value is the linked file's summary (or row) value, formatted as the report does."""
     readme = (ROOT / "README.md").read_text()
-    block = readme[readme.index(report.BEGIN):readme.index(report.END)]
+    block = readme[readme.index(pages.BEGIN):readme.index(pages.END)]
     lines = [ln for ln in block.splitlines() if ln.startswith("- **")]
-    recorded = [r for r in results_io.load_results() if any(k in r[1]["summary"] for k in report.HEADLINES)]
+    recorded = [r for r in results_io.load_results() if any(k in r[1]["summary"] for k in pages.HEADLINES)]
     assert bool(lines) == bool(recorded)
-    row_specs = {report.row_ref(m, metric): (m, metric, fmt) for _, m, metric, _, fmt in report.ROW_HEADLINES}
+    row_specs = {pages.row_ref(m, metric): (m, metric, fmt) for _, m, metric, _, fmt in pages.ROW_HEADLINES}
     for line in lines:
         value = re.match(r"- \*\*(.+?)\*\*", line).group(1)
         path, ref = re.search(r"\]\((benchmarks/results/[\w.-]+\.json)\) \(`(.+?)`\)$", line).groups()
         record = json.loads((ROOT / path).read_text())
         if ref.startswith("summary."):
             key = ref.removeprefix("summary.")
-            assert report.HEADLINES[key][1].format(record["summary"][key]) == value, line
+            assert pages.HEADLINES[key][1].format(record["summary"][key]) == value, line
         else:
             match, metric, fmt = row_specs[ref]
-            assert fmt.format(report.find_row(record["rows"], match)[metric]) == value, line
+            assert fmt.format(pages.find_row(record["rows"], match)[metric]) == value, line
 
 
 def test_plots_exist_for_every_plottable_result():
     for path, rec in results_io.load_results():
         if plots.can_plot(rec):
-            assert (plots.IMG_DIR / f"{path.stem}.png").exists(), f"run `python -m benchmarks.plots` ({path.name})"
+            assert (plots.IMG_DIR / f"{path.stem}.png").exists(), f"run `python -m benchmarks.report.plots` ({path.name})"
 
 
 def test_report_renders_every_benchmark_kind(tmp_path):
@@ -177,7 +179,7 @@ def test_report_renders_every_benchmark_kind(tmp_path):
          "summary": {"cp2_vs_cp1_loss_max_abs_diff": 1e-6}},
     ]
     results = [(results_io.RESULTS_DIR / f"{r['benchmark']}.json", r) for r in recs]
-    page = report.render_benchmarks_md(results, {r["benchmark"] for r in recs})
+    page = pages.render_benchmarks_md(results, {r["benchmark"] for r in recs})
     assert "OutOfResources \\| shared memory" in page  # a failing row is shown with its error, pipes escaped
     assert "**1.20x tokens/s**" in page and "ours_mfu_8k" in page  # None summary: in the table, not a headline
     assert "**30.0%**" in page and "**1.00e-06**" in page
@@ -239,3 +241,60 @@ def test_rows_cited_beside_a_result_file_are_in_it():
                 checked += 1
                 assert name in rows, f"{page.name}: row `{name}` is not in {path} ({sorted(rows)})"
     assert checked >= 2
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+
+
+def test_readme_cites_current_result_files_and_marks_the_rest_as_history():
+    """Outside its History section the README cites result files that exist, measured the current code (none of
+    `pages.PREDATES`, no harness flaw) at a commit of this repository (checked where the clone has the history);
+    the History section cites only PREDATES files, each marked with why. A docs section that cites such a file
+    says that it predates the current code."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("\n## History\n")
+    stop = readme.index("\n## ", start + 1)
+    history, outside = readme[start:stop], readme[:start] + readme[stop:]
+    full_history = _git("rev-parse", "--is-shallow-repository").stdout.strip() == "false"
+    cited = sorted(set(RESULT_LINK.findall(outside)))
+    assert cited, "the README cites no result file outside History"
+    for rel in cited:
+        record = json.loads((ROOT / rel).read_text())  # exists
+        stem = Path(rel).stem
+        assert pages.predates(stem, record) is None, f"README cites {rel} outside History: it {pages.PREDATES_MARK}"
+        assert pages.harness_flaw(stem, record) is None and pages.clean_commit(record), rel
+        if full_history:
+            assert _git("cat-file", "-e", f"{record['commit']}^{{commit}}").returncode == 0, \
+                f"{rel}: commit {record['commit']} is not in this repository's history"
+    in_history = sorted({Path(rel).stem for rel in RESULT_LINK.findall(history)})
+    assert in_history and pages.PREDATES_MARK in history
+    for stem in in_history:
+        why = pages.predates(stem, json.loads((RESULTS / f"{stem}.json").read_text()))
+        assert why, f"README History cites {stem}.json, which PREDATES does not name at its commit"
+        assert f"It {pages.PREDATES_MARK}: {why}." in history, stem
+    for page in PAGES:
+        if page.name in ("README.md", "benchmarks.md"):  # README: above; benchmarks.md: generated with the mark
+            continue
+        for section in _sections(page.read_text()):
+            old = sorted({Path(r).stem for r in RESULT_LINK.findall(section)
+                          if pages.predates(Path(r).stem, json.loads((ROOT / r).read_text()))})
+            assert not old or pages.PREDATES_MARK in " ".join(section.split()), \
+                f"{page.name} / {section.splitlines()[0]!r} cites {old} without saying it {pages.PREDATES_MARK}"
+
+
+def test_row_names_in_benchmark_commands_are_rows_of_that_script():
+    """`benchmarks/<script>.py ... --rows a b` in the hand-written docs and the recipe names rows the script defines
+    (its ROWS or KINDS), so a cited ablation (ours_nocompile) is one a reader can run. docs/benchmarks.md is left
+    out: it quotes the commands old files recorded, with the row names of their day."""
+    import importlib
+
+    found = 0
+    for page in [*(p for p in PAGES if p.name != "benchmarks.md"), ROOT / "configs" / "gemma4_ffpa.yaml"]:
+        for script, words in re.findall(r"(?:benchmarks/)?(\w+)\.py\b[^`\n]*?--rows ((?:\w+ ?)+)", page.read_text()):
+            module = importlib.import_module(f"benchmarks.{script}")
+            rows = getattr(module, "ROWS", None) or module.KINDS
+            for name in words.split():
+                found += 1
+                assert name in rows, f"{page.name}: `{script}.py --rows {name}` is no row of the script"
+    assert found >= 5

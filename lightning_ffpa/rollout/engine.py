@@ -30,7 +30,7 @@ layer in eager: norms in fp32, RoPE, residuals); compiling fuses them. The step 
 inductor keeps them in place, fused into the kernels making K and V, instead of copying every pool each layer
 (`kv_cache.py`), and the RoPE tables go through a custom op so they are computed once per step (`walker.py`);
 `tests/rollout/test_compiled_decode_step.py` checks the generated code. On by default on CUDA; its gain
-over the graphed eager step is in `benchmarks/results/rollout.json`. The price is one compile
+over the graphed eager step is in `benchmarks/results/rollout.json` (a file that predates the current code). The price is one compile
 per batch bucket at capture, logged with its time and counted in `stats["capture_s"]`.
 
 `EngineConfig.fuse_projections` (on by default, CPU too) runs the projections that read one input (q/k/v,
@@ -118,7 +118,8 @@ class EngineConfig:
     """"flex", or "dense" (SDPA over the same mask mods: a CPU reference path for fast tiny runs)."""
     compile_decode: bool | None = None
     """torch.compile the whole decode step (layers, masks, sampler) before capture, fusing the small ops.
-    None: on for CUDA, off on CPU (which runs eagerly). Measured gain: `benchmarks/results/rollout.json`."""
+    None: on for CUDA, off on CPU (which runs eagerly). Measured gain: `benchmarks/results/rollout.json` (12 layers;
+    the file predates the current code: the README's History)."""
     compile_mode: str | None = None
     """torch.compile mode of the decode step, with `compile_decode`: None (inductor's default) or
     "max-autotune-no-cudagraphs" (inductor tunes the step's matmuls and fused kernels; a longer first

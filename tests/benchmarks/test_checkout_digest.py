@@ -1,6 +1,6 @@
-"""benchmarks/checkout.py: a result file's `tree` digest changes with any file of the package or the benchmarks as
+"""benchmarks/report/checkout.py: a result file's `tree` digest changes with any file of the package or the benchmarks as
 it is on disk, not with results, tests or bytecode; git and a walk (a device copy without .git) give one digest for
-one tree; `differs_from_commit` says whether the files are the commit's; report.py treats a differing tree as
+one tree; `differs_from_commit` says whether the files are the commit's; report/pages.py treats a differing tree as
 not that commit's."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is a folder of scripts
-from benchmarks import checkout, report, results_io  # noqa: E402
+from benchmarks.report import checkout, pages, results_io  # noqa: E402
 
 FILES = {"lightning_ffpa/__init__.py": "x = 1\n", "lightning_ffpa/sub/mod.py": "y = 2\n",
          "benchmarks/bench.py": "print(3)\n", "benchmarks/results/bench.json": "{}\n", "examples/a.yaml": "a: 1\n",
@@ -80,7 +80,7 @@ def test_write_result_records_the_checkouts_digest_and_the_report_shows_it(tmp_p
     assert record["tree"] == checkout.tree_digest()  # the checkout these tests run in, beside `commit`
     assert list(record)[list(record).index("commit") + 1] == "tree"
     assert record["tree"]["files"] > 100 and len(record["tree"]["sha256"]) == 64
-    note = report.tree_note(record["tree"])
-    assert note.startswith(f"; tree: `{record['tree']['sha256'][:12]}` (") and report.tree_note(None) == ""
-    assert report.clean_commit({"commit": "abc1234", "tree": {"differs_from_commit": False}})
-    assert not report.clean_commit({"commit": "abc1234", "tree": {"differs_from_commit": True}})
+    note = pages.tree_note(record["tree"])
+    assert note.startswith(f"; tree: `{record['tree']['sha256'][:12]}` (") and pages.tree_note(None) == ""
+    assert pages.clean_commit({"commit": "abc1234", "tree": {"differs_from_commit": False}})
+    assert not pages.clean_commit({"commit": "abc1234", "tree": {"differs_from_commit": True}})

@@ -64,6 +64,11 @@ def test_rows_run_in_their_own_processes_and_ours_goes_through_the_cli(smoke_run
     assert ours["dispatch"]["ffpa-dense"] == 2 and ours["kernels"]["reference"] == 2
     assert ours["token_throughput_logged"]["train/device/items_per_sec"] > 0
     assert ours["activation_offload"] is None  # the offload row's strategy option is off in the recipe
+    # HF + PEFT: the same FSDP2 recipe as ours, as run (the frozen base placed alike: kept out of FSDP2 on one GPU)
+    assert hf["strategy_settings"] == ours["strategy_settings"]
+    assert ours["strategy_settings"]["replicate_frozen"] == "auto"
+    assert ours["strategy_settings"]["frozen_placement"]["replicated"] is True
+    assert ours["strategy_settings"]["frozen_params_in_fsdp2"] == 0 < ours["strategy_settings"]["frozen_tensors"]
     # HF + PEFT: SDPA, no FFPA backend, the same adapters
     assert hf["attn_implementation"] == "sdpa" and sum(hf["dispatch"].values()) == 0
     assert ours["static_memory"]["trainable_params"] == hf["static_memory"]["trainable_params"] > 0
@@ -128,14 +133,29 @@ def test_lora_flops_drop_only_the_frozen_weight_gradients():
     assert train_flops_per_batch(peft.get_base_model(), 1, seq) == full - 2 * matmul * seq + 6 * adapters * seq
 
 
-def test_unsloth_row_records_what_it_tried():
+@pytest.mark.timeout(200)
+def test_unsloth_row_imports_unsloth_first_in_its_own_process_and_records_what_it_tried(tmp_path):
+    """The row's process (the script's child) has imported none of transformers, peft and trl when it imports
+    Unsloth, which patches them; in a process that has (this one), the row is refused with one line, untimed."""
     from benchmarks.unsloth_row import measure_unsloth
 
     if importlib.util.find_spec("unsloth") is not None:
         pytest.skip("unsloth is installed here: the row would train")
     spec = dict(row="unsloth_lora", seq=64, preset="tiny", layers=2, dtype="float32", warmup=1, steps=2,
                 smoke=True, lora=fdl.LORA)
-    row = measure_unsloth(spec)
+    import transformers  # noqa: F401 - as in this test process
+
+    refused = measure_unsloth(spec)
+    assert refused["error"].startswith("import unsloth: ") and "Unsloth must come first" in refused["error"]
+    assert refused["tried"] == [] and "transformers" in refused["imported_before_unsloth"]
+    out = tmp_path / "u.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(_ROOT / "benchmarks" / "full_depth_lora.py"), *_SMOKE, "--rows",
+                           "unsloth_lora", "--out", str(out)], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["imported_before_unsloth"] == []  # Unsloth came first in the row's process
     assert row["error"] == "import unsloth: ModuleNotFoundError: No module named 'unsloth'"
     assert [t["step"] for t in row["tried"]] == ["import unsloth"] and not row["tried"][0]["ok"]
     assert row["versions"]["unsloth"] is None and row["versions"]["torch"]
@@ -210,3 +230,24 @@ def test_the_replicated_offload_row_adds_only_replicate_frozen(tmp_path):
 
     assert build(words, run=False).trainer.strategy.replicate_frozen == "auto"
     assert build(offload, run=False).trainer.strategy.replicate_frozen is False
+
+
+def test_the_hf_peft_row_takes_ours_strategy_options_from_the_recipe(tmp_path):
+    """The HF + PEFT row's FSDP2Strategy options are the ones ours_lora's CLI parses into its strategy (the
+    recipe's, with this run's overrides): `replicate_frozen` among them, which the row once left at False."""
+    from lightning_ffpa.cli import build
+    from lightning_ffpa.parallel import FSDP2Strategy
+
+    for smoke, dtype in ((True, "float32"), (False, "bfloat16")):
+        spec = dict(row="hf_peft_sdpa_recipe", seq=64, preset="tiny", layers=2, dtype=dtype, warmup=1, steps=2,
+                    smoke=smoke)
+        options = fdl.strategy_init_args(spec)
+        assert options["replicate_frozen"] == "auto" and options["compile"] is not smoke
+        words = fdl.cli_args({**spec, "row": "ours_lora"}, tmp_path)
+        words += [] if smoke else ["--trainer.accelerator", "cpu"]  # parsed here without a GPU; no strategy option
+        ours = build(words, run=False).trainer.strategy
+        built = FSDP2Strategy(**options)
+        for name in ("activation_checkpointing", "sac_save_mm", "sac_extra_save_ops", "param_dtype", "reduce_dtype",
+                     "reshard_after_forward", "cpu_offload", "replicate_frozen", "activation_offload", "compile",
+                     "context_parallel_size"):
+            assert getattr(built, name) == getattr(ours, name), name

@@ -43,3 +43,18 @@ def test_decode_bytes_count_each_weight_once_and_sliding_kv_only_within_the_wind
     assert short < longer < two_rows  # full layers read every position; more rows read more K/V
     weights = two_rows - 2 * (two_rows - longer)  # what does not scale with the rows
     assert weights == pytest.approx(grpo_full_depth.decode_bytes(4, 400, 0, "tiny", None, 4))
+
+
+def test_a_gpu_run_times_at_least_three_steps_per_row(monkeypatch):
+    """The first step captures and compiles: a GPU run needs --steps >= 4 for three timed samples (one line
+    naming the option, before any row runs); on CPU the smoke run may time fewer."""
+    import torch
+
+    from lightning_ffpa.errors import ConfigError
+
+    assert grpo_full_depth.parse_args(["--steps", "3"]).steps == 3  # CPU: no timing claims
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="--steps"):
+        grpo_full_depth.parse_args(["--steps", "3"])
+    assert grpo_full_depth.parse_args(["--steps", "4"]).steps == 4
+    assert grpo_full_depth.parse_args([]).steps >= 4  # the default times enough

@@ -1,4 +1,4 @@
-"""benchmarks/report_tables.py: the curated tables render each benchmark's rows in the script's order with their
+"""benchmarks/report/tables.py: the curated tables render each benchmark's rows in the script's order with their
 labels, link their result file in every column header, show failed rows as "—" with the error's first line, and
 print no number that the result record does not hold.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is a folder of scripts
-from benchmarks import plots, report, report_tables, results_io  # noqa: E402
+from benchmarks.report import pages, plots, results_io, tables  # noqa: E402
 
 NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?[%x]?")
 
@@ -126,15 +126,15 @@ def _render(tmp_path: Path, record: dict) -> tuple[str, str]:
     """The curated section of one record written to tmp_path, and the link docs/benchmarks.md uses for it."""
     path = tmp_path / f"{record['benchmark']}.json"
     path.write_text(json.dumps(record))
-    section = "\n".join(report.curated_section([(path, record)], report.BENCHMARKS_MD.parent, set()))
-    return section, report.rel(path, report.BENCHMARKS_MD.parent)
+    section = "\n".join(pages.curated_section([(path, record)], pages.BENCHMARKS_MD.parent, set()))
+    return section, pages.rel(path, pages.BENCHMARKS_MD.parent)
 
 
 def stray_numbers(section: str, record: dict) -> list[str]:
     """Numbers in `section` that are no field of `record` in any of the report's formats. The record's strings
     (labels, notes) and code spans (field names, error lines) are taken out first; what is left is values."""
     numbers = [v for v in results_io.leaves(record) if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    allowed = {f.format(v) for v in numbers for f in report_tables.FORMATS.values()}
+    allowed = {f.format(v) for v in numbers for f in tables.FORMATS.values()}
     allowed |= {str(v) for v in numbers if isinstance(v, int)}
     text = re.sub(r"``.+?``|`[^`\n]*`", " ", re.sub(r"\]\([^)]*\)", "]", section))  # code spans, link targets
     strings = {v for v in results_io.leaves(record) if isinstance(v, str) and not re.fullmatch(r"[\d.,%x]*", v)}
@@ -192,7 +192,7 @@ def test_rollout_puts_sampled_beside_greedy_and_names_the_roofline_denominator(t
     section, _ = _render(tmp_path, record)
     line = next(ln for ln in section.splitlines() if ln.startswith("| 64 | ours_paged_flex |"))
     s = record["summary"]
-    assert line.startswith(f"| 64 | ours_paged_flex | 1,978 | 1,931 | 81.3% | 79.4% | 67.9% | 98.4% | 101.9 | "
+    assert line.startswith(f"| 64 | ours_paged_flex | 1,978 | 1,931 | 67.9% | 66.3% | 81.3% | 79.4% | 98.4% | 101.9 | "
                            f"{s['vs_hf_generate_bs64']:.2f}x | {s['vs_hf_generate_sampled_bs64']:.2f}x |")
     assert "of measured copy bandwidth" in section and "of datasheet HBM" in section
     assert f"`summary.roofline_denominator`: {s['roofline_denominator']}" in section
@@ -234,17 +234,17 @@ def test_the_unsloth_ratio_sits_beside_the_option_row_it_divides_by(tmp_path):
     assert next(ln for ln in text.splitlines() if ln.startswith("| unsloth_lora |")).endswith("| 1,300 |  |")
     assert "- `summary.full_depth_lora_unsloth_baseline_8k`: unsloth_lora_gc" in text
     ours_peak = rec["summary"]["full_depth_lora_peak_mem_gb_ours_8k"]
-    assert report.qualifier("full_depth_lora_ours_vs_unsloth_tps_8k", rec) == (  # the baseline's peak, beside ours
+    assert pages.qualifier("full_depth_lora_ours_vs_unsloth_tps_8k", rec) == (  # the baseline's peak, beside ours
         f"; this run's Unsloth baseline: unsloth_lora_gc, at {ours_peak:.1f} GiB peak allocated against "
         "Unsloth's 90.0 GiB")
 
 
 def test_section_only_for_curated_files_that_exist(tmp_path):
-    assert report.curated_section([], report.BENCHMARKS_MD.parent, set()) == []
+    assert pages.curated_section([], pages.BENCHMARKS_MD.parent, set()) == []
     old = dict(_rollout_record(), summary={"history_note": "an earlier state"})
     attention = dict(benchmark="attention", rows=[{"impl": "ffpa", "ms": 1.0}], summary={})
-    assert report.curated_section([(tmp_path / "a.json", old), (tmp_path / "b.json", attention)],
-                                  report.BENCHMARKS_MD.parent, set()) == []
+    assert pages.curated_section([(tmp_path / "a.json", old), (tmp_path / "b.json", attention)],
+                                  pages.BENCHMARKS_MD.parent, set()) == []
 
 
 def test_training_and_lora_plots_draw(tmp_path):
@@ -259,7 +259,7 @@ def test_readme_headline_leads_with_same_recipe_and_peer_ratios(tmp_path):
     train = _train_record()
     attention = dict(benchmark="attention", rows=[], summary={"ffpa_vs_sdpa_fwd_8k": 4.13}, commit="2d1f4b7")
     results = [(tmp_path / "attention.json", attention), (tmp_path / "train_throughput.json", train)]
-    bullets = [ln for ln in report.render_headline(results).splitlines() if ln.startswith("- **") and "(`summary." in ln]
+    bullets = [ln for ln in pages.render_headline(results).splitlines() if ln.startswith("- **") and "(`summary." in ln]
     keys = [re.search(r"\(`summary\.(\w+)`\)$", ln).group(1) for ln in bullets]
     assert keys[:3] == ["ours_vs_sdpa_recipe_tps_8k", "ours_vs_sdpa_recipe_tps_16k", "ours_vs_flex_recipe_tps_8k"]
     assert keys.index("ours_vs_liger_tps_8k") < keys.index("ours_vs_sdpa_defaults_tps_8k") < keys.index(
@@ -274,13 +274,13 @@ def test_readme_headline_shows_a_key_once_per_benchmark_and_setting(tmp_path):
     side = dict(_train_record(), summary={"ours_vs_flex_recipe_tps_16k": 1.5,
                                           "ours_mfu_spec_16k": main["summary"]["ours_mfu_spec_16k"] - 0.01})
     results = [(tmp_path / "train_throughput.json", main), (tmp_path / "train_throughput_flex16.json", side)]
-    bullets = [ln for ln in report.render_headline(results).splitlines() if ln.startswith("- **")]
+    bullets = [ln for ln in pages.render_headline(results).splitlines() if ln.startswith("- **")]
     mfu = [ln for ln in bullets if "(`summary.ours_mfu_spec_16k`)" in ln]
     assert len(mfu) == 1 and "train_throughput.json" in mfu[0]
     assert any("train_throughput_flex16.json" in ln and "ours_vs_flex_recipe_tps_16k" in ln for ln in bullets)
     # A newer run of the same key shows instead (the targets table reads the newest too).
     results[1] = (results[1][0], dict(side, date="2099-01-01 00:00:00"))
-    bullets = [ln for ln in report.render_headline(results).splitlines() if ln.startswith("- **")]
+    bullets = [ln for ln in pages.render_headline(results).splitlines() if ln.startswith("- **")]
     mfu = [ln for ln in bullets if "(`summary.ours_mfu_spec_16k`)" in ln]
     assert len(mfu) == 1 and "train_throughput_flex16.json" in mfu[0]
 
@@ -289,7 +289,7 @@ def test_readme_headline_puts_full_depth_before_a_reduced_depth_ablation(tmp_pat
     full = dict(_rollout_record(), commit="abc1234")
     ablation = dict(full, summary=dict(full["summary"], depth_note="12 of 60 layers, 256-token prompts"))
     results = [(tmp_path / "rollout.json", ablation), (tmp_path / "rollout_full_depth.json", full)]
-    runs = [ln for ln in report.render_headline(results).splitlines() if ln.startswith("`")]
+    runs = [ln for ln in pages.render_headline(results).splitlines() if ln.startswith("`")]
     assert [ln.split("`")[1] for ln in runs] == ["rollout_full_depth", "rollout"]
 
 
@@ -297,82 +297,82 @@ def test_committed_result_files_render_without_stray_numbers():
     """The same check over every recorded result file that gets a curated table (what docs/benchmarks.md shows)."""
     checked = 0
     for path, record in results_io.load_results():
-        section = "\n".join(report.curated_section([(path, record)], report.BENCHMARKS_MD.parent, set()))
+        section = "\n".join(pages.curated_section([(path, record)], pages.BENCHMARKS_MD.parent, set()))
         if section:
             assert stray_numbers(section, record) == [], path.name
             checked += 1
-    assert checked == sum(report.curated(r) for _, r in results_io.load_results())
+    assert checked == sum(pages.curated(r) for _, r in results_io.load_results())
 
 
 def test_docs_name_the_script_that_wrote_a_file_named_for_a_variant():
     rec = dict(benchmark="resume_full", command="python benchmarks/resume.py --variant full --out x/resume_full.json")
-    assert report.script_name(rec) == "resume"
-    assert report.script_name(dict(benchmark="rollout", command="python -m benchmarks.rollout --out y")) == "rollout"
-    assert report.script_name(dict(benchmark="attention")) == "attention"
+    assert pages.script_name(rec) == "resume"
+    assert pages.script_name(dict(benchmark="rollout", command="python -m benchmarks.rollout --out y")) == "rollout"
+    assert pages.script_name(dict(benchmark="attention")) == "attention"
 
 
 def test_a_file_without_one_commit_id_stays_out_of_the_readme_and_is_flagged(tmp_path):
     train = _train_record()
     hand_set = dict(train, commit="HEAD\n2d1f4b7")
-    assert report.current([(tmp_path / "train_throughput.json", hand_set)]) == []
-    assert "No benchmark has been recorded yet" in report.render_headline([(tmp_path / "t.json", hand_set)])
-    page = report.render_benchmarks_md([(tmp_path / "train_throughput.json", hand_set)], set())
+    assert pages.current([(tmp_path / "train_throughput.json", hand_set)]) == []
+    assert "No benchmark has been recorded yet" in pages.render_headline([(tmp_path / "t.json", hand_set)])
+    page = pages.render_benchmarks_md([(tmp_path / "train_throughput.json", hand_set)], set())
     assert "**Provenance incomplete:**" in page
-    assert "**Provenance incomplete:**" not in report.render_benchmarks_md([(tmp_path / "t.json", train)], set())
+    assert "**Provenance incomplete:**" not in pages.render_benchmarks_md([(tmp_path / "t.json", train)], set())
 
 
 def test_a_file_with_a_known_harness_flaw_stays_out_of_the_readme_and_says_why(tmp_path):
     train = _train_record()
     flawed = tmp_path / "train_throughput_dp2.json"
-    assert report.current([(flawed, train)]) == [] and report.current([(tmp_path / "t.json", train)])
-    page = report.render_benchmarks_md([(flawed, train)], set())
-    assert f"**Harness flaw:** {report.HARNESS_FLAWS['train_throughput_dp2']}" in page
+    assert pages.current([(flawed, train)]) == [] and pages.current([(tmp_path / "t.json", train)])
+    page = pages.render_benchmarks_md([(flawed, train)], set())
+    assert f"**Harness flaw:** {pages.HARNESS_FLAWS['train_throughput_dp2']}" in page
 
 
 def test_targets_table_reads_the_newest_value_and_says_met_missed_or_not_measured(tmp_path):
-    from benchmarks import report_targets
+    from benchmarks.report import targets
 
     old = dict(benchmark="b", commit="aaaaaaa", date="2026-11-01", rows=[], summary={"ours_vs_liger_tps_8k": 1.2})
     new = dict(benchmark="b", commit="bbbbbbb", date="2026-12-01", rows=[],
                summary={"ours_vs_liger_tps_8k": 1.5, "ours_vs_sdpa_recipe_tps_8k": 1.44, "ours_mfu_spec_16k": None})
-    lines = report_targets.render_targets([(tmp_path / "old.json", old), (tmp_path / "new.json", new)], tmp_path,
+    lines = targets.render_targets([(tmp_path / "old.json", old), (tmp_path / "new.json", new)], tmp_path,
                                           lambda p, start: p.name)
     by_key = {re.search(r"\(`(\w+)`\)", ln).group(1): ln for ln in lines if ln.startswith("| ") and "(`" in ln}
-    assert set(by_key) == {key for key, *_ in report_targets.TARGETS}
+    assert set(by_key) == {key for key, *_ in targets.TARGETS}
     assert "| 1.50x | met | [`new.json`](new.json) (`bbbbbbb`) |" in by_key["ours_vs_liger_tps_8k"]
     assert "| 1.44x | missed |" in by_key["ours_vs_sdpa_recipe_tps_8k"]
     assert "| - | not measured | - |" in by_key["ours_mfu_spec_16k"]
-    assert report_targets.target_status(1.0, 1.0, strict=True) == "missed"  # "ahead of" a peer: strictly above
-    assert report_targets.target_status(1.0, 1.0, strict=False) == "met"
+    assert targets.target_status(1.0, 1.0, strict=True) == "missed"  # "ahead of" a peer: strictly above
+    assert targets.target_status(1.0, 1.0, strict=False) == "met"
 
 
 def test_a_target_with_a_memory_bar_is_missed_when_ours_holds_more_memory(tmp_path):
-    from benchmarks import report_targets
+    from benchmarks.report import targets
 
     key = "full_depth_lora_ours_vs_unsloth_tps_8k"
-    ours_mem, peer_mem = report_targets.MEMORY_BARS[key]
+    ours_mem, peer_mem = targets.MEMORY_BARS[key]
     for mem, status in ((97.3, "missed: ours' peak memory is 31.9 GiB higher"), (60.0, "met")):
         rec = dict(benchmark="b", commit="c" * 7, date="2026-12-02", rows=[],
                    summary={key: 1.91, ours_mem: mem, peer_mem: 65.4})
-        lines = report_targets.render_targets([(tmp_path / "f.json", rec)], tmp_path, lambda p, start: p.name)
+        lines = targets.render_targets([(tmp_path / "f.json", rec)], tmp_path, lambda p, start: p.name)
         row = next(ln for ln in lines if f"(`{key}`)" in ln)
         assert f"| 1.91x at {mem:.1f} vs 65.4 GiB | {status} |" in row
 
 
 def test_targets_table_tells_two_files_of_one_day_apart_by_their_calls():
-    from benchmarks import report_targets
+    from benchmarks.report import targets
 
     morning = dict(benchmark="b", commit="aaaaaaa", date="2026-12-02", rows=[], summary={"ours_mfu_spec_16k": 0.449},
                    calls=[dict(date="2026-12-02 00:16:05")])
     later = dict(morning, commit="bbbbbbb", summary={"ours_mfu_spec_16k": 0.45}, calls=[dict(date="2026-12-02 02:29:52")])
     for order in ([morning, later], [later, morning]):
-        lines = report_targets.render_targets([(tmp / "f.json", r) for tmp, r in zip((Path("x"), Path("y")), order)],
+        lines = targets.render_targets([(tmp / "f.json", r) for tmp, r in zip((Path("x"), Path("y")), order)],
                                               Path("."), lambda p, start: p.name)
         assert any("| 45.0% | missed |" in ln and "(`bbbbbbb`)" in ln for ln in lines)
 
 
 def test_two_files_of_one_day_without_calls_are_told_apart_by_when_the_writer_finished(tmp_path, monkeypatch):
-    from benchmarks import report_targets
+    from benchmarks.report import targets
 
     monkeypatch.setattr(sys, "argv", ["bench.py"])
     first = json.loads(results_io.write_result("b", [], {"ours_mfu_spec_16k": 0.45}, out=tmp_path / "z.json").read_text())
@@ -381,10 +381,10 @@ def test_two_files_of_one_day_without_calls_are_told_apart_by_when_the_writer_fi
     later = dict(first, commit="bbbbbbb", finished_at=f"{first['date']} 23:59:59")
     for order in ((earlier, later), (later, earlier)):  # "a.json" sorts first either way: the time decides
         results = [(tmp_path / name, r) for name, r in zip(("a.json", "b.json"), order)]
-        assert report_targets._newest(results, "ours_mfu_spec_16k", None)[1]["commit"] == "bbbbbbb"
-        assert "(`bbbbbbb`)" in next(ln for ln in report_targets.render_targets(results, tmp_path, lambda p, s: p.name)
+        assert targets._newest(results, "ours_mfu_spec_16k", None)[1]["commit"] == "bbbbbbb"
+        assert "(`bbbbbbb`)" in next(ln for ln in targets.render_targets(results, tmp_path, lambda p, s: p.name)
                                      if "ours_mfu_spec_16k" in ln)
-        bullets = [ln for ln in report.render_headline(results).splitlines() if "ours_mfu_spec_16k" in ln]
+        bullets = [ln for ln in pages.render_headline(results).splitlines() if "ours_mfu_spec_16k" in ln]
         assert len(bullets) == 1 and "45.0%" in bullets[0]
 
 
@@ -412,20 +412,20 @@ def test_a_rollout_ratio_says_when_its_hf_baseline_was_eager_only():
     both = dict(rows=[*rows, dict(name="hf_generate_static_compiled", batch=64, tokens_per_s=12.0)], summary={})
     failed_compile = dict(rows=[*rows, dict(name="hf_generate_static_compiled", batch=64, error="timeout")],
                           summary={})
-    assert "eager only" in report.qualifier("vs_hf_generate_bs64", eager_only)
-    assert "eager only" in report.qualifier("vs_hf_generate_bs64", failed_compile)
-    assert report.qualifier("vs_hf_generate_bs64", both) == ""
+    assert "eager only" in pages.qualifier("vs_hf_generate_bs64", eager_only)
+    assert "eager only" in pages.qualifier("vs_hf_generate_bs64", failed_compile)
+    assert pages.qualifier("vs_hf_generate_bs64", both) == ""
     said = dict(rows=[], summary={"hf_baseline_sampled_bs64": "eager and compiled"})
-    assert report.qualifier("vs_hf_generate_sampled_bs64", said) == "; this run's HF baseline: eager and compiled"
-    assert report.qualifier("ours_vs_sdpa_recipe_tps_8k", eager_only) == ""
+    assert pages.qualifier("vs_hf_generate_sampled_bs64", said) == "; this run's HF baseline: eager and compiled"
+    assert pages.qualifier("ours_vs_sdpa_recipe_tps_8k", eager_only) == ""
 
 
 def test_a_flaw_fixed_since_marks_only_its_commits_file():
-    from benchmarks import report
+    from benchmarks.report import pages
 
-    assert report.harness_flaw("fsdp_mesh_of_one", {"commit": "1e87d5a386dbbea0f950974d7326e662866a5172"})
-    assert report.harness_flaw("fsdp_mesh_of_one", {"commit": "4335b7cf1179a4d264f9cae853d804a7f2348e8a"}) is None
-    assert report.harness_flaw("train_throughput_dp2", {"commit": "abc1234"}) == report.HARNESS_FLAWS[
+    assert pages.harness_flaw("fsdp_mesh_of_one", {"commit": "1e87d5a386dbbea0f950974d7326e662866a5172"})
+    assert pages.harness_flaw("fsdp_mesh_of_one", {"commit": "4335b7cf1179a4d264f9cae853d804a7f2348e8a"}) is None
+    assert pages.harness_flaw("train_throughput_dp2", {"commit": "abc1234"}) == pages.HARNESS_FLAWS[
         "train_throughput_dp2"]  # an earlier harness: every file of that name
 
 
@@ -444,11 +444,50 @@ def test_decode_kernel_time_is_per_step_by_kind_in_the_files_own_section(tmp_pat
         "attention: Flex": 6.0, "matmul": 11.0, "K/V write (index_copy)": 2.0,
         "fused norms, RoPE, activations, sampler (Triton)": 3.0, "other": 0.5, "outside the top list": 2.5}
     rec = _rollout_record()
-    assert report_tables.decode_kernel_time(rec, "r.json") == []  # no profiled row, no section
+    assert tables.decode_kernel_time(rec, "r.json") == []  # no profiled row, no section
     rec["rows"][0]["profile"] = profile
-    lines = report_tables.decode_kernel_time(rec, "r.json")
+    lines = tables.decode_kernel_time(rec, "r.json")
     row = next(ln for ln in lines if ln.startswith(f"| {rec['rows'][0]['name']} |"))
     assert "| 30.000 | 25.000 | 6.000 | 11.000 | 2.000 | 3.000 | 0.500 | 2.500 |" in row
-    page = report.render_benchmarks_md([(tmp_path / "rollout_profile.json", rec)], set())
+    page = pages.render_benchmarks_md([(tmp_path / "rollout_profile.json", rec)], set())
     assert "### rollout_profile: kernel time by kind" in page
 
+
+
+def test_a_file_that_predates_the_current_code_moves_to_history_until_it_is_re_run(tmp_path):
+    """A file of PREDATES at the commit named there leaves the headline numbers for the README's History block,
+    which says why; the same file re-run at another commit is a headline file again. The targets mark its value."""
+    at, why = pages.PREDATES["rollout"]
+    old = dict(_rollout_record(), commit=f"{at}0000000")
+    new = dict(old, commit="abc1234")
+    for record, current in ((old, False), (new, True)):
+        results = [(tmp_path / "rollout.json", record)]
+        headline, history = pages.render_headline(results), pages.render_history(results)
+        assert ("rollout.json" in headline) is current and ("rollout.json" in history) is not current
+        assert (f"It {pages.PREDATES_MARK}: {why}." in history) is not current
+        assert history.startswith(pages.HISTORY_BEGIN) and history.endswith(pages.HISTORY_END)
+        page = pages.render_benchmarks_md(results, set())
+        assert (f"**It {pages.PREDATES_MARK}:** {why}." in page) is not current
+    from benchmarks.report import targets
+
+    record = dict(old, summary={"roofline_fraction_datasheet_bs64": 0.9})
+    lines = targets.render_targets([(tmp_path / "rollout_full_depth.json", record)], tmp_path, lambda p, s: p.name,
+                                   {"rollout_full_depth": pages.PREDATES_MARK})
+    assert "| met (predates the current code) |" in next(ln for ln in lines if "roofline_fraction_datasheet" in ln)
+
+
+def test_the_roofline_reads_the_datasheet_fraction_first():
+    """The datasheet fraction is the roofline's primary number: its headline comes before the copy-bandwidth one,
+    the target reads it, and the rollout table shows it first."""
+    record = _rollout_record()
+    keys = list(pages.HEADLINES)
+    assert keys.index("roofline_fraction_datasheet_bs64") < keys.index("roofline_fraction_bs64")
+    assert keys.index("roofline_fraction_datasheet_sampled_bs64") < keys.index("roofline_fraction_sampled_bs64")
+    from benchmarks.report import targets
+
+    assert [k for k, *_ in targets.TARGETS if "roofline" in k] == ["roofline_fraction_datasheet_bs64"]
+    header = next(ln for ln in tables.rollout(record, "r.json") if ln.startswith("| batch"))
+    assert header.index("of datasheet HBM") < header.index("of measured copy bandwidth")
+    bullets = [ln for ln in pages.render_headline([(Path("rollout_x.json"), dict(record, commit="abc1234"))])
+               .splitlines() if "roofline_fraction" in ln]
+    assert "summary.roofline_fraction_datasheet_bs64" in bullets[0]

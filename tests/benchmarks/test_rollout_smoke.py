@@ -187,7 +187,8 @@ def test_a_page_size_row_is_named_by_it_and_compared_with_the_default_row(tmp_pa
                                                               "hf_generate_static"]  # HF rows hold no pages
     base = dict(kind="ours_paged_flex", mode="greedy", batch=64, process={"pid": 1})
     rows = [dict(base, name="ours_paged_flex", page_size=128, tokens_per_s=2000.0, roofline_fraction=0.75),
-            dict(base, name="ours_paged_flex", page_size=64, tokens_per_s=2100.0, roofline_fraction=0.78),
+            dict(base, name="ours_paged_flex", page_size=64, tokens_per_s=2100.0, roofline_fraction=0.78,
+                 roofline_fraction_datasheet=0.68),
             dict(base, name="ours_paged_flex", page_size=64, compile_mode="max-autotune-no-cudagraphs",
                  tokens_per_s=2200.0, roofline_fraction=0.8)]
     files = [str(tmp_path / f"{i}.json") for i in range(len(rows))]
@@ -200,6 +201,7 @@ def test_a_page_size_row_is_named_by_it_and_compared_with_the_default_row(tmp_pa
     assert [r["name"] for r in m["rows"]] == ["ours_paged_flex", "ours_paged_flex_page64", both]
     s = m["summary"]
     assert s["roofline_fraction_bs64"] == 0.75 and s["roofline_fraction_ours_paged_flex_page64_bs64"] == 0.78
+    assert s["roofline_fraction_datasheet_ours_paged_flex_page64_bs64"] == 0.68  # the primary fraction, beside it
     assert s["ours_paged_flex_page64_vs_default_page_bs64"] == pytest.approx(2100 / 2000)
     assert s[f"{both}_vs_default_compile_page_bs64"] == pytest.approx(2200 / 2000)
     assert not any(k.startswith("ours_paged_flex_vs_default") for k in s)  # the default row is no variant of itself
@@ -243,7 +245,7 @@ def test_an_unfused_row_runs_unfused_and_is_compared_with_the_default_row(tmp_pa
 
 
 def test_a_merge_with_a_history_note_is_kept_out_of_the_readme_headline(tmp_path, monkeypatch):
-    from benchmarks import report
+    from benchmarks.report import pages
 
     monkeypatch.setenv("LIGHTNING_FFPA_COMMIT", "9c81b9a")  # a clean commit, as the README's files name
 
@@ -256,7 +258,7 @@ def test_a_merge_with_a_history_note_is_kept_out_of_the_readme_headline(tmp_path
     rollout.main(["--merge", str(run), "--out", str(current)])
     records = [(p, json.loads(p.read_text())) for p in (kept, current)]
     assert records[0][1]["summary"]["history_note"] == "a variant that does not ship"
-    assert [p for p, _ in report.current(records)] == [current]
+    assert [p for p, _ in pages.current(records)] == [current]
     with pytest.raises(SystemExit):
         rollout.parse_args(["--history-note", "x"])  # only a merge takes one
 

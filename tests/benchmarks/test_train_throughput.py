@@ -16,8 +16,8 @@ from benchmarks import train_throughput as tt  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 _SMOKE = ["--cpu", "--preset", "tiny", "--layers", "2", "--seqs", "128", "--warmup", "1", "--steps", "1"]
-_KEYS = {f"ours_vs_{b}_recipe_tps_{k}" for b in ("sdpa", "flex") for k in ("8k", "16k", "32k")} | {
-    "ours_vs_liger_tps_8k", "ours_vs_sdpa_defaults_tps_8k", "ours_mfu_spec_16k", "ours_mfu_measured_peak_16k"}
+_KEYS = {f"ours_vs_{b}_tps_{k}" for b in ("sdpa_recipe", "flex_recipe", "ours_sdpa_d512") for k in ("8k", "16k", "32k")} | {
+    f"ours_sdpa_d512_vs_sdpa_recipe_tps_{k}" for k in ("8k", "16k", "32k")} | {"ours_vs_liger_tps_8k", "ours_vs_sdpa_defaults_tps_8k", "ours_mfu_spec_16k", "ours_mfu_measured_peak_16k"}
 
 
 def _drive(out, rows, launcher=(sys.executable,), extra=()):
@@ -147,6 +147,64 @@ def test_summary_ratios_and_reasons():
     assert tt.summarize(rows)[0]["ours_vs_liger_tps_8k"] == 2.0 and tt.fastest_row(rows, tt.LIGER_ROWS, 8192, "tokens_per_s_per_gpu")[0] is rows[-1]
 
 
+def test_the_sdpa_d512_row_splits_the_same_recipe_ratio_by_kernel():
+    """ours / ours_sdpa_d512 (FFPA's share) times ours_sdpa_d512 / sdpa_recipe (the sliding path's) is ours /
+    sdpa_recipe, per sequence length; a missing row leaves its keys null with the reason."""
+    rows = [dict(row="ours", seq=16384, tokens_per_s_per_gpu=300.0),
+            dict(row="ours_sdpa_d512", seq=16384, tokens_per_s_per_gpu=250.0),
+            dict(row="sdpa_recipe", seq=16384, tokens_per_s_per_gpu=200.0)]
+    summary, missing = tt.summarize(rows)
+    assert summary["ours_vs_ours_sdpa_d512_tps_16k"] == 1.2
+    assert summary["ours_sdpa_d512_vs_sdpa_recipe_tps_16k"] == 1.25
+    assert summary["ours_vs_ours_sdpa_d512_tps_16k"] * summary["ours_sdpa_d512_vs_sdpa_recipe_tps_16k"] == \
+        pytest.approx(summary["ours_vs_sdpa_recipe_tps_16k"])
+    assert "ours_sdpa_d512 at seq 8192 is not in this result" in missing["ours_sdpa_d512_vs_sdpa_recipe_tps_8k"]
+
+
+def test_the_sdpa_d512_row_is_ours_with_sdpa_on_the_d512_layers_only(monkeypatch):
+    """ours_sdpa_d512 is ours' spec with another attention. In a forward of a tiny Gemma4 (2 sliding, 2 full
+    layers) its D=512 layers call HF's SDPA (as sdpa_recipe does) and its sliding layers take ours' Flex path, the
+    same calls ours makes; its logits equal ours' (the FFPA op's CPU reference on the D=512 layers)."""
+    import torch
+    import transformers
+    from transformers.integrations import sdpa_attention
+
+    from benchmarks import train_rows
+    from lightning_ffpa import attention
+    from lightning_ffpa._compat import transformers as hf_compat
+    from lightning_ffpa.attention import kernels, register_ffpa
+    from lightning_ffpa.presets import build_text_config
+
+    same = {k: v for k, v in train_rows.ROWS["ours_sdpa_d512"].items() if k not in ("attn", "label")}
+    assert same == {k: v for k, v in train_rows.ROWS["ours"].items() if k not in ("attn", "label")}
+    assert "ours_sdpa_d512" in train_rows.DEFAULT_ROWS
+    hf_sdpa, original = [], sdpa_attention.sdpa_attention_forward
+
+    def recorded(module, query, *args, **kwargs):
+        hf_sdpa.append((query.shape[-1], args[2] is None))  # head dim, and no mask (causal, as sdpa_recipe runs)
+        return original(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", recorded)
+    train_rows.register_baselines(None)
+    register_ffpa()
+    cfg = build_text_config("tiny")  # sliding, full, sliding, full
+    assert cfg.layer_types.count("full_attention") == 2
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 64))
+    logits, counts = {}, {}
+    for attn in ("ffpa", "sdpa_d512_ours_sliding"):
+        hf_compat.set_attn_implementation(model, attn)
+        attention.reset_dispatch_counts()
+        with torch.no_grad(), kernels.force_kernel("reference"):
+            logits[attn] = model(input_ids=ids, use_cache=False).logits
+        counts[attn] = {k: v for k, v in attention.dispatch_counts().items() if v}
+    assert counts["ffpa"] == {"ffpa-dense": 2, "flex": 2}
+    assert counts["sdpa_d512_ours_sliding"] == {"sdpa": 2, "flex": 2}
+    assert hf_sdpa == [(512, True), (512, True)]
+    torch.testing.assert_close(logits["sdpa_d512_ours_sliding"], logits["ffpa"], rtol=1e-4, atol=1e-4)
+
+
 def test_resume_refuses_another_shape(tmp_path):
     old = tmp_path / "old.json"
     old.write_text(json.dumps(dict(benchmark="train_throughput", rows=[], summary={}, commit="x", preset="tiny",
@@ -157,7 +215,7 @@ def test_resume_refuses_another_shape(tmp_path):
 
 
 def test_resume_keeps_rows_killed_only_after_writing_themselves(tmp_path):
-    from benchmarks import results_io
+    from benchmarks.report import results_io
 
     shape = dict(preset="tiny", layers=2)
     rows = [dict(row="ours", seq=64, tokens_per_s_per_gpu=1.0),

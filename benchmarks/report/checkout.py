@@ -7,7 +7,7 @@ runs (SCOPE: the package, the benchmarks, the examples, pyproject.toml), not tes
 by git where `.git` is present (tracked plus untracked-not-ignored: what a device copy carries) and by a walk of
 SCOPE otherwise (skipping what .gitignore names in it: bytecode, build metadata); both list the same files for
 one tree, so a digest taken here matches one taken on its device copy. This module does not decide what a
-differing digest means; report.py shows it.
+differing digest means; pages.py shows it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCOPE = ("lightning_ffpa", "benchmarks", "examples", "pyproject.toml")
 EXCLUDED = ("benchmarks/results/",)
 _SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ruff_cache"}  # what .gitignore names inside SCOPE

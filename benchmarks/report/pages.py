@@ -1,7 +1,7 @@
 """Turn `benchmarks/results/*.json` into docs: `docs/benchmarks.md` and the README's headline block.
 
 Owns rendering only: every number on those pages is read from a result file here, none is typed by hand.
-It does not run benchmarks (the scripts next to it do) and does not draw plots (`benchmarks/plots.py`,
+It does not run benchmarks (the scripts in `benchmarks/` do) and does not draw plots (`benchmarks/report/plots.py`,
 called from here unless `--no-plots`).
 
     python -m benchmarks.report            # rewrite docs/benchmarks.md, the README block, docs/img/*.png
@@ -16,16 +16,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report_tables
-from benchmarks.report_tables import CURATED, is_number
-from benchmarks.report_targets import MEMORY_BARS, measured_at, render_targets
-from benchmarks.results_io import load_results
+from benchmarks.report import tables
+from benchmarks.report.results_io import load_results
+from benchmarks.report.tables import CURATED, is_number
+from benchmarks.report.targets import MEMORY_BARS, measured_at, render_targets
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS_MD = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
 BEGIN = "<!-- BEGIN GENERATED: headline numbers (python -m benchmarks.report) -->"
 END = "<!-- END GENERATED: headline numbers -->"
+HISTORY_BEGIN = "<!-- BEGIN GENERATED: history (python -m benchmarks.report) -->"
+HISTORY_END = "<!-- END GENERATED: history -->"
+PREDATES_MARK = "predates the current code"  # how the README's History and the docs mark such a file's numbers
 
 # Summary keys worth a README line: (what was compared, how to print the value). Keys from DESIGN.md
 # "Result files"; a key absent from every file (benchmark not recorded yet) prints nothing.
@@ -36,6 +39,14 @@ HEADLINES: dict[str, tuple[str, str]] = {
                                         "{:.2f}x tokens/s") for k in ("8k", "16k", "32k")},
     **{f"ours_vs_flex_recipe_tps_{k}": (f"training step, {k} tokens: ours vs Flex with the same recipe and the "
                                         "best options of a sweep in the same run", "{:.2f}x tokens/s")
+       for k in ("8k", "16k", "32k")},
+    # Which part of the same-recipe ratio comes from which kernel (the two factors of ours_vs_sdpa_recipe).
+    **{f"ours_vs_ours_sdpa_d512_tps_{k}": (f"training step, {k} tokens: FFPA's share of that ratio, ours vs ours with "
+                                           "SDPA on the D=512 layers (sliding layers on ours' Flex path in both)",
+                                           "{:.2f}x tokens/s") for k in ("8k", "16k", "32k")},
+    **{f"ours_sdpa_d512_vs_sdpa_recipe_tps_{k}": (f"training step, {k} tokens: the sliding path's share, ours' "
+                                                  "block-sparse Flex vs HF SDPA on the sliding layers (SDPA on the "
+                                                  "D=512 layers in both)", "{:.2f}x tokens/s")
        for k in ("8k", "16k", "32k")},
     "ours_vs_liger_tps_8k": ("training step, 8k tokens: ours vs HF + liger-kernel's Gemma4 patches, same recipe "
                              "(the faster of with and without per-layer compile where both ran: `liger_baseline`)",
@@ -105,13 +116,19 @@ HEADLINES: dict[str, tuple[str, str]] = {
                                      "CP=1 reference", "{:.2e}"),
     "ffpa_ring_vs_flex_ring_tps_16k": ("context parallel, 16k tokens: FFPA ring vs Flex ring", "{:.2f}x tokens/s"),
     "cp2_vs_cp1_loss_max_abs_diff": ("context parallel: loss difference CP=2 vs CP=1", "{:.2e}"),
-    "roofline_fraction_bs64": ("GRPO rollouts, batch 64, greedy: decode throughput as a fraction of the HBM "
-                               "roofline (denominator: the copy bandwidth measured on the same GPU)", "{:.1%}"),
-    "roofline_fraction_datasheet_bs64": ("the same, of the datasheet HBM bandwidth", "{:.1%}"),
-    "roofline_fraction_bs16": ("GRPO rollouts, batch 16, greedy: decode throughput as a fraction of the HBM "
-                               "roofline (denominator: the copy bandwidth measured on the same GPU)", "{:.1%}"),
-    "roofline_fraction_sampled_bs64": ("GRPO rollouts, batch 64, sampled (temperature 1.0, top-p 1.0): the same "
-                                       "fraction, of the measured copy bandwidth", "{:.1%}"),
+    # Roofline: the datasheet HBM bandwidth is the primary denominator; the copy bandwidth measured on the same
+    # GPU (what a plain copy reaches there) follows as the secondary one.
+    "roofline_fraction_datasheet_bs64": ("GRPO rollouts, batch 64, greedy: decode throughput as a fraction of the "
+                                         "HBM roofline at the datasheet bandwidth", "{:.1%}"),
+    "roofline_fraction_bs64": ("the same, of the copy bandwidth measured on the same GPU", "{:.1%}"),
+    "roofline_fraction_datasheet_bs16": ("GRPO rollouts, batch 16, greedy: decode throughput as a fraction of the "
+                                         "HBM roofline at the datasheet bandwidth", "{:.1%}"),
+    "roofline_fraction_bs16": ("GRPO rollouts, batch 16, greedy: the same, of the copy bandwidth measured on the "
+                               "same GPU", "{:.1%}"),
+    "roofline_fraction_datasheet_sampled_bs64": ("GRPO rollouts, batch 64, sampled (temperature 1.0, top-p 1.0): "
+                                                 "the same fraction, of the datasheet bandwidth", "{:.1%}"),
+    "roofline_fraction_sampled_bs64": ("GRPO rollouts, batch 64, sampled: the same fraction, of the measured copy "
+                                       "bandwidth", "{:.1%}"),
     "greedy_token_match_rate_bs64": ("GRPO rollouts, batch 64, greedy: the engine's tokens equal to HF's for the "
                                      "same prompts", "{:.1%}"),
     "vs_hf_generate_bs64": ("GRPO rollouts, batch 64: paged flex engine vs HF `generate` with a static cache "
@@ -169,6 +186,36 @@ HARNESS_FLAWS = {
                          "gradients); the current benchmarks/context_parallel.py needs two GPUs and has not run"),
 }
 FLAWED_COMMITS = {"fsdp_mesh_of_one": "1e87d5a", "context_parallel": "e3bc125"}  # a flaw fixed since: only that commit's file carries it
+
+
+# Files the README cited whose runs predate the current code (a review of the result files found these): the
+# README lists them under "History" with why, not among its headline numbers; docs/benchmarks.md and the targets
+# mark them. Keyed by file and the commit it measured, so a re-run at HEAD (another commit) is current again.
+# Counts are commits before 0f30921.
+_UNSLOTH_ORDER = "its Unsloth row imported transformers before Unsloth (Unsloth's log: it may then run slower)"
+_PEFT_FROZEN = ("its hf_peft_sdpa_recipe row ran FSDP2 with replicate_frozen=false where ours_lora ran auto: the "
+                "peak-memory gap between the two rows is that setting; the row now takes ours' strategy options")
+PREDATES: dict[str, tuple[str, str]] = {
+    "rollout": ("9101ece", "measured at 9101ece (514 commits before 0f30921) with every row in one process, before "
+                "the script ran one process per row; rollout_full_depth.json measures the engine as it is now"),
+    "attention": ("cffd9f9", "measured at cffd9f9, 362 commits before 0f30921; not re-run since"),
+    "nemo_backend": ("ca7476a", "measured at ca7476a, 369 commits before 0f30921; not re-run since"),
+    "nemo_backend_step": ("ca7476a", "measured at ca7476a, 369 commits before 0f30921; not re-run since"),
+    "grpo_vs_trl": ("35263b8", "measured at 35263b8, 302 commits before 0f30921, before grpo_vs_trl.py compared TRL "
+                               "at equal loss type, reward scaling, KL and iterations with a reward that varies "
+                               "within groups (cbe33bd)"),
+    "full_depth_lora_unsloth": ("2cf6ae8", f"{_UNSLOTH_ORDER}; measured at 2cf6ae8, 341 commits before 0f30921"),
+    "full_depth_lora_replicated": ("9b88859", f"{_UNSLOTH_ORDER}; measured at 9b88859, 311 commits before 0f30921"),
+    "full_depth_lora": ("d2cee6e", _PEFT_FROZEN),
+    "full_depth_lora_profile": ("e7e60b2", _PEFT_FROZEN),
+}
+
+
+def predates(stem: str, record: dict[str, Any]) -> str | None:
+    """Why the result file `stem` (this `record` of it) predates the current code (it is kept under History), or
+    None: the file of PREDATES' commit only, so a re-run replaces the mark with the file."""
+    at, why = PREDATES.get(stem, ("", ""))
+    return why if at and str(record.get("commit", "")).startswith(at) else None
 
 
 def harness_flaw(stem: str, record: dict[str, Any]) -> str | None:
@@ -323,7 +370,7 @@ def clean_commit(record: dict[str, Any]) -> bool:
 
 
 def tree_note(tree: dict[str, Any] | None) -> str:
-    """The provenance line's tail for a file's `tree` (benchmarks/checkout.py): its digest and whether the
+    """The provenance line's tail for a file's `tree` (benchmarks/report/checkout.py): its digest and whether the
     files differed from the commit; empty for a file written before trees were recorded."""
     if not tree:
         return ""
@@ -332,8 +379,19 @@ def tree_note(tree: dict[str, Any] | None) -> str:
 
 
 def current(results: list[tuple[Path, dict[str, Any]]]) -> list[tuple[Path, dict[str, Any]]]:
-    """The files the README and the targets read: not kept as history, without a harness flaw, and naming
-    the one commit they measured."""
+    """The files the README's headline numbers read: not kept as history, not predating the current code, without
+    a harness flaw, and naming the one commit they measured."""
+    return [(p, r) for p, r in _sound(results) if predates(p.stem, r) is None]
+
+
+def historical(results: list[tuple[Path, dict[str, Any]]]) -> list[tuple[Path, dict[str, Any]]]:
+    """The files that predate the current code (PREDATES) and are otherwise sound: the README's History section
+    reads these, and the targets read them beside the current ones, marked."""
+    return [(p, r) for p, r in _sound(results) if predates(p.stem, r) is not None]
+
+
+def _sound(results: list[tuple[Path, dict[str, Any]]]) -> list[tuple[Path, dict[str, Any]]]:
+    """Files not kept as history (`history_note`), without a harness flaw, naming the one commit they measured."""
     return [(p, r) for p, r in results if "history_note" not in r["summary"] and harness_flaw(p.stem, r) is None
             and clean_commit(r)]
 
@@ -348,9 +406,29 @@ def render_headline(results: list[tuple[Path, dict[str, Any]]]) -> str:
             f"Regenerate with `python -m benchmarks.report`.\n{END}")
 
 
+def render_history(results: list[tuple[Path, dict[str, Any]]]) -> str:
+    """The README's History block: the headline numbers of files that predate the current code, each with why."""
+    lines = [f"Each result file below {PREDATES_MARK}: it was measured before a change to the code or the harness "
+             "named beside it, so its numbers are a record of that run, not a claim about this commit. The headline "
+             "numbers above do not read them; re-running the file's command at HEAD replaces it.", ""]
+    for path, record in sorted(historical(results), key=lambda pr: _priority(pr[1])):
+        block = headline_lines([(path, record)], ROOT)
+        if block:
+            lines += [block[0], "", f"It {PREDATES_MARK}: {predates(path.stem, record)}.", *block[1:], ""]
+    if len(lines) == 2:
+        lines.append(f"No recorded file {PREDATES_MARK}.")
+    return f"{HISTORY_BEGIN}\n" + "\n".join(lines).rstrip() + f"\n{HISTORY_END}"
+
+
 def curated(rec: dict[str, Any]) -> bool:
-    """Whether a result file gets a curated table: a benchmark of report_tables.CURATED, not kept as history."""
+    """Whether a result file gets a curated table: a benchmark of tables.CURATED, not kept as history."""
     return rec.get("benchmark") in CURATED and "history_note" not in rec.get("summary", {})
+
+
+def _predates_note(stem: str, record: dict[str, Any]) -> str:
+    """The curated table's mark for a file that predates the current code (its section below says why)."""
+    return (f" **It {PREDATES_MARK}** ([History](../README.md#history)); its section below says why."
+            if predates(stem, record) else "")
 
 
 def _trimmed(lines: list[str]) -> list[str]:
@@ -368,7 +446,7 @@ def curated_section(results: list[tuple[Path, dict[str, Any]]], link_from: Path,
     out = ["## Curated tables", "",
            "The comparisons to read first, one table per result file. Every column header links the file and names "
            "the JSON field its cells come from; a ratio is printed only where the file's summary recorded it. "
-           f"{report_tables.DASH} marks a row that failed or was skipped (the note under the table gives the first "
+           f"{tables.DASH} marks a row that failed or was skipped (the note under the table gives the first "
            "line of its error); an empty cell, a row that was not run; n/a, a field the row did not record "
            "(e.g. memory on CPU).", ""]
     for path, rec in files:
@@ -377,7 +455,8 @@ def curated_section(results: list[tuple[Path, dict[str, Any]]], link_from: Path,
         notes = "".join(f"; {rec['summary'][k]}" for k in NOTE_KEYS if isinstance(rec["summary"].get(k), str))
         out += [f"### {what}: `{path.stem}`", "",
                 f"[`{rel(path, ROOT)}`]({link}), {rec.get('device', '?')}, {rec.get('date', '?')}, "
-                f"commit `{rec.get('commit', '?')}`{notes}.", "", *_trimmed(render(rec, link)), ""]
+                f"commit `{rec.get('commit', '?')}`{notes}.{_predates_note(path.stem, rec)}", "",
+                *_trimmed(render(rec, link)), ""]
         if path.stem in plotted:
             out += [f"![{path.stem}](img/{path.stem}.png)", ""]
     return out
@@ -394,12 +473,13 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         "Every number on this page is read from a result file in `benchmarks/results/`. Each file records the",
         "exact command, commit, device and library versions of its run; files written since 2026-12-05 also record",
         "`tree`, a SHA-256 over the package, benchmark and example files as they were on disk, and whether they",
-        "differed from the commit (benchmarks/checkout.py). Ratios in a summary come from rows measured in the same",
+        "differed from the commit (benchmarks/report/checkout.py). Ratios in a summary come from rows measured in the same",
         "run. To record a run, run the benchmark script with `--out` and regenerate this page; see",
         "[How to reproduce](#how-to-reproduce).",
         "",
         *curated_section(results, docs, plotted),
-        *render_targets(current(results), docs, rel),
+        *render_targets(current(results) + historical(results), docs, rel,
+                        {p.stem: PREDATES_MARK for p, _ in historical(results)}),
         "## Headline numbers",
         "",
         *(headline_lines(results, docs) or ["No benchmark has been recorded yet."]),
@@ -421,6 +501,9 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
             out += ["**Provenance incomplete:** the file's `commit` is not one commit id, so it is not known which "
                     "code it measured. It is kept as a record and is not cited in the README or the targets; "
                     "re-run its script to replace it.", ""]
+        if why := predates(name, rec):
+            out += [f"**It {PREDATES_MARK}:** {why}. The README lists it under [History](../README.md#history), "
+                    "not among its headline numbers; re-run its command at HEAD to replace it.", ""]
         if flaw := harness_flaw(name, rec):
             out += [f"**Harness flaw:** {flaw}. It is kept as a record and is not cited in the README or the "
                     "targets.", ""]
@@ -435,7 +518,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict[str, Any]]], plotted: se
         if name in plotted and not curated(rec):  # curated files show their plot beside their table
             out += [f"![{name}](img/{name}.png)", ""]
         link_rel = rel(path, docs)
-        if kinds := report_tables.kernel_time(rec, link_rel) or report_tables.decode_kernel_time(rec, link_rel):
+        if kinds := tables.kernel_time(rec, link_rel) or tables.decode_kernel_time(rec, link_rel):
             out += [f"### {name}: kernel time by kind ({link})", "", *kinds]
         out += [f"### {name}: rows ({link})", "", table(rec["rows"]), ""]
     out += [
@@ -500,12 +583,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-plots", action="store_true", help="do not redraw docs/img/*.png")
     args = p.parse_args(argv)
 
-    from benchmarks import plots
+    from benchmarks.report import plots
 
     results = load_results()
     plotted = {path.stem for path, rec in results if plots.can_plot(rec)}
+    readme = replace_block(README.read_text(), render_headline(results))
     pages = {BENCHMARKS_MD: render_benchmarks_md(results, plotted),
-             README: replace_block(README.read_text(), render_headline(results))}
+             README: replace_block(readme, render_history(results), HISTORY_BEGIN, HISTORY_END)}
     if args.check:
         return write_pages(pages, "python -m benchmarks.report", check=True)
     write_pages(pages, "python -m benchmarks.report", check=False)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
 
 def _version(mod: str) -> str | None:
@@ -25,7 +25,7 @@ def _commit() -> str:
     if os.environ.get("LIGHTNING_FFPA_COMMIT"):
         return os.environ["LIGHTNING_FFPA_COMMIT"]
     try:
-        root = Path(__file__).resolve().parents[1]
+        root = Path(__file__).resolve().parents[2]
         sha = subprocess.check_output(["git", "-C", str(root), "rev-parse", "HEAD"], text=True).strip()
         dirty = subprocess.check_output(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], text=True)
         return sha + ("-dirty" if dirty.strip() else "")
@@ -53,7 +53,7 @@ def device_name() -> str:
 def write_result(benchmark: str, rows: list[dict[str, Any]], summary: dict[str, Any],
                  out: str | Path | None = None, **extra: Any) -> Path:
     """Write one result JSON (benchmark, command, commit, tree, date, device, versions, rows, summary)."""
-    from benchmarks.checkout import tree_digest
+    from benchmarks.report.checkout import tree_digest
 
     record = {
         "benchmark": benchmark,
@@ -136,7 +136,7 @@ def load_results(results_dir: Path = RESULTS_DIR) -> list[tuple[Path, dict[str, 
         record = json.loads(path.read_text())
         missing = [k for k in ("benchmark", "rows", "summary") if k not in record]
         if missing:
-            raise ValueError(f"{path}: result file lacks {missing} (write it with benchmarks/results_io.py)")
+            raise ValueError(f"{path}: result file lacks {missing} (write it with benchmarks/report/results_io.py)")
         out.append((path, record))
     return out
 

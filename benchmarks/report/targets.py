@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report_tables import is_number
+from benchmarks.report.tables import is_number
 
 __all__ = ["TARGETS", "render_targets", "target_status"]
 
@@ -35,8 +35,8 @@ TARGETS: list[tuple[str, str | None, float, bool, str]] = [
      "full-attention op, 8k, fwd+bwd: ours vs NeMo-Automodel's FFPA backend"),
     ("ours_vs_nemo_backend_step_tps_8k", None, 1.0, True,
      "training step, 8k: ours vs NeMo-Automodel's FFPA backend, same recipe"),
-    ("roofline_fraction_bs64", "rollout_full_depth", 0.85, False,
-     "rollout decode, 60 layers, batch 64: fraction of the HBM roofline"),
+    ("roofline_fraction_datasheet_bs64", "rollout_full_depth", 0.85, False,
+     "rollout decode, 60 layers, batch 64: fraction of the HBM roofline at the datasheet bandwidth"),
     ("ours_vs_trl_step_speedup", None, 5.0, False, "GRPO optimizer step: ours vs TRL's GRPOTrainer"),
 ]
 # Targets that also need ours' peak memory at or below the peer's: key -> (ours' memory key, the peer's), read
@@ -81,8 +81,10 @@ def memory_status(summary: dict[str, Any], key: str) -> tuple[str, str | None]:
     return shown, None if ours <= peer else f"ours' peak memory is {ours - peer:.1f} GiB higher"
 
 
-def render_targets(results: list[tuple[Path, dict[str, Any]]], link_from: Path, rel) -> list[str]:
-    """Markdown lines: one table row per target, with the value, its status and the file it came from."""
+def render_targets(results: list[tuple[Path, dict[str, Any]]], link_from: Path, rel,
+                   marked: dict[str, str] | None = None) -> list[str]:
+    """Markdown lines: one table row per target, with the value, its status and the file it came from; a value
+    read from a file of `marked` (stem -> mark, e.g. one that predates the current code) carries its mark."""
     out = ["## Targets", "",
            "Each target is a ratio or fraction measured in one run on one GPU; the value is the newest file's. "
            "Why a target is missed is written up in [performance notes](performance.md).", "",
@@ -99,5 +101,7 @@ def render_targets(results: list[tuple[Path, dict[str, Any]]], link_from: Path, 
             shown += mem_shown
             status = f"missed: {mem_missed}" if status == "met" and mem_missed else status
         where = f"[`{path.name}`]({rel(path, link_from)}) (`{str(rec.get('commit', '?'))[:7]}`)" if path else "-"
+        if path is not None and (marked or {}).get(path.stem):
+            status += f" ({marked[path.stem]})"
         out.append(f"| {what} (`{key}`) | {bar_text} | {shown} | {status} | {where} |")
     return out + [""]

@@ -4,7 +4,7 @@ Owns choosing and formatting the cells: which rows and fields a reader compares 
 baselines and peers, per sequence length or batch), each column header linking its result file and naming the
 JSON field, and the notes under a table ("—" cells: a failed or skipped row, its error's first line). Every number
 printed is a field of the result record, formatted with one of `FORMATS`; a ratio is printed only where the file's
-summary recorded it. Does not load files, write pages or draw plots (`benchmarks/report.py`, `benchmarks/plots.py`).
+summary recorded it. Does not load files, write pages or draw plots (`benchmarks/report/pages.py`, `benchmarks/report/plots.py`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ FORMATS = {"tps": "{:,.0f}", "ratio": "{:.2f}x", "gib": "{:.1f}", "pct": "{:.1%}
 DASH = "—"
 # The scripts' row order (train_rows.ROWS, full_depth_lora.ROWS, rollout.KINDS): each label compares with a
 # neighbour, so tables keep it; rows of other names (ablations, older files) follow in file order.
-TRAIN_ORDER = ("sdpa_defaults", "sdpa_recipe", "flex_recipe", "liger_recipe")
+TRAIN_ORDER = ("sdpa_defaults", "sdpa_recipe", "flex_recipe", "liger_recipe", "ours_sdpa_d512")
 LORA_ORDER = ("ours_lora", "hf_peft_sdpa_recipe", "ours_lora_offload", "unsloth_lora", "unsloth_lora_gc")
 ROLLOUT_ORDER = ("ours_paged_flex", "ours_paged_flex_eager_step", "hf_generate_static", "hf_generate_static_compiled",
                  "hf_continuous_batching")
 # Summary ratio keys (ours over the row), by row name; `{k}` is the sequence tag ("8k").
 TRAIN_RATIOS = {"sdpa_defaults": "ours_vs_sdpa_defaults_tps_{k}", "sdpa_recipe": "ours_vs_sdpa_recipe_tps_{k}",
-                "flex_recipe": "ours_vs_flex_recipe_tps_{k}", "liger_recipe": "ours_vs_liger_tps_{k}"}
+                "flex_recipe": "ours_vs_flex_recipe_tps_{k}", "liger_recipe": "ours_vs_liger_tps_{k}",
+                "ours_sdpa_d512": "ours_vs_ours_sdpa_d512_tps_{k}"}
 LORA_RATIOS = {"hf_peft_sdpa_recipe": "full_depth_lora_ours_vs_sdpa_recipe_tps_{k}",
                "unsloth_lora": "full_depth_lora_ours_vs_unsloth_tps_{k}"}  # beside the Unsloth baseline's row
 
@@ -264,19 +265,22 @@ def full_depth_lora(rec: dict[str, Any], link: str) -> list[str]:
 
 
 def rollout(rec: dict[str, Any], link: str) -> list[str]:
-    """Per (batch, row kind): greedy beside sampled, the roofline fraction of both denominators, HF token match."""
+    """Per (batch, row kind): greedy beside sampled, the roofline fraction of both denominators (the datasheet's
+    first: the primary number), HF token match."""
     rows = [r for r in rec["rows"] if "name" in r and "batch" in r]
     kinds = ordered([r["name"].removesuffix("_sampled") for r in rows], ROLLOUT_ORDER)
     summary, notes, t = rec["summary"], Notes(), Table(link)
     cols: list[tuple[str, str, str, str, Callable[[dict], Any]]] = [  # title, field, kind, mode, getter
         ("tokens/s, greedy", "rows[].tokens_per_s", "tps", "", lambda r: r.get("tokens_per_s")),
         ("tokens/s, sampled", "rows[<row>_sampled].tokens_per_s", "tps", "_sampled", lambda r: r.get("tokens_per_s")),
+        ("roofline, greedy, of datasheet HBM", "rows[].roofline_fraction_datasheet", "pct", "",
+         lambda r: r.get("roofline_fraction_datasheet")),
+        ("roofline, sampled, of datasheet HBM", "rows[<row>_sampled].roofline_fraction_datasheet", "pct", "_sampled",
+         lambda r: r.get("roofline_fraction_datasheet")),
         ("roofline, greedy, of measured copy bandwidth", "rows[].roofline_fraction", "pct", "",
          lambda r: r.get("roofline_fraction")),
         ("roofline, sampled, of measured copy bandwidth", "rows[<row>_sampled].roofline_fraction", "pct", "_sampled",
          lambda r: r.get("roofline_fraction")),
-        ("roofline, greedy, of datasheet HBM", "rows[].roofline_fraction_datasheet", "pct", "",
-         lambda r: r.get("roofline_fraction_datasheet")),
         ("greedy tokens equal to HF's", "rows[].hf_check.token_match_rate", "pct", "",
          lambda r: (r.get("hf_check") or {}).get("token_match_rate")),
         ("peak allocated GiB, greedy", "rows[].peak_mem_gb", "gib", "", lambda r: r.get("peak_mem_gb"))]

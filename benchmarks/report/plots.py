@@ -1,9 +1,9 @@
 """PNG plots of `benchmarks/results/*.json` into `docs/img/<result file stem>.png` (matplotlib, from the dev extra).
 
-Owns drawing only; which files exist and the tables around the plots are `benchmarks/report.py`'s job.
+Owns drawing only; which files exist and the tables around the plots are `benchmarks/report/pages.py`'s job.
 Rows carrying `error` or `skipped` are left out of a plot (the report's tables still list them).
 
-    python -m benchmarks.plots
+    python -m benchmarks.report.plots
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-IMG_DIR = Path(__file__).resolve().parents[1] / "docs" / "img"
+IMG_DIR = Path(__file__).resolve().parents[2] / "docs" / "img"
 
 
 def _ok(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
@@ -65,7 +65,7 @@ def _memory_key(rows: list[dict]) -> str:
 
 def _seq_rows(rec: dict, fig, tps: str, order: tuple[str, ...], last: tuple[str, ...], title: str) -> None:
     """Tokens/s per row (the curated table's order) per seq, and peak allocated memory beside it."""
-    from benchmarks.report_tables import ordered
+    from benchmarks.report.tables import ordered
 
     names = ordered([r["row"] for r in rec["rows"] if "row" in r], order, last)
     mem = _memory_key(rec["rows"])
@@ -79,13 +79,13 @@ def _seq_rows(rec: dict, fig, tps: str, order: tuple[str, ...], last: tuple[str,
 
 
 def _train_throughput(rec: dict, fig) -> None:
-    from benchmarks.report_tables import TRAIN_ORDER
+    from benchmarks.report.tables import TRAIN_ORDER
 
     _seq_rows(rec, fig, "tokens_per_s_per_gpu", TRAIN_ORDER, ("ours",), "Training step")
 
 
 def _full_depth_lora(rec: dict, fig) -> None:
-    from benchmarks.report_tables import LORA_ORDER
+    from benchmarks.report.tables import LORA_ORDER
 
     _seq_rows(rec, fig, "tokens_per_s", LORA_ORDER, (), "Full-depth LoRA step")
 
@@ -161,7 +161,7 @@ def draw_all(results: list[tuple[Path, dict[str, Any]]], out_dir: Path = IMG_DIR
 
 
 if __name__ == "__main__":
-    from benchmarks.results_io import load_results
+    from benchmarks.report.results_io import load_results
 
     for p in draw_all(load_results()):
         print(f"wrote {p}")

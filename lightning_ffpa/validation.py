@@ -29,7 +29,12 @@ from lightning_ffpa._compat.transformers import from_config, text_config
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_seed
 from lightning_ffpa.checkpoint.paths import root_checkpoint_dirs
 from lightning_ffpa.errors import CheckpointError, ConfigError
-from lightning_ffpa.hf_module import ARCHITECTURE_HPARAMS, check_hparams_match  # noqa: F401 - re-exported
+from lightning_ffpa.fp8_base import check_device as fp8_base_check_device
+from lightning_ffpa.hf_module import (  # noqa: F401 - ARCHITECTURE_HPARAMS, check_hparams_match re-exported
+    ARCHITECTURE_HPARAMS,
+    check_fp8_base_placement,
+    check_hparams_match,
+)
 from lightning_ffpa.lora import check_targets_match
 
 # LightningCLI option: take the model options from an explicit checkpoint file even where they differ.
@@ -198,6 +203,9 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
     if fp8 is not None and hasattr(fp8, "check_device"):  # FSDP2Strategy's `fp8`: the device, and no LoRA
         fp8.check_no_lora((getattr(model, "hparams", None) or {}).get("lora"))
         fp8.check_device(strategy.root_device)
+    lora = (getattr(model, "hparams", None) or {}).get("lora")
+    fp8_base_check_device(lora, strategy.root_device)  # `model.lora.base_dtype: fp8`: FP8 tensor cores on CUDA
+    check_fp8_base_placement(lora, strategy)
     cp = getattr(strategy, "context_parallel_size", 1)
     world = trainer.world_size
     _check_replicate_frozen(strategy, model)

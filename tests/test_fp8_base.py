@@ -12,7 +12,13 @@ from torch import nn
 
 from lightning_ffpa import fp8_base
 from lightning_ffpa.errors import ConfigError
-from lightning_ffpa.fp8_base import FP8_DTYPE, Float8BaseLinear, dequantize, quantize_lora_bases, quantize_rowwise
+from lightning_ffpa.fp8_base import (
+    FP8_DTYPE,
+    Float8BaseLinear,
+    dequantize,
+    quantize_lora_bases,
+    quantize_rowwise,
+)
 from lightning_ffpa.lora import lora_hparam
 from lightning_ffpa.module import Gemma4LM
 

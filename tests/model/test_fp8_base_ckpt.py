@@ -79,14 +79,15 @@ def test_resume_equals_the_straight_run_and_the_checkpoint_exports(tmp_path, sav
     assert len(result.dequantized) == 6 and result.merged == result.dequantized and result.dtype == torch.float32
 
 
-def test_fsdp2_keeps_the_float8_base_whole_and_resumes(one_process, tmp_path):
+@pytest.mark.parametrize("dcp", [False, True], ids=["file", "dcp"])
+def test_fsdp2_keeps_the_float8_base_whole_and_resumes(one_process, tmp_path, dcp):
     torch.manual_seed(0)
     base = tmp_path / "base"
     Gemma4ForCausalLM(build_text_config("tiny", num_hidden_layers=2)).save_pretrained(base)
 
     def fit(root, steps, ckpt_path=None):
         strategy = FSDP2Strategy(param_dtype="fp32", reduce_dtype="fp32", activation_checkpointing="none",
-                                 compile=False, save_distributed_checkpoint=False)
+                                 compile=False, save_distributed_checkpoint=dcp)
         out = _fit(root, steps, ckpt_path=ckpt_path, strategy=strategy, pretrained=str(base))
         dist.destroy_process_group()
         return out + (strategy,)
@@ -104,7 +105,9 @@ def test_fsdp2_keeps_the_float8_base_whole_and_resumes(one_process, tmp_path):
     w = loaded["model.layers.0.self_attn.q_proj.weight"]
     assert (q * s[:, None] - w).abs().max() <= w.abs().max() / 16
     fit(tmp_path / "cut", N)
-    resumed, trainer, _ = fit(tmp_path / "cut", 2 * N, ckpt_path=tmp_path / "cut" / "ckpt" / "last.ckpt")
+    cut = tmp_path / "cut" / "ckpt" / f"epoch=0-step={N}.ckpt"
+    assert cut.is_dir() == dcp
+    resumed, trainer, _ = fit(tmp_path / "cut", 2 * N, ckpt_path=cut)
     assert trainer.global_step == 2 * N
     _assert_same(resumed, straight)
 

@@ -4,8 +4,10 @@ output row, and the matmuls that read it.
 Owns the weight-only quantisation (rowwise amax scale, saturating cast), `Float8BaseLinear` (what each LoRA
 target's `base_layer` becomes: a frozen float8 weight, its scales, the Linear's bias), the matmul path of each call
 (`scaled_mm`: FP8 tensor cores through `torch._scaled_mm` with rowwise scales, CUDA capability >= 8.9; or
-`dequantize`: W0 made in the compute dtype for the call and dropped), counted per forward call
-(`attention.counters` group "fp8_base"; a backward runs its forward's path), `quantize_lora_bases` (the swap over
+`dequantize`: W0 made in the compute dtype for the call and dropped; `dequantize_fallback` on CUDA where the
+activations are not bf16 or the dims not multiples of 16), counted per forward call (`attention.counters` group
+"fp8_base"; a backward runs its forward's path; the first call of each path is reported, the fallback's as a
+warning), `quantize_lora_bases` (the swap over
 a peft model, after its weights are loaded) and the device check. The adapters, their optimizer states and the
 rest of the model stay in `model.dtype`.
 
@@ -18,6 +20,7 @@ Does not own the option's parsing (`lora.py`), where the swap happens (`HFModule
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -121,11 +124,32 @@ class _BaseMatmul(torch.autograd.Function):
         return dy @ dequantize(weight, scale, dy.dtype), None, None, None
 
 
+PATHS = {
+    "scaled_mm": "torch._scaled_mm with rowwise scales",
+    "dequantize": "W0 dequantised to the compute dtype: no FP8 tensor cores on this device",
+    "dequantize_fallback": "W0 dequantised on a CUDA device: activations not bf16, or weight dims not multiples of 16",
+}
+
+
+def _report_first(path: str) -> None:
+    """Say once per path that it ran (a warning for the CUDA fallback); runs from the counter, compiled too."""
+    text = f"lora.base_dtype fp8: a base matmul ran on the {path} path ({PATHS.get(path, path)})"
+    if path == "dequantize_fallback":
+        warnings.warn(text, stacklevel=2)
+    else:
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(text)
+
+
+counters.on_first(COUNTER, _report_first)
+
+
 def base_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ (q * scale)ᵀ + bias on the fastest path for `x` (counted; see the module docstring)."""
     fast = _fits_scaled_mm(x, weight)
-    counters.count(COUNTER, "scaled_mm" if fast else "dequantize", x)
+    counters.count(COUNTER, "scaled_mm" if fast else "dequantize_fallback" if x.is_cuda else "dequantize", x)
     y = _BaseMatmul.apply(x, weight, scale, fast)
     return y if bias is None else y + bias
 

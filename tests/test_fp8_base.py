@@ -200,6 +200,22 @@ def test_export_writes_weights_hf_loads_to_the_modules_own_logits(tmp_path, caps
         torch.testing.assert_close(peft(input_ids=ids).logits, want, rtol=0, atol=1e-5)
 
 
+def test_the_first_call_of_each_path_is_reported_and_a_cuda_fallback_warns(monkeypatch):
+    from lightning_ffpa.attention import counters
+
+    said = []
+    monkeypatch.setattr("lightning.pytorch.utilities.rank_zero_info", said.append)
+    counters.reset(fp8_base.COUNTER)
+    layer = Float8BaseLinear.from_linear(nn.Linear(32, 16))
+    for _ in range(3):
+        layer(torch.randn(2, 32))
+    assert fp8_base.path_counts() == {"dequantize": 3}
+    assert said == ["lora.base_dtype fp8: a base matmul ran on the dequantize path (W0 dequantised to the compute "
+                    "dtype: no FP8 tensor cores on this device)"]
+    with pytest.warns(UserWarning, match="ran on the dequantize_fallback path .*not bf16"):
+        fp8_base._report_first("dequantize_fallback")
+
+
 @pytest.mark.gpu
 def test_scaled_mm_path_matches_the_dequantise_path_on_an_fp8_gpu():
     if torch.cuda.get_device_capability() < (8, 9):

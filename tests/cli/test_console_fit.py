@@ -174,6 +174,7 @@ def test_tiny_fits_over_an_fp8_lora_base_says_its_path_and_exports_merged(tmp_pa
     started = re.search(r"lora\.base_dtype fp8: (\d+) LoRA base weights stored as float8_e4m3fn with rowwise fp32 "
                         r"scales .*; matmul path: dequantize \(cpu: ", screen)
     assert started, screen[-3000:]
+    assert "lora.base_dtype fp8: a base matmul ran on the dequantize path" in screen  # the path that ran, said once
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("fit finished at step 2"), proc.stdout[-2000:]
     ckpt = re.search(r"\bcheckpoint ([^;]+)", last).group(1)

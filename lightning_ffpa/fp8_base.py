@@ -38,7 +38,9 @@ __all__ = ["OPTION", "BASE_DTYPES", "FP8_DTYPE", "Float8BaseLinear", "quantize_r
 OPTION = "model.lora.base_dtype"
 BASE_DTYPES = ("model", "fp8")
 FP8_DTYPE = torch.float8_e4m3fn
-GRAD_DTYPE = torch.float8_e5m2  # the backward's dy: more range, as float8 training recipes use for gradients
+# The backward's dy * s: e4m3 too, since torch's rowwise scaled_mm kernel (f8f8bf16_rowwise) takes e4m3 operands
+# (torchao's rowwise recipe casts gradients to e4m3 for the same reason); the per-row scales give it its range.
+GRAD_DTYPE = torch.float8_e4m3fn
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (SM89), Hopper (SM90) and later
 _DIM_MULTIPLE = 16  # torch._scaled_mm needs K and N divisible by 16
 SCALE_ATTR = "_fp8_scale"  # the float8 weight Parameter's own reference to its scales (rollout, export helpers)

@@ -31,12 +31,12 @@ from torch import nn
 from lightning_ffpa._compat.torch import scaled_mm
 from lightning_ffpa.attention import counters
 from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.lora import BASE_DTYPES, hf_name  # noqa: F401 - BASE_DTYPES re-exported
 
 __all__ = ["OPTION", "BASE_DTYPES", "FP8_DTYPE", "Float8BaseLinear", "quantize_rowwise", "dequantize", "base_linear",
            "matmul_path", "check_device", "quantize_lora_bases", "scale_of", "as_dtype", "path_counts"]
 
 OPTION = "model.lora.base_dtype"
-BASE_DTYPES = ("model", "fp8")
 FP8_DTYPE = torch.float8_e4m3fn
 # The backward's dy * s: e4m3 too, since torch's rowwise scaled_mm kernel (f8f8bf16_rowwise) takes e4m3 operands
 # (torchao's rowwise recipe casts gradients to e4m3 for the same reason); the per-row scales give it its range.
@@ -221,10 +221,14 @@ def quantize_lora_bases(model: nn.Module, option: str = OPTION) -> dict[str, Any
 
     Call after the base weights are final (loaded or drawn). Returns what happened, for the start-up line:
     {"converted": n, "fp8_bytes": ..., "was_bytes": ..., "was_dtype": ...}. A LoRA target that is not an
-    nn.Linear (an embedding) is refused: its base would silently stay in high precision."""
+    nn.Linear (an embedding) is refused: its base would silently stay in high precision; so is one whose weight is
+    tied to another module's (a tied lm_head): its float8 copy would untie them."""
     from peft.tuners.lora import LoraLayer
 
     converted, fp8_bytes, was_bytes, was_dtype = 0, 0, 0, None
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer):
             continue
@@ -232,9 +236,13 @@ def quantize_lora_bases(model: nn.Module, option: str = OPTION) -> dict[str, Any
         if isinstance(base, Float8BaseLinear):
             continue
         if type(base) is not nn.Linear:
-            raise ConfigError(option, "fp8", f"stores Linear LoRA targets only; {name} adapts a "
+            raise ConfigError(option, "fp8", f"stores Linear LoRA targets only; {hf_name(name)} adapts a "
                                              f"{type(base).__name__}: drop it from target_modules or set "
                                              "base_dtype model")
+        if uses.get(id(base.weight), 0) > 1:  # a tied head: a float8 copy would untie it from the embedding
+            raise ConfigError(option, "fp8", f"cannot store {hf_name(name)}'s base in float8: its weight is tied to another "
+                                             "module's (the embedding); drop it from target_modules or set base_dtype "
+                                             "model")
         was_dtype = base.weight.dtype
         was_bytes += base.weight.numel() * base.weight.element_size()
         fp8 = Float8BaseLinear.from_linear(base)

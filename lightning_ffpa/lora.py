@@ -66,6 +66,7 @@ class LoraSpec:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(LoraSpec)}
+BASE_DTYPES = ("model", "fp8")  # `base_dtype`: the frozen base as built, or float8 (`fp8_base.py`)
 OURS = ("base_dtype",)  # LoraSpec fields that are not peft's: never passed to `LoraConfig`
 
 
@@ -124,8 +125,6 @@ def _check_target_parameters(spec: LoraSpec, option: str) -> None:
 
 def _check_base_dtype(spec: LoraSpec, option: str) -> None:
     """`base_dtype` is one of `BASE_DTYPES`; an fp8 base holds Linear weights only, and DoRA reads W0's norms."""
-    from lightning_ffpa.fp8_base import BASE_DTYPES
-
     if spec.base_dtype not in BASE_DTYPES:
         raise ConfigError(f"{option}.base_dtype", spec.base_dtype, f"must be one of {', '.join(BASE_DTYPES)}")
     if spec.base_dtype != "fp8":

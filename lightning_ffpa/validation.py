@@ -132,10 +132,16 @@ def check_no_dangling_last(trainer: Any, option: str = "ckpt_path") -> None:
 
 def check_lora_targets(model: Any, option: str = "model.lora") -> None:
     """Every LoRA `target_modules` / `target_parameters` entry must match the model (`lora.check_targets_match`
-    over the model built on meta), before fit writes any file."""
+    over the model built on meta), and a float8 base (`lora.base_dtype: fp8`) must fit its targets, before fit
+    writes any file."""
     spec = (getattr(model, "hparams", None) or {}).get("lora")
     if not spec or not hasattr(model, "config"):
         return
+    if spec.get("base_dtype") == "fp8":  # its refusals (an embedding or tied target) on the model built on meta
+        from lightning_ffpa.fp8_base import quantize_lora_bases
+        from lightning_ffpa.lora import apply_lora
+
+        quantize_lora_bases(apply_lora(_meta_model(model), spec))
     if spec.get("target_modules") in (None, "all-linear") and not spec.get("target_parameters"):
         return
     check_targets_match(_meta_model(model), spec, option)

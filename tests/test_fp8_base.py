@@ -141,6 +141,11 @@ def test_bad_values_are_refused_naming_the_option():
     with pytest.raises(ConfigError, match=r"^`model\.lora\.base_dtype='fp8'`: stores Linear LoRA targets only; "
                                           r".*0 adapts a Embedding"):
         quantize_lora_bases(emb)
+    tied = get_peft_model(nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)),
+                          LoraConfig(r=2, target_modules=["1"]))
+    tied.base_model.model[1].base_layer.weight = tied.base_model.model[0].weight  # a head tied to the embedding
+    with pytest.raises(ConfigError, match=r"cannot store .*1's base in float8: its weight is tied"):
+        quantize_lora_bases(tied)
 
 
 def test_a_gpu_without_fp8_is_refused_before_the_build_and_cpu_says_its_path(monkeypatch):

@@ -20,8 +20,9 @@ Does not own the option's parsing (`lora.py`), where the swap happens (`HFModule
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.lora import BASE_DTYPES, hf_name  # noqa: F401 - BASE_DTYPES re-exported
 
 __all__ = ["OPTION", "BASE_DTYPES", "FP8_DTYPE", "Float8BaseLinear", "quantize_rowwise", "dequantize", "base_linear",
-           "matmul_path", "check_device", "quantize_lora_bases", "scale_of", "as_dtype", "path_counts"]
+           "matmul_path", "check_device", "force_dequantize", "quantize_lora_bases", "scale_of", "as_dtype", "path_counts"]
 
 OPTION = "model.lora.base_dtype"
 FP8_DTYPE = torch.float8_e4m3fn
@@ -83,8 +84,22 @@ def check_device(lora: dict[str, Any] | None, device: torch.device) -> None:
         matmul_path(device)
 
 
+_force_dequantize = False  # `force_dequantize`: benchmarks and tests time or check the other path on the same GPU
+
+
+@contextlib.contextmanager
+def force_dequantize(on: bool = True) -> Iterator[None]:
+    """Inside, every base matmul takes the dequantise path (counted as `dequantize_fallback` on CUDA)."""
+    global _force_dequantize
+    saved, _force_dequantize = _force_dequantize, on
+    try:
+        yield
+    finally:
+        _force_dequantize = saved
+
+
 def _fits_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.is_cuda and x.dtype == torch.bfloat16
+    return (not _force_dequantize and x.is_cuda and x.dtype == torch.bfloat16
             and weight.shape[0] % _DIM_MULTIPLE == 0 and weight.shape[1] % _DIM_MULTIPLE == 0)
 
 

@@ -110,6 +110,8 @@ def test_fsdp2_keeps_the_float8_base_whole_and_resumes(one_process, tmp_path, dc
     resumed, trainer, _ = fit(tmp_path / "cut", 2 * N, ckpt_path=cut)
     assert trainer.global_step == 2 * N
     _assert_same(resumed, straight)
+    result = export(cut, tmp_path / "hf", merge_lora=True)  # a DCP folder or a file: the float8 base dequantised
+    assert len(result.dequantized) == 6 and result.merged == result.dequantized
 
 
 def test_fsdp2_that_shards_the_base_is_refused_naming_the_option(one_process, tmp_path):

@@ -221,6 +221,26 @@ def test_the_first_call_of_each_path_is_reported_and_a_cuda_fallback_warns(monke
         fp8_base._report_first("dequantize_fallback")
 
 
+def test_the_scaled_mm_paths_layouts_and_scales_on_torchs_cpu_scaled_mm():
+    """The scaled_mm path's operands (x rowwise, W0ᵀ column-major with its row scales; in the backward dy*s rowwise
+    against a column-major W0) through torch's CPU `_scaled_mm`: what the CUDA kernel gets, checked here too."""
+    torch.manual_seed(0)
+    q, scale = quantize_rowwise(_rows(64, 96) * 0.01)
+    x = torch.randn(5, 7, 96, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(5, 7, 64, dtype=torch.bfloat16)
+    try:
+        y = fp8_base._BaseMatmul.apply(x, q, scale, True)
+    except (RuntimeError, NotImplementedError) as err:  # a torch without the CPU kernel
+        pytest.skip(f"torch {torch.__version__} has no CPU rowwise _scaled_mm: {err}")
+    (dx,) = torch.autograd.grad(y, x, dy)
+    w = dequantize(q, scale, torch.float32)
+    want_y, want_dx = x.detach().float() @ w.t(), dy.float() @ w
+    assert y.dtype == dx.dtype == torch.bfloat16 and y.shape == (5, 7, 64) and dx.shape == (5, 7, 96)
+    # x and dy*s in e4m3: a few percent; a wrong layout or scale would be off by far more
+    assert (y.float() - want_y).norm() / want_y.norm() < 0.05
+    assert (dx.float() - want_dx).norm() / want_dx.norm() < 0.05
+
+
 @pytest.mark.gpu
 def test_scaled_mm_path_matches_the_dequantise_path_on_an_fp8_gpu():
     if torch.cuda.get_device_capability() < (8, 9):

@@ -4,7 +4,9 @@ Owns: reading the model weights out of a checkpoint one shard-sized group of ten
 is memory-mapped; a DCP folder is read key group by key group with DCP, with no process group and without
 ever holding the whole model), mapping Lightning/PEFT names to HF names, writing safetensors shards, the
 index and `config.json`; LoRA adapters in PEFT format, or merged into the base weights in fp32 (a Linear's weight,
-or a 3-D expert stack adapted through `model.lora.target_parameters`, expert by expert, in HF's layout).
+or a 3-D expert stack adapted through `model.lora.target_parameters`, expert by expert, in HF's layout). A float8
+base (`model.lora.base_dtype: fp8`) is dequantised (q * its rowwise scales, in fp32) and written in the model's
+dtype, merged or beside the adapter, and the command says so.
 Does not own training-time saving (`ModelCheckpoint`) or checking the checkpoint (`lightning_ffpa.validation`).
 
     python -m lightning_ffpa.export CKPT OUT [--merge_lora] [--dtype bfloat16] [--max_shard_size 5GB] [--config DIR]
@@ -46,7 +48,8 @@ from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base,
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.dtypes import choices as dtype_choices
 from lightning_ffpa.errors import CheckpointError, ConfigError, console_entry
-from lightning_ffpa.lora import PEFT_PREFIX, hf_name, merged_weight
+from lightning_ffpa.fp8_base import FP8_DTYPE, dequantize
+from lightning_ffpa.lora import PEFT_PREFIX, hf_name, merged_weight, peft_options
 from lightning_ffpa.validation import check_checkpoint
 
 MODULE_PREFIX = "model."  # Gemma4LM keeps the HF model in `self.model`
@@ -62,6 +65,8 @@ class ExportResult:
     shards: list[str]
     adapter_dir: Path | None = None
     merged: list[str] = field(default_factory=list)
+    dequantized: list[str] = field(default_factory=list)  # float8 base weights (`model.lora.base_dtype: fp8`)
+    dtype: torch.dtype | None = None  # of the weights written
 
 
 class _Source:
@@ -332,28 +337,36 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
         source.add(rebuilt_base(source.meta, ckpt))
     params = adapted_parameters(source.meta) if merge_lora else {}
     plan = _plan(sorted(source.specs), tied=tied, merge=merge_lora, params=params)
+    scales = _float8_scales(plan)  # HF weight -> its rowwise scales' Lightning name (`lora.base_dtype: fp8`)
+    # The model's own dtype (its norms and embeddings): what a float8 base weight is dequantised to.
+    model_dtype = next(dt for src in plan.base.values() if (dt := source.specs[src[0]][1]) != FP8_DTYPE)
     if plan.untie:
         tied = text.tie_word_embeddings = config.tie_word_embeddings = False
     check_config_matches(config, hparams, {hf: source.specs[src[0]][0] for hf, src in plan.base.items()}, tied,
                          *(("--config", config_dir) if config_dir else ("ckpt", str(ckpt))))
     scaling = _lora_scaling(lora) if lora else 1.0
-    split = _split({hf: (source.specs[src[0]][0], target or source.specs[src[0]][1]) for hf, src in plan.base.items()},
-                   max_shard_size, "--max_shard_size")
+    split = _split({hf: (source.specs[src[0]][0], target or (model_dtype if hf in scales else source.specs[src[0]][1]))
+                    for hf, src in plan.base.items()}, max_shard_size, "--max_shard_size")
 
     out.mkdir(parents=True, exist_ok=True)
     names = list(split.filename_to_tensors)
-    weight_map, total, merged = {}, 0, []
+    weight_map, total, merged, dequantized = {}, 0, [], []
     for file_name, group in split.filename_to_tensors.items():
-        wanted = [src for hf in group for src in plan.base[hf]]
+        wanted = [src for hf in group for src in (*plan.base[hf], *([scales[hf]] if hf in scales else []))]
         loaded = source.load(wanted)  # one shard's worth of tensors at a time
         tensors = {}
         for hf in group:
             srcs = plan.base[hf]
             weight = loaded[srcs[0]]
+            keep = weight.dtype
+            if hf in scales:  # a float8 base: W0 = q * scale, in fp32, then the model's dtype
+                weight, keep = dequantize(weight, loaded[scales[hf]], torch.float32), model_dtype
+                dequantized.append(hf)
             if len(srcs) == 3:  # merge in fp32, then back to the weight's dtype
                 a, b = loaded[srcs[1]].float(), loaded[srcs[2]].float()
-                weight = merged_weight(weight.float(), a, b, scaling).to(weight.dtype)
+                weight = merged_weight(weight.float(), a, b, scaling)
                 merged.append(hf)
+            weight = weight.to(keep)
             weight = weight.to(target) if target is not None else weight
             tensors[hf] = weight.contiguous().clone()  # safetensors needs owned, non-shared storage
             weight_map[hf] = file_name
@@ -363,7 +376,7 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     if split.is_sharded:
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    save_dtype = target or source.specs[plan.base[next(iter(plan.base))][0]][1]
+    save_dtype = target or model_dtype
     config.dtype = save_dtype
     config.architectures = [model_class(hparams)]  # what AutoModel* and pipelines build
     config.save_pretrained(out)
@@ -372,7 +385,18 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     if plan.adapter:
         adapter_dir = out / "adapter"
         _export_adapter(source, plan.adapter, lora, adapter_dir, base=str(out))
-    return ExportResult(out, len(weight_map), names, adapter_dir, merged)
+    return ExportResult(out, len(weight_map), names, adapter_dir, merged, dequantized, save_dtype)
+
+
+def _float8_scales(plan: _Plan) -> dict[str, str]:
+    """Take the rowwise scales of float8 base weights out of `plan.base` (HF has no such tensor): HF weight name ->
+    the scales' Lightning name, for the weights the export dequantises."""
+    scales = {}
+    for hf in [k for k in plan.base if k.endswith(".weight_scale")]:
+        weight = hf.removesuffix("_scale")
+        if weight in plan.base:
+            scales[weight] = plan.base.pop(hf)[0]
+    return scales
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -407,7 +431,7 @@ def _export_adapter(source: _Source, names: dict[str, str], lora: dict[str, Any]
     loaded = source.load(list(names.values()))
     _save_safetensors({peft: loaded[src].contiguous().clone() for peft, src in names.items()},
                       out / "adapter_model.safetensors")
-    spec = {"task_type": "CAUSAL_LM", **lora, "base_model_name_or_path": base}
+    spec = {"task_type": "CAUSAL_LM", **peft_options(lora), "base_model_name_or_path": base}
     LoraConfig(**spec).save_pretrained(str(out))
 
 
@@ -464,6 +488,8 @@ def command(ckpt: str, out: str, merge_lora: bool = False,
     result = export(ckpt, out, merge_lora=merge_lora, dtype=dtype, max_shard_size=max_shard_size, config_dir=config)
     print(f"wrote {result.num_tensors} tensors in {len(result.shards)} file(s) to {result.out_dir}"
           + (f"; adapter in {result.adapter_dir}" if result.adapter_dir else "")
+          + (f"; dequantised {len(result.dequantized)} float8 base weights (model.lora.base_dtype fp8) to "
+             f"{str(result.dtype).removeprefix('torch.')}" if result.dequantized else "")
           + (f"; merged LoRA into {len(result.merged)} weights" if result.merged else ""))
     return result
 

@@ -2,8 +2,8 @@
 
 Owns: the shared options (`pretrained`, `preset`, `config_overrides`, `model_class`, `attn_implementation`,
 `dtype`, `lora`, `save_frozen_weights`) and their checks, the HF config, building the model (pretrained or
-preset; on meta under FSDP2Strategy), LoRA, loading pretrained weights into shards, comparing these options
-with a checkpoint's, and leaving the frozen base out of checkpoints (`save_frozen_weights: false`; the digest
+preset; on meta under FSDP2Strategy), LoRA (and its float8 base, once the weights are final), loading pretrained
+weights into shards, comparing these options with a checkpoint's, and leaving the frozen base out of checkpoints (`save_frozen_weights: false`; the digest
 and its check are `lightning_ffpa.checkpoint.frozen`'s). Does not own training (`Gemma4LM` in module.py,
 `GRPOModule` in rl/module.py), sharding (`lightning_ffpa.parallel`) or attention kernels
 (`lightning_ffpa.attention`).
@@ -42,6 +42,7 @@ from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base,
 from lightning_ffpa.checkpoint.frozen import OPTION as FROZEN_OPTION
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.errors import CheckpointError, ConfigError
+from lightning_ffpa.fp8_base import check_device as fp8_base_check_device
 from lightning_ffpa.lora import PEFT_LEVEL, apply_lora, check_targets_given, lora_hparam, unwrap_peft
 from lightning_ffpa.presets import (
     build_text_config,
@@ -239,7 +240,21 @@ class HFModule(L.LightningModule):
             model.set_attn_implementation("ffpa")
         if hp.get("lora"):
             model = apply_lora(model, hp.lora)
+            if device != "meta":  # a meta build (FSDP2Strategy) is quantised once its weights are loaded
+                self._store_base_in_fp8(model)
         return model
+
+    def _store_base_in_fp8(self, model: nn.Module) -> None:
+        """`lora.base_dtype: fp8`: the LoRA targets' base weights, now final, become float8 (`fp8_base.py`)."""
+        if (self.hparams.get("lora") or {}).get("base_dtype") != "fp8":
+            return
+        from lightning.pytorch.utilities import rank_zero_info
+
+        from lightning_ffpa.fp8_base import describe, quantize_lora_bases
+
+        device = next(p.device for p in model.parameters() if p.requires_grad)
+        self.fp8_base = quantize_lora_bases(model)
+        rank_zero_info(describe(self.fp8_base, device))
 
     @property
     def saves_frozen_weights(self) -> bool:
@@ -250,12 +265,14 @@ class HFModule(L.LightningModule):
         if self.model is not None:
             return
         self._check_frozen_weights_strategy()
+        fp8_base_check_device(self.hparams.get("lora"), self.device)  # before the build: never a silent bf16 base
         if self.shards_model:
             lora = self.hparams.get("lora") or {}
             if lora.get("use_dora") or lora.get("init_lora_weights", True) not in (True, False, "gaussian"):
                 key = "use_dora" if lora.get("use_dora") else "init_lora_weights"
                 raise ConfigError(f"model.lora.{key}", lora[key], "needs the base weights when the adapter is "
                                   "created, which FSDP2Strategy (a meta-device build) does not have; use plain LoRA")
+            check_fp8_base_placement(lora, self.trainer.strategy)
             # Sharded: build on meta; the strategy shards, materialises and initialises (parallel/).
             self.model = self.build_model(device="meta")
             self._needs_weight_init = True
@@ -282,6 +299,7 @@ class HFModule(L.LightningModule):
             self._load_pretrained_into_shards()
         if self.hparams.get("lora"):
             self._reset_lora_adapters(self.hparams.lora.get("init_lora_weights", True))
+            self._store_base_in_fp8(self.model)
         self._needs_weight_init = False
 
     def _reset_lora_adapters(self, init: bool | str) -> None:
@@ -386,6 +404,17 @@ class HFModule(L.LightningModule):
         saved with `save_frozen_weights: false` leaves out): filled in by a resume, and by the export."""
         return {key: value for key, value in self.state_dict().items()
                 if without_wrapper_levels(key) in record["tensors"]}
+
+
+def check_fp8_base_placement(lora: dict[str, Any] | None, strategy: Any) -> None:
+    """`lora.base_dtype: fp8` under FSDP2Strategy keeps the float8 base whole on every rank, out of FSDP2
+    (`replicate_frozen`, which "auto" then picks), so a strategy that shards or offloads the base is refused."""
+    if (lora or {}).get("base_dtype") != "fp8":
+        return
+    if getattr(strategy, "replicate_frozen", "auto") is False or getattr(strategy, "cpu_offload", False):
+        what = "cpu_offload=true" if getattr(strategy, "cpu_offload", False) else "replicate_frozen=false"
+        raise ConfigError("model.lora.base_dtype", "fp8", f"keeps the float8 base whole on every rank's device "
+                          f"(not sharded by FSDP2), and the strategy has {what}: drop it, or set base_dtype model")
 
 
 def check_options_match_checkpoint(given: Any, saved: dict[str, Any] | None, ckpt_path: str, switch: str) -> None:

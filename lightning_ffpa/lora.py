@@ -2,7 +2,8 @@
 
 Owns the typed LoRA options (a subset of peft's `LoraConfig` fields, so LightningCLI/jsonargparse type and
 document them: `--model.init_args.lora '{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}'` or
-`--model.init_args.lora.r 16`), their range checks, the plain dict form kept in `hparams` and checkpoints
+`--model.init_args.lora.r 16`; `base_dtype` is ours: the FP8 frozen base of `fp8_base.py`), their range checks,
+the plain dict form kept in `hparams` and checkpoints
 (`torch.load(weights_only=True)` cannot unpickle a dataclass), `apply_lora`, `unwrap_peft` (the HF model inside a
 peft wrapper), and the peft naming and merge rule shared by export and the rollout weight sync (`PEFT_PREFIX`,
 `hf_name`, `merged_weight`, for a Linear's 2-D weight and a 3-D expert stack adapted through
@@ -23,8 +24,8 @@ from torch import nn
 
 from lightning_ffpa.errors import ConfigError
 
-__all__ = ["LoraSpec", "lora_hparam", "check_targets_given", "check_targets_match", "apply_lora", "unwrap_peft",
-           "PEFT_PREFIX", "hf_name", "merged_weight"]
+__all__ = ["LoraSpec", "lora_hparam", "peft_options", "check_targets_given", "check_targets_match", "apply_lora",
+           "unwrap_peft", "PEFT_PREFIX", "hf_name", "merged_weight"]
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> HF model
 # Levels peft puts inside a wrapped module: a LoRA layer's `base_layer`, a `modules_to_save` module's copies.
@@ -60,9 +61,13 @@ class LoraSpec:
     """module names (or a regex) never adapted."""
     init_lora_weights: bool | str = True
     """peft's adapter initialisation (True: B = 0, so training starts from the base model)."""
+    base_dtype: Literal["model", "fp8"] = "model"
+    """the targets' frozen W0: `model` (in model.dtype) or `fp8` (float8_e4m3fn, one fp32 scale per row)."""
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(LoraSpec)}
+BASE_DTYPES = ("model", "fp8")  # `base_dtype`: the frozen base as built, or float8 (`fp8_base.py`)
+OURS = ("base_dtype",)  # LoraSpec fields that are not peft's: never passed to `LoraConfig`
 
 
 def _spec(value: LoraSpec | dict[str, Any], option: str) -> LoraSpec:
@@ -92,6 +97,7 @@ def lora_hparam(value: LoraSpec | dict[str, Any] | None, option: str = "model.lo
     if spec.bias not in ("none", "all", "lora_only"):
         raise ConfigError(f"{option}.bias", spec.bias, "must be one of 'none', 'all', 'lora_only'")
     _check_target_parameters(spec, option)
+    _check_base_dtype(spec, option)
     plain = {"r": spec.r}
     for name, field in _FIELDS.items():
         v = getattr(spec, name)
@@ -115,6 +121,25 @@ def _check_target_parameters(spec: LoraSpec, option: str) -> None:
     if spec.use_dora:
         raise ConfigError(f"{option}.use_dora", True, "does not work with `target_parameters` (peft's parameter "
                           "LoRA has no DoRA)")
+
+
+def _check_base_dtype(spec: LoraSpec, option: str) -> None:
+    """`base_dtype` is one of `BASE_DTYPES`; an fp8 base holds Linear weights only, and DoRA reads W0's norms."""
+    if spec.base_dtype not in BASE_DTYPES:
+        raise ConfigError(f"{option}.base_dtype", spec.base_dtype, f"must be one of {', '.join(BASE_DTYPES)}")
+    if spec.base_dtype != "fp8":
+        return
+    if spec.target_parameters:
+        raise ConfigError(f"{option}.base_dtype", "fp8", "stores Linear LoRA targets only, and `target_parameters` "
+                          "adapts expert stacks: drop one of them")
+    if spec.use_dora:
+        raise ConfigError(f"{option}.base_dtype", "fp8", "does not work with `use_dora` (DoRA reads the base "
+                          "weight's norms in high precision): drop one of them")
+
+
+def peft_options(lora: dict[str, Any]) -> dict[str, Any]:
+    """The `peft.LoraConfig` fields of a LoRA hyper-parameter dict (ours, `OURS`, left out)."""
+    return {k: v for k, v in lora.items() if k not in OURS}
 
 
 def check_targets_given(lora: dict[str, Any] | None, model_type: str, option: str = "model.lora") -> None:
@@ -160,7 +185,7 @@ def apply_lora(model: nn.Module, lora: dict[str, Any], option: str = "model.lora
     """Wrap `model` in a peft LoRA model (only the adapters train)."""
     from peft import LoraConfig, get_peft_model
 
-    spec = {"task_type": "CAUSAL_LM", **lora_hparam(lora, option)}
+    spec = {"task_type": "CAUSAL_LM", **peft_options(lora_hparam(lora, option))}
     check_targets_match(model, spec, option)
     try:
         return get_peft_model(model, LoraConfig(**spec))

@@ -93,7 +93,7 @@ class Gemma4LM(HFModule):
             model_class: `causal_lm` (Gemma4ForCausalLM) or `conditional_generation` (Gemma4ForConditionalGeneration).
             attn_implementation: sdpa, eager, flex_attention or ffpa (any name registered with transformers).
             dtype: parameter dtype; `auto` is bf16 on GPUs that support it, else fp32.
-            lora: peft LoRA options (e.g. `{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}`; MoE expert stacks: `target_parameters: [experts.gate_up_proj, experts.down_proj]`); None trains all weights.
+            lora: peft LoRA options (e.g. `{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}`; MoE expert stacks: `target_parameters: [experts.gate_up_proj, experts.down_proj]`; a float8 frozen base: `base_dtype: fp8`); None trains all weights.
             save_frozen_weights: write the frozen base (weights with requires_grad False: a LoRA's base) into
                 checkpoints; false saves only the trained weights and a digest of the base, which a resume (or
                 `lightning-ffpa-export`) rebuilds from `pretrained` (or `preset` under the run's seed) and checks. Needs `lora`.

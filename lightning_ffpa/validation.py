@@ -29,7 +29,12 @@ from lightning_ffpa._compat.transformers import from_config, text_config
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_seed
 from lightning_ffpa.checkpoint.paths import root_checkpoint_dirs
 from lightning_ffpa.errors import CheckpointError, ConfigError
-from lightning_ffpa.hf_module import ARCHITECTURE_HPARAMS, check_hparams_match  # noqa: F401 - re-exported
+from lightning_ffpa.fp8_base import check_device as fp8_base_check_device
+from lightning_ffpa.hf_module import (  # noqa: F401 - ARCHITECTURE_HPARAMS, check_hparams_match re-exported
+    ARCHITECTURE_HPARAMS,
+    check_fp8_base_placement,
+    check_hparams_match,
+)
 from lightning_ffpa.lora import check_targets_match
 
 # LightningCLI option: take the model options from an explicit checkpoint file even where they differ.
@@ -127,10 +132,16 @@ def check_no_dangling_last(trainer: Any, option: str = "ckpt_path") -> None:
 
 def check_lora_targets(model: Any, option: str = "model.lora") -> None:
     """Every LoRA `target_modules` / `target_parameters` entry must match the model (`lora.check_targets_match`
-    over the model built on meta), before fit writes any file."""
+    over the model built on meta), and a float8 base (`lora.base_dtype: fp8`) must fit its targets, before fit
+    writes any file."""
     spec = (getattr(model, "hparams", None) or {}).get("lora")
     if not spec or not hasattr(model, "config"):
         return
+    if spec.get("base_dtype") == "fp8":  # its refusals (an embedding or tied target) on the model built on meta
+        from lightning_ffpa.fp8_base import quantize_lora_bases
+        from lightning_ffpa.lora import apply_lora
+
+        quantize_lora_bases(apply_lora(_meta_model(model), spec))
     if spec.get("target_modules") in (None, "all-linear") and not spec.get("target_parameters"):
         return
     check_targets_match(_meta_model(model), spec, option)
@@ -198,6 +209,9 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
     if fp8 is not None and hasattr(fp8, "check_device"):  # FSDP2Strategy's `fp8`: the device, and no LoRA
         fp8.check_no_lora((getattr(model, "hparams", None) or {}).get("lora"))
         fp8.check_device(strategy.root_device)
+    lora = (getattr(model, "hparams", None) or {}).get("lora")
+    fp8_base_check_device(lora, strategy.root_device)  # `model.lora.base_dtype: fp8`: FP8 tensor cores on CUDA
+    check_fp8_base_placement(lora, strategy)
     cp = getattr(strategy, "context_parallel_size", 1)
     world = trainer.world_size
     _check_replicate_frozen(strategy, model)

@@ -60,6 +60,25 @@ __all__ = [
 
 
 
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _copy_whole_float8(state_dict: dict[str, Any], module: nn.Module) -> frozenset[str]:
+    """Copy the float8 plain-tensor (not DTensor) parameters of `module` from `state_dict` in place, and take them
+    out of it; returns their names without wrapper levels."""
+    done = set()
+    for name, param in module.named_parameters():
+        value = state_dict.get(name)
+        if value is None or param.dtype not in _FLOAT8 or hasattr(param, "device_mesh"):
+            continue
+        with torch.no_grad():
+            param.copy_(value)
+        for key in (name, without_wrapper_levels(name)):
+            state_dict.pop(key, None)
+        done.add(without_wrapper_levels(name))
+    return frozenset(done)
+
+
 @contextlib.contextmanager
 def module_keys_with_wrappers(absent: Collection[str] = ()) -> Iterator[None]:
     """While open, Lightning's single-file load into a DTensor model (`_load_raw_module_state`) also finds each
@@ -68,7 +87,11 @@ def module_keys_with_wrappers(absent: Collection[str] = ()) -> Iterator[None]:
 
     `absent`: weights (named without wrapper levels) the checkpoint was saved without (`save_frozen_weights`).
     The model keeps its own values of those, in both the single-file and the DCP-folder load; any other
-    weight the checkpoint lacks is still an error."""
+    weight the checkpoint lacks is still an error.
+
+    Float8 parameters kept whole on every rank (a LoRA's float8 base, out of FSDP2) are copied from the file,
+    which every rank has read, instead of broadcast from rank 0: gloo has no float8 type ("Invalid scalar
+    type")."""
     import lightning.fabric.strategies.model_parallel as fabric_mp
 
     original, original_dcp = fabric_mp._load_raw_module_state, fabric_mp._distributed_checkpoint_load
@@ -80,10 +103,12 @@ def module_keys_with_wrappers(absent: Collection[str] = ()) -> Iterator[None]:
             plain = without_wrapper_levels(name)  # saved state dicts name weights without them
             if name != plain and plain in state_dict:
                 aliased.setdefault(name, state_dict[plain])
-        if absent and kwargs.get("strict", True):
+        local = _copy_whole_float8(aliased, module)
+        skipped = absent | local
+        if skipped and kwargs.get("strict", True):
             # strict would demand the absent weights too: check the rest here, then load leniently
             have = {without_wrapper_levels(k) for k in state_dict}
-            missing = [k for k in map(without_wrapper_levels, module.state_dict()) if k not in have | absent]
+            missing = [k for k in map(without_wrapper_levels, module.state_dict()) if k not in have | skipped]
             if missing:
                 raise KeyError(f"The model contains a key {missing[0]!r} that does not exist in the loaded "
                                f"checkpoint ({len(missing)} missing besides the frozen weights it was saved without)")

@@ -1,8 +1,8 @@
 """Private and version-dependent torch surfaces (checked on torch 2.11 and 2.13).
 
 Owns DeviceMesh flattening, DTensor RNG support and local parts, the checkpoint wrapper, dynamo config knobs
-and helpers, op-overload types, the autograd graph-task check, `BlockMask.from_kv_blocks` keyword drift and the
-DCP reader/writer internals.
+and helpers, op-overload types, the autograd graph-task check, `BlockMask.from_kv_blocks` keyword drift, the
+DCP reader/writer internals and the float8 `_scaled_mm`.
 Does not own what they are used for: callers import these names so a torch upgrade breaks only this file.
 """
 
@@ -40,6 +40,7 @@ __all__ = [
     "on_recompile_limit_hit",
     "raise_recompile_limit",
     "read_dcp_metadata",
+    "scaled_mm",
     "without_dispatch_modes",
 ]
 
@@ -233,3 +234,15 @@ def without_dispatch_modes():
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+# --------------------------------------------------------------------------- float8 matmul
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """`torch._scaled_mm` (private; FP8 tensor cores, CUDA capability >= 8.9): (a * scale_a) @ (b * scale_b).
+
+    Rowwise scaling: `a` (M, K) row-major float8 with `scale_a` (M, 1) fp32, `b` (K, N) column-major float8 with
+    `scale_b` (1, N) fp32, K and N multiples of 16, `out_dtype` bfloat16."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)

@@ -1,4 +1,5 @@
-"""Dispatch counters (attention path, fallback reason, kernel) that stay truthful under torch.compile.
+"""Dispatch counters (attention path, fallback reason, kernel; the FP8 frozen base's matmul path, `fp8_base.py`)
+that stay truthful under torch.compile.
 
 Owns the counter storage, what one count means, and how a count is taken in eager and in compiled
 code. It does not decide what to count: ``backend.py`` (paths, fallback reasons) and ``kernels.py``
@@ -33,7 +34,7 @@ from lightning_ffpa._compat.torch import in_backward
 
 __all__ = ["count", "counts", "on_first", "reset"]
 
-GROUPS = ("path", "reason", "kernel")
+GROUPS = ("path", "reason", "kernel", "fp8_base")
 
 _counts: dict[str, Counter] = {g: Counter() for g in GROUPS}
 _first_hooks: dict[str, Callable[[str], None]] = {}
@@ -66,7 +67,7 @@ torch.fx.node.has_side_effect(torch.ops.lightning_ffpa.count_dispatch.default)
 
 
 def count(group: str, name: str, anchor: Tensor) -> None:
-    """Count one forward call of `name` in `group` ('path', 'reason' or 'kernel'); compile-safe."""
+    """Count one forward call of `name` in `group` (one of `GROUPS`); compile-safe."""
     if torch.compiler.is_compiling():
         torch.ops.lightning_ffpa.count_dispatch(anchor.detach(), group, name)
     else:

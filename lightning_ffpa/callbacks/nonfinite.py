@@ -25,6 +25,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # DTensor shard under FSDP2
 
 
+# float8 has no isfinite kernel: its non-finite values are bit patterns (e4m3fn: NaN only, all exponent and mantissa
+# bits set; e5m2: inf and NaN, all exponent bits set), read through a uint8 view (a LoRA's float8 base).
+_FLOAT8_NONFINITE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """Whether every value of `t` is finite, as a 0-d bool tensor where `t` lives (float8 included)."""
+    mask = _FLOAT8_NONFINITE.get(t.dtype)
+    if mask is None:
+        return torch.isfinite(t).all()
+    return ((t.view(torch.uint8) & mask) != mask).all()
+
+
 def count_nonfinite(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """How many of `tensors` hold a NaN or inf, as a tensor on `device`, with no device-to-host sync.
 
@@ -33,7 +46,7 @@ def count_nonfinite(tensors: Iterable[torch.Tensor], device: torch.device) -> to
     where they live and only their count moves."""
     flags: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
-        flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+        flags.setdefault(t.device, []).append(all_finite(t))
     total = torch.zeros((), dtype=torch.int64, device=device)
     for group in flags.values():
         total += (~torch.stack(group)).sum().to(device)
@@ -109,7 +122,7 @@ class NonFiniteGuard(pl.Callback):
         params = [(n, _local(p.detach())) for n, p in pl_module.named_parameters()]
         (bad_count,) = self._agree(trainer, count_nonfinite([t for _, t in params], device).reshape(1))
         if bad_count:
-            bad = [n for n, t in params if not bool(torch.isfinite(t).all())]  # names, on the failing path only
+            bad = [n for n, t in params if not bool(all_finite(t))]  # names, on the failing path only
             raise TrainingDiverged(
                 f"NonFiniteGuard: refusing to write a checkpoint at step {trainer.global_step}: non-finite weights "
                 f"in {bad[:5] or 'another rank'}{'...' if len(bad) > 5 else ''}; the previous checkpoints are kept "

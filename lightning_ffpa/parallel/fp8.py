@@ -149,7 +149,7 @@ def torchao_available() -> bool:
 
 _NO_TORCHAO = "needs torchao: pip install 'lightning-ffpa[fp8]'"
 _LORA_REASON = ("converts the weights of a full fine-tune, and this model trains LoRA adapters over a frozen base "
-                "(an FP8 frozen base for LoRA is a separate option, not built yet): set fp8 none")
+                "(its FP8 frozen base is `model.lora.base_dtype: fp8`): set fp8 none")
 
 
 def _is_float8_linear(module: nn.Module) -> bool:

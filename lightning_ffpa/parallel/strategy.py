@@ -82,7 +82,7 @@ def _plain_ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 
 
 def plan_replicate_frozen(mode: bool | str, cpu_offload: bool, mesh_size: int, frozen: list[nn.Parameter],
-                          param_dtype: torch.dtype | None) -> tuple[bool, str]:
+                          param_dtype: torch.dtype | None, fp8_base: bool = False) -> tuple[bool, str]:
     """Whether `replicate_frozen` keeps this model's frozen parameters out of FSDP2, and why (logged).
 
     "auto" does where it costs nothing and changes no numerics: a mesh of one device (sharding splits nothing
@@ -95,6 +95,8 @@ def plan_replicate_frozen(mode: bool | str, cpu_offload: bool, mesh_size: int, f
         return True, "replicate_frozen=true"
     if mode is False:
         return False, "replicate_frozen=false"
+    if fp8_base:
+        return True, "auto: model.lora.base_dtype fp8 keeps the float8 base whole"
     if cpu_offload:
         return False, "auto: cpu_offload keeps weights in host memory"
     if mesh_size > 1:
@@ -336,8 +338,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         from lightning.pytorch.utilities import rank_zero_info
 
         frozen = [p for p in module.parameters() if not p.requires_grad]
+        lora = (getattr(self.lightning_module, "hparams", None) or {}).get("lora") or {}
         on, why = plan_replicate_frozen(self.replicate_frozen, self.cpu_offload, self.device_mesh.size(), frozen,
-                                        self.param_dtype)
+                                        self.param_dtype, fp8_base=lora.get("base_dtype") == "fp8")
         gib = sum(p.numel() * p.element_size() for p in frozen) / 2**30
         self.frozen_placement = dict(replicated=on, params=len(frozen), gib=round(gib, 3), reason=why)
         if frozen:

@@ -7,8 +7,9 @@ The adapter buffers are made once in W0's dtype and device and written in place 
 graphs stay valid across refreshes; a member without an adapter has rank 0 there. Inside
 `fused_linear.serving(groups)` the first member called computes the group's output once and every member returns
 its columns (the `ProjectionGroup` protocol, so `fuse_projections` and the walker serve these groups unchanged);
-outside it each member computes its own rows. Does not know where W0 or the adapters come from
-(`shared_weights.py`), nor attention or caches.
+outside it each member computes its own rows. A float8 W0 (`model.lora.base_dtype: fp8`) comes with its rowwise
+scales and is read through `fp8_base.base_linear` (the policy's matmul path, counted), the adapters then in the
+engine's dtype. Does not know where W0 or the adapters come from (`shared_weights.py`), nor attention or caches.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_ffpa.fp8_base import base_linear
 from lightning_ffpa.rollout.fused_linear import ProjectionGroup
 
 
@@ -32,15 +34,18 @@ class LoraGroup(ProjectionGroup):
     """Linears over the row blocks of one W0 (out_total, in), each with an optional LoRA adapter of rank r_i."""
 
     def __init__(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, out_features: list[int],
-                 ranks: list[int]) -> None:
+                 ranks: list[int], scale: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> None:
+        """`scale`: the rowwise scales of a float8 `weight` (out_total,); `dtype`: the adapters' (default W0's)."""
         # Not ProjectionGroup.__init__: the rows are given (the policy's, already one tensor), never concatenated here.
         self.name, self.weight, self.bias = name, weight, bias  # (out_total, in), (out_total,) or None
+        self.scale = scale
         self.spans = _cumulative(out_features)
         self.rank_spans = _cumulative(ranks)
         total_r = sum(ranks)
         # (R, in) stacked A's and (out_total, R) block-diagonal s*B: zeros off the blocks, so one GEMM each.
-        self.a = weight.new_zeros(total_r, weight.shape[1]) if total_r else None
-        self.b = weight.new_zeros(weight.shape[0], total_r) if total_r else None
+        kw = dict(dtype=dtype or weight.dtype, device=weight.device)
+        self.a = torch.zeros(total_r, weight.shape[1], **kw) if total_r else None
+        self.b = torch.zeros(weight.shape[0], total_r, **kw) if total_r else None
         self.members: list[LoraLinear] = []
         self.active = False
         self._input = self._output = None
@@ -67,17 +72,23 @@ class LoraGroup(ProjectionGroup):
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         """The whole group's output for `x`: (..., out_total)."""
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-        y = F.linear(x2, self.weight, self.bias)  # (N, out_total)
+        y = self._base(x2, self.weight, self.scale, self.bias)  # (N, out_total)
         if self.a is not None:
             y = torch.addmm(y, F.linear(x2, self.a), self.b.t())  # + (x·Aᵀ)·(sB)ᵀ, (N, R) @ (R, out_total)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def _base(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias) if scale is None else base_linear(x, weight, scale, bias)
 
     def compute_member(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member `index`'s output for `x` alone (outside the engine: HF forward, tests)."""
         if len(self.spans) == 1:  # a linear alone (o_proj, down_proj): its addmm form
             return self.compute(x)
         (lo, hi), (rlo, rhi) = self.spans[index], self.rank_spans[index]
-        y = F.linear(x, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])
+        y = self._base(x, self.weight[lo:hi], None if self.scale is None else self.scale[lo:hi],
+                       None if self.bias is None else self.bias[lo:hi])
         if rhi > rlo:
             y = y + F.linear(F.linear(x, self.a[rlo:rhi]), self.b[lo:hi, rlo:rhi])
         return y

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_ffpa._compat.torch import without_wrapper_levels
+from lightning_ffpa.fp8_base import as_dtype
 from lightning_ffpa.lora import hf_name, merged_weight
 
 
@@ -78,7 +79,8 @@ def _sources(train: nn.Module) -> dict[str, _Source]:
     sources: dict[str, _Source] = {}
     origin: dict[str, str] = {}
     for name, p in train.named_parameters(remove_duplicate=False):
-        if "lora_" in name or ".original_module." in name or name.removesuffix(".base_layer.weight") in loras:
+        if ("lora_" in name or ".original_module." in name or name.removesuffix(".base_layer.weight") in loras
+                or name.removesuffix(".base_layer.weight_scale") in loras):  # a float8 W0's scales go with W0
             continue
         key = _infer_name(name)
         if key in origin:
@@ -148,7 +150,7 @@ class LoraSync:
     def refresh(self, full: bool = False) -> None:
         """Rewrite LoRA targets as W0 + s*B@A; copy other parameters when `full` or when they train."""
         for pair in self.pairs:
-            w0 = _full(pair.base).to(pair.target.dtype)
+            w0 = as_dtype(_full(pair.base), pair.target.dtype)  # a float8 W0 dequantised
             a = _full(pair.a).to(pair.target.dtype)
             b = _full(pair.b).to(pair.target.dtype)
             merged_weight(w0, a, b, pair.scale, out=pair.target)

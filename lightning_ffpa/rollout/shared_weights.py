@@ -12,7 +12,8 @@ weights of each layer are moved into one tensor per group on the policy's side (
 identity; their `.data` become row views, as `fused_linear.py` does for a copy), so a group's W0 is one tensor and
 its adapters one A-GEMM. What cannot be aliased (weights the policy trains: `modules_to_save`, a full fine-tune;
 another dtype or device) gets a tensor of its own, copied at refresh (a LoRA target there: merged, W0 + s*B@A),
-and is counted with the reason. `path` says what ran; nothing falls back silently.
+and is counted with the reason. A float8 W0 (`model.lora.base_dtype: fp8`) is aliased with its rowwise scales
+(its rows fused as W0's are) and read by `LoraGroup` through the policy's float8 matmul; a merged copy dequantises it. `path` says what ran; nothing falls back silently.
 
 Merged: `lora_sync.py`'s inference copy, a second full model. Under FSDP2 without `replicate_frozen` the frozen
 base is sharded: nothing can alias it, so a `shared` request plans the merged copy and its path says why.
@@ -28,6 +29,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lightning_ffpa.fp8_base import as_dtype, scale_of
 from lightning_ffpa.lora import merged_weight, unwrap_peft
 from lightning_ffpa.rollout.fused_linear import GROUPS, SHARED_MARK
 from lightning_ffpa.rollout.lora_linear import LoraGroup, LoraLinear
@@ -67,7 +69,7 @@ def why_not_alias(t: torch.Tensor, dtype: torch.dtype, device: torch.device | No
         return "sharded (DTensor)"
     if t.requires_grad:
         return "trained by the policy"
-    if t.dtype != dtype:
+    if t.dtype != dtype and scale_of(t) is None:  # a float8 W0 is read with its scales, in any engine dtype
         return f"{t.dtype} where the engine runs {dtype}"
     if device is not None and t.device != device:
         return f"on {t.device}, the engine on {device}"
@@ -197,8 +199,8 @@ class WeightsPlan:
             return False
         plan = _GroupPlan(prefix + (attrs[0] if len(attrs) == 1 else "+".join(attrs)), parent, attrs,
                           [self.sources[k] for k in keys], None)
-        if any(self._alias_why(b) for b in plan.bases):
-            return False  # each member planned alone
+        if any(self._alias_why(b) for b in plan.bases) or len({b.dtype for b in plan.bases}) > 1:
+            return False  # each member planned alone (e.g. float8 q/v targets beside a k_proj in model.dtype)
         has_bias = [getattr(parent, a).bias is not None for a in attrs]
         bias_keys = [k.removesuffix("weight") + "bias" for k in keys]
         if any(has_bias) and (not all(has_bias) or any(k not in self.sources for k in bias_keys)):
@@ -329,6 +331,8 @@ class SharedWeights:
     def _build_group(self, g: _GroupPlan, plan: WeightsPlan) -> None:
         bases = g.bases
         weight = fuse_rows(bases) if len(bases) > 1 else bases[0]
+        scales = [scale_of(b) for b in bases]  # a float8 W0's rowwise scales, fused as its rows are
+        scale = None if scales[0] is None else fuse_rows(scales) if len(scales) > 1 else scales[0]
         for i, p in enumerate(bases):
             self._aliased[id(p)] = (f"{g.name}[{i}]", p, p.data_ptr())
         bias = None
@@ -342,7 +346,9 @@ class SharedWeights:
                 for b in g.biases:
                     self.copies.append((bias[lo:lo + b.shape[0]], b))
                     lo += b.shape[0]
-        group = LoraGroup(g.name, weight, bias, [b.shape[0] for b in bases], g.ranks)
+        if scale is not None:
+            self._aliased.update({id(s): (f"{g.name}.scale[{i}]", s, s.data_ptr()) for i, s in enumerate(scales)})
+        group = LoraGroup(g.name, weight, bias, [b.shape[0] for b in bases], g.ranks, scale, plan.dtype)
         for i, (attr, src) in enumerate(zip(g.attrs, g.sources)):
             setattr(g.parent, attr, LoraLinear(group, i, weight.shape[1]))
             if isinstance(src, tuple):
@@ -367,7 +373,7 @@ class SharedWeights:
                 p.group.set_adapter(p.index, _full(p.a), _full(p.b), p.scale)
             else:
                 dt = p.target.dtype
-                merged_weight(_full(p.base).to(dt), _full(p.a).to(dt), _full(p.b).to(dt), p.scale, out=p.target)
+                merged_weight(as_dtype(_full(p.base), dt), _full(p.a).to(dt), _full(p.b).to(dt), p.scale, out=p.target)
         for target, src in self.copies:
             if full or src.requires_grad:
                 target.copy_(_full(src))

@@ -82,6 +82,14 @@ ROWS = [
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.fp8 rowwise",
      "`fp8='rowwise'`: needs a CUDA GPU with FP8"),  # CPU, no fp8_emulate
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.fp8 fp4", "fp8"),
+    (f"{F} --model.init_args.lora '{{r: 2, target_modules: [q_proj], base_dtype: fp16}}'", "base_dtype"),
+    (f"{F} --model.init_args.lora '{{r: 2, target_modules: [q_proj], base_dtype: fp8, use_dora: true}}'",
+     "`model.lora.base_dtype='fp8'`: does not work with `use_dora`"),
+    (f"{F} --model.init_args.lora '{{r: 2, target_modules: [q_proj, lm_head], base_dtype: fp8}}'",
+     "`model.lora.base_dtype='fp8'`: cannot store lm_head's base in float8"),  # tied to the embedding
+    (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.replicate_frozen false "
+     "--model.init_args.lora '{r: 2, target_modules: [q_proj], base_dtype: fp8}'",
+     "`model.lora.base_dtype='fp8'`: keeps the float8 base whole"),
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.fp8 tensorwise "
      "--trainer.strategy.fp8_emulate true --model.init_args.lora '{r: 2, lora_alpha: 4, target_modules: [q_proj]}'",
      "`fp8='tensorwise'`: converts the weights of a full fine-tune"),

@@ -160,3 +160,26 @@ def test_validate_reports_its_loss_and_refuses_empty_validation_data(tmp_path):
     assert empty.returncode == 2, empty.stderr[-2000:]
     errors = [line for line in empty.stderr.splitlines() if line.startswith("error:")]
     assert errors == [errors[-1]] and "val_fraction" in errors[0] and empty.stderr.strip().endswith(errors[0])
+
+
+@pytest.mark.timeout(400)
+def test_tiny_fits_over_an_fp8_lora_base_says_its_path_and_exports_merged(tmp_path):
+    """`model.lora.base_dtype: fp8` through the console script: the start-up line names what was stored and the
+    matmul path (CPU: dequantize), the fit ends, and the export dequantises the base, merges and says so."""
+    lora = "{r: 4, lora_alpha: 8, target_modules: all-linear, base_dtype: fp8}"
+    proc = run(["lightning-ffpa", "fit", "--config", "tiny", "--trainer.max_steps", "2", *shlex.split(TINY["tiny"]),
+                "--model.init_args.lora", lora], tmp_path, timeout=360)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    screen = proc.stdout + proc.stderr
+    started = re.search(r"lora\.base_dtype fp8: (\d+) LoRA base weights stored as float8_e4m3fn with rowwise fp32 "
+                        r"scales .*; matmul path: dequantize \(cpu: ", screen)
+    assert started, screen[-3000:]
+    assert "lora.base_dtype fp8: a base matmul ran on the dequantize path" in screen  # the path that ran, said once
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("fit finished at step 2"), proc.stdout[-2000:]
+    ckpt = re.search(r"\bcheckpoint ([^;]+)", last).group(1)
+    exported = run(["lightning-ffpa-export", ckpt, "hf", "--merge_lora"], tmp_path, timeout=240)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    n = started.group(1)
+    assert (f"dequantised {n} float8 base weights (model.lora.base_dtype fp8) to float32; merged LoRA into {n} "
+            "weights") in exported.stdout, exported.stdout

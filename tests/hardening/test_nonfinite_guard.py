@@ -190,3 +190,18 @@ def test_skip_stops_after_exactly_max_consecutive_skips(max_skips):
                                                  rf"\(max_consecutive_skips={max_skips}\)"):
         step(float("nan"))
     assert guard.num_skipped == 2 * max_skips
+
+
+def test_float8_tensors_are_checked_by_their_bit_patterns():
+    """A LoRA's float8 base (`model.lora.base_dtype: fp8`) is among the weights a checkpoint save checks; torch has
+    no isfinite for float8, so its NaN (e4m3fn) and inf/NaN (e5m2) patterns are read as bits."""
+    from lightning_ffpa.callbacks.nonfinite import all_finite, count_nonfinite
+
+    for dtype, bad in ((torch.float8_e4m3fn, [float("nan")]), (torch.float8_e5m2, [float("nan"), float("inf")])):
+        ok = torch.tensor([0.0, -448.0 if dtype == torch.float8_e4m3fn else -57344.0, 1e-3, 3.0]).to(dtype)
+        assert bool(all_finite(ok)), dtype
+        for value in bad:
+            poisoned = ok.clone()
+            poisoned[1] = torch.tensor(value).to(dtype)
+            assert not bool(all_finite(poisoned)), (dtype, value)
+            assert int(count_nonfinite([ok, poisoned, torch.ones(2)], torch.device("cpu"))) == 1

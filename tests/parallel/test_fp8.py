@@ -284,7 +284,7 @@ def test_lora_is_refused_in_preflight_and_in_parallelize():
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(fp8="rowwise", fp8_emulate=True),
                         logger=False, enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(ConfigError, match=r"^`fp8='rowwise'`: .*LoRA.*separate option, not built yet"):
+    with pytest.raises(ConfigError, match=r"^`fp8='rowwise'`: .*LoRA.*`model\.lora\.base_dtype: fp8`"):
         check_parallel_layout(trainer, Gemma4LM(preset="tiny", dtype="float32", lora=lora))
     peft = get_peft_model(_tiny(), LoraConfig(**lora))
     with pytest.raises(ConfigError, match=r"`fp8='rowwise'`: .*frozen"):

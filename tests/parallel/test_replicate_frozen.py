@@ -148,3 +148,14 @@ def test_on_cuda_with_compiled_layers_the_step_matches_and_the_base_is_not_copie
     assert all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-3) for a, b in zip(grads, grads_r))
     assert peak_r <= peak - root // 2, (peak, peak_r, root)
 
+
+
+def test_auto_keeps_an_fp8_base_whole_on_any_mesh():
+    """`model.lora.base_dtype: fp8` is never sharded: "auto" keeps it whole even where it would shard a bf16 base
+    (an explicit `false` is refused by the module, naming the option: tests/model/test_fp8_base_ckpt.py)."""
+    from lightning_ffpa.parallel.strategy import plan_replicate_frozen
+
+    frozen = list(torch.nn.Linear(4, 4, dtype=torch.bfloat16).requires_grad_(False).parameters())
+    want = (True, "auto: model.lora.base_dtype fp8 keeps the float8 base whole")
+    assert plan_replicate_frozen("auto", False, 8, frozen, torch.bfloat16, fp8_base=True) == want
+    assert plan_replicate_frozen("auto", False, 8, frozen, torch.bfloat16)[0] is False

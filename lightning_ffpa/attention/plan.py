@@ -11,7 +11,9 @@ The plan:
 - CP > 1: the FFPA ring (full layers: ring blocks of `ring_block_ops`; sliding layers: a halo and Flex). It needs
   the Callback, which installs it.
 - CP = 1: `attn_implementation` is what HF runs: the Callback's option when the Callback is there, else the
-  model's. Under "ffpa", full layers at head_dim 512 run FFPA and sliding layers run `sliding` ("flex").
+  model's. Under "ffpa", full layers at head_dim 512 run FFPA and sliding layers run `sliding`: "flex" (default),
+  "fa4" (flash-attn-4; refused here with one line where it cannot run) or "auto" (FA4 where a call can take it,
+  else Flex, each fallback counted and warned about once per reason by the backend).
 """
 
 from __future__ import annotations
@@ -20,11 +22,18 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_ffpa.attention.documents import check_packing
+import torch
 
-__all__ = ["AttentionPlan", "plan_for", "resolve_plan"]
+from lightning_ffpa._compat.transformers import text_config
+from lightning_ffpa.attention import fa4, registry
+from lightning_ffpa.attention.documents import check_packing
+from lightning_ffpa.errors import ConfigError
+
+__all__ = ["SLIDING", "AttentionPlan", "plan_for", "resolve_plan"]
 
 CALLBACK = "lightning_ffpa.callbacks.FFPAAttention"
+SLIDING = ("flex", "fa4", "auto")
+SLIDING_OPTION = "FFPAAttention.sliding"
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,7 @@ class AttentionPlan:
     cp_size: int = 1
     """Context-parallel size; > 1 runs the FFPA ring."""
     sliding: str = "flex"
-    """The sliding layers' kernel under "ffpa" (a registry name)."""
+    """The sliding layers' kernel under "ffpa", as asked: "flex", "fa4" or "auto" (`SLIDING`)."""
     ring_block_ops: str = "ffpa"
     """The ring's full-layer block kernel (a registry name with block ops)."""
     from_callback: bool = False
@@ -54,6 +63,11 @@ class AttentionPlan:
         """Whether the FFPA contract kernels run (the "ffpa" backend, or the ring's blocks): SAC must save them."""
         return self.ring or self.attn_implementation == "ffpa"
 
+    @property
+    def sliding_kernel(self) -> str:
+        """The registry kernel the backend tries first for sliding layers ("flex" or "fa4")."""
+        return "flex" if self.sliding == "flex" else "fa4"
+
     def check_packing(self, pack: bool) -> None:
         """Packed rows need an attention that keeps documents apart (the ring carries them in its layout)."""
         if not self.ring and self.attn_implementation is not None:
@@ -68,9 +82,22 @@ class AttentionPlan:
         return f"attn_implementation={self.attn_implementation}"
 
 
-def resolve_plan(model_attn: str | None, cp_size: int = 1, callback: Any = None) -> AttentionPlan:
-    """The plan for a model option, a CP size and the FFPAAttention callback (None: not in the run); raises
-    ValueError naming the option for a combination that cannot run."""
+def _fa4_refusal(device: torch.device | None, head_dim: int | None) -> str:
+    """Why an explicit `sliding: fa4` cannot run here ('' when it can)."""
+    kernel = registry.get("fa4")
+    lo, hi = kernel.head_dims
+    if head_dim is not None and not (lo <= head_dim <= hi and head_dim % kernel.head_dim_multiple == 0):
+        return f"the sliding layers' head_dim={head_dim} is outside FA4's {lo}-{hi} (multiples of 8)"
+    if kernel.unavailable(device):
+        return fa4.unavailable_detail(device) or kernel.unavailable(device)
+    return ""
+
+
+def resolve_plan(model_attn: str | None, cp_size: int = 1, callback: Any = None, device: torch.device | None = None,
+                 sliding_head_dim: int | None = None) -> AttentionPlan:
+    """The plan for a model option, a CP size and the FFPAAttention callback (None: not in the run) on `device`
+    (whose sliding layers have `sliding_head_dim`); raises ValueError / ConfigError naming the option for a
+    combination that cannot run."""
     if cp_size > 1 and callback is None:
         if model_attn == "ffpa":
             raise ValueError(f"`model.attn_implementation='ffpa'` is the direct backend, which cannot run with "
@@ -80,7 +107,17 @@ def resolve_plan(model_attn: str | None, cp_size: int = 1, callback: Any = None)
         raise ValueError(f"`context_parallel_size={cp_size}` needs the `{CALLBACK}` callback in trainer.callbacks: "
                          "it installs the ring that attends across the ranks' chunks")
     attn = callback.attn_implementation if callback is not None else model_attn
-    return AttentionPlan(attn_implementation=attn, cp_size=cp_size, from_callback=callback is not None)
+    sliding = getattr(callback, "sliding", "flex")
+    if sliding == "fa4":
+        if cp_size > 1 or attn != "ffpa":
+            where = f"context_parallel_size={cp_size}" if cp_size > 1 else f"attn_implementation={attn!r}"
+            raise ConfigError(SLIDING_OPTION, sliding, f"applies to the 'ffpa' backend at context_parallel_size=1, "
+                              f"and this run has {where} (the ring's sliding layers run Flex); use 'flex' or 'auto'")
+        why = _fa4_refusal(device, sliding_head_dim)
+        if why:
+            raise ConfigError(SLIDING_OPTION, sliding, f"flash-attn-4 cannot run here ({why}); use 'auto' (FA4 where "
+                              "it runs, else Flex, counted) or 'flex'")
+    return AttentionPlan(attn_implementation=attn, cp_size=cp_size, sliding=sliding, from_callback=callback is not None)
 
 
 def _attention_callback(trainer: Any) -> Any:
@@ -97,6 +134,19 @@ def _cp_size(trainer: Any, model: Any) -> int:
     return size if isinstance(size, int) else 1
 
 
+def _sliding_head_dim(model: Any) -> int | None:
+    """head_dim of the model's first sliding layer (None: no config or no sliding layer)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = text_config(config)
+    # Gemma4 configs hold head_dim per layer (reading the global value raises where layers differ).
+    for layer, kind in zip(getattr(text, "per_layer_config", None) or (), getattr(text, "layer_types", None) or ()):
+        if kind == "sliding_attention":
+            return getattr(layer, "head_dim", None)
+    return None
+
+
 def plan_for(trainer: Any, model: Any, callback: Any = None) -> AttentionPlan:
     """This run's plan: resolved on the first call for `trainer` and cached on `model`, so every reader gets the
     same object. `callback`: the FFPAAttention instance (found in `trainer.callbacks` when not given)."""
@@ -105,7 +155,8 @@ def plan_for(trainer: Any, model: Any, callback: Any = None) -> AttentionPlan:
         return cached[1]
     hparams = getattr(model, "hparams", None) or {}
     plan = resolve_plan(hparams.get("attn_implementation"), _cp_size(trainer, model),
-                        callback if callback is not None else _attention_callback(trainer))
+                        callback if callback is not None else _attention_callback(trainer),
+                        getattr(getattr(trainer, "strategy", None), "root_device", None), _sliding_head_dim(model))
     try:
         model._attention_plan = (weakref.ref(trainer), plan)
     except (AttributeError, TypeError):  # a model or trainer that takes no attribute / weak reference: no cache

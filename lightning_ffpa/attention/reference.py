@@ -18,8 +18,9 @@ from torch.nn.attention.flex_attention import BlockMask
 from lightning_ffpa.attention import registry
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
-    """fp32 scores [B,Hq,Sq,Sk] with GQA broadcast and bottom-right causal masking."""
+def _scores(q: Tensor, k: Tensor, scale: float, causal: bool, window: int | None = None) -> Tensor:
+    """fp32 scores [B,Hq,Sq,Sk] with GQA broadcast and bottom-right causal masking (and, with `window`, a query
+    sees only the `window` keys ending at its own position)."""
     groups = q.shape[2] // k.shape[2]
     qf = q.float().transpose(1, 2)  # (B, Hq, Sq, D)
     kf = k.float().transpose(1, 2).repeat_interleave(groups, dim=1)  # (B, Hq, Sk, D)
@@ -27,7 +28,11 @@ def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
     if causal:
         sq, sk = q.shape[1], k.shape[1]
         rows = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
-        s = s.masked_fill(torch.arange(sk, device=q.device)[None, :] > rows, float("-inf"))
+        cols = torch.arange(sk, device=q.device)[None, :]
+        hidden = cols > rows
+        if window is not None:
+            hidden = hidden | (cols <= rows - window)
+        s = s.masked_fill(hidden, float("-inf"))
     return s
 
 
@@ -36,9 +41,10 @@ def _probs(s: Tensor, lse: Tensor) -> Tensor:
     return torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
 
 
-def _ref_fwd_math(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def _ref_fwd_math(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
+                  window: int | None = None) -> tuple[Tensor, Tensor]:
     groups = q.shape[2] // k.shape[2]
-    s = _scores(q, k, scale, causal)
+    s = _scores(q, k, scale, causal, window)
     lse = torch.logsumexp(s, dim=-1)  # (B, Hq, Sq)
     vf = v.float().transpose(1, 2).repeat_interleave(groups, dim=1)
     o = torch.matmul(_probs(s, lse), vf).transpose(1, 2)  # (B, Sq, Hq, D)
@@ -46,11 +52,11 @@ def _ref_fwd_math(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -
 
 
 def _ref_bwd_math(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
-                  causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+                  causal: bool, window: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients from the given (possibly globally merged) o and lse, as the kernels compute them."""
     b, sk, hkv, d = k.shape
     groups = q.shape[2] // hkv
-    p = _probs(_scores(q, k, scale, causal), lse.float())  # (B, Hq, Sq, Sk)
+    p = _probs(_scores(q, k, scale, causal, window), lse.float())  # (B, Hq, Sq, Sk)
     dof = do.float().transpose(1, 2)  # (B, Hq, Sq, D)
     vf = v.float().transpose(1, 2).repeat_interleave(groups, dim=1)
     delta = (dof * o.float().transpose(1, 2)).sum(-1, keepdim=True)

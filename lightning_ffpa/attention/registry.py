@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FEATURES", "Contract", "Kernel", "attention_flops", "get", "names", "register"]
+__all__ = ["FEATURES", "Contract", "Kernel", "Windowed", "attention_flops", "get", "names", "register"]
 
 FEATURES = frozenset({"causal", "sliding_window", "gqa", "varlen", "softcap", "block_mask", "lse",
                       "merged_lse_backward"})
@@ -49,6 +49,16 @@ class Contract:
     """(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal) -> (o [Tq,Hq,D], lse [Hq,Tq] fp32)."""
     varlen_bwd: Callable
     """(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, scale, causal) -> (dq, dk, dv)."""
+
+
+@dataclass(frozen=True)
+class Windowed:
+    """Differentiable causal sliding-window attention (a key is seen when ``0 <= q - k < window``)."""
+
+    dense: Callable
+    """(q, k, v [B,S,H,D], scale, window) -> o [B,S,Hq,D]."""
+    varlen: Callable
+    """(q, k, v THD, cu_seqlens int32, max_seqlen, scale, window) -> o [T,Hq,D] (documents never see each other)."""
 
 
 def _everywhere(device: torch.device | None) -> str:
@@ -81,26 +91,25 @@ class Kernel:
     """Factory of the CP ring's block ops (fwd/bwd of one ring block), or None."""
     masked: Callable[[bool], tuple[Callable, str]] | None = None
     """(compiled?) -> (a callable with flex_attention's signature, the path name it reports), or None."""
-    windowed: Any = None
-    """An object with differentiable ``dense(q, k, v, scale, window)`` and ``varlen(q, k, v, cu_seqlens, max_seqlen,
-    scale, window)`` (causal, [B,S,H,D] / THD), or None."""
+    windowed: Windowed | None = None
+    """Causal sliding-window attention (the HF backend's sliding layers), or None."""
     doc: str = field(default="", compare=False)
     """One line for docs and errors."""
 
     def why_not(self, head_dim: int, dtype: torch.dtype | None = None, device: torch.device | None = None,
                 needs: tuple[str, ...] = ()) -> str:
-        """'' when this kernel takes the call, else a short reason: 'head_dim', 'dtype', 'feature:<x>' or
-        'unavailable: <why>'."""
+        """'' when this kernel takes the call, else the first short reason of 'unavailable: <why>' (cannot run on
+        this device at all), 'head_dim', 'dtype' or 'feature:<x>'."""
+        why = self.unavailable(device)
+        if why:
+            return f"unavailable: {why}"
         lo, hi = self.head_dims
         if not lo <= head_dim <= hi or head_dim % self.head_dim_multiple:
             return "head_dim"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             return "dtype"
         missing = [f for f in needs if f not in self.features]
-        if missing:
-            return f"feature:{missing[0]}"
-        why = self.unavailable(device)
-        return f"unavailable: {why}" if why else ""
+        return f"feature:{missing[0]}" if missing else ""
 
 
 _table: dict[str, Kernel] = {}

@@ -15,7 +15,7 @@ When FFPA kernels will run, their forward ops are declared to the SAC policy (`l
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -25,7 +25,8 @@ from lightning_ffpa import attention, saved_ops
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat.transformers import find_hf_model, set_attn_implementation
 from lightning_ffpa.attention import kernels
-from lightning_ffpa.attention.plan import AttentionPlan, plan_for
+from lightning_ffpa.attention.plan import SLIDING, SLIDING_OPTION, AttentionPlan, plan_for
+from lightning_ffpa.errors import ConfigError
 
 __all__ = ["FFPAAttention", "context_parallel_size"]
 
@@ -44,15 +45,21 @@ def context_parallel_size(trainer: pl.Trainer, pl_module: pl.LightningModule) ->
 class FFPAAttention(Callback):
     """Install FFPA attention (CP=1) or the ring CP hook (CP>1) and log which kernels ran."""
 
-    def __init__(self, log_every_n_steps: int = 50, attn_implementation: str = "ffpa") -> None:
+    def __init__(self, log_every_n_steps: int = 50, attn_implementation: str = "ffpa",
+                 sliding: Literal["flex", "fa4", "auto"] = "flex") -> None:
         """Configure the callback.
 
         Args:
             log_every_n_steps: Log the dispatch counters every this many optimizer steps (0 = never).
             attn_implementation: HF attention name installed at CP=1 ("ffpa"; "sdpa" to compare).
+            sliding: Sliding-window layers under "ffpa": `flex`, `fa4` (flash-attn-4; an error where it cannot run)
+                or `auto` (FA4 where a call can take it, else Flex, each fallback counted). FA4 is unmeasured here yet.
         """
         if log_every_n_steps < 0:
             raise ValueError(f"`log_every_n_steps={log_every_n_steps}` must be >= 0")
+        if sliding not in SLIDING:
+            raise ConfigError(SLIDING_OPTION, sliding, f"must be one of {list(SLIDING)}")
+        self.sliding = sliding
         self.log_every_n_steps = log_every_n_steps
         self.attn_implementation = attn_implementation
         self.cp_size = 1
@@ -66,7 +73,7 @@ class FFPAAttention(Callback):
         self.plan = plan_for(trainer, pl_module, callback=self)
         self.cp_size = self.plan.cp_size
         if not self.plan.ring and self.plan.attn_implementation == "ffpa":
-            attention.register_ffpa()
+            attention.register_ffpa(sliding=self.plan.sliding_kernel)
         elif self.plan.ring:
             # The ring is installed once the model exists, possibly after the strategy has wrapped the layers
             # for SAC (the policy is built then): hand SAC the ring's kernel forwards now.

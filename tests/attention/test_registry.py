@@ -17,11 +17,17 @@ def test_entries_and_roles():
 
 
 def test_why_not_names_the_first_mismatch():
-    ffpa = registry.get("ffpa")
-    assert ffpa.why_not(256, torch.bfloat16) == "head_dim"  # FFPA's CuTeDSL range starts at 320
-    assert ffpa.why_not(512, torch.float32) == "dtype"
-    assert ffpa.why_not(512, torch.bfloat16, needs=("sliding_window",)) == "feature:sliding_window"
-    assert ffpa.why_not(512, torch.bfloat16, torch.device("cpu")).startswith("unavailable: ")
+    gpu_only = registry.Kernel(name="gpu_only", head_dims=(64, 256), head_dim_multiple=64, dtypes=(torch.bfloat16,),
+                               features=frozenset({"causal"}),
+                               unavailable=lambda d: "" if d is not None and d.type == "cuda" else "needs CUDA")
+    cuda = torch.device("cuda")
+    assert gpu_only.why_not(128, torch.bfloat16, torch.device("cpu")) == "unavailable: needs CUDA"
+    assert gpu_only.why_not(96, torch.bfloat16, cuda) == "head_dim"
+    assert gpu_only.why_not(512, torch.bfloat16, cuda) == "head_dim"
+    assert gpu_only.why_not(128, torch.float32, cuda) == "dtype"
+    assert gpu_only.why_not(128, torch.bfloat16, cuda, needs=("causal", "varlen")) == "feature:varlen"
+    assert gpu_only.why_not(128, torch.bfloat16, cuda, needs=("causal",)) == ""
+    assert registry.get("ffpa").why_not(512, torch.bfloat16, torch.device("cpu")).startswith("unavailable: ")
     assert registry.get("reference").why_not(64, torch.float32, torch.device("cpu"), needs=("varlen",)) == ""
 
 

@@ -8,8 +8,8 @@ combinations that cannot run. Does not own the kernels (``registry.py``) nor per
 which reads the plan's sliding choice; ``lightning_ffpa.cp.ring``).
 
 The plan:
-- CP > 1: the FFPA ring (full layers: ring blocks of `ring_block_ops`; sliding layers: a halo and Flex). It needs
-  the Callback, which installs it.
+- CP > 1: the FFPA ring (full layers: ring blocks of the registry's "ffpa" block ops; sliding layers: a halo and
+  Flex). It needs the Callback, which installs it.
 - CP = 1: `attn_implementation` is what HF runs: the Callback's option when the Callback is there, else the
   model's. Under "ffpa", full layers at head_dim 512 run FFPA and sliding layers run `sliding`: "flex" (default),
   "fa4" (flash-attn-4; refused here with one line where it cannot run) or "auto" (FA4 where a call can take it,
@@ -48,8 +48,6 @@ class AttentionPlan:
     """Context-parallel size; > 1 runs the FFPA ring."""
     sliding: str = "flex"
     """The sliding layers' kernel under "ffpa", as asked: "flex", "fa4" or "auto" (`SLIDING`)."""
-    ring_block_ops: str = "ffpa"
-    """The ring's full-layer block kernel (a registry name with block ops)."""
     from_callback: bool = False
     """Whether the FFPAAttention Callback is in the run (it installs the plan on the model)."""
 
@@ -57,11 +55,6 @@ class AttentionPlan:
     def ring(self) -> bool:
         """Whether attention runs over the context-parallel ring."""
         return self.cp_size > 1
-
-    @property
-    def runs_ffpa_kernels(self) -> bool:
-        """Whether the FFPA contract kernels run (the "ffpa" backend, or the ring's blocks): SAC must save them."""
-        return self.ring or self.attn_implementation == "ffpa"
 
     @property
     def sliding_kernel(self) -> str:

@@ -6,7 +6,7 @@ attention serves which layer, from the model's option, this Callback's options a
 dispatch counters live in `lightning_ffpa.attention`; the CP ring lives in `lightning_ffpa.cp.ring`.
 
 - CP = 1: register "ffpa" and set it on the model (full layers at head_dim 512 go to FFPA, sliding
-  layers to Flex through the registered mask function).
+  layers to the plan's `sliding` kernel: Flex through the registered mask function, or FA4).
 - CP > 1: keep "sdpa" for HF and install the ring hook over the mesh's "context_parallel" dim.
 When FFPA kernels will run, their forward ops are declared to the SAC policy (`lightning_ffpa.saved_ops`) in
 `setup()`, before the strategy wraps the layers. Works with any strategy: without a device mesh, CP is 1.

@@ -22,8 +22,8 @@ def test_resolution_rules():
     assert resolve_plan("ffpa") == AttentionPlan("ffpa")
     assert resolve_plan("ffpa", 1, FFPAAttention(attn_implementation="sdpa")).attn_implementation == "sdpa"
     ring = resolve_plan("sdpa", 2, FFPAAttention())
-    assert ring.ring and ring.runs_ffpa_kernels and ring.describe() == "ring CP=2"
-    assert not resolve_plan("sdpa").runs_ffpa_kernels
+    assert ring.ring and ring.describe() == "ring CP=2"
+    assert not resolve_plan("sdpa").ring and resolve_plan("sdpa").describe() == "attn_implementation=sdpa"
     with pytest.raises(ValueError, match=r"^`model.attn_implementation='ffpa'` is the direct backend"):
         resolve_plan("ffpa", 2)
     with pytest.raises(ValueError, match=r"^`context_parallel_size=4` needs the `lightning_ffpa.callbacks.FFPAAtt"):

@@ -7,8 +7,10 @@ its own autograd Function calls, taken here so the project's custom op can run t
 (o, lse) instead of re-running the forward under autograd. Its positional arguments
 ``(q, k, v, out, dout, lse, softmax_scale, causal, softcap)`` and the keywords used below are the same from
 fa4-v4.0.0.beta27 to the main branch of 2026-12 (read from flash_attn/cute/interface.py).
-Facts (DESIGN.md, checked 2026-12): SM90/SM100, head_dim 8-256, causal with ``window_size=(left, 0)``, GQA,
-varlen, deterministic backward; no head_dim 512. Does not own when FA4 runs (``lightning_ffpa.attention.fa4``).
+Facts (DESIGN.md, checked 2026-12): SM90/SM100, causal with ``window_size=(left, 0)``, GQA, varlen; no head_dim
+512. Head dims (``_validate_head_dims`` in the same file): SM90 takes 8-256, SM100 8-128 or exactly 256; all
+multiples of 8 at 16-bit. The backward runs with FA4's default ``deterministic=False`` (its fast path, as the
+issue's first measurement ran it). Does not own when FA4 runs (``lightning_ffpa.attention.fa4``).
 """
 
 from __future__ import annotations
@@ -19,10 +21,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ARCH_MAJORS", "HEAD_DIM_RANGE", "backward", "forward", "unavailable_reason"]
+__all__ = ["ARCH_MAJORS", "HEAD_DIM_RANGE", "backward", "forward", "head_dim_supported", "unavailable_reason"]
 
 ARCH_MAJORS = (9, 10)
 HEAD_DIM_RANGE = (8, 256)
+
+
+def head_dim_supported(head_dim: int, arch_major: int) -> bool:
+    """Whether FA4 has a kernel for this head_dim (== head_dim_v) on this architecture (within HEAD_DIM_RANGE)."""
+    return head_dim <= 128 or head_dim == 256 if arch_major >= 10 else True
 
 
 @functools.cache
@@ -68,10 +75,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, window_left: int, cu_
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, window_left: int,
              cu_seqlens: Tensor | None = None, max_seqlen: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) from the forward's (o, lse), deterministic."""
+    """(dq, dk, dv) from the forward's (o, lse)."""
     interface = _load()[1]
     varlen = {} if cu_seqlens is None else dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                                 max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
     dq, dk, dv = interface._flash_attn_bwd(q, k, v, o, do, lse, scale, True, 0.0, window_size_left=window_left,
-                                           window_size_right=0, deterministic=True, **varlen)[:3]
+                                           window_size_right=0, **varlen)[:3]
     return dq, dk, dv

@@ -179,7 +179,7 @@ _REASON_TEXT = {
     "4d_mask": "a precomputed 4D mask was passed -> sdpa",
     "flex_cpu": "flex_attention has no CPU backward; the BlockMask runs densely through sdpa",
     "flex_meta": "flex_attention cannot run on meta tensors (FLOP counting); the BlockMask is costed as sdpa",
-    "fa4_head_dim": "sliding head_dim is outside FA4's 8-256 -> flex",
+    "fa4_head_dim": "FA4 has no kernel at this head_dim here (SM90: 8-256; SM100: 8-128 or 256) -> flex",
     "fa4_dtype": "dtype is not fp16/bf16 (FA4) -> flex",
     "fa4_unavailable": "flash-attn-4 cannot run here -> flex",
 }

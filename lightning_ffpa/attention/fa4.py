@@ -53,6 +53,17 @@ def _runs_on_cuda(device: torch.device) -> bool:
     return fa4_compat.unavailable_reason(device) == ""
 
 
+@assume_constant_result
+def _arch_major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def _head_dim_ok(head_dim: int, device: torch.device | None) -> bool:
+    if device is None or device.type != "cuda":
+        return True  # the CPU stand-in and meta take every head_dim in range
+    return fa4_compat.head_dim_supported(head_dim, _arch_major(device))
+
+
 def _unavailable(device: torch.device | None) -> str:
     if device is not None and device.type == "meta":  # FLOP counting: cost the call as the real run will run it
         return "" if _stand_in or _runs_on_cuda(None) else "flash-attn-4 cannot run here (meta tensors)"
@@ -233,7 +244,8 @@ def _register_flop_formulas() -> None:
 _register_flop_formulas()
 
 registry.register(registry.Kernel(
-    name="fa4", head_dims=fa4_compat.HEAD_DIM_RANGE, head_dim_multiple=8, dtypes=(torch.float16, torch.bfloat16),
+    name="fa4", head_dims=fa4_compat.HEAD_DIM_RANGE, head_dim_multiple=8, head_dim_rule=_head_dim_ok,
+    dtypes=(torch.float16, torch.bfloat16),
     features=frozenset({"causal", "sliding_window", "gqa", "varlen", "lse"}), unavailable=_unavailable,
     forward_ops=lambda: (torch.ops.lightning_ffpa.fa4_fwd.default, torch.ops.lightning_ffpa.fa4_varlen_fwd.default),
     windowed=registry.Windowed(fa4_attention, fa4_varlen_attention),

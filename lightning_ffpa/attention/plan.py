@@ -83,6 +83,8 @@ def _fa4_refusal(device: torch.device | None, head_dim: int | None) -> str:
         return f"the sliding layers' head_dim={head_dim} is outside FA4's {lo}-{hi} (multiples of 8)"
     if kernel.unavailable(device):
         return fa4.unavailable_detail(device) or kernel.unavailable(device)
+    if head_dim is not None and not kernel.head_dim_rule(head_dim, device):
+        return f"FA4 has no kernel for the sliding layers' head_dim={head_dim} on {device} (SM100: 8-128 or 256)"
     return ""
 
 

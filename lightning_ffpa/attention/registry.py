@@ -77,6 +77,8 @@ class Kernel:
     """What it supports, from `FEATURES`."""
     head_dim_multiple: int = 1
     """head_dim must be a multiple of this."""
+    head_dim_rule: Callable[[int, torch.device | None], bool] | None = None
+    """A further per-device head_dim rule (e.g. an architecture with fewer kernels), or None."""
     dtypes: tuple[torch.dtype, ...] | None = None
     """Activation dtypes it takes; None: any floating dtype."""
     unavailable: Callable[[torch.device | None], str] = _everywhere
@@ -105,6 +107,8 @@ class Kernel:
             return f"unavailable: {why}"
         lo, hi = self.head_dims
         if not lo <= head_dim <= hi or head_dim % self.head_dim_multiple:
+            return "head_dim"
+        if self.head_dim_rule is not None and not self.head_dim_rule(head_dim, device):
             return "head_dim"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             return "dtype"

@@ -201,3 +201,16 @@ def test_padded_sliding_masks_stay_on_flex(sliding):
         model(input_ids=ids)
     assert padded["fa4-dense"] == 0 and padded["flex"] == 2 and padded["ffpa-varlen"] == 2, padded
     assert backend.dispatch_counts()["fa4-dense"] == 2
+
+
+def test_head_dims_follow_the_architecture():
+    """FA4 has SM90 kernels for 8-256 but SM100 ones only for 8-128 and 256 (flash_attn/cute/interface.py)."""
+    from lightning_ffpa._compat import fa4 as fa4_compat
+
+    assert all(fa4_compat.head_dim_supported(d, 9) for d in (8, 160, 256))
+    assert [fa4_compat.head_dim_supported(d, 10) for d in (64, 128, 160, 256)] == [True, True, False, True]
+    kernel = registry.get("fa4")
+    with fa4.cpu_stand_in():
+        assert kernel.why_not(160, torch.bfloat16, torch.device("cpu")) == ""  # the stand-in takes the range
+        assert kernel.why_not(264, torch.bfloat16, torch.device("cpu")) == "head_dim"
+        assert kernel.why_not(100, torch.bfloat16, torch.device("cpu")) == "head_dim"  # not a multiple of 8

@@ -105,9 +105,10 @@ def resolve_plan(model_attn: str | None, cp_size: int = 1, callback: Any = None,
     sliding = getattr(callback, "sliding", "flex")
     if sliding == "fa4":
         if cp_size > 1 or attn != "ffpa":
-            where = f"context_parallel_size={cp_size}" if cp_size > 1 else f"attn_implementation={attn!r}"
+            where = (f"context_parallel_size={cp_size} (the ring's sliding layers run Flex)" if cp_size > 1
+                     else f"attn_implementation={attn!r}")
             raise ConfigError(SLIDING_OPTION, sliding, f"applies to the 'ffpa' backend at context_parallel_size=1, "
-                              f"and this run has {where} (the ring's sliding layers run Flex); use 'flex' or 'auto'")
+                              f"and this run has {where}; use 'flex' or 'auto'")
         why = _fa4_refusal(device, sliding_head_dim)
         if why:
             raise ConfigError(SLIDING_OPTION, sliding, f"flash-attn-4 cannot run here ({why}); use 'auto' (FA4 where "
@@ -142,6 +143,14 @@ def _sliding_head_dim(model: Any) -> int | None:
     return None
 
 
+def _device(trainer: Any) -> torch.device | None:
+    """The device this process will train on (the strategy's root device), or None where it cannot say yet."""
+    try:
+        return trainer.strategy.root_device
+    except Exception:  # noqa: BLE001 - a stand-in trainer or a strategy not set up: the current CUDA device counts
+        return None
+
+
 def plan_for(trainer: Any, model: Any, callback: Any = None) -> AttentionPlan:
     """This run's plan: resolved on the first call for `trainer` and cached on `model`, so every reader gets the
     same object. `callback`: the FFPAAttention instance (found in `trainer.callbacks` when not given)."""
@@ -151,7 +160,7 @@ def plan_for(trainer: Any, model: Any, callback: Any = None) -> AttentionPlan:
     hparams = getattr(model, "hparams", None) or {}
     plan = resolve_plan(hparams.get("attn_implementation"), _cp_size(trainer, model),
                         callback if callback is not None else _attention_callback(trainer),
-                        getattr(getattr(trainer, "strategy", None), "root_device", None), _sliding_head_dim(model))
+                        _device(trainer), _sliding_head_dim(model))
     try:
         model._attention_plan = (weakref.ref(trainer), plan)
     except (AttributeError, TypeError):  # a model or trainer that takes no attribute / weak reference: no cache

@@ -38,6 +38,7 @@ from lightning_ffpa._compat.transformers import (  # noqa: F401 - text_config re
     from_config,
     text_config,
 )
+from lightning_ffpa.attention.plan import AttentionPlan, plan_for, resolve_plan
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base, frozen_names, frozen_record
 from lightning_ffpa.checkpoint.frozen import OPTION as FROZEN_OPTION
 from lightning_ffpa.dtypes import parse_dtype
@@ -255,6 +256,15 @@ class HFModule(L.LightningModule):
         device = next(p.device for p in model.parameters() if p.requires_grad)
         self.fp8_base = quantize_lora_bases(model)
         rank_zero_info(describe(self.fp8_base, device))
+
+    @property
+    def attention_plan(self) -> AttentionPlan:
+        """This run's attention plan (`lightning_ffpa.attention.plan`), the one the pre-flight checks and the
+        FFPAAttention callback read; before a trainer is attached, the one pre-flight made, else this model's option."""
+        if self._trainer is not None:
+            return plan_for(self._trainer, self)
+        cached = getattr(self, "_attention_plan", None)
+        return cached[1] if cached is not None else resolve_plan(self.hparams.get("attn_implementation", "sdpa"))
 
     @property
     def saves_frozen_weights(self) -> bool:

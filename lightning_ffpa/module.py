@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_ffpa.attention.documents import check_packing, packed_inputs
+from lightning_ffpa.attention.documents import packed_inputs
 from lightning_ffpa.cp import cp_group_info, cp_loss_reduce, shard_batch
 from lightning_ffpa.dtypes import DtypeOrAuto
 from lightning_ffpa.errors import ConfigError
@@ -134,7 +134,7 @@ class Gemma4LM(HFModule):
     def check_data(self, datamodule: Any) -> None:
         """The data options this model must accept (the CLI's pre-flight runs this before `fit`, then `setup`)."""
         self.check_seq_length(getattr(datamodule, "max_seq_length", None), "data.max_seq_length")
-        check_packing(self.hparams.attn_implementation, bool(getattr(datamodule, "pack", False)))
+        self.attention_plan.check_packing(bool(getattr(datamodule, "pack", False)))
 
     # ---- forward and loss -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:

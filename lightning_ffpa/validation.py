@@ -3,7 +3,7 @@
 Owns: checkpoint integrity (plain `.ckpt` files and DCP folders: truncation, corruption, missing state),
 checkpoint/config compatibility (architecture hyper-parameters), LoRA targets that match nothing, and the
 cross-component layout checks no single component can make alone (mesh sizes x world size, sequence length
-x CP, the direct ffpa backend x CP / packing), all before `fit` launches processes or builds the model.
+x CP; the attention plan, `lightning_ffpa.attention.plan`, refuses attention x CP x packing), all before `fit` launches processes or builds the model.
 Each failure is one `ValueError`/`FileNotFoundError` naming the option (`ckpt_path`, `model.lora...`).
 Does not own checks a component can make on its own arguments (the module, data modules and strategy
 validate those in their constructors) and does not load weights into a model.
@@ -26,6 +26,7 @@ from torch import nn
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa._compat.transformers import from_config, text_config
+from lightning_ffpa.attention.plan import plan_for
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_seed
 from lightning_ffpa.checkpoint.paths import root_checkpoint_dirs
 from lightning_ffpa.errors import CheckpointError, ConfigError
@@ -232,24 +233,11 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
     if cp > 1 and not getattr(datamodule, "pack", False) and isinstance(pad, int) and pad % (2 * cp):
         raise ValueError(f"`data.pad_to_multiple_of={pad}` must be a multiple of 2 x context_parallel_size = "
                          f"{2 * cp}: batches are padded to it, and each sequence is cut into 2·cp chunks")
-    direct_ffpa = (getattr(model, "hparams", None) or {}).get("attn_implementation") == "ffpa"
-    if direct_ffpa and cp > 1 and not _has_attention_callback(trainer):
-        raise ValueError(f"`model.attn_implementation='ffpa'` is the direct backend, which cannot run with "
-                         f"`context_parallel_size={cp}`; use attn_implementation=sdpa and add the "
-                         "`lightning_ffpa.callbacks.FFPAAttention` callback (it installs the FFPA ring)")
-    if cp > 1 and not _has_attention_callback(trainer):
-        # each rank would attend only within its own chunks: a wrong model, with no error
-        raise ValueError(f"`context_parallel_size={cp}` needs the `lightning_ffpa.callbacks.FFPAAttention` "
-                         "callback in trainer.callbacks: it installs the ring that attends across the ranks' chunks")
-    if getattr(datamodule, "pack", False) and cp == 1:
-        from lightning_ffpa.attention.documents import check_packing
-
-        # At CP=1 the attention callback (if any) sets the model's implementation.
-        callbacks = _attention_callbacks(trainer)
-        attn = callbacks[0].attn_implementation if callbacks else (getattr(model, "hparams", None) or {}).get(
-            "attn_implementation")
-        if attn is not None:
-            check_packing(attn, True)
+    # The attention plan (model option x FFPAAttention callback x CP size) refuses what cannot run; made once here,
+    # the same object the callback and the module read later.
+    plan = plan_for(trainer, model)
+    if getattr(datamodule, "pack", False):
+        plan.check_packing(True)
 
 
 def _check_replicate_frozen(strategy: Any, model: Any) -> None:
@@ -265,16 +253,6 @@ def _check_replicate_frozen(strategy: Any, model: Any) -> None:
         raise ValueError(f"`replicate_frozen=True` computes with the LoRA's frozen base as stored, in "
                          f"`model.dtype={dtype}`, while `param_dtype` is {str(want).removeprefix('torch.')}: "
                          "set them alike, or use replicate_frozen auto or false")
-
-
-def _attention_callbacks(trainer: Any) -> list[Any]:
-    from lightning_ffpa.callbacks.attention import FFPAAttention
-
-    return [cb for cb in trainer.callbacks if isinstance(cb, FFPAAttention)]
-
-
-def _has_attention_callback(trainer: Any) -> bool:
-    return bool(_attention_callbacks(trainer))
 
 
 def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str | None = None) -> str | None:

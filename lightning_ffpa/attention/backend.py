@@ -5,7 +5,9 @@ Routing for one attention call (in this order):
 2. packed documents (``documents=`` from ``Gemma4LM.compute_loss``, or ``position_ids`` that restart inside a
    row) replace HF's mask: full layers run FFPA varlen over the document segments, sliding layers get a
    window AND same-document Flex mask (``documents.py``);
-3. a Flex ``BlockMask`` (sliding and other non-plain-causal layers) goes to flex (eager if softcap);
+3. a Flex ``BlockMask`` (sliding and other non-plain-causal layers) goes to flex (eager if softcap), except a plain
+   causal sliding-window mask when the plan's sliding kernel is a registry kernel with windowed attention (FA4)
+   that takes the call (else flex, the fallback counted with its reason);
 4. an eligible full-attention call goes to FFPA: dense with no mask, varlen with a 2D padding mask;
 5. anything else falls back: eager when a softcap is set, otherwise SDPA with repeated KV
    (never ``enable_gqa`` at head_dim > 256, which drops to the MATH kernel).
@@ -29,12 +31,12 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from lightning_ffpa import saved_ops
 from lightning_ffpa._compat import transformers as hf_compat
-from lightning_ffpa.attention import counters, kernels, masks
+from lightning_ffpa.attention import counters, fa4, kernels, masks, registry
 from lightning_ffpa.attention.documents import PackedDocuments
 from lightning_ffpa.attention.flex import flex_forward
 
 NAME = "ffpa"
-PATHS = ("ffpa-dense", "ffpa-varlen", "flex", "sdpa", "eager")
+PATHS = ("ffpa-dense", "ffpa-varlen", "fa4-dense", "fa4-varlen", "flex", "sdpa", "eager")
 CP_ROUTE = ("use context_parallel_size > 1 with the FFPA ring (the attention Callback installs it), "
             "which carries document ids through the ring")
 
@@ -51,6 +53,9 @@ class FFPABackendConfig:
     """Head dims routed to FFPA (Gemma4 full-attention layers use 512)."""
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
     """Activation dtypes routed to the CuTeDSL kernel (the CPU reference takes any float dtype)."""
+    sliding: str = "flex"
+    """The sliding layers' kernel: "flex", or a registry kernel with windowed attention ("fa4") tried first, with
+    Flex as its counted fallback (set from the attention plan)."""
 
 
 _config = FFPABackendConfig()
@@ -63,8 +68,7 @@ def dispatch_counts() -> dict[str, int]:
     One count per attention call in a forward pass, eager or compiled; activation-checkpoint
     recomputes are not counted again (see ``counters.py``).
     """
-    paths = counters.counts("path")
-    return {p: paths.get(p, 0) for p in PATHS}
+    return {**dict.fromkeys(PATHS, 0), **counters.counts("path")}
 
 
 def fallback_counts() -> dict[str, int]:
@@ -82,13 +86,20 @@ def config() -> FFPABackendConfig:
     return _config
 
 
-def register_ffpa(head_dims: tuple[int, ...] = (512,)) -> None:
+def register_ffpa(head_dims: tuple[int, ...] = (512,), sliding: str | None = None) -> None:
     """Register "ffpa" in transformers' attention and mask interfaces (idempotent; updates the config).
 
-    The direct backend runs without context parallelism; CP > 1 goes through the FFPA ring (`lightning_ffpa.cp`).
+    `sliding`: the sliding layers' kernel ("flex", or a registry kernel with windowed attention, e.g. "fa4");
+    None keeps the current one. The direct backend runs without context parallelism; CP > 1 goes through the FFPA
+    ring (`lightning_ffpa.cp`).
     """
     hf_compat.check_version()
     _config.head_dims = tuple(int(d) for d in head_dims)
+    if sliding is not None:
+        if sliding != "flex":
+            registry.get(sliding, "windowed", option="sliding")
+            saved_ops.register(registry.get(sliding).forward_ops())
+        _config.sliding = sliding
     hf_compat.register_attention(NAME, ffpa_attention_forward)
     hf_compat.register_mask(NAME, ffpa_mask)
     kernels.register_flop_formulas()
@@ -121,6 +132,12 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     # HF sets use_vmap when a model adds its own or/and mask (e.g. bidirectional image tokens): packed
     # documents would replace that mask, so such a call is refused rather than silently changed.
     block_mask._ffpa_overlay = bool(kwargs.get("use_vmap", False))
+    # A causal sliding window and nothing else (no padding, overlay, packing or cache offset): a windowed kernel
+    # (FA4) can replace the mask by its window. HF clears allow_is_causal_skip for overlays and packing, and
+    # passes it False for bidirectional sliding masks.
+    block_mask._ffpa_plain_window = (local_size if local_size is not None and allow_is_causal_skip and padding is None
+                                     and not block_mask._ffpa_overlay and q_offset == 0 and kv_offset == 0
+                                     and q_length == kv_length else None)
     return block_mask
 
 
@@ -162,13 +179,17 @@ _REASON_TEXT = {
     "4d_mask": "a precomputed 4D mask was passed -> sdpa",
     "flex_cpu": "flex_attention has no CPU backward; the BlockMask runs densely through sdpa",
     "flex_meta": "flex_attention cannot run on meta tensors (FLOP counting); the BlockMask is costed as sdpa",
+    "fa4_head_dim": "FA4 has no kernel at this head_dim here (SM90: 8-256; SM100: 8-128 or 256) -> flex",
+    "fa4_dtype": "dtype is not fp16/bf16 (FA4) -> flex",
+    "fa4_unavailable": "flash-attn-4 cannot run here -> flex",
 }
 
 
 def _warn_fallback(reason: str) -> None:
     """Warn once per reason; runs at runtime from the counter (also inside compiled layers)."""
     text = _REASON_TEXT.get(reason, reason)
-    detail = kernels.ffpa_unavailable_reason() if reason == "kernel_unavailable" else ""
+    detail = {"kernel_unavailable": kernels.ffpa_unavailable_reason,
+              "fa4_unavailable": fa4.unavailable_detail}.get(reason, str)()
     warnings.warn(f"'ffpa' attention fallback ({reason}): {text}{'; ' + detail if detail else ''}",
                   FFPAFallbackWarning, stacklevel=2)
 
@@ -238,7 +259,11 @@ def ffpa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
         return _documents_forward(module, query, key, value, documents, dropout, scaling, sliding_window, softcap,
                                   causal), None
     if isinstance(attention_mask, BlockMask):
-        return _block_mask_forward(module, query, key, value, attention_mask, dropout, scaling, softcap), None
+        # The mask's window, where the layer says it is a sliding layer with that window (HF also passes a
+        # chunk size as `local_size`).
+        window = getattr(attention_mask, "_ffpa_plain_window", None)
+        window = window if causal and window is not None and window == sliding_window else None
+        return _block_mask_forward(module, query, key, value, attention_mask, dropout, scaling, softcap, window), None
 
     if attention_mask is not None and attention_mask.dim() != 2:
         reason = "4d_mask"
@@ -263,9 +288,29 @@ def ffpa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
     return _sdpa(query, key, value, attention_mask, dropout, scaling, causal), None
 
 
+def _windowed_kernel(query: Tensor) -> registry.Kernel | None:
+    """The plan's windowed sliding kernel if it takes this call; None for Flex (a fallback is counted with its reason)."""
+    if _config.sliding == "flex":
+        return None
+    kernel = registry.get(_config.sliding)
+    stand_in = query.device.type == "cpu" and fa4.stand_in_active()  # CPU tests: the reference takes any float
+    why = kernel.why_not(query.shape[-1], None if stand_in else query.dtype, query.device,
+                         needs=("causal", "sliding_window", "gqa"))
+    if why:
+        _note_fallback(f"{kernel.name}_{why.split(':')[0]}", query)
+        return None
+    return kernel
+
+
 def _block_mask_forward(module, query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMask, dropout: float,
-                        scaling, softcap) -> Tensor:
-    """A Flex mask: flex, or its dense form through eager (softcap) / SDPA (CPU training, meta)."""
+                        scaling, softcap, window: int | None = None) -> Tensor:
+    """A Flex mask: a windowed kernel for a plain sliding `window`, else flex, or its dense form through eager
+    (softcap) / SDPA (CPU training, meta)."""
+    kernel = _windowed_kernel(query) if window is not None and not softcap and scaling is not None else None
+    if kernel is not None:
+        counters.count("path", f"{kernel.name}-dense", query)
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # free: views of [B,S,H,D] projections
+        return kernel.windowed.dense(q, k, v, scaling, window)
     if softcap:
         _note_fallback("softcap", query)
         mask = masks.dense_from_block_mask(block_mask, query.device)
@@ -288,6 +333,12 @@ def _documents_forward(module, query: Tensor, key: Tensor, value: Tensor, docs: 
         raise ValueError(f"packed documents cover {docs.shape} tokens; this call has batch {batch}, {seq} queries, "
                          f"{key.shape[2]} keys, causal={causal} (only causal self-attention over the batch is packed)")
     if sliding_window is not None:
+        kernel = _windowed_kernel(query) if not softcap and scaling is not None else None
+        if kernel is not None:
+            counters.count("path", f"{kernel.name}-varlen", query)
+            q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[3]) for t in (query, key, value))
+            out = kernel.windowed.varlen(q, k, v, docs.cu_seqlens, docs.max_seqlen, scaling, int(sliding_window))
+            return out.view(batch, seq, *out.shape[1:])
         return _block_mask_forward(module, query, key, value, docs.block_mask(int(sliding_window), query.device),
                                    dropout, scaling, softcap)
     reason = _fallback_reason(module, query, dropout, scaling, softcap, None)

@@ -1,8 +1,10 @@
 """Flex attention as the sliding-window path and fallback of training: the one compiled flex callable.
 
 Owns how flex is called (compiled on CUDA with the training kernel options, eager elsewhere, outside dispatch
-modes). Does not own the kernel options (`lightning_ffpa.flex_options`, one table with the rollout engine's)
-nor when flex runs (``backend.py`` decides).
+modes) and the registry's "flex" entry (block masks of any shape: training's sliding layers, the CP ring's
+baseline block ops, the rollout engine's paged attention). Does not own the kernel options
+(`lightning_ffpa.flex_options`, one table with the rollout engine's) nor when flex runs (``plan.py`` and
+``backend.py`` decide).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from lightning_ffpa import compile_fallbacks
 from lightning_ffpa._compat import torch as torch_compat
+from lightning_ffpa.attention import registry
 from lightning_ffpa.flex_options import LARGE_HEAD_DIM_CANDIDATES, flex_kernel_options
 
 __all__ = ["LARGE_HEAD_DIM_CANDIDATES", "compiled_flex", "flex_forward", "kernel_options"]  # candidates: benchmarks/attention.py
@@ -73,3 +76,20 @@ def flex_forward(query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMas
         return compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                                kernel_options=options)
 
+
+def _masked(compiled: bool) -> tuple[Callable, str]:
+    return (compiled_flex(), "flex_compiled") if compiled else (flex_attention, "flex_eager")
+
+
+def _ring_block_ops():
+    # the ring imports this package: import it when a ring is built
+    from lightning_ffpa.cp.flex_blocks import FlexBlockOps
+
+    return FlexBlockOps()
+
+
+registry.register(registry.Kernel(
+    name="flex", head_dims=(1, 512), features=frozenset({"causal", "sliding_window", "gqa", "softcap", "block_mask",
+                                                         "lse"}),
+    masked=_masked, block_ops=_ring_block_ops,
+    doc="torch's flex_attention over a BlockMask (compiled on CUDA; eager, forward-only, on CPU)"))

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_ffpa._compat.torch import assume_constant_result
-from lightning_ffpa.attention import counters
+from lightning_ffpa.attention import counters, registry
 
 # importing registers torch.ops.lightning_ffpa.ref_* (the CPU reference of the contract)
 from lightning_ffpa.attention.reference import _segments
@@ -97,16 +97,19 @@ def _device_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in CUTE_ARCH_MAJORS
 
 
+def _cute_unavailable(device: torch.device | None) -> str:
+    # Only per-process constants (assume_constant_result) here: compiled layers trace this check.
+    if not ffpa_available():
+        return "ffpa-attn's CuTeDSL ops are not importable"
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return "" if _device_supported(device) else f"{device} is not an SM90/SM100 GPU"
+
+
 def cute_supports(q: Tensor) -> bool:
-    """Whether the CuTeDSL kernels can take this query tensor (device, arch, dtype, head_dim)."""
-    lo, hi = CUTE_HEAD_DIM_RANGE
-    return (
-        q.dtype in (torch.float16, torch.bfloat16)
-        and lo <= q.shape[-1] <= hi
-        and q.shape[-1] % 32 == 0
-        and ffpa_available()
-        and _device_supported(q.device)
-    )
+    """Whether the CuTeDSL kernels can take this query tensor (device, arch, dtype, head_dim): the registry's
+    "ffpa" entry."""
+    return registry.get("ffpa").why_not(q.shape[-1], q.dtype, q.device) == ""
 
 
 def active_kernel() -> str:
@@ -280,19 +283,20 @@ def ffpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 # --------------------------------------------------------------------------- SAC ops and flop formulas
 
 
+def _cute_forward_ops() -> tuple:
+    if not ffpa_available():
+        return ()
+    return (torch.ops.ffpa_attn._fwd_cute.default, torch.ops.ffpa_attn._varlen_fwd_cute.default)
+
+
 def forward_ops() -> tuple:
     """The forward OpOverloads that exist in this process (FFPA ones when importable, then the reference ones)."""
-    ops = []
-    if ffpa_available():
-        ops += [torch.ops.ffpa_attn._fwd_cute.default, torch.ops.ffpa_attn._varlen_fwd_cute.default]
-    ops += [torch.ops.lightning_ffpa.ref_dense_fwd.default, torch.ops.lightning_ffpa.ref_varlen_fwd.default]
-    return tuple(ops)
+    return registry.get("ffpa").forward_ops() + registry.get("reference").forward_ops()
 
 
 def _dense_flops(q: Tensor, k: Tensor) -> int:
-    # Same convention as torch's SDPA formula (no causal discount), so MFU compares across backends.
     b, sq, hq, d = q.shape
-    return 4 * b * hq * sq * k.shape[1] * d
+    return registry.attention_flops(b, sq, k.shape[1], hq, d)
 
 
 def _varlen_flops(q: Tensor, cu_q: Tensor, cu_k: Tensor, max_k: int) -> int:
@@ -301,7 +305,7 @@ def _varlen_flops(q: Tensor, cu_q: Tensor, cu_k: Tensor, max_k: int) -> int:
         pairs = sum((q1 - q0) * (k1 - k0) for q0, q1, k0, k1 in _segments(cu_q, cu_k))
     except Exception:  # noqa: BLE001 - meta/fake tensors (measure_flops) have no values: use the upper bound
         pairs = q.shape[0] * max_k
-    return 4 * hq * d * pairs
+    return registry.attention_flops(1, 1, pairs, hq, d)
 
 
 @functools.cache
@@ -334,3 +338,21 @@ def register_flop_formulas() -> None:
     for packet, formula in table:
         if packet not in flop_registry:  # someone (a newer ffpa_attn?) may have registered one already
             register_flop_formula(packet, get_raw=True)(formula)
+
+
+def _ring_block_ops():
+    # the ring imports this package: import it when a ring is built
+    from lightning_ffpa.cp.ring import BlockOps
+
+    return BlockOps(CONTRACT)
+
+
+# The FFPA contract as the ring and the backend call it: CuTeDSL where it runs, else the CPU reference (counted
+# per kernel in `kernel_counts`; `force_kernel` pins one).
+CONTRACT = registry.Contract(dense_fwd, dense_bwd, varlen_fwd, varlen_bwd)
+
+registry.register(registry.Kernel(
+    name="ffpa", head_dims=CUTE_HEAD_DIM_RANGE, head_dim_multiple=32, dtypes=(torch.float16, torch.bfloat16),
+    features=frozenset({"causal", "gqa", "varlen", "lse", "merged_lse_backward"}),
+    unavailable=_cute_unavailable, contract=CONTRACT, forward_ops=_cute_forward_ops, block_ops=_ring_block_ops,
+    doc="ffpa-attn's CuTeDSL kernels (SM90/SM100, head_dim 320-512): the full layers at D=512"))

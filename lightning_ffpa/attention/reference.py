@@ -1,19 +1,26 @@
-"""CPU reference of the FFPA op contract in fp32 math, registered as torch custom ops.
+"""The registry's "reference" kernel: CPU references of the FFPA op contract and of flex's contract.
 
-Being custom ops (``torch.ops.lightning_ffpa.ref_*``), they show up in SAC policies and flop counters the
-same way the FFPA CuTeDSL ops do, so CPU tests run the exact dispatch code. The contract itself (layouts,
-bottom-right causality, lse, rows with no visible key) is documented in ``kernels.py``, which owns
-choosing between these and the GPU kernels.
+- The FFPA op contract in fp32 math, registered as torch custom ops. Being custom ops
+  (``torch.ops.lightning_ffpa.ref_*``), they show up in SAC policies and flop counters the same way the FFPA
+  CuTeDSL ops do, so CPU tests run the exact dispatch code. The contract itself (layouts, bottom-right
+  causality, lse, rows with no visible key) is documented in ``kernels.py``, which owns choosing between these
+  and the GPU kernels.
+- ``dense_reference``: flex_attention's contract through a dense mask and SDPA (the rollout engine's
+  ``attention="dense"``, a fast path for tiny CPU runs).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from lightning_ffpa.attention import registry
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
-    """fp32 scores [B,Hq,Sq,Sk] with GQA broadcast and bottom-right causal masking."""
+def _scores(q: Tensor, k: Tensor, scale: float, causal: bool, window: int | None = None) -> Tensor:
+    """fp32 scores [B,Hq,Sq,Sk] with GQA broadcast and bottom-right causal masking (and, with `window`, a query
+    sees only the `window` keys ending at its own position)."""
     groups = q.shape[2] // k.shape[2]
     qf = q.float().transpose(1, 2)  # (B, Hq, Sq, D)
     kf = k.float().transpose(1, 2).repeat_interleave(groups, dim=1)  # (B, Hq, Sk, D)
@@ -21,7 +28,11 @@ def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
     if causal:
         sq, sk = q.shape[1], k.shape[1]
         rows = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
-        s = s.masked_fill(torch.arange(sk, device=q.device)[None, :] > rows, float("-inf"))
+        cols = torch.arange(sk, device=q.device)[None, :]
+        hidden = cols > rows
+        if window is not None:
+            hidden = hidden | (cols <= rows - window)
+        s = s.masked_fill(hidden, float("-inf"))
     return s
 
 
@@ -30,9 +41,10 @@ def _probs(s: Tensor, lse: Tensor) -> Tensor:
     return torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
 
 
-def _ref_fwd_math(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def _ref_fwd_math(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
+                  window: int | None = None) -> tuple[Tensor, Tensor]:
     groups = q.shape[2] // k.shape[2]
-    s = _scores(q, k, scale, causal)
+    s = _scores(q, k, scale, causal, window)
     lse = torch.logsumexp(s, dim=-1)  # (B, Hq, Sq)
     vf = v.float().transpose(1, 2).repeat_interleave(groups, dim=1)
     o = torch.matmul(_probs(s, lse), vf).transpose(1, 2)  # (B, Sq, Hq, D)
@@ -40,11 +52,11 @@ def _ref_fwd_math(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -
 
 
 def _ref_bwd_math(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
-                  causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+                  causal: bool, window: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients from the given (possibly globally merged) o and lse, as the kernels compute them."""
     b, sk, hkv, d = k.shape
     groups = q.shape[2] // hkv
-    p = _probs(_scores(q, k, scale, causal), lse.float())  # (B, Hq, Sq, Sk)
+    p = _probs(_scores(q, k, scale, causal, window), lse.float())  # (B, Hq, Sq, Sk)
     dof = do.float().transpose(1, 2)  # (B, Hq, Sq, D)
     vf = v.float().transpose(1, 2).repeat_interleave(groups, dim=1)
     delta = (dof * o.float().transpose(1, 2)).sum(-1, keepdim=True)
@@ -123,3 +135,43 @@ def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def dense_reference(query: Tensor, key: Tensor, value: Tensor, score_mod=None, block_mask: BlockMask | None = None,
+                    scale: float | None = None, enable_gqa: bool = False, kernel_options: dict | None = None) -> Tensor:
+    """Same contract as `flex_attention` via a dense mask from `block_mask.mask_mod` and SDPA.
+
+    A CPU reference path (selected by `EngineConfig.attention="dense"`): it skips flex's vmapped eager
+    path, which dominates tiny CPU runs. Fully masked rows return zeros, like flex.
+    """
+    if score_mod is not None:
+        raise NotImplementedError("dense_reference has no score_mod; use attention='flex'")
+    B, _, Q, _ = query.shape
+    KV = key.shape[-2]
+    dev = query.device
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
+    q = torch.arange(Q, device=dev).view(1, 1, Q, 1)
+    kv = torch.arange(KV, device=dev).view(1, 1, 1, KV)
+    mask = block_mask.mask_mod(b, h, q, kv).expand(B, 1, Q, KV)  # mask mods broadcast like flex's vmap
+    key, value = key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                           enable_gqa=enable_gqa)
+    return torch.where(mask.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=dev))
+
+
+def _ring_block_ops():
+    # the ring imports this package: import it when a ring is built
+    from lightning_ffpa.cp.ring import BlockOps
+
+    return BlockOps(CONTRACT)
+
+
+CONTRACT = registry.Contract(torch.ops.lightning_ffpa.ref_dense_fwd, torch.ops.lightning_ffpa.ref_dense_bwd,
+                             torch.ops.lightning_ffpa.ref_varlen_fwd, torch.ops.lightning_ffpa.ref_varlen_bwd)
+
+registry.register(registry.Kernel(
+    name="reference", head_dims=(1, 2**16), features=frozenset({"causal", "gqa", "varlen", "lse",
+                                                                "merged_lse_backward", "block_mask"}),
+    contract=CONTRACT, block_ops=_ring_block_ops,
+    forward_ops=lambda: (torch.ops.lightning_ffpa.ref_dense_fwd.default, torch.ops.lightning_ffpa.ref_varlen_fwd.default),
+    masked=lambda compiled: (dense_reference, "dense_reference"),
+    doc="fp32 math on any device: the CPU stand-in of each contract, for tests and tiny runs"))

@@ -1,11 +1,12 @@
-"""`FFPAAttention`: a drop-in Callback that picks the attention path by context-parallel size.
+"""`FFPAAttention`: a drop-in Callback that installs the run's attention plan on the model.
 
-Owns choosing and installing the backend on the HF model and reporting which kernels ran. The
-kernels, the "ffpa" HF backend, its mask function and the dispatch counters live in
-`lightning_ffpa.attention`; the CP ring lives in `lightning_ffpa.cp.ring`.
+Owns installing the backend on the HF model and reporting which kernels ran. The plan itself (which
+attention serves which layer, from the model's option, this Callback's options and the CP size) is
+`lightning_ffpa.attention.plan`, resolved once; the kernels, the "ffpa" HF backend, its mask function and the
+dispatch counters live in `lightning_ffpa.attention`; the CP ring lives in `lightning_ffpa.cp.ring`.
 
 - CP = 1: register "ffpa" and set it on the model (full layers at head_dim 512 go to FFPA, sliding
-  layers to Flex through the registered mask function).
+  layers to the plan's `sliding` kernel: Flex through the registered mask function, or FA4).
 - CP > 1: keep "sdpa" for HF and install the ring hook over the mesh's "context_parallel" dim.
 When FFPA kernels will run, their forward ops are declared to the SAC policy (`lightning_ffpa.saved_ops`) in
 `setup()`, before the strategy wraps the layers. Works with any strategy: without a device mesh, CP is 1.
@@ -14,7 +15,7 @@ When FFPA kernels will run, their forward ops are declared to the SAC policy (`l
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -24,6 +25,8 @@ from lightning_ffpa import attention, saved_ops
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat.transformers import find_hf_model, set_attn_implementation
 from lightning_ffpa.attention import kernels
+from lightning_ffpa.attention.plan import SLIDING, SLIDING_OPTION, AttentionPlan, plan_for
+from lightning_ffpa.errors import ConfigError
 
 __all__ = ["FFPAAttention", "context_parallel_size"]
 
@@ -42,28 +45,36 @@ def context_parallel_size(trainer: pl.Trainer, pl_module: pl.LightningModule) ->
 class FFPAAttention(Callback):
     """Install FFPA attention (CP=1) or the ring CP hook (CP>1) and log which kernels ran."""
 
-    def __init__(self, log_every_n_steps: int = 50, attn_implementation: str = "ffpa") -> None:
+    def __init__(self, log_every_n_steps: int = 50, attn_implementation: str = "ffpa",
+                 sliding: Literal["flex", "fa4", "auto"] = "flex") -> None:
         """Configure the callback.
 
         Args:
             log_every_n_steps: Log the dispatch counters every this many optimizer steps (0 = never).
             attn_implementation: HF attention name installed at CP=1 ("ffpa"; "sdpa" to compare).
+            sliding: Sliding-window layers under "ffpa": `flex`, `fa4` (flash-attn-4; an error where it cannot run)
+                or `auto` (FA4 where a call can take it, else Flex, each fallback counted). FA4 is unmeasured here yet.
         """
         if log_every_n_steps < 0:
             raise ValueError(f"`log_every_n_steps={log_every_n_steps}` must be >= 0")
+        if sliding not in SLIDING:
+            raise ConfigError(SLIDING_OPTION, sliding, f"must be one of {list(SLIDING)}")
+        self.sliding = sliding
         self.log_every_n_steps = log_every_n_steps
         self.attn_implementation = attn_implementation
         self.cp_size = 1
+        self.plan: AttentionPlan | None = None  # this run's plan, from `setup`
         self._installed_on: weakref.ref | None = None  # the model configured in this stage
         self.ring = None  # the ring handle at CP > 1 (its `stats` count the blocks that ran)
 
     # -- install ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Read the CP size and register the backend; configure the model if it already exists."""
-        self.cp_size = context_parallel_size(trainer, pl_module)
-        if self.cp_size == 1 and self.attn_implementation == "ffpa":
-            attention.register_ffpa()
-        elif self.cp_size > 1:
+        """Resolve the attention plan and register its backend; configure the model if it already exists."""
+        self.plan = plan_for(trainer, pl_module, callback=self)
+        self.cp_size = self.plan.cp_size
+        if not self.plan.ring and self.plan.attn_implementation == "ffpa":
+            attention.register_ffpa(sliding=self.plan.sliding_kernel)
+        elif self.plan.ring:
             # The ring is installed once the model exists, possibly after the strategy has wrapped the layers
             # for SAC (the policy is built then): hand SAC the ring's kernel forwards now.
             saved_ops.register(kernels.forward_ops())
@@ -78,7 +89,7 @@ class FFPAAttention(Callback):
             return  # built later in configure_model; installed at the *_start hooks
         if self._installed_on is not None and self._installed_on() is model:
             return
-        if self.cp_size > 1:
+        if self.plan.ring:
             set_attn_implementation(model, "sdpa")  # install_ring then routes every layer to its ring function
             # Sharding the batch (and passing `ring_layout`) is the LightningModule's part, see
             # lightning_ffpa.cp.shard_batch.
@@ -86,7 +97,7 @@ class FFPAAttention(Callback):
 
             self.ring = install_ring(model, trainer.strategy.device_mesh["context_parallel"])
         else:
-            set_attn_implementation(model, self.attn_implementation)
+            set_attn_implementation(model, self.plan.attn_implementation)
         self._installed_on = weakref.ref(model)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -120,7 +131,7 @@ class FFPAAttention(Callback):
         counts = dict(attention.dispatch_counts())
         counts.update({f"ring-{k}": v for k, v in (getattr(self.ring, "stats", None) or {}).items()})
         ran = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "no attention calls counted"
-        mode = f"ring CP={self.cp_size}" if self.cp_size > 1 else f"attn_implementation={self.attn_implementation}"
+        mode = self.plan.describe() if self.plan is not None else f"attn_implementation={self.attn_implementation}"
         return f"FFPAAttention ({mode}): {ran}"
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_ffpa import saved_ops
 from lightning_ffpa._compat import transformers as hf_compat
-from lightning_ffpa.attention import kernels
+from lightning_ffpa.attention import kernels, registry
 from lightning_ffpa.cp.group import RingGroup, cp_group_info
 from lightning_ffpa.cp.layout import RingLayout
 from lightning_ffpa.cp.plan import Block, ring_plan
@@ -53,27 +53,31 @@ def _unpack(buf: Tensor, like: Tensor, n: int) -> list[Tensor]:
 
 
 class BlockOps:
-    """Per-block attention calls on [B, L, H, D] tensors through the kernel contract (FFPA or reference)."""
+    """Per-block attention calls on [B, L, H, D] tensors through a registry kernel's op contract."""
+
+    def __init__(self, contract: registry.Contract = kernels.CONTRACT):
+        """`contract`: the kernel's dense/varlen forward and merged-lse backward (default: FFPA, reference on CPU)."""
+        self.contract = contract
 
     def fwd(self, blk: Block, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """(o [B,Lq,Hq,D], lse [B,Hq,Lq]) of one block."""
         if blk.kind == "dense":
-            return kernels.dense_fwd(q, k, v, scale, blk.causal)
+            return self.contract.dense_fwd(q, k, v, scale, blk.causal)
         b, lq, hq, d = q.shape
         qf, kf, vf = self._flat(blk, q, k, v)
-        o, lse = kernels.varlen_fwd(qf, kf, vf, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k, scale, blk.causal)
+        o, lse = self.contract.varlen_fwd(qf, kf, vf, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k, scale, blk.causal)
         return o.view(b, lq, hq, -1), lse.view(hq, b, lq).transpose(0, 1)
 
     def bwd(self, blk: Block, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
             scale: float) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv) of one block from the merged (global) o and lse."""
         if blk.kind == "dense":
-            return kernels.dense_bwd(do, q, k, v, o, lse, scale, blk.causal)
+            return self.contract.dense_bwd(do, q, k, v, o, lse, scale, blk.causal)
         b, lq, hq, d = q.shape
         qf, kf, vf = self._flat(blk, q, k, v)
         lse_f = lse.transpose(0, 1).reshape(hq, b * lq).contiguous()
-        dq, dk, dv = kernels.varlen_bwd(do.reshape(b * lq, hq, -1), qf, kf, vf, o.reshape(b * lq, hq, -1), lse_f,
-                                        blk.cu_q, blk.cu_k, blk.max_q, blk.max_k, scale, blk.causal)
+        dq, dk, dv = self.contract.varlen_bwd(do.reshape(b * lq, hq, -1), qf, kf, vf, o.reshape(b * lq, hq, -1),
+                                              lse_f, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k, scale, blk.causal)
         dq = dq.view(b, lq, hq, d)
         if blk.k_index is not None:  # scatter gathered key rows back to their places
             full = lambda g: torch.zeros(k.shape[0] * k.shape[1], *g.shape[1:], dtype=g.dtype,  # noqa: E731
@@ -171,16 +175,11 @@ class RingAttention:
 
     def __init__(self, group: dist.ProcessGroup | None, block_ops: str = "ffpa",
                  sliding_backend: str | None = None):
-        """`block_ops`: "ffpa" (kernel contract: CuTeDSL on GPU, reference on CPU) or "flex" (baseline, CUDA)."""
+        """`block_ops`: a registry kernel with ring block ops: "ffpa" (CuTeDSL on GPU, reference on CPU), "flex"
+        (the baseline, CUDA) or "reference"."""
         self.ring = RingGroup(group)
-        if block_ops == "ffpa":
-            self.ops = BlockOps()
-        elif block_ops == "flex":
-            from lightning_ffpa.cp.flex_blocks import FlexBlockOps
-
-            self.ops = FlexBlockOps()
-        else:
-            raise ValueError(f"`block_ops={block_ops!r}`: expected 'ffpa' or 'flex'")
+        self.block_ops = block_ops
+        self.ops = registry.get(block_ops, "block_ops", option="block_ops").block_ops()
         self.sliding_backend = sliding_backend  # None: "flex" on CUDA, "sdpa" (masked math) on CPU
         self.stats: Counter[str] = Counter()
 

@@ -30,6 +30,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from lightning_ffpa._compat.transformers import register_attention
+from lightning_ffpa.attention.reference import dense_reference  # noqa: F401 - its old home; the registry's "reference"
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.flex_options import flex_kernel_options
 
@@ -143,30 +144,6 @@ def load_kernel_options(path: str | Path) -> list[dict[str, Any]]:
     for head_dim, decode, options, dtype in parsed:
         set_kernel_options(head_dim, decode, options, dtype)
     return entries
-
-
-def dense_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None,
-                    block_mask: BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
-                    kernel_options: dict | None = None) -> torch.Tensor:
-    """Same contract as `flex_attention` via a dense mask from `block_mask.mask_mod` and SDPA.
-
-    A CPU reference path (selected by `EngineConfig.attention="dense"`): it skips flex's vmapped eager
-    path, which dominates tiny CPU runs. Fully masked rows return zeros, like flex.
-    """
-    if score_mod is not None:
-        raise NotImplementedError("dense_reference has no score_mod; use attention='flex'")
-    B, _, Q, _ = query.shape
-    KV = key.shape[-2]
-    dev = query.device
-    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
-    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
-    q = torch.arange(Q, device=dev).view(1, 1, Q, 1)
-    kv = torch.arange(KV, device=dev).view(1, 1, 1, KV)
-    mask = block_mask.mask_mod(b, h, q, kv).expand(B, 1, Q, KV)  # mask mods broadcast like flex's vmap
-    key, value = key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
-                                                           enable_gqa=enable_gqa)
-    return torch.where(mask.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=dev))
 
 
 @dataclass

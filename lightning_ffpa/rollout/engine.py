@@ -57,12 +57,11 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from torch.nn.attention.flex_attention import flex_attention
 
 from lightning_ffpa import compile_fallbacks
-from lightning_ffpa.attention.flex import compiled_flex
+from lightning_ffpa.attention import registry
 from lightning_ffpa.errors import ConfigError
-from lightning_ffpa.rollout.attention import StepContext, dense_reference, kernel_options
+from lightning_ffpa.rollout.attention import StepContext, kernel_options
 from lightning_ffpa.rollout.capture import check_capture
 from lightning_ffpa.rollout.kv_cache import LayerSpec, PagedKVCache, pool_bytes
 from lightning_ffpa.rollout.masks import (
@@ -81,6 +80,8 @@ log = logging.getLogger(__name__)
 GIB = 1 << 30
 DEFAULT_KV_BLOCK = 64  # decode mask block: half the default page, so a last page is read half as far past its end
 COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
+# `EngineConfig.attention` -> the registry kernel whose flex-contract callable serves the paged layers.
+ENGINE_KERNELS = {"flex": "flex", "dense": "reference"}
 
 
 @dataclass
@@ -157,8 +158,8 @@ class EngineConfig:
         if self.max_seq_len % self.page_size:
             raise ConfigError(f"{option}.max_seq_len", self.max_seq_len,
                               f"must be a multiple of `{option}.page_size={self.page_size}`")
-        if self.attention not in ("flex", "dense"):
-            raise ConfigError(f"{option}.attention", self.attention, "must be 'flex' or 'dense'")
+        if self.attention not in ENGINE_KERNELS:
+            raise ConfigError(f"{option}.attention", self.attention, f"must be one of {list(ENGINE_KERNELS)}")
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError(f"{option}.compile_mode", self.compile_mode,
                               f"must be one of {list(COMPILE_MODES)} (the engine captures its own CUDA graphs)")
@@ -310,11 +311,8 @@ class RolloutEngine:
                                   cfg.fuse_kv_write, self.num_sliding_pages)
         self.logical = {w: logical_block_mask(cfg.max_seq_len, cfg.decode_block, w, self.device)
                         for w in self.walker.windows}
-        self.flex, self.attention_path = flex_attention, "flex_eager"
-        if cfg.attention == "dense":
-            self.flex, self.attention_path = dense_reference, "dense_reference"
-        elif self.on_cuda and cfg.compile_flex:
-            self.flex, self.attention_path = compiled_flex(), "flex_compiled"
+        kernel = registry.get(ENGINE_KERNELS[cfg.attention], "masked")
+        self.flex, self.attention_path = kernel.masked(self.on_cuda and cfg.compile_flex)
         for head_dim in {spec.head_dim for spec in self.walker.specs}:  # a bad override fails here, before compile
             kernel_options(head_dim, True, self.dtype, kv_block=cfg.decode_block)
         self._step, self.decode_path = self._decode_step, "eager"

@@ -48,7 +48,7 @@ def fake_backend(monkeypatch):
         counts["ffpa-dense" if module.head_dim == 512 else "sdpa"] += 1
         return sdpa_attention_forward(module, *args, **kwargs)
 
-    def register_ffpa():
+    def register_ffpa(**kwargs):
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
         AttentionInterface.register("ffpa", counted)

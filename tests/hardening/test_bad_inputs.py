@@ -132,6 +132,9 @@ CASES = [
     pytest.param("cp>1 with the direct ffpa backend", {"model": {"attn_implementation": "ffpa"},
                  **_strategy(context_parallel_size=2), "trainer": {"devices": 2}}, [], None,
                  R("model.attn_implementation")),
+    ("sliding fa4 where flash-attn-4 cannot run",
+     {"callbacks": [{"class_path": "lightning_ffpa.callbacks.FFPAAttention", "init_args": {"sliding": "fa4"}}]}, [],
+     None, R("FFPAAttention.sliding='fa4'")),
     pytest.param("seq length not divisible by 2*cp", {**_strategy(context_parallel_size=2),
                  "trainer": {"devices": 2}, "data": {"seq_length": 30}}, [], None,
                  R("data.init_args.seq_length=30")),  # MockDataModule's own option name

@@ -1,0 +1,104 @@
+"""`ParallelDims` (sizes, layout, one-line errors) and expert parallelism: 2 gloo ranks with the experts split over
+them train the tiny MoE Gemma4 like the same ranks without EP (losses and gradients)."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.parallel import FSDP2Strategy, ParallelDims
+from lightning_ffpa.parallel.dims import check_expert_parallel
+from lightning_ffpa.presets import build_text_config
+
+from ._launch import torchrun_json
+
+_SCRIPT = Path(__file__).with_name("_fit_moe_ep.py")
+
+
+def test_layout_without_and_with_expert_parallelism():
+    plain = ParallelDims.resolve(8, context_parallel_size=2)
+    assert (plain.dp, plain.cp, plain.ep, plain.world_size) == (4, 2, 1, 8)
+    assert plain.mesh_dim_names == ("data_parallel", "context_parallel") and plain.mesh_shape == (4, 2)
+    ep = ParallelDims.resolve(8, expert_parallel_size=4)
+    assert (ep.dp, ep.cp, ep.ep, ep.dp_mod_ep) == (8, 1, 4, 2)
+    # EP splits data parallelism: the expert groups (dp / ep of them) outside, the experts' ranks inside
+    assert ep.mesh_dim_names == ("dp_mod_ep", "expert_parallel", "context_parallel") and ep.mesh_shape == (2, 4, 1)
+
+
+@pytest.mark.parametrize("world, kwargs, message", [
+    (8, dict(context_parallel_size=3), r"^`context_parallel_size=3`: does not divide the world size 8 "),
+    (8, dict(data_parallel_size=2, context_parallel_size=2),
+     r"^`data_parallel_size=2`: times `context_parallel_size=2` is 4, not the world size 8 "),
+    (6, dict(expert_parallel_size=4), r"^`expert_parallel_size=4`: does not divide the data-parallel size 6 "),
+    (4, dict(expert_parallel_size=2, context_parallel_size=2),
+     r"^`expert_parallel_size=2`: cannot be combined with `context_parallel_size=2` yet"),
+])
+def test_bad_sizes_name_the_option(world, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ParallelDims.resolve(world, **kwargs)
+
+
+def test_expert_parallel_needs_a_moe_model_whose_experts_it_divides():
+    check_expert_parallel(1, build_text_config("tiny"))  # EP off: any model
+    check_expert_parallel(2, build_text_config("tiny-moe"))  # 4 experts, 2 per rank
+    with pytest.raises(ConfigError, match=r"^`expert_parallel_size=2`: needs a MoE model .* is dense"):
+        check_expert_parallel(2, build_text_config("tiny"))
+    with pytest.raises(ConfigError, match=r"^`expert_parallel_size=3`: does not divide the model's num_experts=4"):
+        check_expert_parallel(3, build_text_config("tiny-moe"))
+
+
+def test_the_strategy_checks_expert_parallel_size_before_any_process_starts():
+    with pytest.raises(ConfigError, match=r"^`expert_parallel_size=0`: must be a positive int"):
+        FSDP2Strategy(expert_parallel_size=0)
+    with pytest.raises(ConfigError, match=r"^`expert_parallel_size=2`: cannot be combined with `context_parallel"):
+        FSDP2Strategy(expert_parallel_size=2, context_parallel_size=2)
+    strategy = FSDP2Strategy(expert_parallel_size=2)
+    assert strategy.expert_parallel_size == 2
+    # the pre-flight (and setup_environment) reads the module's config and LoRA options before the model is built
+    with pytest.raises(ConfigError, match="needs a MoE model"):
+        strategy.resolve_dims(2, SimpleNamespace(config=build_text_config("tiny")))
+    moe = SimpleNamespace(config=build_text_config("tiny-moe"), hparams={"lora": {"r": 2}})
+    assert strategy.resolve_dims(2, moe).ep == 2  # LoRA on attention and dense MLPs: the experts stay whole stacks
+    moe.hparams["lora"]["target_parameters"] = ["experts.gate_up_proj"]
+    with pytest.raises(ConfigError, match=r"not supported with LoRA on the expert stacks"):
+        strategy.resolve_dims(2, moe)
+    assert strategy.resolve_dims(2, SimpleNamespace()).ep == 2  # no config yet: parallelize checks the model
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ep2_trains_like_ep1_on_two_gloo_ranks(tmp_path):
+    """Same checkpoint, ranks and data: EP=2 (each rank owns 2 of the 4 experts of each MoE layer, tokens
+    all-to-all'd) against EP=1 (FSDP2 over every weight). Two AdamW steps: the losses, and each step's gradients
+    of the expert stacks (gathered whole) and of the routers, agree; the first loss is HF's own (eager experts)."""
+    from transformers import Gemma4ForCausalLM
+
+    torch.manual_seed(0)
+    ref = Gemma4ForCausalLM(build_text_config("tiny-moe", num_hidden_layers=2))
+    ref.save_pretrained(tmp_path / "tiny-moe")
+    runs = torchrun_json(_SCRIPT, tmp_path / "ep.json", 2, 29781, tmp_path / "tiny-moe", timeout=240)
+    one, two = runs["1"], runs["2"]
+    assert one["first_batch"] == two["first_batch"]
+    ref.config._attn_implementation = "eager"
+    ref.config._experts_implementation = "eager"
+    want = ref(**{k: torch.tensor(v) for k, v in two["first_batch"].items()}).loss.item()
+    assert two["losses"][0] == pytest.approx(want, abs=1e-5)
+    assert one["mesh_dims"] == ["data_parallel", "context_parallel"] and one["ep_modules"] == 0
+    assert two["mesh_dims"] == ["dp_mod_ep", "expert_parallel", "context_parallel"]
+    assert two["ep_modules"] == 2 and (two["stack_rows"], two["stack_local_rows"]) == (4, 2)
+    for rank_stats in two["stats"]:  # each rank sent tokens to the other's experts and kept some for its own
+        assert all(s["rows_sent"] > 0 and s["rows_kept"] > 0 for s in rank_stats), two["stats"]
+    assert len(one["losses"]) == len(two["losses"]) == 2
+    for a, b in zip(one["losses"], two["losses"]):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert len(one["grads"]) == len(two["grads"]) == 2
+    for step, (g1, g2) in enumerate(zip(one["grads"], two["grads"])):
+        assert sorted(g1) == sorted(g2) and any("experts.gate_up_proj" in n for n in g1)
+        for name in g1:
+            want, got = torch.tensor(g1[name]), torch.tensor(g2[name])
+            assert want.abs().max() > 0, name
+            # fp32 sums in another order; the second step's gradients also carry the first AdamW step's rounding
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4 * float(want.abs().max()),
+                                       msg=lambda m, n=name, s=step: f"step {s} {n}: {m}")

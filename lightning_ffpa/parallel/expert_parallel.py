@@ -11,6 +11,7 @@ The router is HF's, unchanged and replicated (its softmax in fp32); so are the d
 FSDP2 shards over every rank (`fsdp.py`). Expert gradients: the all-to-all's backward brings each owner the
 gradient from every rank's tokens; they are then summed over the expert groups holding the same experts and divided
 by the world size, the average FSDP2 gives the other weights.
+Also owns gradient-norm clipping over gradients on two meshes (`clip_grad_norm_by_mesh`).
 Does not own the mesh (`dims.py`) nor FSDP2 (`fsdp.py`).
 """
 
@@ -29,7 +30,7 @@ from lightning_ffpa._compat.torch import all_to_all_autograd
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.parallel.dims import ParallelDims
 
-__all__ = ["EXPERT_STACKS", "find_experts", "shard_experts"]
+__all__ = ["EXPERT_STACKS", "clip_grad_norm_by_mesh", "find_experts", "shard_experts"]
 
 EXPERT_STACKS = ("gate_up_proj", "down_proj")  # HF's names of the 3-D expert weights
 
@@ -78,6 +79,26 @@ def shard_experts(layers: Iterable[nn.Module], dims: ParallelDims,
         module.forward = functools.partial(dispatch.forward, module)  # an instance attribute: the module's call
         module.expert_parallel = dispatch  # its `stats` count what the all-to-all moved
     return sharded
+
+
+def clip_grad_norm_by_mesh(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for gradients that are DTensors on different meshes (the expert stacks on the
+    expert-parallel mesh, the other weights on FSDP2's), where torch's own stacks every norm into one DTensor and
+    fails. One norm per mesh, made whole over it, then their norm: the same global norm. Returns it."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.nn.utils.get_total_norm(norms, norm_type)
+    for params in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def _shard_stack(param: nn.Parameter, ep_mesh) -> nn.Parameter:

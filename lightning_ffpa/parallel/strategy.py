@@ -35,6 +35,7 @@ from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.parallel.activation_offload import ActivationOffload
 from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, check_ac_mode, sac_context_fn
 from lightning_ffpa.parallel.dims import ParallelDims, check_expert_parallel
+from lightning_ffpa.parallel.expert_parallel import clip_grad_norm_by_mesh
 from lightning_ffpa.parallel.fp8 import Float8Training, FP8Recipe
 from lightning_ffpa.parallel.fsdp import REPLICATE_WITH_OFFLOAD, dtypes_cast, parallelize
 
@@ -404,8 +405,15 @@ class FSDP2Strategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if self.parallel_dims.ep > 1:
+            # torch's clip_grad_norm_ stacks all gradient norms into one DTensor, which fails across the expert
+            # stacks' mesh and FSDP2's: clip (trainer.gradient_clip_val, `clip_gradients`) one mesh at a time.
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm_by_mesh
         if trainer.state.fn == TrainerFn.FITTING:
             lightning_compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _clip_grad_by_norm_by_mesh(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        clip_grad_norm_by_mesh(self.precision_plugin.main_params(optimizer), clip_val)
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:

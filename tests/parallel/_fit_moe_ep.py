@@ -1,12 +1,14 @@
 """Fit a tiny MoE Gemma4 checkpoint twice under FSDP2Strategy on the same ranks, expert_parallel_size=1 then 2;
 launched by torchrun (2 gloo ranks).
 
-argv: out.json, pretrained_dir. Rank 0 writes, per run: its per-step losses and first batch, each step's gradients
-of the expert stacks (gathered whole) and of the routers, the placement of the expert stacks, and what the
-all-to-all moved on each rank.
+argv: out.json, pretrained_dir, [gradient_clip_val]. Rank 0 writes, per run: its per-step losses and first batch,
+each step's gradients as the optimizer used them (after clipping) of the expert stacks (gathered whole) and of the
+routers, and the norm of all of them, the placement of the expert stacks, and what the all-to-all moved on each
+rank.
 """
 
 import json
+import os
 import sys
 
 import lightning as L
@@ -21,7 +23,7 @@ from lightning_ffpa.parallel.expert_parallel import EXPERT_STACKS
 
 class _Record(L.Callback):
     def __init__(self):
-        self.losses, self.grads, self.first_batch = [], [], None
+        self.losses, self.grads, self.grad_norms, self.first_batch = [], [], [], None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.first_batch is None:
@@ -29,21 +31,24 @@ class _Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        step = {}
+        step, square_sum = {}, 0.0  # the gradients the optimizer stepped with: after clipping
         for name, p in pl_module.named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # every rank joins
+            square_sum += float(g.square().sum())
             if name.rsplit(".", 1)[-1] in EXPERT_STACKS or "router" in name:
-                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # every rank joins
                 step[name] = g.tolist()
         self.grads.append(step)
+        self.grad_norms.append(square_sum**0.5)
 
 
-def fit(ep: int, pretrained: str) -> dict:
+def fit(ep: int, pretrained: str, clip: float | None) -> dict:
     L.seed_everything(0)
     record = _Record()
     strategy = FSDP2Strategy(expert_parallel_size=ep, param_dtype="fp32", reduce_dtype="fp32")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, callbacks=[record],
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+                        strategy=strategy, max_steps=2, callbacks=[record], gradient_clip_val=clip,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0)
     module = Gemma4LM(pretrained=pretrained, dtype="float32", learning_rate=1e-2, warmup_steps=0)
@@ -54,15 +59,16 @@ def fit(ep: int, pretrained: str) -> dict:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, stats)
     stack = next((p for n, p in module.named_parameters() if n.endswith("experts.gate_up_proj")), None)
-    return {"losses": record.losses, "first_batch": record.first_batch, "grads": record.grads, "mesh_dims": list(strategy.parallel_dims.mesh_dim_names),
+    return {"losses": record.losses, "first_batch": record.first_batch, "grads": record.grads,
+            "grad_norms": record.grad_norms, "mesh_dims": list(strategy.parallel_dims.mesh_dim_names),
             "ep_modules": len(experts), "stats": gathered,
             "stack_local_rows": (stack.to_local() if hasattr(stack, "to_local") else stack).shape[0],
             "stack_rows": stack.shape[0]}
 
 
-def main(out: str, pretrained: str) -> None:
+def main(out: str, pretrained: str, clip: float | None = None) -> None:
     torch.use_deterministic_algorithms(True)
-    runs = {str(ep): fit(ep, pretrained) for ep in (1, 2)}
+    runs = {str(ep): fit(ep, pretrained, clip) for ep in (1, 2)}
     if dist.get_rank() == 0:
         json.dump(runs, open(out, "w"))
 
@@ -70,5 +76,5 @@ def main(out: str, pretrained: str) -> None:
 if __name__ == "__main__":
     from lightning_ffpa.parallel import close_process_group
 
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], *map(float, sys.argv[3:]))
     close_process_group()

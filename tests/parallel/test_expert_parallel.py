@@ -69,16 +69,20 @@ def test_the_strategy_checks_expert_parallel_size_before_any_process_starts():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_ep2_trains_like_ep1_on_two_gloo_ranks(tmp_path):
+@pytest.mark.parametrize("nproc, port", [(2, 29781), (4, 29785)])
+def test_ep2_trains_like_ep1(tmp_path, nproc, port):
     """Same checkpoint, ranks and data: EP=2 (each rank owns 2 of the 4 experts of each MoE layer, tokens
-    all-to-all'd) against EP=1 (FSDP2 over every weight). Two AdamW steps: the losses, and each step's gradients
-    of the expert stacks (gathered whole) and of the routers, agree; the first loss is HF's own (eager experts)."""
+    all-to-all'd) against EP=1 (FSDP2 over every weight), on 2 gloo ranks (one expert group) and on 4 (two
+    groups holding the same experts, whose gradients are summed). Two AdamW steps with the gradient norm clipped (as the
+    recipes do, over both meshes' gradients): the losses, and each step's clipped gradients of the expert stacks
+    (gathered whole) and of the routers, agree; the first loss is HF's own (eager experts)."""
     from transformers import Gemma4ForCausalLM
 
     torch.manual_seed(0)
     ref = Gemma4ForCausalLM(build_text_config("tiny-moe", num_hidden_layers=2))
     ref.save_pretrained(tmp_path / "tiny-moe")
-    runs = torchrun_json(_SCRIPT, tmp_path / "ep.json", 2, 29781, tmp_path / "tiny-moe", timeout=240)
+    clip = 0.05  # below the gradients' norm at both steps: every gradient is scaled
+    runs = torchrun_json(_SCRIPT, tmp_path / "ep.json", nproc, port, tmp_path / "tiny-moe", clip, timeout=240)
     one, two = runs["1"], runs["2"]
     assert one["first_batch"] == two["first_batch"]
     ref.config._attn_implementation = "eager"
@@ -88,12 +92,15 @@ def test_ep2_trains_like_ep1_on_two_gloo_ranks(tmp_path):
     assert one["mesh_dims"] == ["data_parallel", "context_parallel"] and one["ep_modules"] == 0
     assert two["mesh_dims"] == ["dp_mod_ep", "expert_parallel", "context_parallel"]
     assert two["ep_modules"] == 2 and (two["stack_rows"], two["stack_local_rows"]) == (4, 2)
+    assert len(two["stats"]) == nproc
     for rank_stats in two["stats"]:  # each rank sent tokens to the other's experts and kept some for its own
         assert all(s["rows_sent"] > 0 and s["rows_kept"] > 0 for s in rank_stats), two["stats"]
     assert len(one["losses"]) == len(two["losses"]) == 2
     for a, b in zip(one["losses"], two["losses"]):
         assert a == pytest.approx(b, abs=1e-5)
     assert len(one["grads"]) == len(two["grads"]) == 2
+    assert one["grad_norms"] == pytest.approx([clip] * 2, rel=1e-5)  # clipped to the global norm, on both meshes
+    assert two["grad_norms"] == pytest.approx([clip] * 2, rel=1e-5)
     for step, (g1, g2) in enumerate(zip(one["grads"], two["grads"])):
         assert sorted(g1) == sorted(g2) and any("experts.gate_up_proj" in n for n in g1)
         for name in g1:

@@ -1,10 +1,10 @@
 """Fit a tiny MoE Gemma4 checkpoint twice under FSDP2Strategy on the same ranks, expert_parallel_size=1 then 2;
-launched by torchrun (2 gloo ranks).
+launched by torchrun (2 or 4 gloo ranks).
 
-argv: out.json, pretrained_dir, [gradient_clip_val]. Rank 0 writes, per run: its per-step losses and first batch,
-each step's gradients as the optimizer used them (after clipping) of the expert stacks (gathered whole) and of the
-routers, and the norm of all of them, the placement of the expert stacks, and what the all-to-all moved on each
-rank.
+argv: out.json, pretrained_dir, the experts implementation (grouped_mm or eager), [gradient_clip_val]. Rank 0
+writes, per run: its per-step losses and first batch, each step's gradients as the optimizer used them (after
+clipping) of the expert stacks (gathered whole) and of the routers, and the norm of all of them, the placement of
+the expert stacks, and what the all-to-all moved (and which local-experts path ran) on each rank.
 """
 
 import json
@@ -22,8 +22,12 @@ from lightning_ffpa.parallel.expert_parallel import EXPERT_STACKS
 
 
 class _Record(L.Callback):
-    def __init__(self):
+    def __init__(self, experts: str):
+        self.experts = experts
         self.losses, self.grads, self.grad_norms, self.first_batch = [], [], [], None
+
+    def on_fit_start(self, trainer, pl_module):
+        pl_module.hf_model.config.get_text_config()._experts_implementation = self.experts  # HF's and EP's path
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.first_batch is None:
@@ -43,9 +47,9 @@ class _Record(L.Callback):
         self.grad_norms.append(square_sum**0.5)
 
 
-def fit(ep: int, pretrained: str, clip: float | None) -> dict:
+def fit(ep: int, pretrained: str, experts: str, clip: float | None) -> dict:
     L.seed_everything(0)
-    record = _Record()
+    record = _Record(experts)
     strategy = FSDP2Strategy(expert_parallel_size=ep, param_dtype="fp32", reduce_dtype="fp32")
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
                         strategy=strategy, max_steps=2, callbacks=[record], gradient_clip_val=clip,
@@ -66,9 +70,9 @@ def fit(ep: int, pretrained: str, clip: float | None) -> dict:
             "stack_rows": stack.shape[0]}
 
 
-def main(out: str, pretrained: str, clip: float | None = None) -> None:
+def main(out: str, pretrained: str, experts: str, clip: float | None = None) -> None:
     torch.use_deterministic_algorithms(True)
-    runs = {str(ep): fit(ep, pretrained, clip) for ep in (1, 2)}
+    runs = {str(ep): fit(ep, pretrained, experts, clip) for ep in (1, 2)}
     if dist.get_rank() == 0:
         json.dump(runs, open(out, "w"))
 
@@ -76,5 +80,5 @@ def main(out: str, pretrained: str, clip: float | None = None) -> None:
 if __name__ == "__main__":
     from lightning_ffpa.parallel import close_process_group
 
-    main(sys.argv[1], sys.argv[2], *map(float, sys.argv[3:]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], *map(float, sys.argv[4:]))
     close_process_group()

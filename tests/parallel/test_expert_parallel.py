@@ -49,6 +49,32 @@ def test_expert_parallel_needs_a_moe_model_whose_experts_it_divides():
         check_expert_parallel(3, build_text_config("tiny-moe"))
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_local_experts_compute_what_hf_experts_compute(grouped):
+    """The local-experts step (rows already grouped by expert) against HF's eager experts forward, each row routed
+    to its one expert with weight 1: outputs and weight gradients."""
+    from transformers import Gemma4ForCausalLM
+
+    from lightning_ffpa.parallel.expert_parallel import GROUPED_MM, find_experts, local_experts
+
+    if grouped and not GROUPED_MM:
+        pytest.skip("this torch has no F.grouped_mm")
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(build_text_config("tiny-moe", num_hidden_layers=1))
+    experts = find_experts(model.model.layers)[0]
+    experts.config._experts_implementation = "eager"
+    counts = [5, 0, 9, 2]  # an expert with no rows too
+    x = torch.randn(sum(counts), experts.gate_up_proj.shape[-1])
+    index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))[:, None]  # (N, 1)
+    want = experts(x, index, torch.ones(index.shape))
+    want_grads = torch.autograd.grad(want.square().sum(), [experts.gate_up_proj, experts.down_proj])
+    got = local_experts(x, counts, experts.gate_up_proj, experts.down_proj, experts.act_fn, grouped)
+    got_grads = torch.autograd.grad(got.square().sum(), [experts.gate_up_proj, experts.down_proj])
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+
+
 def test_the_strategy_checks_expert_parallel_size_before_any_process_starts():
     with pytest.raises(ConfigError, match=r"^`expert_parallel_size=0`: must be a positive int"):
         FSDP2Strategy(expert_parallel_size=0)
@@ -69,11 +95,12 @@ def test_the_strategy_checks_expert_parallel_size_before_any_process_starts():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("nproc, port", [(2, 29781), (4, 29785)])
-def test_ep2_trains_like_ep1(tmp_path, nproc, port):
+@pytest.mark.parametrize("nproc, port, experts", [(2, 29781, "grouped_mm"), (4, 29785, "eager")])
+def test_ep2_trains_like_ep1(tmp_path, nproc, port, experts):
     """Same checkpoint, ranks and data: EP=2 (each rank owns 2 of the 4 experts of each MoE layer, tokens
-    all-to-all'd) against EP=1 (FSDP2 over every weight), on 2 gloo ranks (one expert group) and on 4 (two
-    groups holding the same experts, whose gradients are summed). Two AdamW steps with the gradient norm clipped (as the
+    all-to-all'd) against EP=1 (FSDP2 over every weight), on 2 gloo ranks (one expert group; grouped GEMMs for
+    the experts, as HF's default) and on 4 (two groups holding the same experts, whose gradients are summed;
+    HF's eager experts, the loop). Two AdamW steps with the gradient norm clipped (as the
     recipes do, over both meshes' gradients): the losses, and each step's clipped gradients of the expert stacks
     (gathered whole) and of the routers, agree; the first loss is HF's own (eager experts)."""
     from transformers import Gemma4ForCausalLM
@@ -82,7 +109,8 @@ def test_ep2_trains_like_ep1(tmp_path, nproc, port):
     ref = Gemma4ForCausalLM(build_text_config("tiny-moe", num_hidden_layers=2))
     ref.save_pretrained(tmp_path / "tiny-moe")
     clip = 0.05  # below the gradients' norm at both steps: every gradient is scaled
-    runs = torchrun_json(_SCRIPT, tmp_path / "ep.json", nproc, port, tmp_path / "tiny-moe", clip, timeout=240)
+    runs = torchrun_json(_SCRIPT, tmp_path / "ep.json", nproc, port, tmp_path / "tiny-moe", experts, clip,
+                         timeout=240)
     one, two = runs["1"], runs["2"]
     assert one["first_batch"] == two["first_batch"]
     ref.config._attn_implementation = "eager"
@@ -93,8 +121,10 @@ def test_ep2_trains_like_ep1(tmp_path, nproc, port):
     assert two["mesh_dims"] == ["dp_mod_ep", "expert_parallel", "context_parallel"]
     assert two["ep_modules"] == 2 and (two["stack_rows"], two["stack_local_rows"]) == (4, 2)
     assert len(two["stats"]) == nproc
+    path = "grouped_mm" if experts == "grouped_mm" else "loop"
     for rank_stats in two["stats"]:  # each rank sent tokens to the other's experts and kept some for its own
         assert all(s["rows_sent"] > 0 and s["rows_kept"] > 0 for s in rank_stats), two["stats"]
+        assert all(s[path] == s["forwards"] > 0 for s in rank_stats), two["stats"]
     assert len(one["losses"]) == len(two["losses"]) == 2
     for a, b in zip(one["losses"], two["losses"]):
         assert a == pytest.approx(b, abs=1e-5)

@@ -46,7 +46,8 @@ class ParallelDims:
             raise ValueError(f"ParallelDims(dp={dp}, cp={cp}, ep={ep}) is not a layout: use ParallelDims.resolve")
         self.dp, self.cp, self.ep = dp, cp, ep
         self.mesh: Any = None  # a DeviceMesh once built (`build_mesh`) or given (`from_mesh`)
-        self._flat: dict[str, DeviceMesh] = {}
+        self._flat: dict[str, DeviceMesh] = {}  # flattened meshes, made on first use (it makes process groups)
+        self._all_data_parallel = False  # a mesh from elsewhere: every dimension is data-parallel
 
     def __repr__(self) -> str:
         return f"ParallelDims(dp={self.dp}, cp={self.cp}, ep={self.ep})"
@@ -64,13 +65,18 @@ class ParallelDims:
         if dp * cp != world_size:
             raise ConfigError("data_parallel_size", dp, f"times `context_parallel_size={cp}` is {dp * cp}, "
                                                         f"not the {world}")
-        if ep > 1 and cp > 1:
-            raise ConfigError("expert_parallel_size", ep, f"cannot be combined with `context_parallel_size={cp}` "
-                                                          "yet: use one of them")
+        cls.check_combination(cp, ep)
         if dp % ep:
             raise ConfigError("expert_parallel_size", ep, f"does not divide the data-parallel size {dp} "
                                                           f"({world})")
         return cls(dp, cp, ep)
+
+    @staticmethod
+    def check_combination(context_parallel_size: int, expert_parallel_size: int) -> None:
+        """The sizes that cannot run together whatever the world size (the strategy checks at construction)."""
+        if expert_parallel_size > 1 and context_parallel_size > 1:
+            raise ConfigError("expert_parallel_size", expert_parallel_size, "cannot be combined with "
+                              f"`context_parallel_size={context_parallel_size}` yet: use one of them")
 
     @property
     def world_size(self) -> int:
@@ -111,9 +117,11 @@ class ParallelDims:
             dims = cls(mesh[cls.DP_MOD_EP].size() * mesh[cls.EP].size(), cp, mesh[cls.EP].size())
         elif cls.DP in names and cls.CP in names and len(names) == 2:
             dims = cls(mesh[cls.DP].size(), cp)
+        elif names == (cls.CP,):  # a ring's own 1-D mesh
+            dims = cls(1, cp)
         else:
             dims = cls(mesh.size())
-            dims._flat[cls.DP] = dims._flat[cls.FSDP] = flatten_mesh(mesh, cls.FSDP)
+            dims._all_data_parallel = True
         dims.mesh = mesh
         return dims
 
@@ -130,13 +138,17 @@ class ParallelDims:
     @property
     def dp_mesh(self) -> DeviceMesh:
         """The data-parallel ranks (the sampler splits samples over these; CP peers share a rank here)."""
+        if self._all_data_parallel:
+            return self.fsdp_mesh
         if self.ep == 1:
-            return self._built()[self.DP] if self.DP not in self._flat else self._flat[self.DP]
+            return self._built()[self.DP]
         return self._flat_mesh(self.DP, (self.DP_MOD_EP, self.EP))
 
     @property
     def cp_mesh(self) -> DeviceMesh:
         """The context-parallel ranks that split one sequence (the ring runs over these)."""
+        if self._all_data_parallel:
+            raise RuntimeError(f"{self!r} was read from a mesh without a {self.CP!r} dimension")
         return self._built()[self.CP]
 
     @property

@@ -249,9 +249,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             raise ValueError(f"`context_parallel_size={context_parallel_size!r}` must be a positive int")
         if not (isinstance(expert_parallel_size, int) and expert_parallel_size >= 1):
             raise ConfigError("expert_parallel_size", expert_parallel_size, "must be a positive int")
-        if expert_parallel_size > 1 and context_parallel_size > 1:
-            ParallelDims.resolve(context_parallel_size * expert_parallel_size, "auto", context_parallel_size,
-                                 expert_parallel_size)  # raises the combination's error now, before any process
+        ParallelDims.check_combination(context_parallel_size, expert_parallel_size)
         check_ac_mode(activation_checkpointing)
         self._context_parallel_size = context_parallel_size
         self._expert_parallel_size = expert_parallel_size

@@ -27,6 +27,34 @@ def test_layout_without_and_with_expert_parallelism():
     assert ep.mesh_dim_names == ("dp_mod_ep", "expert_parallel", "context_parallel") and ep.mesh_shape == (2, 4, 1)
 
 
+@pytest.mark.timeout(60)
+def test_dims_read_back_from_a_mesh(tmp_path):
+    """`from_mesh`: this class's meshes give their sizes back; any other mesh is all data-parallel (FSDP2 shards
+    over it flattened, as `parallelize` always did); a ring's own 1-D mesh is all context-parallel. One-rank gloo
+    group on CPU."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/store")
+    try:
+        built = ParallelDims(1, 1)
+        mesh = built.build_mesh("cpu")
+        assert mesh.mesh_dim_names == ("data_parallel", "context_parallel")
+        again = ParallelDims.from_mesh(mesh)
+        assert (again.dp, again.cp, again.ep) == (1, 1, 1) and again.cp_mesh.size() == 1
+        assert again.fsdp_mesh.mesh_dim_names == ("dp_cp",) and again.dp_mesh.size() == 1
+        other = ParallelDims.from_mesh(init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tp")))
+        assert (other.dp, other.cp) == (1, 1) and other.fsdp_mesh.ndim == 1 and other.dp_mesh is other.fsdp_mesh
+        with pytest.raises(RuntimeError, match="without a 'context_parallel' dimension"):
+            other.cp_mesh  # noqa: B018
+        ring = ParallelDims.from_mesh(init_device_mesh("cpu", (1,), mesh_dim_names=("context_parallel",)))
+        assert (ring.dp, ring.cp) == (1, 1) and ring.cp_mesh.size() == 1
+        with pytest.raises(RuntimeError, match="no expert-parallel dimension"):
+            built.ep_mesh  # noqa: B018
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("world, kwargs, message", [
     (8, dict(context_parallel_size=3), r"^`context_parallel_size=3`: does not divide the world size 8 "),
     (8, dict(data_parallel_size=2, context_parallel_size=2),

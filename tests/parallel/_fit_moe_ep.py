@@ -1,7 +1,8 @@
 """Fit a tiny MoE Gemma4 checkpoint twice under FSDP2Strategy on the same ranks, expert_parallel_size=1 then 2;
-launched by torchrun (2 or 4 gloo ranks).
+launched by torchrun (2 or 4 gloo ranks on CPU, or one rank per GPU).
 
-argv: out.json, pretrained_dir, the experts implementation (grouped_mm or eager), [gradient_clip_val]. Rank 0
+argv: out.json, pretrained_dir, the experts implementation (grouped_mm or eager), accelerator (cpu or gpu),
+[gradient_clip_val]. Rank 0
 writes, per run: its per-step losses and first batch, each step's gradients as the optimizer used them (after
 clipping) of the expert stacks (gathered whole) and of the routers, and the norm of all of them, the placement of
 the expert stacks, and what the all-to-all moved (and which local-experts path ran) on each rank.
@@ -47,11 +48,11 @@ class _Record(L.Callback):
         self.grad_norms.append(square_sum**0.5)
 
 
-def fit(ep: int, pretrained: str, experts: str, clip: float | None) -> dict:
+def fit(ep: int, pretrained: str, experts: str, accelerator: str, clip: float | None) -> dict:
     L.seed_everything(0)
     record = _Record(experts)
     strategy = FSDP2Strategy(expert_parallel_size=ep, param_dtype="fp32", reduce_dtype="fp32")
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+    trainer = L.Trainer(accelerator=accelerator, devices=int(os.environ["WORLD_SIZE"]),
                         strategy=strategy, max_steps=2, callbacks=[record], gradient_clip_val=clip,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0)
@@ -70,9 +71,10 @@ def fit(ep: int, pretrained: str, experts: str, clip: float | None) -> dict:
             "stack_rows": stack.shape[0]}
 
 
-def main(out: str, pretrained: str, experts: str, clip: float | None = None) -> None:
-    torch.use_deterministic_algorithms(True)
-    runs = {str(ep): fit(ep, pretrained, experts, clip) for ep in (1, 2)}
+def main(out: str, pretrained: str, experts: str, accelerator: str, clip: float | None = None) -> None:
+    if accelerator == "cpu":
+        torch.use_deterministic_algorithms(True)
+    runs = {str(ep): fit(ep, pretrained, experts, accelerator, clip) for ep in (1, 2)}
     if dist.get_rank() == 0:
         json.dump(runs, open(out, "w"))
 
@@ -80,5 +82,5 @@ def main(out: str, pretrained: str, experts: str, clip: float | None = None) -> 
 if __name__ == "__main__":
     from lightning_ffpa.parallel import close_process_group
 
-    main(sys.argv[1], sys.argv[2], sys.argv[3], *map(float, sys.argv[4:]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], *map(float, sys.argv[5:]))
     close_process_group()

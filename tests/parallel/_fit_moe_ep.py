@@ -2,7 +2,8 @@
 launched by torchrun (2 or 4 gloo ranks on CPU, or one rank per GPU).
 
 argv: out.json, pretrained_dir, the experts implementation (grouped_mm or eager), accelerator (cpu or gpu),
-[gradient_clip_val]. Rank 0
+gradient_clip_val, [checkpoint_dir: the EP=2 run saves a DCP checkpoint there after its 2 steps, and runs
+"resumed_1" and "resumed_2" train 2 more steps from it with expert_parallel_size 1 and 2]. Rank 0
 writes, per run: its per-step losses and first batch, each step's gradients as the optimizer used them (after
 clipping) of the expert stacks (gathered whole) and of the routers, and the norm of all of them, the placement of
 the expert stacks, and what the all-to-all moved (and which local-experts path ran) on each rank.
@@ -15,6 +16,7 @@ import sys
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ffpa.data import MockDataModule
 from lightning_ffpa.module import Gemma4LM
@@ -48,17 +50,19 @@ class _Record(L.Callback):
         self.grad_norms.append(square_sum**0.5)
 
 
-def fit(ep: int, pretrained: str, experts: str, accelerator: str, clip: float | None) -> dict:
+def fit(ep: int, pretrained: str, experts: str, accelerator: str, clip: float, max_steps: int = 2,
+        save_to: str | None = None, resume: str | None = None) -> dict:
     L.seed_everything(0)
     record = _Record(experts)
     strategy = FSDP2Strategy(expert_parallel_size=ep, param_dtype="fp32", reduce_dtype="fp32")
+    saves = [ModelCheckpoint(dirpath=save_to, every_n_train_steps=max_steps, save_top_k=-1)] if save_to else []
     trainer = L.Trainer(accelerator=accelerator, devices=int(os.environ["WORLD_SIZE"]),
-                        strategy=strategy, max_steps=2, callbacks=[record], gradient_clip_val=clip,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        strategy=strategy, max_steps=max_steps, callbacks=[record, *saves], gradient_clip_val=clip,
+                        logger=False, enable_checkpointing=bool(saves), enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0)
     module = Gemma4LM(pretrained=pretrained, dtype="float32", learning_rate=1e-2, warmup_steps=0)
     data = MockDataModule(vocab_size=512, seq_length=32, num_samples=8, batch_size=2, seed=5)
-    trainer.fit(module, data)
+    trainer.fit(module, data, ckpt_path=resume)
     experts = [m for m in module.modules() if hasattr(m, "expert_parallel")]
     stats = [dict(m.expert_parallel.stats) for m in experts]
     gathered = [None] * dist.get_world_size()
@@ -71,10 +75,15 @@ def fit(ep: int, pretrained: str, experts: str, accelerator: str, clip: float | 
             "stack_rows": stack.shape[0]}
 
 
-def main(out: str, pretrained: str, experts: str, accelerator: str, clip: float | None = None) -> None:
+def main(out: str, pretrained: str, experts: str, accelerator: str, clip: float, ckpt_dir: str | None = None) -> None:
     if accelerator == "cpu":
         torch.use_deterministic_algorithms(True)
-    runs = {str(ep): fit(ep, pretrained, experts, accelerator, clip) for ep in (1, 2)}
+    runs = {"1": fit(1, pretrained, experts, accelerator, clip),
+            "2": fit(2, pretrained, experts, accelerator, clip, save_to=ckpt_dir)}
+    if ckpt_dir is not None:
+        saved = os.path.join(ckpt_dir, sorted(os.listdir(ckpt_dir))[-1])  # one checkpoint, after step 2
+        for ep in (1, 2):
+            runs[f"resumed_{ep}"] = fit(ep, pretrained, experts, accelerator, clip, max_steps=4, resume=saved)
     if dist.get_rank() == 0:
         json.dump(runs, open(out, "w"))
 
@@ -82,5 +91,5 @@ def main(out: str, pretrained: str, experts: str, accelerator: str, clip: float 
 if __name__ == "__main__":
     from lightning_ffpa.parallel import close_process_group
 
-    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], *map(float, sys.argv[5:]))
+    main(*sys.argv[1:5], float(sys.argv[5]), *sys.argv[6:])
     close_process_group()

@@ -157,8 +157,9 @@ def attention_setup(name: str, model, batch: dict, device: torch.device, rank: i
     if (batch["document_ids"] != 0).any():
         raise ValueError("torch's context_parallel SDPA takes no attn_mask, so packed documents cannot be "
                          "masked: run this row with --docs single")
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
+
+    from lightning_ffpa.parallel.dims import ParallelDims
 
     hf_compat.register_attention(NATIVE_ATTN, native_attention)
     hf_compat.register_mask(NATIVE_ATTN, no_hf_mask)
@@ -166,7 +167,9 @@ def attention_setup(name: str, model, batch: dict, device: torch.device, rank: i
     for cfg in {id(c): c for c in configs if c is not None}.values():
         hf_compat.set_config_attn_implementation(cfg, NATIVE_ATTN)  # where install_ring set "ffpa_ring"
     info["sdpa_backends_at_d512"] = sdpa_backends_at(512, device, next(model.parameters()).dtype)
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("context_parallel",))
+    dims = ParallelDims(1, world)
+    dims.build_mesh(device.type)
+    mesh = dims.cp_mesh
     full = shard_batch(batch, 0, 1)  # the whole sequence in order; torch shards it in place below
     bufs = [full[k].to(device).clone() for k in ("input_ids", "position_ids", "shift_labels")]
     with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(bufs)):

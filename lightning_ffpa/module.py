@@ -29,6 +29,7 @@ from lightning_ffpa.hidden_states import causal_lm_hidden_states
 from lightning_ffpa.lora import LoraSpec, lora_hparam
 from lightning_ffpa.loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_ffpa.metrics import TokenPerplexity
+from lightning_ffpa.parallel.dims import ParallelDims
 
 
 def check_range(option: str, value: float, *, gt: float | None = None, ge: float | None = None,
@@ -143,10 +144,8 @@ class Gemma4LM(HFModule):
     def context_parallel(self) -> tuple[Any, int, int] | None:
         """(group, rank, size) of the context-parallel mesh dim when CP > 1, else None."""
         mesh = self.device_mesh if self._trainer is not None else None
-        if mesh is None or "context_parallel" not in (mesh.mesh_dim_names or ()):
-            return None
-        cp_mesh = mesh["context_parallel"]
-        return cp_group_info(cp_mesh) if cp_mesh.size() > 1 else None
+        dims = None if mesh is None else ParallelDims.from_mesh(mesh)
+        return cp_group_info(dims.cp_mesh) if dims is not None and dims.cp > 1 else None
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean next-token loss over labels != -100 (global over the CP group), and the local token count."""

@@ -218,13 +218,8 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
     _check_replicate_frozen(strategy, model)
     if not isinstance(cp, int):
         return
-    if world % cp:
-        raise ValueError(f"`context_parallel_size={cp}` does not divide world size {world} "
-                         f"(trainer.devices x trainer.num_nodes)")
-    dp = lightning_compat.requested_data_parallel_size(strategy)  # the constructor argument, before the mesh exists
-    if isinstance(dp, int) and dp * cp != world:
-        raise ValueError(f"`data_parallel_size={dp}` x `context_parallel_size={cp}` = {dp * cp} != world size "
-                         f"{world} (trainer.devices x trainer.num_nodes)")
+    if callable(resolve_dims := getattr(strategy, "resolve_dims", None)):  # FSDP2Strategy: dp x cp x ep vs the world
+        resolve_dims(world, model)
     seq = getattr(datamodule, "max_seq_length", None)
     if cp > 1 and seq is not None and seq % (2 * cp):
         raise ValueError(f"`{_data_option(datamodule, 'max_seq_length', 'seq_length')}={seq}` must be divisible by "

@@ -24,6 +24,7 @@ __all__ = [
     "HigherOrderOperator",
     "OpOverload",
     "OpOverloadPacket",
+    "all_to_all_autograd",
     "allow_checkpoint_side_effects_under_compile",
     "assume_constant_result",
     "block_mask_from_kv_blocks",
@@ -64,14 +65,27 @@ def dynamo_counters() -> dict[str, Any]:
 # --------------------------------------------------------------------------- distributed
 
 
-def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
-    """One 1D mesh over all dims of `mesh` (used for FSDP over dp x cp)."""
+def flatten_mesh(mesh: DeviceMesh, name: str, dims: tuple[str, ...] | None = None) -> DeviceMesh:
+    """One 1D mesh named `name` over the dims `dims` of `mesh` (all of them by default), reachable afterwards as
+    `mesh[name]` (used for FSDP over dp x cp, and for dp over the dims that expert parallelism splits it into)."""
     if mesh.ndim == 1:
         return mesh
+    dims = tuple(mesh.mesh_dim_names) if dims is None else dims
+    if len(dims) == 1:
+        return mesh[dims[0]]
     # DeviceMesh._flatten is private (torch >= 2.6) but is what torchtitan uses for dp_shard_cp.
     if not hasattr(mesh, "_flatten"):
         raise RuntimeError(f"torch {torch.__version__} has no DeviceMesh._flatten; need torch >= 2.6")
-    return mesh[tuple(mesh.mesh_dim_names)]._flatten(name)
+    return mesh[dims]._flatten(name)
+
+
+def all_to_all_autograd(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
+    """All-to-all of `x`'s rows (`input_splits` rows to each rank, `output_splits` from each) whose backward sends
+    the gradient back the same way. The public `torch.distributed.nn.functional.all_to_all_single` is deprecated
+    (torch 2.13 warns on every call) in favour of this functional collective, which is private."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(x, output_splits, input_splits, group)
 
 
 def dtensor_rng_spans_shards(param: torch.Tensor) -> bool:

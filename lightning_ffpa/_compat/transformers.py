@@ -32,6 +32,7 @@ __all__ = [
     "config_attn_implementation",
     "decoder_layer_params",
     "disable_kv_cache",
+    "experts_implementation",
     "find_decoder_layers",
     "find_hf_model",
     "from_config",
@@ -92,6 +93,11 @@ def attention_names() -> set[str]:
 def config_attn_implementation(config: PretrainedConfig) -> str | None:
     """The attention implementation name a config's layers dispatch on."""
     return config._attn_implementation
+
+
+def experts_implementation(experts: nn.Module) -> str:
+    """The MoE experts implementation an experts module's forward dispatches on (its config's; "eager" unset)."""
+    return getattr(getattr(experts, "config", None), "_experts_implementation", None) or "eager"
 
 
 def set_config_attn_implementation(config: PretrainedConfig, name: str) -> None:

@@ -7,7 +7,7 @@ dispatch counters live in `lightning_ffpa.attention`; the CP ring lives in `ligh
 
 - CP = 1: register "ffpa" and set it on the model (full layers at head_dim 512 go to FFPA, sliding
   layers to the plan's `sliding` kernel: Flex through the registered mask function, or FA4).
-- CP > 1: keep "sdpa" for HF and install the ring hook over the mesh's "context_parallel" dim.
+- CP > 1: keep "sdpa" for HF and install the ring hook over the strategy's context-parallel mesh.
 When FFPA kernels will run, their forward ops are declared to the SAC policy (`lightning_ffpa.saved_ops`) in
 `setup()`, before the strategy wraps the layers. Works with any strategy: without a device mesh, CP is 1.
 """
@@ -27,19 +27,19 @@ from lightning_ffpa._compat.transformers import find_hf_model, set_attn_implemen
 from lightning_ffpa.attention import kernels
 from lightning_ffpa.attention.plan import SLIDING, SLIDING_OPTION, AttentionPlan, plan_for
 from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.parallel.dims import ParallelDims
 
 __all__ = ["FFPAAttention", "context_parallel_size"]
 
 
 def context_parallel_size(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
-    """CP size from the strategy's mesh ("context_parallel" dim); 1 without a mesh or that dim."""
+    """CP size from the strategy (`context_parallel_size`) or the module's mesh (`ParallelDims.from_mesh`); 1
+    without either."""
     size = getattr(trainer.strategy, "context_parallel_size", None)
     if isinstance(size, int):
         return size
     mesh = lightning_compat.module_device_mesh(pl_module)
-    if mesh is not None and "context_parallel" in (mesh.mesh_dim_names or ()):
-        return mesh["context_parallel"].size()
-    return 1
+    return 1 if mesh is None else ParallelDims.from_mesh(mesh).cp
 
 
 class FFPAAttention(Callback):
@@ -95,7 +95,7 @@ class FFPAAttention(Callback):
             # lightning_ffpa.cp.shard_batch.
             from lightning_ffpa.cp.ring import install_ring
 
-            self.ring = install_ring(model, trainer.strategy.device_mesh["context_parallel"])
+            self.ring = install_ring(model, trainer.strategy.parallel_dims.cp_mesh)
         else:
             set_attn_implementation(model, self.plan.attn_implementation)
         self._installed_on = weakref.ref(model)

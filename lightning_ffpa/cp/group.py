@@ -16,7 +16,7 @@ __all__ = ["RingGroup", "cp_group_info"]
 
 
 def cp_group_info(cp_mesh_or_group: Any) -> tuple[dist.ProcessGroup, int, int]:
-    """(group, cp_rank, cp_size) from a 1-D CP DeviceMesh (e.g. ``mesh["context_parallel"]``) or a group."""
+    """(group, cp_rank, cp_size) from a 1-D CP DeviceMesh (e.g. ``strategy.parallel_dims.cp_mesh``) or a group."""
     group = cp_mesh_or_group.get_group() if hasattr(cp_mesh_or_group, "get_group") else cp_mesh_or_group
     return group, dist.get_rank(group), dist.get_world_size(group)
 

@@ -6,7 +6,7 @@ to the model forward. Does not own which positions a rank holds (``layout.py``) 
 
 Interface for a LightningModule's ``training_step`` when CP > 1 (every CP rank holds the same full batch)::
 
-    cp_group, cp_rank, cp_size = cp_group_info(mesh["context_parallel"])
+    cp_group, cp_rank, cp_size = cp_group_info(trainer.strategy.parallel_dims.cp_mesh)
     shard = shard_batch(batch, cp_rank, cp_size)   # dict of local tensors + "ring_layout"
     out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
                 ring_layout=shard["ring_layout"])  # HF forwards the kwarg down to the attention function

@@ -1,8 +1,9 @@
 """`parallelize`: the public recipe that turns an HF decoder model into an FSDP2 (+AC, +compile) model.
 
 Owns the order of the wrapping steps. It does not build the mesh (the strategy does), find the decoder
-layers (`lightning_ffpa._compat.transformers.find_decoder_layers`) or pick attention kernels (the attention
-Callback does). Any LightningModule can call it from `configure_model` with `self.device_mesh`.
+layers (`lightning_ffpa._compat.transformers.find_decoder_layers`), pick attention kernels (the attention
+Callback does) or dispatch tokens to experts (`expert_parallel.py`). Any LightningModule can call it from
+`configure_model` with `self.device_mesh` (or the strategy's `parallel_dims`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,7 @@ from torch.distributed.fsdp import (
 )
 
 from lightning_ffpa import compile_fallbacks
-from lightning_ffpa._compat.torch import (
-    allow_checkpoint_side_effects_under_compile,
-    flatten_mesh,
-)
+from lightning_ffpa._compat.torch import allow_checkpoint_side_effects_under_compile
 from lightning_ffpa._compat.transformers import disable_kv_cache, find_decoder_layers
 from lightning_ffpa.hidden_states import (
     HIDDEN_STATES_METHOD,
@@ -37,22 +35,24 @@ from lightning_ffpa.parallel.checkpointing import (
     check_ac_mode,
     sac_context_fn,
 )
+from lightning_ffpa.parallel.dims import ParallelDims
+from lightning_ffpa.parallel.expert_parallel import shard_experts
 from lightning_ffpa.parallel.fp8 import SAC_SAVE_OPS as FP8_SAC_SAVE_OPS
 from lightning_ffpa.parallel.fp8 import Float8Training
 
-__all__ = ["parallelize", "find_decoder_layers", "causal_lm_hidden_states", "FSDP_MESH_NAME"]
-
-FSDP_MESH_NAME = "dp_cp"
+__all__ = ["parallelize", "find_decoder_layers", "causal_lm_hidden_states"]
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpointing: ACMode = "none",
+def parallelize(model: nn.Module, mesh: ParallelDims | DeviceMesh | None, *, activation_checkpointing: ACMode = "none",
                 sac_extra_save_ops: list[str] | tuple[str, ...] = (), sac_save_mm: SaveMM = "high_k",
                 compile: bool = False, mp_policy: MixedPrecisionPolicy | None = None,
                 reshard_after_forward: bool = True, cpu_offload: bool = False,
                 replicate_frozen: bool = False, fp8: Float8Training | None = None) -> nn.Module:
     """FP8 conversion, AC, per-layer compile, then FSDP2 per decoder layer and at the root; returns `model`.
 
-    `mesh` may be 2D ("data_parallel", "context_parallel"); FSDP shards over the flattened dp x cp.
+    `mesh`: the run's `ParallelDims` (the strategy's), or a DeviceMesh (`ParallelDims.from_mesh` reads it); FSDP
+    shards over all its dims flattened. With expert parallelism (`ep > 1`) each MoE layer's expert stacks are split
+    over the expert-parallel dim instead (`expert_parallel.shard_experts`), and FSDP2 leaves them alone.
     `mesh=None` applies AC and compile only (single process without a process group).
     `replicate_frozen`: parameters with `requires_grad=False` (a LoRA's base) stay whole plain tensors on
     every rank (FSDP2's `ignored_params`): no all-gather and no gathered copy of them, each rank holding all
@@ -104,12 +104,20 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, *, activation_checkpo
     if mesh is None:
         return model
 
-    fsdp_mesh = flatten_mesh(mesh, FSDP_MESH_NAME) if mesh.ndim > 1 else mesh
-    kwargs = dict(mesh=fsdp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+    dims = mesh if isinstance(mesh, ParallelDims) else ParallelDims.from_mesh(mesh)
+    kwargs = dict(mesh=dims.fsdp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinning needs CUDA
+    ignored: set[nn.Parameter] = set()
     if replicate_frozen:
-        kwargs["ignored_params"] = frozen_params(model, kwargs["mp_policy"].param_dtype, cpu_offload)
+        ignored |= frozen_params(model, kwargs["mp_policy"].param_dtype, cpu_offload)
+    # Experts are split over the EP dim before fully_shard, which would otherwise take their stacks as its own
+    # (the layer's unit and the root's both get them as ignored). Their forward is swapped in place, so the AC
+    # wrappers and compiled layers above already call it.
+    if dims.ep > 1:
+        ignored |= shard_experts(layers, dims, kwargs["mp_policy"].param_dtype)
+    if ignored:
+        kwargs["ignored_params"] = ignored
     # Per-layer units: one all-gather per layer in forward and backward, and memory bounded by one layer.
     for i, layer in enumerate(layers):
         # The last layer's params are needed again right away in backward: keep them gathered.

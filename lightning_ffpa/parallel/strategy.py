@@ -1,8 +1,9 @@
-"""`FSDP2Strategy`: Lightning's ModelParallelStrategy with a data_parallel x context_parallel mesh.
+"""`FSDP2Strategy`: Lightning's ModelParallelStrategy over a data- x context- (x expert-) parallel mesh.
 
-Owns the mesh, size validation, the sampler split (CP peers read the same sample), and applying
-`fsdp.parallelize` when the LightningModule has not parallelized itself. It does not choose attention
-kernels or install the CP ring (the attention Callback reads `context_parallel_size` and does that).
+Owns building the run's `ParallelDims` (sizes and mesh: `dims.py` validates them), the sampler split (CP peers read
+the same sample), and applying `fsdp.parallelize` when the LightningModule has not parallelized itself. It does
+not choose attention kernels or install the CP ring (the attention Callback reads `context_parallel_size` and
+does that), nor dispatch tokens to experts (`expert_parallel.py`).
 
 YAML: `strategy: {class_path: lightning_ffpa.parallel.FSDP2Strategy, init_args: {...}}`. Keep the
 Trainer's `precision` at "32-true": mixed precision comes from `param_dtype` / `reduce_dtype`.
@@ -30,17 +31,18 @@ from lightning_ffpa.checkpoint.atomic import AtomicCheckpointIO
 from lightning_ffpa.checkpoint.frozen import check_frozen_base, read_frozen_record
 from lightning_ffpa.checkpoint.sharded import ShardedCheckpointWriter
 from lightning_ffpa.dtypes import parse_dtype
+from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.parallel.activation_offload import ActivationOffload
 from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, check_ac_mode, sac_context_fn
+from lightning_ffpa.parallel.dims import ParallelDims, check_expert_parallel
+from lightning_ffpa.parallel.expert_parallel import clip_grad_norm_by_mesh
 from lightning_ffpa.parallel.fp8 import Float8Training, FP8Recipe
 from lightning_ffpa.parallel.fsdp import REPLICATE_WITH_OFFLOAD, dtypes_cast, parallelize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["FSDP2Strategy", "MESH_DIM_NAMES", "close_process_group", "init_as_whole", "materialize"]
-
-MESH_DIM_NAMES = ("data_parallel", "context_parallel")
+__all__ = ["FSDP2Strategy", "close_process_group", "init_as_whole", "materialize"]
 
 
 def close_process_group() -> None:
@@ -55,6 +57,14 @@ def close_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def model_text_config(module: Any) -> Any:
+    """The (text) config of a LightningModule that holds one before its model is built (`Gemma4LM.config`), else
+    None: then `parallelize` checks expert parallelism against the built model."""
+    config = getattr(module, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    return get_text() if callable(get_text) else None
 
 
 def _find_parallelize_target(module: nn.Module, required: bool = True) -> nn.Module | None:
@@ -165,12 +175,14 @@ def materialize(model: nn.Module, device: torch.device, exact_random: bool = Tru
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """FSDP2 over a ("data_parallel", "context_parallel") mesh, with activation checkpointing and compile."""
+    """FSDP2 over a data- x context-parallel mesh (experts optionally split over an expert-parallel dim), with
+    activation checkpointing and compile."""
 
     def __init__(
         self,
         data_parallel_size: Literal["auto"] | int = "auto",
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         activation_checkpointing: ACMode = "selective",
         sac_extra_save_ops: list[str] | None = None,
         sac_save_mm: SaveMM = "high_k",
@@ -193,6 +205,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         Args:
             data_parallel_size: Data-parallel replicas; "auto" = world size / context_parallel_size.
             context_parallel_size: Ranks that split one sequence (ring attention); 1 disables CP.
+            expert_parallel_size: Data-parallel ranks that split each MoE layer's experts (each owns
+                num_experts / expert_parallel_size of them; tokens reach them by all-to-all); 1 disables EP.
+                Must divide the data-parallel size and num_experts; not with context_parallel_size > 1.
             activation_checkpointing: "none", "full" (recompute each decoder layer) or "selective" (SAC).
             sac_extra_save_ops: Extra op names the SAC policy must save, e.g. ["aten.mm.default"].
             sac_save_mm: Matmuls SAC saves (selective only): "high_k" (K > layer width: o_proj, down_proj),
@@ -234,8 +249,13 @@ class FSDP2Strategy(ModelParallelStrategy):
             raise ValueError(f"`data_parallel_size={data_parallel_size!r}` must be 'auto' or a positive int")
         if not (isinstance(context_parallel_size, int) and context_parallel_size >= 1):
             raise ValueError(f"`context_parallel_size={context_parallel_size!r}` must be a positive int")
+        if not (isinstance(expert_parallel_size, int) and expert_parallel_size >= 1):
+            raise ConfigError("expert_parallel_size", expert_parallel_size, "must be a positive int")
+        ParallelDims.check_combination(context_parallel_size, expert_parallel_size)
         check_ac_mode(activation_checkpointing)
         self._context_parallel_size = context_parallel_size
+        self._expert_parallel_size = expert_parallel_size
+        self._parallel_dims: ParallelDims | None = None  # built in setup_environment, once the world size is known
         self.activation_checkpointing = activation_checkpointing
         self.sac_extra_save_ops = list(sac_extra_save_ops or [])
         self.sac_save_mm = sac_save_mm
@@ -268,40 +288,50 @@ class FSDP2Strategy(ModelParallelStrategy):
         return self._context_parallel_size
 
     @property
+    def expert_parallel_size(self) -> int:
+        """Ranks per expert group, which split each MoE layer's experts (1 = no EP)."""
+        return self._expert_parallel_size
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The run's sizes and mesh (built in `setup_environment`); every mesh consumer reads this."""
+        if self._parallel_dims is None:
+            raise RuntimeError("FSDP2Strategy.parallel_dims exists once the strategy has set up its environment")
+        return self._parallel_dims
+
+    @property
     def data_parallel_size(self) -> int:
         """Data-parallel replicas (resolved once the world size is known)."""
-        return self.device_mesh["data_parallel"].size()
+        return self.parallel_dims.dp
 
-    def _resolve_sizes(self, world_size: int) -> tuple[int, int]:
-        cp = self._context_parallel_size
-        if world_size % cp != 0:
-            raise ValueError(f"`context_parallel_size={cp}` does not divide world size {world_size}")
-        requested = lightning_compat.requested_data_parallel_size(self)
-        dp = world_size // cp if requested == "auto" else requested
-        if dp * cp != world_size:
-            raise ValueError(f"`data_parallel_size={dp}` x `context_parallel_size={cp}` = {dp * cp} "
-                             f"!= world size {world_size}")
-        return dp, cp
+    def resolve_dims(self, world_size: int, module: Any = None) -> ParallelDims:
+        """This strategy's sizes for `world_size` ranks (and, for EP, the LightningModule's model config and LoRA
+        options): ConfigError if they do not fit. The CLI's pre-flight runs this before any process starts;
+        `setup_environment` again, before the model is built."""
+        dims = ParallelDims.resolve(world_size, lightning_compat.requested_data_parallel_size(self),
+                                    self._context_parallel_size, self._expert_parallel_size)
+        if module is not None:
+            check_expert_parallel(dims.ep, model_text_config(module), (getattr(module, "hparams", None) or {}).get("lora"))
+        return dims
 
     @override
     def setup_environment(self) -> None:
         # Not ModelParallelStrategy.setup_environment: that one builds a dp x tp mesh.
         # Check sizes before the process group exists (the world size is known from the devices).
-        dp, cp = self._resolve_sizes(self.num_nodes * self.num_processes)
+        assert self.lightning_module is not None
+        dims = self.resolve_dims(self.num_nodes * self.num_processes, self.lightning_module)
         self.check_activation_offload()
         self.fp8_training.check_device(self.root_device)
         lightning_compat.setup_distributed(self)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        assert self.lightning_module is not None
-        mesh = init_device_mesh(self.root_device.type, (dp, cp), mesh_dim_names=MESH_DIM_NAMES)
+        self._parallel_dims = dims
+        mesh = dims.build_mesh(self.root_device.type)
         lightning_compat.set_device_mesh(self, mesh)  # also `self.device_mesh` in configure_model
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # CP peers must read the same sample: split data over the dp dim only.
-        dp_mesh = self.device_mesh["data_parallel"]
+        dp_mesh = self.parallel_dims.dp_mesh
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     def check_activation_offload(self) -> None:
@@ -327,7 +357,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     def parallelize_module(self, module: nn.Module) -> nn.Module:
         """Apply this strategy's recipe to `module` (an HF decoder model); returns it."""
         return parallelize(
-            module, self.device_mesh, activation_checkpointing=self.activation_checkpointing,
+            module, self.parallel_dims, activation_checkpointing=self.activation_checkpointing,
             sac_extra_save_ops=self.sac_extra_save_ops, sac_save_mm=self.sac_save_mm, compile=self.compile_layers,
             mp_policy=self.mp_policy(), reshard_after_forward=self.reshard_after_forward,
             cpu_offload=self.cpu_offload, replicate_frozen=self.place_frozen(module), fp8=self.fp8_training,
@@ -376,8 +406,15 @@ class FSDP2Strategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if self.parallel_dims.ep > 1:
+            # torch's clip_grad_norm_ stacks all gradient norms into one DTensor, which fails across the expert
+            # stacks' mesh and FSDP2's: clip (trainer.gradient_clip_val, `clip_gradients`) one mesh at a time.
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm_by_mesh
         if trainer.state.fn == TrainerFn.FITTING:
             lightning_compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _clip_grad_by_norm_by_mesh(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        clip_grad_norm_by_mesh(self.precision_plugin.main_params(optimizer), clip_val)
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:

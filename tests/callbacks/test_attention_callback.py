@@ -175,7 +175,7 @@ def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatc
     module.configure_model()
     cp_mesh = object()
     trainer = SimpleNamespace(strategy=SimpleNamespace(context_parallel_size=2,
-                                                       device_mesh={"context_parallel": cp_mesh}))
+                                                       parallel_dims=SimpleNamespace(cp_mesh=cp_mesh)))
     callback = FFPAAttention()
     callback.setup(trainer, module, "fit")
     assert calls == [(module.net["lm"], cp_mesh)]

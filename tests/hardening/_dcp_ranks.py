@@ -35,7 +35,7 @@ class Net(L.LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
 
     def configure_model(self) -> None:
-        mesh = self.device_mesh["data_parallel"]
+        mesh = self.trainer.strategy.parallel_dims.dp_mesh
         for layer in self.net:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)

@@ -109,7 +109,7 @@ def test_the_strategy_offloads_inside_each_training_step(tmp_path, one_process):
             from torch.distributed.fsdp import fully_shard
 
             for b in self.blocks:
-                fully_shard(b, mesh=self.device_mesh["data_parallel"])
+                fully_shard(b, mesh=self.trainer.strategy.parallel_dims.dp_mesh)
 
         def training_step(self, batch, batch_idx):
             y = batch

@@ -108,18 +108,18 @@ def test_on_cuda_with_compiled_layers_the_step_matches_and_the_base_is_not_copie
     gradients as the sharded base, and a peak lower by at least the root unit's gathered copy."""
     import transformers
     from peft import LoraConfig, get_peft_model
-    from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_ffpa._compat.transformers import from_config
     from lightning_ffpa.parallel import parallelize
-    from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, materialize
+    from lightning_ffpa.parallel.dims import ParallelDims
+    from lightning_ffpa.parallel.strategy import materialize
 
     if not dist.is_initialized():
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=MESH_DIM_NAMES)
+    mesh = ParallelDims(1, 1).build_mesh("cuda")
     cfg = build_text_config("tiny", vocab_size=65536)  # a root unit large enough to see in the peak
 
     def step(replicate: bool):

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ffpa.parallel import FSDP2Strategy
+from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.parallel import FSDP2Strategy, ParallelDims
 
 from ._launch import torchrun_json
 
@@ -14,11 +15,13 @@ _INIT_SCRIPT = Path(__file__).with_name("_init_ranks.py")
 
 
 def test_sizes_are_validated_with_the_option_name():
-    with pytest.raises(ValueError, match="`context_parallel_size=3` does not divide world size 8"):
-        FSDP2Strategy(context_parallel_size=3)._resolve_sizes(8)
-    with pytest.raises(ValueError, match=r"`data_parallel_size=2` x `context_parallel_size=2` = 4 != world size 8"):
-        FSDP2Strategy(data_parallel_size=2, context_parallel_size=2)._resolve_sizes(8)
-    assert FSDP2Strategy(context_parallel_size=2)._resolve_sizes(8) == (4, 2)
+    with pytest.raises(ConfigError, match=r"^`context_parallel_size=3`: does not divide the world size 8 "):
+        FSDP2Strategy(context_parallel_size=3).resolve_dims(8)
+    with pytest.raises(ConfigError, match=r"^`data_parallel_size=2`: times `context_parallel_size=2` is 4, not the "
+                                          r"world size 8 "):
+        FSDP2Strategy(data_parallel_size=2, context_parallel_size=2).resolve_dims(8)
+    dims = FSDP2Strategy(context_parallel_size=2).resolve_dims(8)
+    assert (dims.dp, dims.cp, dims.ep) == (4, 2, 1)
     with pytest.raises(ValueError, match="context_parallel_size=0"):
         FSDP2Strategy(context_parallel_size=0)
     with pytest.raises(ValueError, match="activation_checkpointing='partial'"):
@@ -80,7 +83,8 @@ def test_cp_peers_read_the_same_samples():
 
     s = FSDP2Strategy(context_parallel_size=2)
     # rank 3 of a (dp=2, cp=2) mesh: dp rank 1, cp rank 1 -> reads shard 1 of 2, like its CP peer rank 2
-    s._device_mesh = {"data_parallel": _Dim(2, 1), "context_parallel": _Dim(2, 1)}
+    s._parallel_dims = ParallelDims(2, 2)
+    s._parallel_dims.mesh = {ParallelDims.DP: _Dim(2, 1), ParallelDims.CP: _Dim(2, 1)}
     assert s.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
 
 
@@ -102,7 +106,7 @@ def test_trainer_rejects_bad_sizes_before_the_process_group_starts():
 
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(context_parallel_size=2), max_steps=1,
                         logger=False, enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(ValueError, match="`context_parallel_size=2` does not divide world size 1"):
+    with pytest.raises(ConfigError, match="`context_parallel_size=2`: does not divide the world size 1"):
         trainer.fit(Plain(), torch.utils.data.DataLoader(torch.randn(4, 2)))
     assert not dist.is_initialized()
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.report.results_io import write_result  # noqa: E402
 from benchmarks.row_process import run_rows  # noqa: E402
 
 PATHS = ("bf16", "dequantize", "scaled_mm")

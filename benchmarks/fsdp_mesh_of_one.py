@@ -60,14 +60,14 @@ def _unit_bytes(module, dtype) -> int:
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
 
     from benchmarks.full_depth_lora import peft_model_on_meta
     from benchmarks.train_rows import loss_fn
     from lightning_ffpa._compat.transformers import find_decoder_layers
     from lightning_ffpa.module import build_adamw
     from lightning_ffpa.parallel import parallelize
-    from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, materialize
+    from lightning_ffpa.parallel.dims import ParallelDims
+    from lightning_ffpa.parallel.strategy import materialize
 
     model, cfg, device, mp = peft_model_on_meta(spec)
     cuda = device.type == "cuda"
@@ -76,7 +76,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     sizes = dict(root_unit_gib=(_unit_bytes(model, mp.param_dtype) - sum(_unit_bytes(la, mp.param_dtype)
                                                                          for la in layers)) / GIB,
                  one_layer_gib=max(_unit_bytes(la, mp.param_dtype) for la in layers) / GIB)
-    mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=MESH_DIM_NAMES) if spec["row"] != "no_fsdp" else None
+    mesh = ParallelDims(1).build_mesh(device.type) if spec["row"] != "no_fsdp" else None
     parallelize(model, mesh, activation_checkpointing="full", compile=False, mp_policy=mp,
                 replicate_frozen=spec["row"] == "fsdp2_replicate_frozen")
     torch.manual_seed(0)

@@ -274,24 +274,23 @@ def peft_model_on_meta(spec: dict[str, Any]):
 def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from peft.tuners.lora import LoraLayer
-    from torch.distributed.device_mesh import init_device_mesh
 
     from benchmarks.gpu_clocks import ClockSampler
     from benchmarks.step_probe import profile_step
     from benchmarks.train_rows import loss_fn
     from lightning_ffpa import attention
-    from lightning_ffpa._compat import lightning as lightning_compat
     from lightning_ffpa._compat import torch as torch_compat
     from lightning_ffpa._compat import transformers as hf_compat
     from lightning_ffpa.callbacks.throughput import train_flops_per_batch
     from lightning_ffpa.module import build_adamw
     from lightning_ffpa.parallel import FSDP2Strategy
-    from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES, materialize
+    from lightning_ffpa.parallel.dims import ParallelDims
+    from lightning_ffpa.parallel.strategy import materialize
 
     model, cfg, device, _ = peft_model_on_meta(spec)
     strategy = FSDP2Strategy(**strategy_init_args(spec))  # ours_lora's, so the rows differ in the model path only
     cuda = device.type == "cuda"
-    lightning_compat.set_device_mesh(strategy, init_device_mesh(device.type, (1, 1), mesh_dim_names=MESH_DIM_NAMES))
+    strategy.use_parallel_dims(ParallelDims(1), device.type)
     torch_compat.raise_recompile_limit(64)
     strategy.parallelize_module(model)  # ours' recipe as ours_lora's strategy applies it, replicate_frozen included
     materialize(model, device)

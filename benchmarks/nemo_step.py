@@ -47,7 +47,7 @@ def step_child(args) -> dict:
     from benchmarks import train_rows as tt
     from lightning_ffpa import saved_ops
     from lightning_ffpa._compat import torch as torch_compat
-    from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES
+    from lightning_ffpa.parallel.dims import ParallelDims
 
     dump_stacks_on_signal()
     name, seq = args.child_row, args.child_seq
@@ -59,9 +59,8 @@ def step_child(args) -> dict:
         torch.cuda.set_device(device)
     torch.distributed.init_process_group("gloo" if args.smoke else "nccl", rank=0, world_size=1,
                                          store=torch.distributed.HashStore())
-    from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=MESH_DIM_NAMES)
+    mesh = ParallelDims(1).build_mesh(device.type)
     torch_compat.raise_recompile_limit(64)
     nemo = None
     forced = kernels.force_kernel("reference") if args.smoke else contextlib.nullcontext()

@@ -92,11 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- child: one (row, seq)
 def run_one(args) -> None:
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
 
     from benchmarks.train_rows import measure_row
     from lightning_ffpa._compat import torch as torch_compat
-    from lightning_ffpa.parallel.strategy import MESH_DIM_NAMES
+    from lightning_ffpa.parallel.dims import ParallelDims
 
     dump_stacks_on_signal()
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -108,7 +107,7 @@ def run_one(args) -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         torch.distributed.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=MESH_DIM_NAMES)  # the strategy's mesh shape
+    mesh = ParallelDims(world).build_mesh(device.type)  # the strategy's mesh
     torch_compat.raise_recompile_limit(64)
     row = measure_row(args.one, args.seq, args, mesh, device, rank)
     if rank == 0:

@@ -262,7 +262,9 @@ class HFModule(L.LightningModule):
         """This run's attention plan (`lightning_ffpa.attention.plan`), the one the pre-flight checks and the
         FFPAAttention callback read; before a trainer is attached, the one pre-flight made, else this model's option."""
         if self._trainer is not None:
-            return plan_for(self._trainer, self)
+            from lightning_ffpa.parallel.dims import context_parallel_size
+
+            return plan_for(self._trainer, self, context_parallel_size(self._trainer, self))
         cached = getattr(self, "_attention_plan", None)
         return cached[1] if cached is not None else resolve_plan(self.hparams.get("attn_implementation", "sdpa"))
 

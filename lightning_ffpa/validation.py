@@ -230,7 +230,9 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
                          f"{2 * cp}: batches are padded to it, and each sequence is cut into 2·cp chunks")
     # The attention plan (model option x FFPAAttention callback x CP size) refuses what cannot run; made once here,
     # the same object the callback and the module read later.
-    plan = plan_for(trainer, model)
+    from lightning_ffpa.parallel.dims import context_parallel_size
+
+    plan = plan_for(trainer, model, context_parallel_size(trainer, model))
     if getattr(datamodule, "pack", False):
         plan.check_packing(True)
 

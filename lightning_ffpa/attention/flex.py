@@ -81,15 +81,8 @@ def _masked(compiled: bool) -> tuple[Callable, str]:
     return (compiled_flex(), "flex_compiled") if compiled else (flex_attention, "flex_eager")
 
 
-def _ring_block_ops():
-    # the ring imports this package: import it when a ring is built
-    from lightning_ffpa.cp.flex_blocks import FlexBlockOps
-
-    return FlexBlockOps()
-
-
 registry.register(registry.Kernel(
     name="flex", head_dims=(1, 512), features=frozenset({"causal", "sliding_window", "gqa", "softcap", "block_mask",
                                                          "lse"}),
-    masked=_masked, block_ops=_ring_block_ops,
+    masked=_masked, block_ops="flex",
     doc="torch's flex_attention over a BlockMask (compiled on CUDA; eager, forward-only, on CPU)"))

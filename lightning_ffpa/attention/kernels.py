@@ -340,13 +340,6 @@ def register_flop_formulas() -> None:
             register_flop_formula(packet, get_raw=True)(formula)
 
 
-def _ring_block_ops():
-    # the ring imports this package: import it when a ring is built
-    from lightning_ffpa.cp.ring import BlockOps
-
-    return BlockOps(CONTRACT)
-
-
 # The FFPA contract as the ring and the backend call it: CuTeDSL where it runs, else the CPU reference (counted
 # per kernel in `kernel_counts`; `force_kernel` pins one).
 CONTRACT = registry.Contract(dense_fwd, dense_bwd, varlen_fwd, varlen_bwd)
@@ -354,5 +347,5 @@ CONTRACT = registry.Contract(dense_fwd, dense_bwd, varlen_fwd, varlen_bwd)
 registry.register(registry.Kernel(
     name="ffpa", head_dims=CUTE_HEAD_DIM_RANGE, head_dim_multiple=32, dtypes=(torch.float16, torch.bfloat16),
     features=frozenset({"causal", "gqa", "varlen", "lse", "merged_lse_backward"}),
-    unavailable=_cute_unavailable, contract=CONTRACT, forward_ops=_cute_forward_ops, block_ops=_ring_block_ops,
+    unavailable=_cute_unavailable, contract=CONTRACT, forward_ops=_cute_forward_ops, block_ops="contract",
     doc="ffpa-attn's CuTeDSL kernels (SM90/SM100, head_dim 320-512): the full layers at D=512"))

@@ -2,7 +2,7 @@
 
 Owns the one decision three settings used to make separately: the model's `attn_implementation`, the
 `FFPAAttention` Callback (its own `attn_implementation` and `sliding` options) and the context-parallel size.
-`plan_for(trainer, model)` resolves it once per trainer (the pre-flight checks, the Callback's `setup` and the
+`plan_for(trainer, model, cp_size)` resolves it once per trainer (the pre-flight checks, the Callback's `setup` and the
 module's data checks all get the same object, cached on the model) and raises the user-facing errors for
 combinations that cannot run. Does not own the kernels (``registry.py``) nor per-call routing (``backend.py``,
 which reads the plan's sliding choice; ``lightning_ffpa.cp.ring``).
@@ -34,6 +34,7 @@ __all__ = ["SLIDING", "AttentionPlan", "plan_for", "resolve_plan"]
 CALLBACK = "lightning_ffpa.callbacks.FFPAAttention"
 SLIDING = ("flex", "fa4", "auto")
 SLIDING_OPTION = "FFPAAttention.sliding"
+PLAN_OWNER = "installs_attention_plan"  # the class attribute that marks the FFPAAttention Callback
 
 
 @dataclass(frozen=True)
@@ -117,17 +118,9 @@ def resolve_plan(model_attn: str | None, cp_size: int = 1, callback: Any = None,
 
 
 def _attention_callback(trainer: Any) -> Any:
-    from lightning_ffpa.callbacks.attention import FFPAAttention
-
-    found = [cb for cb in getattr(trainer, "callbacks", None) or [] if isinstance(cb, FFPAAttention)]
+    # the FFPAAttention Callback marks itself (`PLAN_OWNER`): this package does not import the callbacks
+    found = [cb for cb in getattr(trainer, "callbacks", None) or [] if getattr(cb, PLAN_OWNER, False)]
     return found[0] if found else None
-
-
-def _cp_size(trainer: Any, model: Any) -> int:
-    from lightning_ffpa.callbacks.attention import context_parallel_size
-
-    size = context_parallel_size(trainer, model)
-    return size if isinstance(size, int) else 1
 
 
 def _sliding_head_dim(model: Any) -> int | None:
@@ -151,14 +144,15 @@ def _device(trainer: Any) -> torch.device | None:
         return None
 
 
-def plan_for(trainer: Any, model: Any, callback: Any = None) -> AttentionPlan:
+def plan_for(trainer: Any, model: Any, cp_size: int, callback: Any = None) -> AttentionPlan:
     """This run's plan: resolved on the first call for `trainer` and cached on `model`, so every reader gets the
-    same object. `callback`: the FFPAAttention instance (found in `trainer.callbacks` when not given)."""
+    same object. `cp_size`: the run's context-parallel size (`parallel.dims.context_parallel_size`); `callback`:
+    the FFPAAttention instance (found in `trainer.callbacks` when not given)."""
     cached = getattr(model, "_attention_plan", None)
     if cached is not None and cached[0]() is trainer:
         return cached[1]
     hparams = getattr(model, "hparams", None) or {}
-    plan = resolve_plan(hparams.get("attn_implementation"), _cp_size(trainer, model),
+    plan = resolve_plan(hparams.get("attn_implementation"), cp_size,
                         callback if callback is not None else _attention_callback(trainer),
                         _device(trainer), _sliding_head_dim(model))
     try:

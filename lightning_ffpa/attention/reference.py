@@ -158,20 +158,13 @@ def dense_reference(query: Tensor, key: Tensor, value: Tensor, score_mod=None, b
     return torch.where(mask.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=dev))
 
 
-def _ring_block_ops():
-    # the ring imports this package: import it when a ring is built
-    from lightning_ffpa.cp.ring import BlockOps
-
-    return BlockOps(CONTRACT)
-
-
 CONTRACT = registry.Contract(torch.ops.lightning_ffpa.ref_dense_fwd, torch.ops.lightning_ffpa.ref_dense_bwd,
                              torch.ops.lightning_ffpa.ref_varlen_fwd, torch.ops.lightning_ffpa.ref_varlen_bwd)
 
 registry.register(registry.Kernel(
     name="reference", head_dims=(1, 2**16), features=frozenset({"causal", "gqa", "varlen", "lse",
                                                                 "merged_lse_backward", "block_mask"}),
-    contract=CONTRACT, block_ops=_ring_block_ops,
+    contract=CONTRACT, block_ops="contract",
     forward_ops=lambda: (torch.ops.lightning_ffpa.ref_dense_fwd.default, torch.ops.lightning_ffpa.ref_varlen_fwd.default),
     masked=lambda compiled: (dense_reference, "dense_reference"),
     doc="fp32 math on any device: the CPU stand-in of each contract, for tests and tiny runs"))

@@ -5,7 +5,8 @@ features it takes (`FEATURES`), where it can run (`unavailable`), its FLOP formu
 consumer reads:
 - ``contract``: the op contract of ``kernels.py`` (dense/varlen forward returning lse, and a backward from a
   given, possibly merged, o/lse), whose forwards are torch custom ops SAC can save (``forward_ops``);
-- ``block_ops``: the CP ring's per-block ops (``lightning_ffpa.cp.ring.RingAttention(block_ops=name)``);
+- ``block_ops``: how the CP ring runs its blocks with it (``lightning_ffpa.cp.ring.RingAttention(block_ops=name)``;
+  named here, built by ``cp``: this package does not import it);
 - ``masked``: a callable with ``flex_attention``'s signature (the rollout engine's paged attention);
 - ``windowed``: differentiable causal sliding-window attention, dense and varlen (the HF backend's sliding layers).
 Does not own the kernels (``kernels.py``: FFPA and the CPU reference of its contract; ``flex.py``; ``fa4.py``) nor
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -89,8 +89,9 @@ class Kernel:
     """The op contract, or None."""
     forward_ops: Callable[[], tuple] = tuple
     """The forward OpOverloads that SAC must save when this kernel runs (those that exist in this process)."""
-    block_ops: Callable[[], Any] | None = None
-    """Factory of the CP ring's block ops (fwd/bwd of one ring block), or None."""
+    block_ops: str | None = None
+    """How the CP ring runs one block with it: "contract" (the ring's `BlockOps` over `contract`), "flex" (BlockMask
+    blocks, `cp.flex_blocks`), or None (not in the ring)."""
     masked: Callable[[bool], tuple[Callable, str]] | None = None
     """(compiled?) -> (a callable with flex_attention's signature, the path name it reports), or None."""
     windowed: Windowed | None = None

@@ -27,23 +27,15 @@ from lightning_ffpa._compat.transformers import find_hf_model, set_attn_implemen
 from lightning_ffpa.attention import kernels
 from lightning_ffpa.attention.plan import SLIDING, SLIDING_OPTION, AttentionPlan, plan_for
 from lightning_ffpa.errors import ConfigError
-from lightning_ffpa.parallel.dims import ParallelDims
+from lightning_ffpa.parallel.dims import context_parallel_size  # re-exported: the callback's CP size
 
 __all__ = ["FFPAAttention", "context_parallel_size"]
 
 
-def context_parallel_size(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
-    """CP size from the strategy (`context_parallel_size`) or the module's mesh (`ParallelDims.from_mesh`); 1
-    without either."""
-    size = getattr(trainer.strategy, "context_parallel_size", None)
-    if isinstance(size, int):
-        return size
-    mesh = lightning_compat.module_device_mesh(pl_module)
-    return 1 if mesh is None else ParallelDims.from_mesh(mesh).cp
-
-
 class FFPAAttention(Callback):
     """Install FFPA attention (CP=1) or the ring CP hook (CP>1) and log which kernels ran."""
+
+    installs_attention_plan = True  # how `attention.plan` finds this Callback in a trainer (`PLAN_OWNER`)
 
     def __init__(self, log_every_n_steps: int = 50, attn_implementation: str = "ffpa",
                  sliding: Literal["flex", "fa4", "auto"] = "flex") -> None:
@@ -70,7 +62,7 @@ class FFPAAttention(Callback):
     # -- install ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve the attention plan and register its backend; configure the model if it already exists."""
-        self.plan = plan_for(trainer, pl_module, callback=self)
+        self.plan = plan_for(trainer, pl_module, context_parallel_size(trainer, pl_module), callback=self)
         self.cp_size = self.plan.cp_size
         if not self.plan.ring and self.plan.attn_implementation == "ffpa":
             attention.register_ffpa(sliding=self.plan.sliding_kernel)

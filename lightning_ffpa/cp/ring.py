@@ -94,6 +94,15 @@ class BlockOps:
         return qf, kf, vf
 
 
+def ring_block_ops(kernel: registry.Kernel) -> Any:
+    """The ring's block ops for a registry entry, as its `block_ops` names them."""
+    if kernel.block_ops == "flex":
+        from lightning_ffpa.cp.flex_blocks import FlexBlockOps
+
+        return FlexBlockOps()
+    return BlockOps(kernel.contract)
+
+
 def merge_lse(out: Tensor, lse: Tensor, o_blk: Tensor, lse_blk: Tensor, q0: int, q1: int) -> None:
     """Online-softmax merge of a block's (o, lse) into fp32 (out [B,L,H,D], lse [B,H,L]) rows [q0, q1)."""
     old = lse[:, :, q0:q1]
@@ -179,7 +188,7 @@ class RingAttention:
         (the baseline, CUDA) or "reference"."""
         self.ring = RingGroup(group)
         self.block_ops = block_ops
-        self.ops = registry.get(block_ops, "block_ops", option="block_ops").block_ops()
+        self.ops = ring_block_ops(registry.get(block_ops, "block_ops", option="block_ops"))
         self.sliding_backend = sliding_backend  # None: "flex" on CUDA, "sdpa" (masked math) on CPU
         self.stats: Counter[str] = Counter()
 

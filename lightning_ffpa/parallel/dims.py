@@ -17,10 +17,11 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat.torch import flatten_mesh
 from lightning_ffpa.errors import ConfigError
 
-__all__ = ["ParallelDims", "check_expert_parallel"]
+__all__ = ["ParallelDims", "check_expert_parallel", "context_parallel_size"]
 
 WORLD = "world size {world} (trainer.devices x trainer.num_nodes)"
 
@@ -188,3 +189,13 @@ def check_expert_parallel(ep: int, config: Any, lora: dict[str, Any] | None = No
     if experts % ep:
         raise ConfigError(option, ep, f"does not divide the model's num_experts={experts}: each rank of an expert "
                                       "group owns num_experts / expert_parallel_size experts")
+
+
+def context_parallel_size(trainer: Any, pl_module: Any) -> int:
+    """CP size from the strategy (`context_parallel_size`) or the module's mesh (`ParallelDims.from_mesh`); 1
+    without either."""
+    size = getattr(trainer.strategy, "context_parallel_size", None)
+    if isinstance(size, int):
+        return size
+    mesh = lightning_compat.module_device_mesh(pl_module)
+    return 1 if mesh is None else ParallelDims.from_mesh(mesh).cp

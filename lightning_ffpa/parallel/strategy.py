@@ -323,9 +323,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.check_activation_offload()
         self.fp8_training.check_device(self.root_device)
         lightning_compat.setup_distributed(self)
+        self.use_parallel_dims(dims, self.root_device.type)
+
+    def use_parallel_dims(self, dims: ParallelDims, device_type: str) -> None:
+        """Build `dims`' mesh (the process group exists) and run over it: what `setup_environment` does, for a
+        process that drives the strategy without a Trainer (a benchmark row)."""
         self._parallel_dims = dims
-        mesh = dims.build_mesh(self.root_device.type)
-        lightning_compat.set_device_mesh(self, mesh)  # also `self.device_mesh` in configure_model
+        lightning_compat.set_device_mesh(self, dims.build_mesh(device_type))  # also `self.device_mesh`
 
     @property
     @override

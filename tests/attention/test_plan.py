@@ -45,16 +45,16 @@ def test_one_plan_for_preflight_callback_and_module():
     check_parallel_layout(trainer, model, dm)
     plan = model.attention_plan
     callback.setup(trainer, model, "fit")  # no HF model yet: resolves and registers, installs later
-    assert callback.plan is plan is plan_for(trainer, model)
+    assert callback.plan is plan is plan_for(trainer, model, 1)
     assert plan.attn_implementation == "ffpa" and plan.from_callback
     # another trainer (a second fit) gets its own plan
     other = _trainer([FFPAAttention(attn_implementation="sdpa")])
-    assert plan_for(other, model).attn_implementation == "sdpa"
+    assert plan_for(other, model, 1).attn_implementation == "sdpa"
 
 
 def test_module_checks_packing_against_the_callbacks_choice():
     """The callback replaces the model's option at CP=1, so the module's own data check reads the plan."""
     trainer = _trainer([FFPAAttention(attn_implementation="eager")])
     model = Gemma4LM(preset="tiny", attn_implementation="sdpa")
-    plan_for(trainer, model)
+    plan_for(trainer, model, 1)
     assert model.attention_plan.attn_implementation == "eager"

@@ -6,7 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ffpa.attention import kernels, registry
 from lightning_ffpa.cp.plan import Block
-from lightning_ffpa.cp.ring import BlockOps
+from lightning_ffpa.cp.ring import BlockOps, ring_block_ops
 
 
 def test_entries_and_roles():
@@ -60,9 +60,9 @@ def test_ring_block_ops_run_the_chosen_kernels_contract():
     contract = registry.Contract(*(counted(getattr(ref, f)) for f in ("dense_fwd", "dense_bwd", "varlen_fwd",
                                                                         "varlen_bwd")))
     registry.register(registry.Kernel(name="counted", head_dims=(1, 64), features=frozenset({"causal", "lse"}),
-                                      contract=contract, block_ops=lambda: BlockOps(contract)))
+                                      contract=contract, block_ops="contract"))
     try:
-        ops = registry.get("counted", "block_ops").block_ops()
+        ops = ring_block_ops(registry.get("counted", "block_ops"))  # as RingAttention(block_ops="counted") does
         q, k, v = (torch.randn(1, 4, 2, 8) for _ in range(3))
         blk = Block(0, 4, 0, 4, True, "dense")
         o, lse = ops.fwd(blk, q, k, v, 0.5)
@@ -76,4 +76,5 @@ def test_ring_block_ops_run_the_chosen_kernels_contract():
 
 def test_default_block_ops_is_the_ffpa_contract():
     assert BlockOps().contract is kernels.CONTRACT is registry.get("ffpa").contract
-    assert isinstance(registry.get("ffpa", "block_ops").block_ops(), BlockOps)
+    ops = ring_block_ops(registry.get("ffpa", "block_ops"))
+    assert isinstance(ops, BlockOps) and ops.contract is kernels.CONTRACT

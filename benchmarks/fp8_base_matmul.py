@@ -20,7 +20,6 @@ fwd+bwd time over scaled_mm's: above 1 means scaled_mm is faster, the path the c
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -30,8 +29,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.report.results_io import write_result  # noqa: E402
-from benchmarks.row_process import run_rows  # noqa: E402
+from benchmarks.row_process import run_rows_into  # noqa: E402
 
 PATHS = ("bf16", "dequantize", "scaled_mm")
 # Gemma4-31B (hidden 5376, 32 query / 16 KV heads of 256, MLP 21504): name -> (in, out)
@@ -118,15 +116,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     spec = {k: getattr(args, k) for k in ("device", "dtype", "tokens", "scale", "steps")}
     specs = [{**spec, "name": p, "path": p} for p in args.paths]
     out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / "fp8_base_matmul.json"
-
-    def write(done: list[dict[str, Any]]) -> None:
-        summary = summarize(done)
-        if len(done) < len(specs):
-            summary["partial"] = True
-        write_result("fp8_base_matmul", done, summary, out=out, driver_pid=os.getpid())
-
-    return run_rows(Path(__file__).resolve(), specs, out.with_suffix(".logs"), args.row_timeout_s, args.budget_s,
-                    write)
+    return run_rows_into(Path(__file__).resolve(), "fp8_base_matmul", specs, out, summarize, args.row_timeout_s, args.budget_s)
 
 
 if __name__ == "__main__":

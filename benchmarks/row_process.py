@@ -189,6 +189,22 @@ def run_rows(script: Path, specs: list[dict[str, Any]], logs: Path, row_timeout_
     return rows
 
 
+def run_rows_into(script: Path, name: str, specs: list[dict[str, Any]], out: Path,
+                  summarize: Callable[[list[dict[str, Any]]], dict[str, Any]], row_timeout_s: float,
+                  budget_s: float) -> list[dict[str, Any]]:
+    """`run_rows`, writing result `name` to `out` after each row (logs beside it); its summary says `partial`
+    until every row has run."""
+    from benchmarks.report.results_io import write_result  # the report package reads this module
+
+    def write(done: list[dict[str, Any]]) -> None:
+        summary = summarize(done)
+        if len(done) < len(specs):
+            summary["partial"] = True
+        write_result(name, done, summary, out=out, driver_pid=os.getpid())
+
+    return run_rows(script, specs, out.with_suffix(".logs"), row_timeout_s, budget_s, write)
+
+
 def _slug(spec: dict[str, Any]) -> str:
     parts = [str(spec.get(k)) for k in ("name", "batch") if spec.get(k) is not None]
     return "_".join(parts).replace("/", "-")

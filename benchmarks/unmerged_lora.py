@@ -20,7 +20,6 @@ target is <= 0.10), both steps in ms, the peak memory of each row, and how many 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -29,8 +28,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.report.results_io import write_result  # noqa: E402
-from benchmarks.row_process import run_rows  # noqa: E402
+from benchmarks.row_process import run_rows_into  # noqa: E402
 
 MODES = ("merged", "shared")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -120,15 +118,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                           "page_size", "lora_r", "steps")}
     specs = [{**spec, "name": m, "weights": m} for m in MODES]
     out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / "unmerged_lora.json"
-
-    def write(done: list[dict[str, Any]]) -> None:
-        summary = summarize(done)
-        if len(done) < len(specs):
-            summary["partial"] = True
-        write_result("unmerged_lora", done, summary, out=out, driver_pid=os.getpid())
-
-    return run_rows(Path(__file__).resolve(), specs, out.with_suffix(".logs"), args.row_timeout_s, args.budget_s,
-                    write)
+    return run_rows_into(Path(__file__).resolve(), "unmerged_lora", specs, out, summarize, args.row_timeout_s, args.budget_s)
 
 
 if __name__ == "__main__":

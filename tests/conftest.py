@@ -1,7 +1,8 @@
-"""Shared test fixtures: the gpu marker gate, launch and seed variables restored after every test, and the
-environment of a one-process gloo fit (`one_process`)."""
+"""Shared test fixtures: the gpu marker gate, launch and seed variables and the SIGINT handler restored after
+every test, and the environment of a one-process gloo fit (`one_process`)."""
 
 import os
+import signal
 import socket
 
 import pytest
@@ -19,6 +20,17 @@ _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on two cores: one thread each
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # and so do the processes a test starts
+
+
+@pytest.fixture(autouse=True)
+def _sigint_does_not_leak():
+    """Lightning sets SIGINT to SIG_IGN in the process that fits while it handles an interrupt or takes a process
+    group down, and may leave it there. A process this one starts later inherits SIG_IGN and ignores Ctrl-C (the
+    Ctrl-C console test then never ends): restore the handler after every test."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    if signal.getsignal(signal.SIGINT) is not before:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture(autouse=True)

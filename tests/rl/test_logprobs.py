@@ -120,9 +120,10 @@ def _peak_mib(path: str) -> float:
 @pytest.mark.timeout(300)
 def test_peak_memory_is_chunk_sized_at_a_large_vocabulary():
     """512 tokens x 131,072 vocab: one fp32 logits matrix is 256 MiB. The chunked forward+backward (32-token
-    chunks: 16 MiB buffers) grows the process's peak resident memory by well under one such matrix; the
-    full-logits path grows it by several."""
+    chunks: 16 MiB buffers) grows the process's peak resident memory by under a quarter of one such matrix; the
+    full-logits path by about one or more."""
     one_matrix = 512 * 131072 * 4 / 2**20
     chunked = _peak_mib("chunked")
     assert chunked < one_matrix / 4, chunked
-    assert _peak_mib("full") > one_matrix, "the bound would not catch the full-logits path"
+    # the full path: about one matrix (251 MiB measured with one thread, more with two), twice the bound
+    assert _peak_mib("full") > one_matrix / 2, "the bound would not catch the full-logits path"

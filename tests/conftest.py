@@ -26,7 +26,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on two
 def _sigint_does_not_leak():
     """Lightning sets SIGINT to SIG_IGN in the process that fits while it handles an interrupt or takes a process
     group down, and may leave it there. A process this one starts later inherits SIG_IGN and ignores Ctrl-C (the
-    Ctrl-C console test then never ends): restore the handler after every test."""
+    Ctrl-C console test then never ends). A module fixture's fit leaves it outside any test, so every test starts
+    with Python's own handler, and one that changes it gets it back."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     before = signal.getsignal(signal.SIGINT)
     yield
     if signal.getsignal(signal.SIGINT) is not before:

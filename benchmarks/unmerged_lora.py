@@ -89,6 +89,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     summary.update({f"{m}_peak_mem_gib": by[m].get("peak_mem_gb") for m in by})
     if set(MODES) <= set(by):
         merged, shared = by["merged"], by["shared"]
+        if not shared["aliased_bytes"]:  # a shared row that copied every weight measures merged against merged
+            summary["unmerged_lora_decode_overhead"] = None
+            summary["invalid"] = f"the shared row read no policy tensor: {shared['weights_path']}"
+            return summary
         summary["unmerged_lora_decode_overhead"] = shared["decode_step_ms"] / merged["decode_step_ms"] - 1
         pairs = [(a, b) for x, y in zip(merged["outputs_head"], shared["outputs_head"]) for a, b in zip(x, y)]
         summary["greedy_token_agreement"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)

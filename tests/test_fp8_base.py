@@ -222,8 +222,8 @@ def test_the_first_call_of_each_path_is_reported_and_a_cuda_fallback_warns(monke
 
 
 def test_the_scaled_mm_paths_layouts_and_scales_on_torchs_cpu_scaled_mm():
-    """The scaled_mm path's operands (x rowwise, W0ᵀ column-major with its row scales; in the backward dy*s rowwise
-    against a column-major W0) through torch's CPU `_scaled_mm`: what the CUDA kernel gets, checked here too."""
+    """The scaled_mm path's operands (x rowwise, W0ᵀ column-major with its row scales) through torch's CPU
+    `_scaled_mm`: what the CUDA kernel gets, checked here too; its backward for the input dequantises W0."""
     torch.manual_seed(0)
     q, scale = quantize_rowwise(_rows(64, 96) * 0.01)
     x = torch.randn(5, 7, 96, dtype=torch.bfloat16, requires_grad=True)
@@ -236,9 +236,9 @@ def test_the_scaled_mm_paths_layouts_and_scales_on_torchs_cpu_scaled_mm():
     w = dequantize(q, scale, torch.float32)
     want_y, want_dx = x.detach().float() @ w.t(), dy.float() @ w
     assert y.dtype == dx.dtype == torch.bfloat16 and y.shape == (5, 7, 64) and dx.shape == (5, 7, 96)
-    # x and dy*s in e4m3: a few percent; a wrong layout or scale would be off by far more
+    # x in e4m3: a few percent; a wrong layout or scale would be off by far more
     assert (y.float() - want_y).norm() / want_y.norm() < 0.05
-    assert (dx.float() - want_dx).norm() / want_dx.norm() < 0.05
+    assert (dx.float() - want_dx).norm() / want_dx.norm() < 0.01  # bf16 rounding only: dy is not cast to float8
 
 
 @pytest.mark.gpu
@@ -255,6 +255,6 @@ def test_scaled_mm_path_matches_the_dequantise_path_on_an_fp8_gpu():
     (dx,) = torch.autograd.grad(y, x, dy)
     w = dequantize(layer.weight, layer.weight_scale, torch.float32)
     want_y, want_dx = x.detach().float() @ w.t(), dy.float() @ w
-    # float8 inputs (x and dy*s rowwise e4m3): errors of a few percent of the output's scale
+    # x rowwise e4m3 in the forward: errors of a few percent of the output's scale; dx reads W0 dequantised
     assert (y.float() - want_y).norm() / want_y.norm() < 0.05
-    assert (dx.float() - want_dx).norm() / want_dx.norm() < 0.1
+    assert (dx.float() - want_dx).norm() / want_dx.norm() < 0.01

@@ -220,7 +220,13 @@ class RolloutCallback(L.Callback):
         meta = pl_module.build_model("meta")
         policy_dtype = resolve_dtype(pl_module.hparams.get("dtype", "auto"))
         dtype = self.inference_dtype or getattr(trainer.strategy, "param_dtype", None) or policy_dtype
-        policy = sum(p.numel() for p in meta.parameters()) * policy_dtype.itemsize // max(trainer.world_size, 1)
+        if (pl_module.hparams.get("lora") or {}).get("base_dtype") == "fp8":  # the base as the fit will store it
+            from lightning_ffpa.fp8_base import quantize_lora_bases
+
+            quantize_lora_bases(meta)
+        # float8 base weights at their one byte each, every other parameter at `model.dtype`
+        policy = sum(p.numel() * (1 if p.element_size() == 1 else policy_dtype.itemsize)
+                     for p in meta.parameters()) // max(trainer.world_size, 1)
         # No device yet: frozen weights in the engine's dtype count as shared, a lower bound if FSDP2 shards them
         plan = WeightsPlan(meta, self.weights, dtype, None, self.engine_config.fuse_projections)
         self._check_room(plan, dtype, trainer.strategy.root_device, free, policy)

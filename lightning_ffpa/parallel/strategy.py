@@ -378,7 +378,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         gib = sum(p.numel() * p.element_size() for p in frozen) / 2**30
         self.frozen_placement = dict(replicated=on, params=len(frozen), gib=round(gib, 3), reason=why)
         if frozen:
-            rank_zero_info(f"frozen base: {len(frozen)} parameters ({gib:.2f} GiB) "
+            # an fp8 base is quantised after its weights load: this is its size in `model.dtype`, before that
+            size = f"{gib:.2f} GiB" + (" before the LoRA targets are stored in float8" if lora.get("base_dtype") == "fp8"
+                                       else "")
+            rank_zero_info(f"frozen base: {len(frozen)} parameters ({size}) "
                            f"{'kept whole, out of FSDP2' if on else 'sharded by FSDP2'} ({why})")
         return on
 

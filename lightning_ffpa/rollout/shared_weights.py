@@ -130,6 +130,8 @@ class WeightsPlan:
     def __init__(self, train: nn.Module, mode: WeightsMode, dtype: torch.dtype, device: torch.device | None,
                  fuse: bool = True) -> None:
         """`device` None plans without the device check (the Callback's pre-flight, on a meta policy)."""
+        # "cuda" names the current GPU, whose tensors say "cuda:0": compare the device a tensor would get
+        device = None if device is None else torch.empty(0, device=device).device
         self.train, self.dtype, self.device, self.fuse = train, dtype, device, fuse
         self.requested, self.why = mode, ""
         self.meta = meta_model(unwrap_peft(train), dtype)

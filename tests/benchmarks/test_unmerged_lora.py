@@ -31,3 +31,11 @@ def test_merged_and_shared_rows_in_own_processes(tmp_path):
     s = record["summary"]
     assert s["unmerged_lora_decode_overhead"] == pytest.approx(shared["decode_step_ms"] / merged["decode_step_ms"] - 1)
     assert s["greedy_token_agreement"] == 1.0 and "partial" not in s
+
+
+def test_a_shared_row_that_read_no_policy_tensor_gives_no_overhead():
+    """On the H100 `--device cuda` against a policy on cuda:0 made the shared row copy every weight: merged against
+    merged, reported as a -0.1% overhead. The summary now refuses such a pair and says why."""
+    row = {"decode_step_ms": 8.0, "outputs_head": [[1, 2]], "aliased_bytes": 0, "weights_path": "shared: 0.0 MiB read"}
+    s = unmerged_lora.summarize([{**row, "weights": "merged"}, {**row, "weights": "shared"}])
+    assert s["unmerged_lora_decode_overhead"] is None and "read no policy tensor" in s["invalid"]

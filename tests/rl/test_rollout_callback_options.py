@@ -287,3 +287,14 @@ def test_a_lora_policy_refused_for_a_merged_copy_fits_with_shared_weights(monkey
     assert mode == mode2 == "shared" and own == own2 and aliased == aliased2 == params * 4
     assert 0 < own < params * 4 // 20  # the adapters' A and B buffers only
     assert rollout.weights_path.startswith("shared: ") and rollout.sync.stats["own_bytes"] == own
+
+
+def test_preflight_counts_a_float8_base_at_one_byte_a_weight(monkeypatch):
+    """`lora.base_dtype: fp8` halves the 31B base (57 -> 28 GiB); the pre-flight counted it at `model.dtype` and
+    refused a full-depth GRPO fit on an 80 GB H100 that fits (benchmarks/results/grpo_full_depth_fp8base_1024_h100_oom.json's
+    first try). Free memory here is the old estimate's policy plus the pool: refused at `model.dtype` sizes."""
+    _room(monkeypatch, lambda policy, copy, pool: policy + pool)
+    module = GRPOModule(preset="tiny", lora={"r": 4, "target_modules": "all-linear", "base_dtype": "fp8"})
+    assert _fit(_callback(num_generations=2), module).global_step == 1
+    with pytest.raises(ConfigError, match=r"beside the policy"):  # the same room, the base at model.dtype
+        _fit(_callback(num_generations=2), GRPOModule(preset="tiny", lora={"r": 4, "target_modules": "all-linear"}))

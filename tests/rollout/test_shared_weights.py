@@ -101,6 +101,15 @@ def test_the_engine_holds_no_copy_of_the_base():
     torch.testing.assert_close(attn.q_proj.weight, base_q, rtol=0, atol=0)
 
 
+def test_a_device_named_with_an_index_reads_the_policy_in_place():
+    """"cuda" and a policy on "cuda:0" are one GPU: the plan compares concrete devices (it copied every weight when a
+    benchmark passed `--device cuda`); here the same with "cpu:0" against tensors on "cpu"."""
+    train = _policy()
+    sync = WeightsPlan(train, "shared", torch.float32, torch.device("cpu:0")).build()
+    base = sum(p.numel() * p.element_size() for n, p in train.named_parameters() if "lora_" not in n)
+    assert sync.stats["aliased_bytes"] == base and "0.0 MiB read" not in sync.weights_path
+
+
 def test_a_refresh_after_an_optimizer_step_changes_rollouts_exactly_as_the_merged_copy():
     train = _policy()
     shared, eng = _engine(train, "shared")

@@ -9,7 +9,8 @@ which reads the plan's sliding choice; ``lightning_ffpa.cp.ring``).
 
 The plan:
 - CP > 1: the FFPA ring (full layers: ring blocks of the registry's "ffpa" block ops; sliding layers: a halo and
-  Flex). It needs the Callback, which installs it.
+  one local call, Flex, or FA4's varlen kernel over the chunk's documents under `sliding: fa4 | auto`). It needs
+  the Callback, which installs it.
 - CP = 1: `attn_implementation` is what HF runs: the Callback's option when the Callback is there, else the
   model's. Under "ffpa", full layers at head_dim 512 run FFPA and sliding layers run `sliding`: "flex" (default),
   "fa4" (flash-attn-4; refused here with one line where it cannot run) or "auto" (FA4 where a call can take it,
@@ -62,6 +63,11 @@ class AttentionPlan:
         """The registry kernel the backend tries first for sliding layers ("flex" or "fa4")."""
         return "flex" if self.sliding == "flex" else "fa4"
 
+    @property
+    def ring_sliding_backend(self) -> str | None:
+        """The ring's sliding-layer local call (`cp.sliding`): None (Flex on CUDA), "fa4" or "auto"."""
+        return None if self.sliding == "flex" else self.sliding
+
     def check_packing(self, pack: bool) -> None:
         """Packed rows need an attention that keeps documents apart (the ring carries them in its layout)."""
         if not self.ring and self.attn_implementation is not None:
@@ -70,7 +76,7 @@ class AttentionPlan:
     def describe(self) -> str:
         """One line: the route and its kernels."""
         if self.ring:
-            return f"ring CP={self.cp_size}"
+            return f"ring CP={self.cp_size}" + (f", sliding={self.sliding}" if self.sliding != "flex" else "")
         if self.attn_implementation == "ffpa" and self.sliding != "flex":  # the default stays out of the line
             return f"attn_implementation=ffpa, sliding={self.sliding}"
         return f"attn_implementation={self.attn_implementation}"
@@ -105,11 +111,10 @@ def resolve_plan(model_attn: str | None, cp_size: int = 1, callback: Any = None,
     attn = callback.attn_implementation if callback is not None else model_attn
     sliding = getattr(callback, "sliding", "flex")
     if sliding == "fa4":
-        if cp_size > 1 or attn != "ffpa":
-            where = (f"context_parallel_size={cp_size} (the ring's sliding layers run Flex)" if cp_size > 1
-                     else f"attn_implementation={attn!r}")
-            raise ConfigError(SLIDING_OPTION, sliding, f"applies to the 'ffpa' backend at context_parallel_size=1, "
-                              f"and this run has {where}; use 'flex' or 'auto'")
+        if cp_size == 1 and attn != "ffpa":
+            raise ConfigError(SLIDING_OPTION, sliding, f"applies to the 'ffpa' backend or the ring "
+                              f"(context_parallel_size > 1), and this run has attn_implementation={attn!r}; use "
+                              "'flex' or 'auto'")
         why = _fa4_refusal(device, sliding_head_dim)
         if why:
             raise ConfigError(SLIDING_OPTION, sliding, f"flash-attn-4 cannot run here ({why}); use 'auto' (FA4 where "

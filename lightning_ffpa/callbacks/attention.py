@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_ffpa import attention, saved_ops
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat.transformers import find_hf_model, set_attn_implementation
-from lightning_ffpa.attention import kernels
+from lightning_ffpa.attention import kernels, registry
 from lightning_ffpa.attention.plan import SLIDING, SLIDING_OPTION, AttentionPlan, plan_for
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.parallel.dims import context_parallel_size  # re-exported: the callback's CP size
@@ -44,8 +44,8 @@ class FFPAAttention(Callback):
         Args:
             log_every_n_steps: Log the dispatch counters every this many optimizer steps (0 = never).
             attn_implementation: HF attention name installed at CP=1 ("ffpa"; "sdpa" to compare).
-            sliding: Sliding-window layers under "ffpa": `flex`, `fa4` (flash-attn-4; an error where it cannot run)
-                or `auto` (FA4 where a call can take it, else Flex, each fallback counted). FA4 is unmeasured here yet.
+            sliding: Sliding-window layers under "ffpa" and in the CP ring: `flex`, `fa4` (flash-attn-4; an error where it cannot run)
+                or `auto` (FA4 where a call can take it, else Flex, each fallback counted). FA4's speed is unmeasured here yet.
         """
         if log_every_n_steps < 0:
             raise ValueError(f"`log_every_n_steps={log_every_n_steps}` must be >= 0")
@@ -70,6 +70,8 @@ class FFPAAttention(Callback):
             # The ring is installed once the model exists, possibly after the strategy has wrapped the layers
             # for SAC (the policy is built then): hand SAC the ring's kernel forwards now.
             saved_ops.register(kernels.forward_ops())
+            if self.plan.ring_sliding_backend is not None:  # FA4 serves the ring's sliding layers
+                saved_ops.register(registry.get("fa4").forward_ops())
         attention.reset_dispatch_counts()
         self._install(trainer, pl_module, required=False)
 
@@ -87,7 +89,8 @@ class FFPAAttention(Callback):
             # lightning_ffpa.cp.shard_batch.
             from lightning_ffpa.cp.ring import install_ring
 
-            self.ring = install_ring(model, trainer.strategy.parallel_dims.cp_mesh)
+            self.ring = install_ring(model, trainer.strategy.parallel_dims.cp_mesh,
+                                     sliding_backend=self.plan.ring_sliding_backend)
         else:
             set_attn_implementation(model, self.plan.attn_implementation)
         self._installed_on = weakref.ref(model)

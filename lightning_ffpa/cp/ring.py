@@ -34,7 +34,7 @@ from lightning_ffpa.attention import kernels, registry
 from lightning_ffpa.cp.group import RingGroup, cp_group_info
 from lightning_ffpa.cp.layout import RingLayout
 from lightning_ffpa.cp.plan import Block, ring_plan
-from lightning_ffpa.cp.sliding import sliding_attention
+from lightning_ffpa.cp.sliding import BACKENDS, sliding_attention
 
 ATTN_NAME = "ffpa_ring"
 
@@ -189,6 +189,8 @@ class RingAttention:
         self.ring = RingGroup(group)
         self.block_ops = block_ops
         self.ops = ring_block_ops(registry.get(block_ops, "block_ops", option="block_ops"))
+        if sliding_backend is not None and sliding_backend not in BACKENDS:
+            raise ValueError(f"`sliding_backend={sliding_backend!r}`: expected None or one of {list(BACKENDS)}")
         self.sliding_backend = sliding_backend  # None: "flex" on CUDA, "sdpa" (masked math) on CPU
         self.stats: Counter[str] = Counter()
 
@@ -255,7 +257,8 @@ def install_ring(model: torch.nn.Module, cp_mesh_or_group: Any, block_ops: str =
     """Route every attention layer of `model` through the ring over the CP group (a 1-D DeviceMesh or a group).
 
     `block_ops` picks the full-layer block kernel ("ffpa", or "flex" as a baseline); `sliding_backend` the
-    sliding-layer path ("flex"/"sdpa"; default by device). Returns the handle whose `stats` count what ran.
+    sliding-layer path ("flex"/"sdpa"/"fa4"/"auto"; None: by device). Returns the handle whose `stats` count what
+    ran.
     """
     group = cp_group_info(cp_mesh_or_group)[0]
     modules = _attention_modules(model)
@@ -266,6 +269,8 @@ def install_ring(model: torch.nn.Module, cp_mesh_or_group: Any, block_ops: str =
             raise NotImplementedError(f"ring attention supports causal layers only (layer {m.layer_idx} is not)")
     handle = RingAttention(group, block_ops=block_ops, sliding_backend=sliding_backend)
     saved_ops.register(kernels.forward_ops())  # for layers wrapped by SAC after this call
+    if sliding_backend in ("fa4", "auto"):
+        saved_ops.register(registry.get("fa4").forward_ops())  # FA4's forward is must-save as FFPA's is
     hf_compat.register_attention(ATTN_NAME, ring_attention_forward)
     # The mask function returns None for every layer on purpose: the ring builds document/causal/window masks
     # from ring_layout itself, and HF builds no (sequence-local, hence wrong) masks.

@@ -2,7 +2,8 @@
 
 Owns: fetching the K/V a window needs from neighbouring chunks (and returning their gradients), the per-batch
 mask (same document, causal, ``0 <= q - k < window``; HF Gemma4's sliding rule), and the local attention call:
-``flex_attention`` on CUDA, masked fp32 math on CPU (torch's Flex has no CPU backward).
+``flex_attention`` on CUDA, masked fp32 math on CPU (torch's Flex has no CPU backward), or a registry kernel's
+windowed varlen attention ("fa4") over the chunk's documents, each with the window's keys before the chunk.
 Does not own: the full-attention ring (``ring.py``), sharding (``sharding.py``) or the process group (``group.py``).
 
 Halo (h = window - 1 keys before a chunk are all a query can see outside it; chunk length C):
@@ -25,6 +26,11 @@ from lightning_ffpa.attention.flex import flex_forward
 from lightning_ffpa.attention.masks import build_block_mask
 from lightning_ffpa.cp.group import RingGroup
 from lightning_ffpa.cp.layout import RingLayout
+
+# Local-call backends: masked ("flex" on CUDA, "sdpa": fp32 masked math, for CPU), or a registry kernel's windowed
+# varlen attention over the chunk's documents ("fa4": flash-attn-4, whose backward is flash-style).
+VARLEN_BACKENDS = ("fa4",)
+BACKENDS = ("flex", "sdpa", *VARLEN_BACKENDS, "auto")  # "auto": FA4 where a call can take it, else masked
 
 
 def _swap_with_neighbours(ring, to_next: Tensor, from_next: Tensor, to_prev: Tensor, from_prev: Tensor) -> None:
@@ -129,6 +135,60 @@ def window_mask_mod(m: dict[str, Tensor], window: int):
     return sliding_document_causal
 
 
+def _varlen_index(layout: RingLayout, h: int, k_pos: Tensor, allgather: bool) -> dict[str, Tensor | int]:
+    """The local call as packed documents: per batch row, chunk and document, the keys a query of that chunk may
+    see ([the window's h positions before the chunk | the chunk], within the document) as one varlen sequence.
+
+    `k_idx` indexes the flattened (B * L) gathered keys; `q_idx` the flattened (B * 2C) queries, -1 where the
+    sequence holds a key before the chunk (its query row is a zero and its output is dropped: the kernel takes one
+    `cu_seqlens` for queries and keys). Documents are contiguous spans, so every sequence is a run of positions
+    and a varlen kernel's causal window by index is the window by position."""
+    c, b_rows = layout.chunk_len, layout.document_ids.shape[0]
+    width = k_pos.numel()
+    where = {int(p): i for i, p in enumerate(k_pos.tolist()) if p >= 0} if allgather else None
+    k_idx, q_idx, lens = [], [], []
+    for s, cid in enumerate(layout.chunk_ids()):
+        start = cid * c
+        pos = torch.arange(max(start - h, 0), start + c)
+        if where is None:  # [halo | chunk] segment s of the gathered keys; the halo before position 0 is empty
+            keys = s * (h + c) + h + (pos - start)
+        else:
+            keys = torch.tensor([where[int(p)] for p in pos])
+        for b in range(b_rows):
+            docs = layout.document_ids[b, pos]
+            keep = docs >= 0
+            kept_docs = docs[keep]
+            if not kept_docs.numel():
+                continue
+            k_idx.append(b * width + keys[keep])
+            q_idx.append(torch.where(pos[keep] >= start, b * 2 * c + s * c + pos[keep] - start, -1))
+            lens.append(torch.unique_consecutive(kept_docs, return_counts=True)[1])
+    if not lens:
+        return {"k_idx": torch.zeros(0, dtype=torch.long), "q_idx": torch.zeros(0, dtype=torch.long),
+                "cu": torch.zeros(1, dtype=torch.int32), "max_len": 0}
+    lens_all = torch.cat(lens)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens_all.cumsum(0)]).to(torch.int32)
+    return {"k_idx": torch.cat(k_idx), "q_idx": torch.cat(q_idx), "cu": cu, "max_len": int(lens_all.max())}
+
+
+def _varlen_attention(q: Tensor, k: Tensor, v: Tensor, index: dict[str, Tensor | int], window: int, scale: float,
+                      kernel: str) -> Tensor:
+    """The local call through a registry kernel's windowed varlen attention ([B, L, H, D] in and out)."""
+    from lightning_ffpa.attention import registry
+
+    b, lq, hq, d = q.shape
+    out = q.new_zeros(b * lq, hq, v.shape[-1])
+    if not index["max_len"]:
+        return out.view(b, lq, hq, -1)
+    q_idx = index["q_idx"]
+    q_rows = torch.cat([q.new_zeros(1, hq, d), q.reshape(b * lq, hq, d)])[q_idx + 1]  # -1: a zero row
+    k_rows, v_rows = k.reshape(-1, *k.shape[2:])[index["k_idx"]], v.reshape(-1, *v.shape[2:])[index["k_idx"]]
+    o = registry.get(kernel, "windowed").windowed.varlen(q_rows, k_rows, v_rows, index["cu"], index["max_len"],
+                                                         scale, window)
+    real = q_idx >= 0
+    return out.index_copy(0, q_idx[real], o[real].to(out.dtype)).view(b, lq, hq, -1)
+
+
 def local_attention(q: Tensor, k: Tensor, v: Tensor, masks: dict[str, Tensor], window: int, scale: float,
                     backend: str, layout: RingLayout) -> Tensor:
     """One masked attention call of the local queries over the gathered keys ([B, L, H, D] in and out)."""
@@ -145,10 +205,25 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, masks: dict[str, Tensor], w
     return o.transpose(1, 2)
 
 
+def _resolve(backend: str | None, q: Tensor, stats: Counter) -> str:
+    """The local call's backend: None is the device's masked default; "auto" is FA4 where it takes this call, else
+    that default, each fallback counted with its reason (as the CP=1 backend does)."""
+    masked = "flex" if q.is_cuda else "sdpa"
+    if backend != "auto":
+        return backend or masked
+    from lightning_ffpa.attention import registry
+
+    why = registry.get("fa4").why_not(q.shape[-1], q.dtype, q.device, needs=("causal", "sliding_window", "gqa", "varlen"))
+    if not why:
+        return "fa4"
+    stats[f"sliding_fa4_fallback_{why.split(':')[0]}"] += 1
+    return masked
+
+
 def sliding_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, ring: RingGroup, scale: float,
                       window: int, backend: str | None, stats: Counter) -> Tensor:
     """Sliding-window causal attention of this rank's [B, 2C, H, D] shard; returns [B, 2C, Hq, D]."""
-    backend = backend or ("flex" if q.is_cuda else "sdpa")
+    backend = _resolve(backend, q, stats)
     c, h = layout.chunk_len, window - 1
     allgather = h > c  # rank-uniform: window and chunk length are the same on every rank
     if allgather:
@@ -167,4 +242,9 @@ def sliding_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, ring:
         k_ext, v_ext = k, v
     stats[f"sliding_{backend}"] += 1
     masks = _mask_tensors(layout, h, allgather, q.device)
+    if backend in VARLEN_BACKENDS:
+        index = layout.cached(("sliding_varlen", h, allgather, str(q.device)), lambda: {
+            n: x.to(q.device) if isinstance(x, Tensor) else x
+            for n, x in _varlen_index(layout, h, masks["k_pos"].cpu(), allgather).items()})
+        return _varlen_attention(q, k_ext, v_ext, index, window, scale, backend)
     return local_attention(q, k_ext, v_ext, masks, window, scale, backend, layout)

@@ -151,8 +151,9 @@ def test_plan_refuses_an_explicit_fa4_that_cannot_run():
         assert resolve_plan("ffpa", 1, FFPAAttention(sliding="fa4"), cpu, 256).sliding_kernel == "fa4"
         with pytest.raises(ConfigError, match="head_dim=512 is outside FA4's 8-256"):
             resolve_plan("ffpa", 1, FFPAAttention(sliding="fa4"), cpu, 512)
-        with pytest.raises(ConfigError, match="context_parallel_size=2"):
-            resolve_plan("sdpa", 2, FFPAAttention(sliding="fa4"), cpu, 256)
+        ring = resolve_plan("sdpa", 2, FFPAAttention(sliding="fa4"), cpu, 256)  # the ring's sliding layers
+        assert ring.ring_sliding_backend == "fa4" and ring.describe() == "ring CP=2, sliding=fa4"
+        assert resolve_plan("sdpa", 2, FFPAAttention(), cpu, 256).ring_sliding_backend is None
         with pytest.raises(ConfigError, match="attn_implementation='sdpa'"):
             resolve_plan("sdpa", 1, FFPAAttention(attn_implementation="sdpa", sliding="fa4"), cpu, 256)
     plan = resolve_plan("ffpa", 1, FFPAAttention(sliding="auto"), cpu, 512)  # auto: never an error, Flex counted

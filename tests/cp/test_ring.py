@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_ffpa.attention import kernels
+from lightning_ffpa.attention import fa4, kernels
 from lightning_ffpa.cp import shard_batch, shard_index, unshard
 from lightning_ffpa.cp.ring import RingAttention
 
@@ -74,7 +74,7 @@ def _documents(b, s, pad, gen):
     return docs
 
 
-def _check_case(rank, world, name, s, all_pad_rank=None, flex=False):
+def _check_case(rank, world, name, s, all_pad_rank=None, flex=False, sliding_backend=None):
     cfg = CASES[name]
     gen = torch.Generator().manual_seed(123)
     b, hq, hkv, d = cfg["b"], cfg["hq"], cfg["hkv"], cfg["d"]
@@ -94,9 +94,10 @@ def _check_case(rank, world, name, s, all_pad_rank=None, flex=False):
                          rank, world)["ring_layout"]
     idx = shard_index(s, rank, world)
     ql, kl, vl = (t[:, idx].clone().requires_grad_() for t in (q, k, v))
-    ring = RingAttention(None)
+    ring = RingAttention(None, sliding_backend=sliding_backend)
     if cfg["window"]:
-        out = ring.sliding(ql, kl, vl, layout, scale, cfg["window"])
+        with fa4.cpu_stand_in(sliding_backend == "fa4"):  # FA4's varlen ops through their reference kernels
+            out = ring.sliding(ql, kl, vl, layout, scale, cfg["window"])
     else:
         out = ring.full(ql, kl, vl, layout, scale)
     (out * grad[:, idx]).sum().backward()
@@ -128,6 +129,8 @@ def _worker(rank, world, s):
     assert set(stats["causal"]) == {"block_dense"}, stats["causal"]
     assert stats["packed"]["block_varlen"] > 0, stats["packed"]
     assert stats["sliding"]["sliding_halo"] == 1 and stats["sliding_long"]["sliding_allgather"] == 1
+    for name in ("sliding", "sliding_long"):  # the ring's sliding layers through FA4's varlen kernel
+        assert _check_case(rank, world, name, s, sliding_backend="fa4")["sliding_fa4"] == 1
     if world == 2:
         _check_case(rank, world, "packed", 16 * world, all_pad_rank=1)
         _check_case(rank, world, "d512", 8 * world)

@@ -26,7 +26,8 @@ LIBRARIES = ("torch", "transformers", "lightning", "lightning_fabric", "pytorch_
 KNOWN_PRIVATE_ATTRS = frozenset({
     "_accelerator_connector", "_logger_connector", "_checkpoint_connector", "_device_mesh", "_setup_distributed",
     "_data_parallel_size", "_materialize_distributed_module", "_optimizers_to_device", "_attn_implementation",
-    "_from_config", "_init_weights", "_global_mapping", "_flatten", "_current_graph_task_id",
+    "_from_config", "_init_weights", "_experts_implementation", "_global_mapping", "_flatten",
+    "_current_graph_task_id",
     "_subcommands_action", "_choices_actions", "_ChoicesPseudoAction",  # LightningCLI's parser (jsonargparse)
 })
 REGISTRIES = frozenset({"AttentionInterface", "AttentionMaskInterface", "ALL_MASK_ATTENTION_FUNCTIONS",
@@ -111,6 +112,7 @@ def test_private_library_names_live_only_in_compat():
     "def f(trainer):\n    return trainer._logger_connector.should_update_logs\n",
     "def f(cfg):\n    cfg._attn_implementation = 'ffpa'\n",
     "def f(m):\n    return getattr(m, '_device_mesh', None)\n",
+    "def f(m):\n    return getattr(m.config, '_experts_implementation', None)\n",
     "def f(cls, c):\n    return cls._from_config(c)\n",
     "from transformers import AttentionInterface\nAttentionInterface.register('x', print)\n",
 ])

@@ -1,9 +1,10 @@
 """Private and version-dependent transformers surfaces (checked on 5.17 and 5.24), and the HF model lookups.
 
 Owns: the version floor, attention/mask registration, padded <-> packed conversion, how a decoder layer
-wants its cache arguments, reading and writing `config._attn_implementation`, `_from_config`,
-`_init_weights`, and finding the HF model (and its decoder layers) inside any module. Does not own the
-attention functions or models themselves: callers import these names so an upgrade breaks only this file.
+wants its cache arguments, reading and writing `config._attn_implementation`, reading an experts module's
+`config._experts_implementation`, `_from_config`, `_init_weights`, and finding the HF model (and its decoder
+layers) inside any module. Does not own the attention functions or models themselves: callers import these
+names so an upgrade breaks only this file.
 """
 
 from __future__ import annotations

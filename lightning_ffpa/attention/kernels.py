@@ -11,12 +11,9 @@ Op contract (shared with the ring context-parallel code):
   returns o ``[B,Sq,Hq,D]`` (q dtype) and lse ``[B,Hq,Sq]`` float32, natural log.
 - varlen: THD q ``[Tq,Hq,D]``, k/v ``[Tk,Hkv,D]``, int32 ``cu_seqlens``; lse ``[Hq,Tq]``.
 - A row that sees no key has o = 0 and lse = -inf.
-Facts about ffpa-attn 0.2.4 were read from its wheel (ffpa_attn/cute/__init__.py): the ops take
-``[B,N,H,D]`` tensors, handle GQA natively, return lse ``[B,H,N]`` (dense) / ``[H,T]`` (varlen).
-We call ``torch.ops.ffpa_attn._fwd_cute`` & co directly instead of ``ffpa_attn_func(backend="cutedsl")``:
-the public function copies its output to a contiguous ``[B,H,S,D]`` and saves ``.contiguous()`` copies
-of the transposed q/k/v for backward, while the ops take HF's ``[B,S,H,D]`` projection storage as is
-and return the ``[B,S,H,D]`` output HF wants, so the attention path needs no layout copies.
+The CuTeDSL side runs ffpa-attn's private custom ops through ``lightning_ffpa._compat.ffpa`` (their import,
+argument orders and the forwards SAC saves live there); this file adds the rows with no key, which the ops
+do not take (they need ``Sk >= Sq``).
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from lightning_ffpa._compat import ffpa as ffpa_compat
 from lightning_ffpa._compat.torch import assume_constant_result
 from lightning_ffpa.attention import counters, registry
 
@@ -53,12 +51,8 @@ __all__ = [
 ]
 
 KERNELS = ("cutedsl", "reference")
-# CuTeDSL dense/varlen head-dim range on sm90 (ffpa_attn.cute._utils: MIN_SUPPORTED_HEAD_DIM=320,
-# SM90_SUPPORTED_HEAD_DIM=512); sm100 has a dedicated D=512 path and the same range otherwise.
-CUTE_HEAD_DIM_RANGE = (320, 512)
-CUTE_ARCH_MAJORS = (9, 10)
-# ffpa_attn.cute._utils._VARLEN_CUSTOM_OP_NONE_INT: how the varlen ops encode "no window".
-_NO_WINDOW = -(2**31)
+CUTE_HEAD_DIM_RANGE = ffpa_compat.HEAD_DIM_RANGE
+CUTE_ARCH_MAJORS = ffpa_compat.ARCH_MAJORS
 
 _forced: str | None = None
 
@@ -66,30 +60,16 @@ _forced: str | None = None
 # --------------------------------------------------------------------------- availability
 
 
-@functools.cache
-def _ffpa_import() -> tuple[object | None, str]:
-    """Import ffpa_attn once (it needs triton and a CUDA stack); return (module, reason if not)."""
-    if not torch.cuda.is_available():
-        return None, "no CUDA device"
-    try:
-        import ffpa_attn  # noqa: F401 - registers torch.ops.ffpa_attn.*
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
-        return None, f"`import ffpa_attn` failed: {type(exc).__name__}: {exc}"
-    if not hasattr(torch.ops.ffpa_attn, "_fwd_cute"):
-        return None, "ffpa_attn imported but its CuTeDSL ops are not registered (cutlass DSL missing?)"
-    return ffpa_attn, ""
-
-
 # A per-process constant: dynamo must not trace the import (it graph-breaks compiled layers otherwise).
 @assume_constant_result
 def ffpa_available() -> bool:
     """Whether the FFPA CuTeDSL ops are importable in this process."""
-    return _ffpa_import()[0] is not None
+    return ffpa_compat.unavailable_reason() == ""
 
 
 def ffpa_unavailable_reason() -> str:
     """Why the FFPA ops are not available ('' when they are)."""
-    return _ffpa_import()[1]
+    return ffpa_compat.unavailable_reason()
 
 
 @assume_constant_result
@@ -180,12 +160,12 @@ def dense_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tu
     sq, sk = q.shape[1], k.shape[1]
     skip = sq - sk if causal and sq > sk else 0  # leading rows that see no key (kernel requires Sk >= Sq)
     if skip == 0 and sk > 0:
-        return torch.ops.ffpa_attn._fwd_cute(q, k, v, float(scale), int(causal), 1)
+        return ffpa_compat.dense_fwd(q, k, v, scale, causal)
     b, _, hq, _ = q.shape
     o = q.new_zeros(b, sq, hq, v.shape[-1])
     lse = torch.full((b, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
     if sk > 0:
-        o[:, skip:], lse[:, :, skip:] = torch.ops.ffpa_attn._fwd_cute(q[:, skip:], k, v, float(scale), int(causal), 1)
+        o[:, skip:], lse[:, :, skip:] = ffpa_compat.dense_fwd(q[:, skip:], k, v, scale, causal)
     return o, lse
 
 
@@ -197,11 +177,11 @@ def dense_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     sq, sk = q.shape[1], k.shape[1]
     skip = sq - sk if causal and sq > sk else 0
     if skip == 0 and sk > 0:
-        return torch.ops.ffpa_attn._bwd_cute(do, q, k, v, o, lse, float(scale), int(causal), 0)
+        return ffpa_compat.dense_bwd(do, q, k, v, o, lse, scale, causal)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if sk > 0:
-        dq[:, skip:], dk, dv = torch.ops.ffpa_attn._bwd_cute(
-            do[:, skip:], q[:, skip:], k, v, o[:, skip:], lse[:, :, skip:], float(scale), int(causal), 0)
+        dq[:, skip:], dk, dv = ffpa_compat.dense_bwd(do[:, skip:], q[:, skip:], k, v, o[:, skip:], lse[:, :, skip:],
+                                                     scale, causal)
     return dq, dk, dv
 
 
@@ -211,9 +191,7 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     if not _count(_use_cute(q), q):
         return torch.ops.lightning_ffpa.ref_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                                        int(max_seqlen_k), float(scale), bool(causal))
-    return torch.ops.ffpa_attn._varlen_fwd_cute(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                                int(max_seqlen_k), float(scale), bool(causal), _NO_WINDOW,
-                                                _NO_WINDOW, 0.0, q.shape[1] > k.shape[1])
+    return ffpa_compat.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
 
 
 def varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
@@ -224,10 +202,8 @@ def varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tens
         return torch.ops.lightning_ffpa.ref_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
                                                        int(max_seqlen_q), int(max_seqlen_k), float(scale),
                                                        bool(causal))
-    # Note the ffpa op's argument order: (q, k, v, out, dout, lse, ...).
-    return torch.ops.ffpa_attn._varlen_bwd_cute(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                                int(max_seqlen_k), float(scale), bool(causal), _NO_WINDOW,
-                                                _NO_WINDOW, 0.0, None)
+    return ffpa_compat.varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  scale, causal)
 
 
 # --------------------------------------------------------------------------- autograd wrappers
@@ -283,12 +259,6 @@ def ffpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 # --------------------------------------------------------------------------- SAC ops and flop formulas
 
 
-def _cute_forward_ops() -> tuple:
-    if not ffpa_available():
-        return ()
-    return (torch.ops.ffpa_attn._fwd_cute.default, torch.ops.ffpa_attn._varlen_fwd_cute.default)
-
-
 def forward_ops() -> tuple:
     """The forward OpOverloads that exist in this process (FFPA ones when importable, then the reference ones)."""
     return registry.get("ffpa").forward_ops() + registry.get("reference").forward_ops()
@@ -322,19 +292,13 @@ def register_flop_formulas() -> None:
     def varlen_fwd_flops(q, k, v, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
         return _varlen_flops(q, cu_q, cu_k, max_k)
 
-    def ref_varlen_bwd_flops(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
-        return 2 * _varlen_flops(q, cu_q, cu_k, max_k)
-
-    def cute_varlen_bwd_flops(q, k, v, o, do, lse, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
+    def varlen_bwd_flops(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
         return 2 * _varlen_flops(q, cu_q, cu_k, max_k)
 
     ref = torch.ops.lightning_ffpa
     table = [(ref.ref_dense_fwd, dense_fwd_flops), (ref.ref_dense_bwd, dense_bwd_flops),
-             (ref.ref_varlen_fwd, varlen_fwd_flops), (ref.ref_varlen_bwd, ref_varlen_bwd_flops)]
-    if ffpa_available():
-        ops = torch.ops.ffpa_attn  # note the varlen bwd argument order: (q, k, v, out, dout, lse, ...)
-        table += [(ops._fwd_cute, dense_fwd_flops), (ops._bwd_cute, dense_bwd_flops),
-                  (ops._varlen_fwd_cute, varlen_fwd_flops), (ops._varlen_bwd_cute, cute_varlen_bwd_flops)]
+             (ref.ref_varlen_fwd, varlen_fwd_flops), (ref.ref_varlen_bwd, varlen_bwd_flops)]
+    table += ffpa_compat.flop_formulas(_dense_flops, _varlen_flops)  # [] without ffpa_attn
     for packet, formula in table:
         if packet not in flop_registry:  # someone (a newer ffpa_attn?) may have registered one already
             register_flop_formula(packet, get_raw=True)(formula)
@@ -347,5 +311,5 @@ CONTRACT = registry.Contract(dense_fwd, dense_bwd, varlen_fwd, varlen_bwd)
 registry.register(registry.Kernel(
     name="ffpa", head_dims=CUTE_HEAD_DIM_RANGE, head_dim_multiple=32, dtypes=(torch.float16, torch.bfloat16),
     features=frozenset({"causal", "gqa", "varlen", "lse", "merged_lse_backward"}),
-    unavailable=_cute_unavailable, contract=CONTRACT, forward_ops=_cute_forward_ops, block_ops="contract",
+    unavailable=_cute_unavailable, contract=CONTRACT, forward_ops=ffpa_compat.forward_ops, block_ops="contract",
     doc="ffpa-attn's CuTeDSL kernels (SM90/SM100, head_dim 320-512): the full layers at D=512"))

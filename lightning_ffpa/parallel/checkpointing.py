@@ -72,7 +72,7 @@ def _mm_ops() -> set:
 
 
 def resolve_op(name: str):
-    """Turn "aten.mm.default" / "ffpa_attn._fwd_cute.default" / "higher_order.flex_attention" into the op."""
+    """Turn "aten.mm.default" / "lightning_ffpa.ref_dense_fwd" / "higher_order.flex_attention" into the op."""
     parts = name.split(".")
     if len(parts) < 2:
         raise ValueError(f"`sac_extra_save_ops` entry {name!r} is not 'namespace.op[.overload]'")

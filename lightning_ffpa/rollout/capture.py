@@ -12,12 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_ffpa._compat.transformers import experts_implementation
 from lightning_ffpa.errors import ConfigError
-
-
-def _experts_implementation(module: nn.Module) -> str:
-    # HF's experts interface reads it from the module's config; no interface (or None) runs the eager loop.
-    return getattr(getattr(module, "config", None), "_experts_implementation", None) or "eager"
 
 
 def capture_blockers(model: nn.Module, compiled: bool) -> list[str]:
@@ -27,7 +23,7 @@ def capture_blockers(model: nn.Module, compiled: bool) -> list[str]:
         weight = getattr(module, "gate_up_proj", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 3:  # experts keep 3-D (expert, out, in) weights
             continue
-        impl = _experts_implementation(module)
+        impl = experts_implementation(module)
         if impl == "eager":
             out.append(f"{name}: experts_implementation='eager' reads the routed experts on the host")
         elif impl == "grouped_mm" and compiled and weight.dtype != torch.bfloat16:

@@ -161,11 +161,6 @@ class RolloutCallback(L.Callback):
         hparams = getattr(pl_module, "hparams", {})
         if self.verify_no_drift and "lora" in hparams and not hparams["lora"]:
             raise ConfigError(f"{OPTION}.verify_no_drift", True, NO_LORA_TO_VERIFY)
-        if (hparams.get("lora") or {}).get("target_parameters"):
-            # the engine's weights (shared LoraLinears or the merged copy's refresh) cover LoRA on Linear layers
-            raise ConfigError("model.lora.target_parameters", hparams["lora"]["target_parameters"],
-                              "LoRA on expert parameters cannot be served by the rollout engine yet (its weight "
-                              "refresh covers LoRA on Linear layers only); drop it for GRPO, or target Linears")
         if self.engine_config.num_sliding_pages and isinstance(pl_module, HFModule):  # set by hand: one window fits
             meta = unwrap_peft(pl_module.build_model("meta"))
             self.engine_config.sliding_pages(DecoderWalker(meta).specs, f"{OPTION}.engine")

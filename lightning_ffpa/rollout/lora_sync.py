@@ -64,30 +64,35 @@ def _sources(train: nn.Module) -> dict[str, _Source]:
     Tied weights are listed under each of their names (`remove_duplicate=False`): a tied head whose training
     side diverged (a LoRA target, a `modules_to_save` copy) needs its own source. A `modules_to_save` module's
     frozen `original_module` is not a source: its trained copy is what runs."""
-    loras: dict[str, _Source] = {}
+    loras: dict[str, _Source] = {}  # the adapted tensor's training name -> its source
+    base_names: set[str] = set()  # the training names of those tensors (and a float8 W0's scales)
     for name, module in train.named_modules():
         if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
             continue
         (adapter,) = module.active_adapters
-        if getattr(module, "parameter_name", None) is not None:  # peft's ParamWrapper (`target_parameters`)
-            raise ValueError(f"{name}: LoRA on the parameter {module.parameter_name!r} (`target_parameters`) is not "
-                             "supported by the LoRA refresh, which covers Linear layers only")
         if getattr(module, "use_dora", {}).get(adapter, False):
             raise ValueError(f"{name}: DoRA adapters are not supported by the in-place LoRA refresh")
-        loras[name] = (module.base_layer.weight, module.lora_A[adapter].weight, module.lora_B[adapter].weight,
-                       float(module.scaling[adapter]))
+        parameter = getattr(module, "parameter_name", None)
+        if parameter is not None:  # peft's ParamWrapper (`target_parameters`): a 3-D expert stack; nested ones
+            owner, owner_name = module.base_layer, f"{name}.base_layer"  # wrap each other; the innermost wraps
+            while getattr(owner, "parameter_name", None) is not None:  # the experts module
+                owner, owner_name = owner.base_layer, f"{owner_name}.base_layer"
+            base, key, base_name = getattr(owner, parameter), f"{name}.{parameter}", f"{owner_name}.{parameter}"
+        else:
+            base, key, base_name = module.base_layer.weight, f"{name}.weight", f"{name}.base_layer.weight"
+        loras[key] = (base, module.lora_A[adapter].weight, module.lora_B[adapter].weight, float(module.scaling[adapter]))
+        base_names.update({base_name, base_name + "_scale"})  # a float8 W0's scales go with W0
     sources: dict[str, _Source] = {}
     origin: dict[str, str] = {}
     for name, p in train.named_parameters(remove_duplicate=False):
-        if ("lora_" in name or ".original_module." in name or name.removesuffix(".base_layer.weight") in loras
-                or name.removesuffix(".base_layer.weight_scale") in loras):  # a float8 W0's scales go with W0
+        if "lora_" in name or ".original_module." in name or name in base_names:
             continue
         key = _infer_name(name)
         if key in origin:
             raise ValueError(f"{origin[key]} and {name} both map to {key!r}: one active adapter per model")
         sources[key], origin[key] = p, name
     for name, source in loras.items():
-        sources[_infer_name(name + ".weight")] = source
+        sources[_infer_name(name)] = source
     return sources
 
 

@@ -102,9 +102,6 @@ ROWS = [
     ("lightning-ffpa cp no_such_recipe out.yaml", "recipe"),
     ("lightning-ffpa cp tiny afile", "dest"),
     (f"{G} --trainer.callbacks.init_args.num_generations 1", "num_generations"),
-    (f"{G} --model.init_args.preset tiny-moe --model.init_args.lora "
-     "'{r: 2, lora_alpha: 4, target_modules: [q_proj], target_parameters: [experts.down_proj]}'",
-     "model.lora.target_parameters"),  # expert LoRA: the rollout engine cannot serve it
     (f"{G} --trainer.callbacks.init_args.reward_funcs=[no_such_module:reward]", "reward_funcs"),
     (f"{G} --trainer.callbacks.init_args.reward_funcs '[lightning_ffpa.rl.rewards:token_range_reward]'",
      "reward_funcs`: `lightning_ffpa.rl.rewards:token_range_reward` is the old `module:function` form"),

@@ -33,6 +33,9 @@ TINY: dict[str, str] = {
     "gemma4_26b_a4b": (f"{CPU} {FSDP2_CPU} --model.init_args.preset tiny-moe --model.init_args.dtype float32 "
                        "--model.init_args.max_seq_length 32 --data.init_args.vocab_size 512 "
                        "--data.init_args.seq_length 32 --data.init_args.batch_size 2 --data.init_args.num_samples 8"),
+    "gemma4_26b_a4b_full": (f"{CPU} {FSDP2_CPU} --model.init_args.preset tiny-moe --model.init_args.max_seq_length 32 "
+                            "--data.init_args.vocab_size 512 --data.init_args.seq_length 32 "
+                            "--data.init_args.batch_size 2 --data.init_args.num_samples 8"),
     "gemma4_grpo": (f"{CPU} --trainer.precision 32-true --model.init_args.preset tiny --model.init_args.dtype float32 "
                     "--model.init_args.config_overrides '{num_hidden_layers: 2}' --model.init_args.learning_rate 1e-3 "
                     f"{ROLLOUT_CPU} --data.init_args.prompt_len 4 --data.init_args.vocab_size 512 "

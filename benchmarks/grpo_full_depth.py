@@ -8,7 +8,8 @@ lengths, decode steps, peak memory allocated and reserved. The first step (CUDA 
 reported but left out of the medians. The decode's fraction of the HBM roofline divides the bytes a decode step
 must read (every weight once, the LoRA adapters, and each row's K/V: the last `window` tokens on sliding layers,
 all of them on full layers) by the generation seconds per decode step (prefill included, so a lower bound) and the
-bandwidth: the datasheet's (primary) and a device-to-device copy measured in this process before the rows. A GPU
+bandwidth: the datasheet's (primary) and a device-to-device copy measured in this process before the rows. On a MoE
+preset it still counts every expert: the routed-bytes roofline is `rollout.py`'s (docs/rollout.md). A GPU
 run times at least 3 steps per row (`--steps` >= 4: the first is not timed); the fraction is the median over them,
 with its min and max.
 

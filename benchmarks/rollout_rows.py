@@ -24,6 +24,7 @@ throughput, decode step and roofline fractions are their median, with `_min` and
 
 from __future__ import annotations
 
+import gc
 import sys
 import traceback
 from pathlib import Path
@@ -252,7 +253,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         if device == "cuda":
             torch.cuda.empty_cache()
         if moe_layers(model):  # after the timed engine is gone: the counting engine's pools take its place
-            row.update(routed_roofline(row, model, prompts, new, weight_bytes(model), spec, seqs))
+            gc.collect()  # the timed engine's graphs and pools, before the counting engine checks its room
+            try:  # a failed count is recorded, the timed row kept
+                row.update(routed_roofline(row, model, prompts, new, weight_bytes(model), spec, seqs))
+            except Exception as err:  # noqa: BLE001
+                row["moe_routing_error"] = f"{type(err).__name__}: {err}"[:300]
+                traceback.print_exc()
             if device == "cuda":
                 torch.cuda.empty_cache()
         k = spec.get("check_prompts", 0)

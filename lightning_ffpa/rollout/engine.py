@@ -36,6 +36,9 @@ per batch bucket at capture, logged with its time and counted in `stats["capture
 `EngineConfig.fuse_projections` (on by default, CPU too) runs the projections that read one input (q/k/v,
 gate/up) as one GEMM per group (`fused_linear.py`): a skinny decode GEMM streams its weights faster when larger.
 
+`EngineConfig.count_routed_experts` (off by default) counts, per decode step and MoE layer, the experts the batch's
+rows routed to, on the device inside the same step (`routing.py`), for the MoE decode roofline.
+
 Sliding-window layers keep only their window. They have their own page pool and table
 (`EngineConfig.num_sliding_pages`), under the same slots as the full layers' one (`page_pools.py`): each
 step releases the pages that left every sliding layer's window, and other sequences reuse them, so a

@@ -48,3 +48,19 @@ def test_no_moe_keys_without_routed_fields_and_the_depth_is_the_presets(tmp_path
     assert s["depth_note"].startswith("30 of 30 layers (full Gemma4-26B-A4B depth)")
     assert rollout.parse_args(["--preset", "gemma4-26b-a4b"]).layers == 30
     assert rollout.parse_args([]).layers == 60
+
+
+def test_a_failed_count_is_recorded_and_the_timed_row_kept(monkeypatch):
+    from benchmarks import rollout_rows
+
+    def no_room(*args, **kwargs):
+        raise RuntimeError("no room for the counting engine")
+
+    monkeypatch.setattr(rollout_rows, "routed_roofline", no_room)
+    args = rollout.parse_args(["--preset", "tiny-moe", "--device", "cpu", "--layers", "2", "--batches", "1",
+                               "--prompt-len", "4", "--new-tokens", "4", "--bandwidth-gb", "0.01",
+                               "--check-prompts", "0", "--rows", "ours_paged_flex", "--modes", "greedy"])
+    (spec,) = rollout.build_specs(args)
+    row = rollout_rows.measure(spec)
+    assert row["moe_routing_error"] == "RuntimeError: no room for the counting engine"
+    assert row["tokens_per_s"] > 0 and row["roofline_fraction"] > 0 and "routed_roofline_fraction" not in row

@@ -128,6 +128,10 @@ class RoutedExperts:
         per_layer = self.hits.sum(1).tolist()  # a host read: call after generate
         return [u / self.steps if self.steps else 0.0 for u in per_layer]
 
+    def routed_fraction(self) -> float:
+        """The share of all expert bytes a counted decode step read, on average (a host read)."""
+        return routed_bytes(0, self.experts, self.mean_union()).routed_fraction
+
     def summary(self, all_weight_bytes: float) -> dict:
         """The counts and the routed weight bytes per decode step, for a benchmark row (reads the device once)."""
         union = self.mean_union()

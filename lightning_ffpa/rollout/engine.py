@@ -525,8 +525,10 @@ class RolloutEngine:
         inputs = torch.zeros(2, bucket, dtype=torch.long, device=self.device)  # all rows padding (slot 0)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), self._counting():  # warm up (compiles flex) off the capture; padding rows
-            for _ in range(2):                                # only, so nothing is counted
+        # Warm up (compiles flex) off the capture. Counting is on as in the capture, so the step compiles once, with
+        # the routers' hooks; its rows are all padding, so nothing is counted.
+        with torch.cuda.stream(stream), self._counting():
+            for _ in range(2):
                 self._step(inputs[0], inputs[1], sampling, None)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()

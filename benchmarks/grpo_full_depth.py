@@ -8,7 +8,10 @@ lengths, decode steps, peak memory allocated and reserved. The first step (CUDA 
 reported but left out of the medians. The decode's fraction of the HBM roofline divides the bytes a decode step
 must read (every weight once, the LoRA adapters, and each row's K/V: the last `window` tokens on sliding layers,
 all of them on full layers) by the generation seconds per decode step (prefill included, so a lower bound) and the
-bandwidth: the datasheet's (primary) and a device-to-device copy measured in this process before the rows. A GPU
+bandwidth: the datasheet's (primary) and a device-to-device copy measured in this process before the rows. On a MoE
+preset, `--count-routed` turns on the engine's routed-expert count (`engine.count_routed_experts`, logged per step as
+`rollout/routed_expert_fraction`), and `decode_roofline_routed_datasheet` counts only that share of the expert bytes
+(docs/rollout.md); the all-weights fraction stays beside it. The count runs inside the timed rollouts. A GPU
 run times at least 3 steps per row (`--steps` >= 4: the first is not timed); the fraction is the median over them,
 with its min and max.
 
@@ -69,7 +72,8 @@ def fit_row(length: int, args: argparse.Namespace) -> dict[str, Any]:
            "--trainer.max_steps", str(args.steps), "--trainer.default_root_dir", str(root),
            "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(root),
            "--trainer.logger.flush_logs_every_n_steps", "1",  # a row cut short keeps the steps it finished
-           f"{CB}sampling.max_new_tokens", str(length), f"{CB}engine.max_seq_len", str(max_seq), *args.extra]
+           f"{CB}sampling.max_new_tokens", str(length), f"{CB}engine.max_seq_len", str(max_seq),
+           *([f"{CB}engine.count_routed_experts", "true"] if args.count_routed else []), *args.extra]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
@@ -94,15 +98,21 @@ def _stat(values: list[float]) -> dict[str, float] | None:
             "n": len(values)} if values else None
 
 
-def decode_bytes(prompt_len: int, length: int, seqs: int, preset: str, layers: int | None, lora_r: int) -> float:
+def decode_bytes(prompt_len: int, length: int, seqs: int, preset: str, layers: int | None, lora_r: int,
+                 routed_fraction: float | None = None) -> float:
     """Bytes one decode step must read, averaged over the completion's positions: every weight once (the
-    embedding as the head's matrix), the LoRA adapters, and each row's K/V within its layers' reach."""
+    embedding as the head's matrix), the LoRA adapters, and each row's K/V within its layers' reach. With
+    `routed_fraction` (a MoE model), only that share of the expert weights."""
     from lightning_ffpa.rollout.kv_cache import token_bytes
     from lightning_ffpa.rollout.memory import lora_params, meta_model
+    from lightning_ffpa.rollout.routing import moe_layers
     from lightning_ffpa.rollout.walker import DecoderWalker
 
     model = meta_model(preset, **({} if layers is None else {"num_hidden_layers": layers}))
     weights = sum(p.numel() for p in model.parameters()) * 2 + lora_params(model, lora_r) * 2
+    if routed_fraction is not None:
+        experts = sum(p.numel() for _, _, e in moe_layers(model) for p in e.parameters() if p.dim() == 3) * 2
+        weights -= (1 - routed_fraction) * experts
     kv = 0.0
     for spec in DecoderWalker(model).specs:
         per_tok = token_bytes([spec], 2)
@@ -146,6 +156,15 @@ def summarize(rows: list[dict[str, Any]], bandwidth: dict[str, Any] | None, args
                 r["decode_roofline_datasheet_max"] = need / min(decode) / bandwidth["datasheet_bytes_per_s"]
             r["decode_roofline_copy_bw"] = need / per_step / bandwidth["copy_bytes_per_s"]
             out[f"grpo_full_depth_decode_roofline_datasheet_bs{seqs}_{L}"] = r.get("decode_roofline_datasheet")
+            routed = [s["rollout/routed_expert_fraction"] for s in timed if "rollout/routed_expert_fraction" in s]
+            if routed and bandwidth.get("datasheet_bytes_per_s"):  # `--count-routed` on a MoE preset
+                r["routed_expert_fraction"] = statistics.median(routed)
+                need = decode_bytes(args.prompt_len, L, seqs, args.preset, args.layers, args.lora_r,
+                                    r["routed_expert_fraction"])
+                r["decode_bytes_per_step_routed"] = need
+                r["decode_roofline_routed_datasheet"] = need / per_step / bandwidth["datasheet_bytes_per_s"]
+                out[f"grpo_full_depth_decode_routed_roofline_datasheet_bs{seqs}_{L}"] = \
+                    r["decode_roofline_routed_datasheet"]
     return out
 
 
@@ -164,6 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=8, help="the recipe's num_generations")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--page-size", type=int, default=128)
+    p.add_argument("--count-routed", action="store_true",
+                   help="MoE preset: count the routed experts (engine.count_routed_experts) for the routed roofline")
     p.add_argument("--timeout", type=float, default=540)
     p.add_argument("--logs", default=str(REPO / "benchmarks" / "results" / "logs"))
     p.add_argument("--out", default=None)

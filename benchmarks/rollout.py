@@ -1,7 +1,8 @@
 """Rollout benchmark on one GPU: paged flex engine vs HF generate, each row in its own process.
 
 Model: Gemma4-31B shapes (hidden 5376, 32 heads, 16/4 kv heads, head_dim 256/512, k_eq_v, vocab 262k) at full
-depth by default (`--layers 60`); `--layers 12` (10 sliding + 2 full) is the reduced-depth ablation. Random
+depth by default (`--layers`: the preset's depth, 60); `--layers 12` (10 sliding + 2 full) is the reduced-depth
+ablation. `--preset gemma4-26b-a4b` is the MoE model (30 layers, 128 experts, top-8). Random
 weights (normal_(0.02)), random `--prompt-len` prompts (the same ids for every row of a batch size), `--new-tokens`
 without EOS. Modes: greedy, and sampling at temperature 1.0, top-p 1.0, top-k off (`--modes`), at `--batches`.
 
@@ -25,11 +26,15 @@ the engine's logprobs against an HF forward over the engine's tokens (`hf_check`
 Roofline (see `rollout_rows.py`): `roofline_fraction_datasheet` divides by the datasheet HBM figure (the primary
 number: the summary, the README and the target read it first); `roofline_fraction` by the copy bandwidth measured in
 the row's own process; both bandwidths are in every row. Each is the median of the row's TIMED_SAMPLES (3) timed
-rollouts, with `_min` and `_max`.
+rollouts, with `_min` and `_max`. On a MoE preset the primary number is `moe_decode_routed_roofline_bs*`: the
+same datasheet fraction over the bytes of the experts each step's batch routed to (per layer, the union over the
+rows), with `moe_decode_all_weights_roofline_bs*` (every weight once) and `moe_decode_routed_expert_fraction_bs*`
+(the share of all expert bytes a step read) beside it (see `rollout_rows.py`).
 
     python benchmarks/rollout.py --out $OUT/rollout.json                       # full depth, ours + HF eager
     python benchmarks/rollout.py --rows hf_generate_static_compiled --modes greedy --batches 64 --out $OUT/c.json
     python benchmarks/rollout.py --merge a.json c.json --out rollout.json       # one file, summary recomputed
+    python benchmarks/rollout.py --preset gemma4-26b-a4b --rows ours_paged_flex --batches 64 --out $OUT/moe.json
 """
 
 from __future__ import annotations
@@ -46,11 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import results_io  # noqa: E402
 from benchmarks.report.results_io import resummarize, write_result  # noqa: E402
 from benchmarks.row_process import run_rows  # noqa: E402
+from lightning_ffpa.presets import PRESETS  # noqa: E402
 
 ROWS_SCRIPT = Path(__file__).resolve().parent / "rollout_rows.py"
 KINDS = ("ours_paged_flex", "ours_paged_flex_eager_step", "hf_generate_static", "hf_generate_static_compiled",
          "hf_continuous_batching")
-FULL_DEPTH = 60
+FULL_DEPTH = {"gemma4-31b": (60, "Gemma4-31B"), "gemma4-26b-a4b": (30, "Gemma4-26B-A4B")}  # preset: (layers, name)
 DEFAULT_PAGE_SIZE = 128  # EngineConfig.page_size; a row at another size is named by it
 
 
@@ -138,6 +144,11 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
             if ours:
                 out[f"roofline_fraction{tag}_bs{bs}"] = ours["roofline_fraction"]
                 out[f"roofline_fraction_datasheet{tag}_bs{bs}"] = ours.get("roofline_fraction_datasheet")
+            if "routed_roofline_fraction" in ours:  # a MoE model: the routed experts' bytes, all weights beside
+                out[f"moe_decode_routed_roofline{tag}_bs{bs}"] = ours.get("routed_roofline_fraction_datasheet")
+                out[f"moe_decode_routed_roofline_copy_bw{tag}_bs{bs}"] = ours["routed_roofline_fraction"]
+                out[f"moe_decode_all_weights_roofline{tag}_bs{bs}"] = ours.get("roofline_fraction_datasheet")
+                out[f"moe_decode_routed_expert_fraction{tag}_bs{bs}"] = ours["routed_expert_fraction"]
             best, what = hf_baseline(rows, bs, mode)
             if ours and best:
                 out[f"vs_hf_generate{tag}_bs{bs}"] = ours["tokens_per_s"] / best
@@ -206,9 +217,11 @@ def depth_note(rows: list[dict], summary: dict[str, Any]) -> str:
     timed = [r for r in rows if "layers" in r]
     if not timed:
         return "no rows"
-    layers = sorted({r["layers"] for r in timed})
-    depth = "; ".join(f"{n} of {FULL_DEPTH} layers" + (" (full Gemma4-31B depth)" if n == FULL_DEPTH
-                                                        else " (reduced-depth ablation)") for n in layers)
+    def of(n: int, preset: str) -> str:  # rows from before `preset` was recorded are 31B's
+        full, name = FULL_DEPTH.get(preset, (PRESETS[preset]["num_hidden_layers"], preset))
+        return f"{n} of {full} layers" + (f" (full {name} depth)" if n == full else " (reduced-depth ablation)")
+
+    depth = "; ".join(of(n, p) for n, p in sorted({(r["layers"], r.get("preset", "gemma4-31b")) for r in timed}))
     r = timed[0]
     note = f"{depth}, {r['prompt_len']}-token prompts, {r['new_tokens']} new tokens"
     baselines = sorted({v for k, v in summary.items() if k.startswith("hf_baseline")})
@@ -253,7 +266,8 @@ def merge(paths: list[str], out: str, history_note: str | None = None) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=FULL_DEPTH, help="60 = full depth; 12 = reduced-depth ablation")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="default: the preset's full depth (60 for gemma4-31b); 12 = reduced-depth ablation")
     ap.add_argument("--batches", default="16,64,128")
     ap.add_argument("--modes", default="greedy,sample", help="greedy and/or sample (temperature 1.0, top-p 1.0)")
     ap.add_argument("--rows", default="ours_paged_flex,hf_generate_static", help=f"row kinds, of {', '.join(KINDS)}")
@@ -301,6 +315,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--modes: unknown {bad}; choose greedy and/or sample")
     if args.kernel_options:
         args.kernel_options = str(Path(args.kernel_options).resolve())
+    if args.preset not in PRESETS:
+        ap.error(f"--preset: unknown {args.preset!r}; choose from {', '.join(PRESETS)}")
+    if args.layers is None:
+        args.layers = PRESETS[args.preset]["num_hidden_layers"]
     return args
 
 

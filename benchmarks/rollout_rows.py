@@ -1,6 +1,6 @@
 """One row of the rollout benchmark, measured in the process that `benchmarks/rollout.py` started for it.
 
-Owns: building the Gemma4-31B-shaped model with random weights, the bandwidths a roofline divides by
+Owns: building the preset's Gemma4-shaped model (31B by default) with random weights, the bandwidths a roofline divides by
 (measured copy and read bandwidth, and the datasheet figure), the engine row (`ours_paged_flex`: timing,
 roofline bytes, an optional profile and LoRA refresh, and the check against HF from `rollout_hf.py`), and the
 HF rows. Does not own which rows run, processes, budgets or the summary (`rollout.py`, `row_process.py`).
@@ -11,12 +11,20 @@ V = v_norm(k) apart from K = rope(k_norm(k)), so both count), averaged exactly o
 primary fraction, `roofline_fraction_datasheet`, divides the ideal step time at the datasheet HBM figure by the
 measured step; `roofline_fraction` uses the measured copy bandwidth (read + write bytes / s, this process) instead,
 `roofline_fraction_read_bw` a measured read bandwidth (a bf16 sum). Flex reads whole KV blocks: `kv_bytes_read_paged` is reported, not counted.
+MoE models (`--preset gemma4-26b-a4b`): a decode step's grouped expert GEMMs read only the experts some row routed
+to, so the engine row also counts, per MoE layer, the union of experts each decode step's rows routed to
+(`EngineConfig.count_routed_experts`) in one more rollout of the same prompts and sampling, untimed, with an eager
+decode step (so the timed path stays the one users run; `moe_routing.token_match` is how many of its tokens equal
+the timed rollout's). `routed_roofline_fraction_datasheet` (the primary MoE number) and `routed_roofline_fraction`
+(copy bandwidth) count non-expert weights + per layer (mean union) x (bytes of one expert) + K/V; the all-weights
+fractions stay beside them, and `routed_expert_fraction` is the share of all expert bytes a step read.
 An engine row times TIMED_SAMPLES rollouts after its warm-up (each a prefill alone, then the whole rollout); its
 throughput, decode step and roofline fractions are their median, with `_min` and `_max` beside (`timed_samples`).
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 import traceback
 from pathlib import Path
@@ -29,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.rollout_hf import peaks, reference_check, run_hf_cb, run_hf_static, timed  # noqa: E402
 from benchmarks.row_process import row_main  # noqa: E402
 from lightning_ffpa.presets import build_text_config  # noqa: E402
+from lightning_ffpa.rollout.routing import moe_layers  # noqa: E402
 
 TIMED_SAMPLES = 3  # timed rollouts per engine row, after the warm-up; the row records their median, min and max
 
@@ -166,6 +175,35 @@ def run_ours(model, prompts, new: int, bw: dict, wbytes: int, spec: dict, device
     return res, eng, seqs
 
 
+def routed_roofline(row: dict, model, prompts, new: int, wbytes: int, spec: dict, seqs) -> dict:
+    """The MoE fields of an engine row: the routed experts counted in an untimed eager rollout of the same prompts
+    and sampling, and the roofline fractions over the routed bytes (the timed steps, scaled by bytes)."""
+    from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
+    from lightning_ffpa.rollout.sampler import SamplingParams
+
+    bs, plen, page = len(prompts), len(prompts[0]), spec["page_size"]
+    max_len = -(-(plen + new) // page) * page
+    eng = RolloutEngine(model, EngineConfig(page_size=page, num_pages=bs * (max_len // page) + 2, max_batch_size=bs,
+                                            max_seq_len=max_len, max_prefill_tokens=16384, compile_decode=False,
+                                            cuda_graphs=False, count_routed_experts=True))
+    sampling = SamplingParams(temperature=0.0) if spec["mode"] == "greedy" else SamplingParams(temperature=1.0,
+                                                                                               top_p=1.0, top_k=0)
+    counted = eng.generate(prompts, new, sampling)
+    moe = eng.routing.summary(wbytes)
+    eng.routing.remove()
+    pairs = [(a, b) for s, t in zip(counted, seqs) for a, b in zip(s.output, t.output)]
+    moe.update(counted_in="an untimed rollout of the same prompts and sampling, eager decode step",
+               token_match=sum(a == b for a, b in pairs) / max(len(pairs), 1))
+    scale = (moe["routed_weight_bytes"] + row["kv_bytes_per_step"]) / row["step_bytes"]  # same steps, fewer bytes
+    out = {"moe_routing": moe, "routed_step_bytes": moe["routed_weight_bytes"] + row["kv_bytes_per_step"],
+           "routed_expert_fraction": moe["routed_expert_fraction"]}
+    for key in ("roofline_fraction", "roofline_fraction_datasheet"):
+        for end in ("", "_min", "_max"):
+            v = row.get(key + end)
+            out[f"routed_{key}{end}"] = None if v is None else v * scale
+    return out
+
+
 def lora_refresh_s(model, inference, reps: int = 3) -> float:
     import copy
 
@@ -214,6 +252,15 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         del eng
         if device == "cuda":
             torch.cuda.empty_cache()
+        if moe_layers(model):  # after the timed engine is gone: the counting engine's pools take its place
+            gc.collect()  # the timed engine's graphs and pools, before the counting engine checks its room
+            try:  # a failed count is recorded, the timed row kept
+                row.update(routed_roofline(row, model, prompts, new, weight_bytes(model), spec, seqs))
+            except Exception as err:  # noqa: BLE001
+                row["moe_routing_error"] = f"{type(err).__name__}: {err}"[:300]
+                traceback.print_exc()
+            if device == "cuda":
+                torch.cuda.empty_cache()
         k = spec.get("check_prompts", 0)
         if k:
             row["hf_check"] = reference_check(model, prompts[:k], [s.output for s in seqs[:k]],

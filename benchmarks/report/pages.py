@@ -118,6 +118,14 @@ HEADLINES: dict[str, tuple[str, str]] = {
     "cp2_vs_cp1_loss_max_abs_diff": ("context parallel: loss difference CP=2 vs CP=1", "{:.2e}"),
     # Roofline: the datasheet HBM bandwidth is the primary denominator; the copy bandwidth measured on the same
     # GPU (what a plain copy reaches there) follows as the secondary one.
+    # MoE (a MoE preset's rollout.py file): the routed experts' bytes first, every weight once beside it
+    "moe_decode_routed_roofline_bs64": ("MoE rollouts, batch 64, greedy: decode throughput as a fraction of the HBM "
+                                        "roofline over the experts the batch routed to (per layer, the union over "
+                                        "the rows), at the datasheet bandwidth", "{:.1%}"),
+    "moe_decode_all_weights_roofline_bs64": ("MoE rollouts, batch 64, greedy: the same step, of the roofline over "
+                                             "every weight once (all experts)", "{:.1%}"),
+    "moe_decode_routed_expert_fraction_bs64": ("MoE rollouts, batch 64, greedy: the share of all expert bytes a "
+                                               "decode step read", "{:.1%}"),
     "roofline_fraction_datasheet_bs64": ("GRPO rollouts, batch 64, greedy: decode throughput as a fraction of the "
                                          "HBM roofline at the datasheet bandwidth", "{:.1%}"),
     "roofline_fraction_bs64": ("the same, of the copy bandwidth measured on the same GPU", "{:.1%}"),

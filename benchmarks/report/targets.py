@@ -37,6 +37,9 @@ TARGETS: list[tuple[str, str | None, float, bool, str]] = [
      "training step, 8k: ours vs NeMo-Automodel's FFPA backend, same recipe"),
     ("roofline_fraction_datasheet_bs64", "rollout_full_depth", 0.85, False,
      "rollout decode, 60 layers, batch 64: fraction of the HBM roofline at the datasheet bandwidth"),
+    ("moe_decode_routed_roofline_bs64", None, 0.60, False,
+     "MoE rollout decode (Gemma4-26B-A4B), batch 64: fraction of the HBM roofline over the routed experts' bytes, "
+     "at the datasheet bandwidth"),
     ("ours_vs_trl_step_speedup", None, 5.0, False, "GRPO optimizer step: ours vs TRL's GRPOTrainer"),
 ]
 # Targets that also need ours' peak memory at or below the peer's: key -> (ours' memory key, the peer's), read
@@ -92,7 +95,8 @@ def render_targets(results: list[tuple[Path, dict[str, Any]]], link_from: Path, 
     for key, stem, bar, strict, what in TARGETS:
         path, rec = _newest(results, key, stem)
         value = rec["summary"][key] if rec else None
-        bar_fmt, value_fmt = ("{:.0%}", "{:.1%}") if key.startswith(("ours_mfu", "roofline")) else ("{:.2f}x",) * 2
+        bar_fmt, value_fmt = (("{:.0%}", "{:.1%}") if key.startswith(("ours_mfu", "roofline", "moe_decode"))
+                              else ("{:.2f}x",) * 2)
         bar_text = f"{'>' if strict else '>='} {bar_fmt.format(bar)}"
         shown = "-" if value is None else value_fmt.format(value)
         status = target_status(value, bar, strict)

@@ -359,6 +359,13 @@ class RolloutCallback(L.Callback):
         for name in ("preemptions", "eager_decodes", "graph_replays", "capture_s", "decode_steps"):
             pl_module.log(f"rollout/{name}", float(self.engine.stats[name] - before[name]), on_step=True,
                           on_epoch=False, batch_size=len(seqs))
+        routing = self.engine.routing
+        if routing is not None and routing.steps:  # `engine.count_routed_experts`: the MoE decode roofline's bytes
+            union = routing.mean_union()
+            for name, value in (("routed_expert_fraction", routing.routed_fraction()),
+                                ("moe_mean_union", sum(union) / len(union))):
+                pl_module.log(f"rollout/{name}", value, on_step=True, on_epoch=False, batch_size=len(seqs))
+            routing.reset()
         self._update_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,

@@ -36,6 +36,9 @@ per batch bucket at capture, logged with its time and counted in `stats["capture
 `EngineConfig.fuse_projections` (on by default, CPU too) runs the projections that read one input (q/k/v,
 gate/up) as one GEMM per group (`fused_linear.py`): a skinny decode GEMM streams its weights faster when larger.
 
+`EngineConfig.count_routed_experts` (off by default) counts, per decode step and MoE layer, the experts the batch's
+rows routed to, on the device inside the same step (`routing.py`), for the MoE decode roofline.
+
 Sliding-window layers keep only their window. They have their own page pool and table
 (`EngineConfig.num_sliding_pages`), under the same slots as the full layers' one (`page_pools.py`): each
 step releases the pages that left every sliding layer's window, and other sequences reuse them, so a
@@ -53,6 +56,7 @@ import logging
 import math
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -72,6 +76,7 @@ from lightning_ffpa.rollout.masks import (
 )
 from lightning_ffpa.rollout.page_pools import PagePools
 from lightning_ffpa.rollout.page_table import PageTable, window_pages
+from lightning_ffpa.rollout.routing import RoutedExperts, moe_layers
 from lightning_ffpa.rollout.sampler import SamplingParams, sample
 from lightning_ffpa.rollout.scheduler import Scheduler, Sequence
 from lightning_ffpa.rollout.walker import DecoderWalker
@@ -136,6 +141,10 @@ class EngineConfig:
     """In the compiled decode step, write K/V into the pools with a scatter inductor fuses into the kernel that
     makes them; off: one `index_copy_` kernel per pool. No effect eagerly. Gain:
     `benchmarks/results/rollout_full_depth.json` (row `ours_paged_flex_kvwrite_op` is this off)."""
+    count_routed_experts: bool = False
+    """Count, per decode step and MoE layer, the experts the batch's rows routed to (`routing.py`: on-device
+    counts, read after `generate` from `engine.routing`), for the MoE decode roofline. Off: no hook, the decode
+    step unchanged. A model without MoE layers is a ConfigError naming this option."""
 
     def check(self, option: str = "engine") -> None:
         """Raise ConfigError naming `<option>.<field>` for the first value out of range or inconsistent."""
@@ -163,7 +172,7 @@ class EngineConfig:
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError(f"{option}.compile_mode", self.compile_mode,
                               f"must be one of {list(COMPILE_MODES)} (the engine captures its own CUDA graphs)")
-        for name in ("fuse_projections", "fuse_kv_write"):
+        for name in ("fuse_projections", "fuse_kv_write", "count_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{option}.{name}", getattr(self, name), "must be a bool")
         if self.compile_mode is not None and self.compile_decode is False:
@@ -293,6 +302,10 @@ class RolloutEngine:
         compile_step = cfg.check_device(self.device, option)
         check_capture(model, self.device, cfg.cuda_graphs, compile_step, option)
         self.eos_token_ids = set(eos_token_ids or ())
+        if cfg.count_routed_experts and not moe_layers(model):
+            raise ConfigError(f"{option}.count_routed_experts", True, "the model has no MoE layers to count")
+        # registered before any compile or capture: the hooks are part of the traced and captured decode step
+        self.routing = RoutedExperts(model, cfg.max_batch_size, self.device) if cfg.count_routed_experts else None
         if cfg.fuse_projections:  # after the config checks (it moves the weights), before the pool's room check
             self.walker.fuse()
             if self.on_cuda:
@@ -446,6 +459,8 @@ class RolloutEngine:
         host never has to see a token before the next step can run.
         """
         ids = self.last_token[slots]  # (B,)
+        if self.routing is not None:
+            self.routing.mark_rows(slots)
         index, sliding_index = self._write_index(slots, pos)
         self.cache.begin(index, decode=True, sliding_index=sliding_index)
         block = self.config.decode_block
@@ -480,6 +495,8 @@ class RolloutEngine:
         self.pages.flush()
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += n
+        if self.routing is not None:
+            self.routing.steps += 1
         if self.on_cuda and self.config.cuda_graphs:
             graph, static = self._graph(bucket, sampling)
             static["inputs"].copy_(host, non_blocking=True)  # stream-ordered after the previous replay
@@ -488,8 +505,13 @@ class RolloutEngine:
             return _Readback.start(seqs, static["tokens"][:n], static["logprobs"][:n])
         self.stats["eager_decodes"] += 1
         dev = self._to_device(host)
-        tokens, logprobs = self._step(dev[0], dev[1], sampling, generator)
+        with self._counting():
+            tokens, logprobs = self._step(dev[0], dev[1], sampling, generator)
         return _Readback.start(seqs, tokens[:n], logprobs[:n])
+
+    def _counting(self):
+        """Inside: the routers' calls are a decode step's, counted when `count_routed_experts` is on."""
+        return self.routing.counting() if self.routing is not None else nullcontext()
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if not self.on_cuda:
@@ -503,14 +525,16 @@ class RolloutEngine:
         inputs = torch.zeros(2, bucket, dtype=torch.long, device=self.device)  # all rows padding (slot 0)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up (compiles flex) off the capture
+        # Warm up (compiles flex) off the capture. Counting is on as in the capture, so the step compiles once, with
+        # the routers' hooks; its rows are all padding, so nothing is counted.
+        with torch.cuda.stream(stream), self._counting():
             for _ in range(2):
                 self._step(inputs[0], inputs[1], sampling, None)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with torch.cuda.graph(graph, pool=self._graph_pool), self._counting():
             tokens, logprobs = self._step(inputs[0], inputs[1], sampling, None)
         self._graphs[bucket] = (graph, {"inputs": inputs, "tokens": tokens, "logprobs": logprobs})
         took = time.perf_counter() - start

@@ -45,6 +45,25 @@ def test_decode_bytes_count_each_weight_once_and_sliding_kv_only_within_the_wind
     assert weights == pytest.approx(grpo_full_depth.decode_bytes(4, 400, 0, "tiny", None, 4))
 
 
+def test_routed_decode_bytes_count_the_routed_share_of_the_experts():
+    """tiny-moe: 4 layers x 4 experts x (gate_up 64x64 + down 64x32) bf16; a routed half drops half of them."""
+    experts = 4 * 4 * (64 * 64 + 64 * 32) * 2
+    full = grpo_full_depth.decode_bytes(4, 8, 2, "tiny-moe", None, 4)
+    assert grpo_full_depth.decode_bytes(4, 8, 2, "tiny-moe", None, 4, 1.0) == pytest.approx(full)
+    assert grpo_full_depth.decode_bytes(4, 8, 2, "tiny-moe", None, 4, 0.5) == pytest.approx(full - experts / 2)
+    args = grpo_full_depth.parse_args(["--preset", "tiny-moe", "--lengths", "8", "--prompt-len", "4",
+                                       "--prompts", "1", "--group", "2", "--lora-r", "4", "--count-routed"])
+    steps = [{"rollout/refresh_s": 0.1, "rollout/generate_s": 1.0, "rollout/update_s": 0.1,
+              "rollout/decode_steps": 7.0, "rollout/routed_expert_fraction": f} for f in (1.0, 0.5, 0.5, 0.25)]
+    row = {"completion_len": 8, "exit_code": 0, "steps": steps}
+    out = grpo_full_depth.summarize([row], {"datasheet_bytes_per_s": 1e12, "copy_bytes_per_s": 1e12}, args)
+    assert row["routed_expert_fraction"] == 0.5  # the median of the timed steps (the first is not timed)
+    assert row["decode_bytes_per_step_routed"] == pytest.approx(full - experts / 2)
+    assert out["grpo_full_depth_decode_routed_roofline_datasheet_bs2_8"] == pytest.approx(
+        (full - experts / 2) / (1.0 / 7) / 1e12)
+    assert row["decode_roofline_datasheet"] == pytest.approx(full / (1.0 / 7) / 1e12)  # all weights, beside
+
+
 def test_a_gpu_run_times_at_least_three_steps_per_row(monkeypatch):
     """The first step captures and compiles: a GPU run needs --steps >= 4 for three timed samples (one line
     naming the option, before any row runs); on CPU the smoke run may time fewer."""

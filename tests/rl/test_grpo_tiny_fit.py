@@ -88,3 +88,20 @@ def test_inference_dtype_option():
     assert next(module.model.parameters()).dtype == torch.float32
     logged = trainer.callback_metrics  # how the engine ran is visible: eager on CPU, no graphs
     assert logged["rollout/eager_decodes"] > 0 and logged["rollout/graph_replays"] == 0
+
+
+def test_routed_experts_are_logged_per_rollout():
+    """`engine.count_routed_experts` on the tiny MoE: each rollout logs the share of expert bytes its decode steps
+    read (top-2 of 4 experts, 4 rows: between a half and all of them) and the mean union per layer."""
+    engine = EngineConfig(page_size=8, num_pages=32, max_batch_size=4, max_seq_len=16, attention="dense",
+                          count_routed_experts=True)
+    rollout = RolloutCallback([token_range_reward], num_generations=2, sampling=SamplingParams(max_new_tokens=4),
+                              engine=engine, eos_token_ids=[])
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout])
+    module = GRPOModule(preset="tiny-moe", lora={"r": 2, "target_modules": ["q_proj", "o_proj"]})
+    trainer.fit(module, datamodule=PromptDataModule(num_random_prompts=2, prompt_len=4, batch_size=2))
+    logged = trainer.callback_metrics
+    union = logged["rollout/moe_mean_union"].item()
+    assert 2 <= union <= 4 and logged["rollout/routed_expert_fraction"].item() == pytest.approx(union / 4)
+    assert rollout.engine.routing.steps == 0  # reset after each rollout's log

@@ -7,8 +7,8 @@ command's body and maps the user's mistakes to `error: <option>=<value>: <why>` 
 While a command is still checking its input, stderr is held back (`hold_stderr`), so a rejected input prints
 exactly one line; the command releases it (`release_stderr`) when its input is accepted. Bugs keep their
 traceback. `--debug` or `LIGHTNING_FFPA_DEBUG=1` shows the traceback (and all output) for user errors too,
-still with exit code 2. The console scripts' exit skips the interpreter's exit-time walks of the heap (see
-`_exit_quickly`). Does not own what is checked: each component validates its own options.
+still with exit code 2. The console scripts' exit skips the interpreter's exit-time walks of the heap
+(`exit_quickly`). Does not own what is checked: each component validates its own options.
 """
 
 from __future__ import annotations
@@ -309,7 +309,6 @@ def release_stderr(replay: bool = True) -> None:
 
 
 def _exit_quickly() -> None:
-    """At exit, after the other exit handlers: move every live object out of the cyclic GC's reach (`gc.freeze`)."""
     # The interpreter's exit-time collections walk every object torch, Lightning and transformers created
     # (~1.3 s of a CPU fit's exit, for each command and each rank); the process ends right after them, so objects
     # still in reference cycles are freed with the process instead. The other exit handlers (logging, loggers,
@@ -318,6 +317,16 @@ def _exit_quickly() -> None:
 
 
 _exit_registered = False
+
+
+def exit_quickly() -> None:
+    """Make this process's exit skip the interpreter's exit-time walks of the heap: an exit handler, registered
+    once and before the command's own (so it runs after them), moves every live object out of the cyclic GC's
+    reach (`gc.freeze`). For console scripts (`console_entry` calls it) and benchmark row processes."""
+    global _exit_registered
+    if not _exit_registered:
+        atexit.register(_exit_quickly)
+        _exit_registered = True
 
 
 def console_entry(body: Callable[[list[str]], Any], user_errors: tuple[type[BaseException], ...] = (),
@@ -330,10 +339,7 @@ def console_entry(body: Callable[[list[str]], Any], user_errors: tuple[type[Base
     until the body calls `release_stderr()` (or returns), so a rejected input prints exactly one line.
     An int returned by `body` is the exit code.
     """
-    global _exit_registered
-    if not _exit_registered:  # registered first, so it runs last of the exit handlers the command registers
-        atexit.register(_exit_quickly)
-        _exit_registered = True
+    exit_quickly()  # first, so its handler runs after those the command registers
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _debug_requested(argv)
     if "--debug" in argv:

@@ -219,6 +219,8 @@ def row_main(argv: list[str] | None, measure: Callable[[dict[str, Any]], dict[st
     import argparse
     import traceback
 
+    from lightning_ffpa.errors import exit_quickly
+
     argv = sys.argv[1:] if argv is None else argv
     if "--row" not in argv:
         return False
@@ -228,6 +230,7 @@ def row_main(argv: list[str] | None, measure: Callable[[dict[str, Any]], dict[st
     args = ap.parse_args(argv)
     spec = json.loads(args.row)
     dump_stacks_on_signal()
+    exit_quickly()  # a row's process exits right after writing its row
     row: dict[str, Any] = {"process": {"pid": os.getpid(), "parent_pid": os.getppid()}}
     try:
         row.update(measure(spec))

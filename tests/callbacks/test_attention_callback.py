@@ -168,8 +168,8 @@ def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatc
 
     calls = []
     fake_ring = types.ModuleType("lightning_ffpa.cp.ring")
-    fake_ring.install_ring = lambda model, cp_mesh: calls.append((model, cp_mesh)) or SimpleNamespace(
-        stats={"block_dense": 3})
+    fake_ring.install_ring = lambda model, cp_mesh, sliding_backend: calls.append(
+        (model, cp_mesh, sliding_backend)) or SimpleNamespace(stats={"block_dense": 3})
     monkeypatch.setitem(sys.modules, "lightning_ffpa.cp.ring", fake_ring)
     module = _Wrapper()
     module.configure_model()
@@ -178,6 +178,6 @@ def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatc
                                                        parallel_dims=SimpleNamespace(cp_mesh=cp_mesh)))
     callback = FFPAAttention()
     callback.setup(trainer, module, "fit")
-    assert calls == [(module.net["lm"], cp_mesh)]
+    assert calls == [(module.net["lm"], cp_mesh, None)]  # the default sliding path: Flex
     assert module.net["lm"].config._attn_implementation == "sdpa"  # the ring's own installer takes over from here
     assert "ring CP=2" in callback.summary() and "ring-block_dense=3" in callback.summary()

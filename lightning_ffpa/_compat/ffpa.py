@@ -109,26 +109,17 @@ def forward_ops() -> tuple:
     return (ops._fwd_cute.default, ops._varlen_fwd_cute.default)
 
 
-def flop_formulas(dense_flops: Callable[[Tensor, Tensor], int],
-                  varlen_flops: Callable[[Tensor, Tensor, Tensor, int], int]) -> list[tuple[Any, Callable]]:
-    """(op packet, torch.utils.flop_counter formula) for the four ops, mapping each op's own argument order onto
-    ``dense_flops(q, k)`` and ``varlen_flops(q, cu_q, cu_k, max_k)``; a backward counts twice its forward.
+def flop_formulas(dense_fwd: Callable, dense_bwd: Callable, varlen_fwd: Callable,
+                  varlen_bwd: Callable) -> list[tuple[Any, Callable]]:
+    """(op packet, torch.utils.flop_counter formula) for the four ops, given formulas in the project's argument
+    order (``do`` first): only the varlen backward's order differs, (q, k, v, out, dout, lse, ...).
     [] when ffpa_attn is not importable."""
     ops = _load()[0]
     if ops is None:
         return []
 
-    def fwd(q, k, *args, out_val=None, **kw):
-        return dense_flops(q, k)
+    def varlen_bwd_(q, k, v, o, do, lse, *args, **kw):
+        return varlen_bwd(do, q, k, v, o, lse, *args, **kw)
 
-    def bwd(do, q, k, *args, out_val=None, **kw):  # dq, dk, dv, dp: twice the forward
-        return 2 * dense_flops(q, k)
-
-    def varlen_fwd_(q, k, v, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
-        return varlen_flops(q, cu_q, cu_k, max_k)
-
-    def varlen_bwd_(q, k, v, o, do, lse, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
-        return 2 * varlen_flops(q, cu_q, cu_k, max_k)
-
-    return [(ops._fwd_cute, fwd), (ops._bwd_cute, bwd), (ops._varlen_fwd_cute, varlen_fwd_),
+    return [(ops._fwd_cute, dense_fwd), (ops._bwd_cute, dense_bwd), (ops._varlen_fwd_cute, varlen_fwd),
             (ops._varlen_bwd_cute, varlen_bwd_)]

@@ -278,27 +278,34 @@ def _varlen_flops(q: Tensor, cu_q: Tensor, cu_k: Tensor, max_k: int) -> int:
     return registry.attention_flops(1, 1, pairs, hq, d)
 
 
+def _dense_fwd_formula(q, k, *args, out_val=None, **kw):
+    return _dense_flops(q, k)
+
+
+def _dense_bwd_formula(do, q, k, *args, out_val=None, **kw):  # dq, dk, dv, dp: twice the forward
+    return 2 * _dense_flops(q, k)
+
+
+def _varlen_fwd_formula(q, k, v, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
+    return _varlen_flops(q, cu_q, cu_k, max_k)
+
+
+def _varlen_bwd_formula(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
+    return 2 * _varlen_flops(q, cu_q, cu_k, max_k)
+
+
+# torch.utils.flop_counter formulas of the op contract's four ops, in the contract's argument order
+FLOP_FORMULAS = (_dense_fwd_formula, _dense_bwd_formula, _varlen_fwd_formula, _varlen_bwd_formula)
+
+
 @functools.cache
 def register_flop_formulas() -> None:
     """Register torch.utils.flop_counter formulas for the FFPA and reference ops (idempotent)."""
     from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-    def dense_fwd_flops(q, k, *args, out_val=None, **kw):
-        return _dense_flops(q, k)
-
-    def dense_bwd_flops(do, q, k, *args, out_val=None, **kw):  # dq, dk, dv, dp: twice the forward
-        return 2 * _dense_flops(q, k)
-
-    def varlen_fwd_flops(q, k, v, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
-        return _varlen_flops(q, cu_q, cu_k, max_k)
-
-    def varlen_bwd_flops(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kw):
-        return 2 * _varlen_flops(q, cu_q, cu_k, max_k)
-
     ref = torch.ops.lightning_ffpa
-    table = [(ref.ref_dense_fwd, dense_fwd_flops), (ref.ref_dense_bwd, dense_bwd_flops),
-             (ref.ref_varlen_fwd, varlen_fwd_flops), (ref.ref_varlen_bwd, varlen_bwd_flops)]
-    table += ffpa_compat.flop_formulas(_dense_flops, _varlen_flops)  # [] without ffpa_attn
+    table = list(zip((ref.ref_dense_fwd, ref.ref_dense_bwd, ref.ref_varlen_fwd, ref.ref_varlen_bwd), FLOP_FORMULAS))
+    table += ffpa_compat.flop_formulas(*FLOP_FORMULAS)  # [] without ffpa_attn
     for packet, formula in table:
         if packet not in flop_registry:  # someone (a newer ffpa_attn?) may have registered one already
             register_flop_formula(packet, get_raw=True)(formula)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_ffpa.attention import registry
 from lightning_ffpa.attention.flex import flex_forward
 from lightning_ffpa.attention.masks import build_block_mask
 from lightning_ffpa.cp.group import RingGroup
@@ -174,8 +175,6 @@ def _varlen_index(layout: RingLayout, h: int, k_pos: Tensor, allgather: bool) ->
 def _varlen_attention(q: Tensor, k: Tensor, v: Tensor, index: dict[str, Tensor | int], window: int, scale: float,
                       kernel: str) -> Tensor:
     """The local call through a registry kernel's windowed varlen attention ([B, L, H, D] in and out)."""
-    from lightning_ffpa.attention import registry
-
     b, lq, hq, d = q.shape
     out = q.new_zeros(b * lq, hq, v.shape[-1])
     if not index["max_len"]:
@@ -211,8 +210,6 @@ def _resolve(backend: str | None, q: Tensor, stats: Counter) -> str:
     masked = "flex" if q.is_cuda else "sdpa"
     if backend != "auto":
         return backend or masked
-    from lightning_ffpa.attention import registry
-
     why = registry.get("fa4").why_not(q.shape[-1], q.dtype, q.device, needs=("causal", "sliding_window", "gqa", "varlen"))
     if not why:
         return "fa4"

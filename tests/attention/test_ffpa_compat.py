@@ -23,7 +23,7 @@ def test_unavailable_on_cpu_says_why_and_offers_no_ops():
     assert ffpa_compat.unavailable_reason() == "no CUDA device"
     assert not kernels.ffpa_available() and kernels.ffpa_unavailable_reason() == "no CUDA device"
     assert ffpa_compat.forward_ops() == ()
-    assert ffpa_compat.flop_formulas(kernels._dense_flops, kernels._varlen_flops) == []
+    assert ffpa_compat.flop_formulas(*kernels.FLOP_FORMULAS) == []
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_forward_ops_and_flop_formulas_follow_the_op_orders(stand_in, monkeypatc
     monkeypatch.setattr(ffpa_compat, "_load", lambda: (stand_in, ""))
     assert ffpa_compat.forward_ops() == (stand_in._fwd_cute.default, stand_in._varlen_fwd_cute.default)
     kernels.register_flop_formulas()  # the reference ops' formulas, in the project's order
-    for packet, formula in ffpa_compat.flop_formulas(kernels._dense_flops, kernels._varlen_flops):
+    for packet, formula in ffpa_compat.flop_formulas(*kernels.FLOP_FORMULAS):
         if packet not in flop_registry:
             register_flop_formula(packet, get_raw=True)(formula)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)

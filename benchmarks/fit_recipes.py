@@ -34,6 +34,8 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     "gemma4_ffpa": ("gemma4_ffpa", [*ONE_GPU, "--trainer.max_steps", "12"]),
     "gemma4_ffpa_lora": ("gemma4_ffpa", [*ONE_GPU, "--trainer.max_steps", "12", "--model.init_args.lora", LORA]),
     "gemma4_grpo": ("gemma4_grpo", ["--trainer.max_steps", "10"]),
+    # one H200 as shipped: all 30 layers, 8k, LoRA on attention, dense MLP and the expert stacks
+    "gemma4_26b_a4b": ("gemma4_26b_a4b", ["--trainer.max_steps", "8", "--trainer.log_every_n_steps", "1"]),
     "tiny": ("tiny", ["--trainer.max_steps", "10", "--trainer.val_check_interval", "5"]),
     "tiny_fsdp2": ("tiny_fsdp2", ["--trainer.max_steps", "10"]),
     "tiny_grpo": ("tiny_grpo", ["--trainer.max_steps", "10"]),

@@ -35,7 +35,8 @@ from lightning_ffpa.parallel import FSDP2Strategy, causal_lm_hidden_states, para
 from lightning_ffpa.parallel.strategy import materialize
 from lightning_ffpa.presets import build_text_config
 
-__all__ = ["DEFAULT_ROWS", "FFPA_BACKEND_ATTN", "PRODUCT_SAVE_MM", "ROWS", "measure_row"]
+__all__ = ["DEFAULT_ROWS", "FFPA_BACKEND_ATTN", "PRODUCT_SAVE_MM", "ROWS", "measure_row", "sliding_kernel",
+           "sliding_path_error"]
 
 # "ours" and the recipe rows take the product's defaults, so the benchmark follows them when they change.
 PRODUCT_SAVE_MM = inspect.signature(FSDP2Strategy).parameters["sac_save_mm"].default
@@ -75,6 +76,10 @@ ROWS: dict[str, dict] = {
     "ours_sac_all_mm": dict(attn="ffpa", **dict(_RECIPE, save_mm="all"), label="ours with SAC saving every matmul"),
     "ours_foreach": dict(attn="ffpa", **dict(_RECIPE, compile=False, optim="adamw_default"),
                          label="ours_nocompile with foreach AdamW"),
+    "ours_fa4_sliding": dict(attn="ffpa", sliding="fa4", **_RECIPE,
+                             label="ours with the sliding layers on FA4 in place of block-sparse Flex (the ffpa "
+                                   "backend's sliding='fa4', as FFPAAttention's `sliding: fa4` sets it); the D=512 "
+                                   "layers keep FFPA"),
 }
 DEFAULT_ROWS = ["ours", "ours_sdpa_d512", "sdpa_recipe", "sdpa_defaults", "liger_recipe", "liger_recipe_nocompile",
                 "flex_recipe"]
@@ -228,6 +233,32 @@ def measure_bf16_peak(device) -> float:
     return 2 * 8192**3 * n / (time.perf_counter() - t0)
 
 
+def sliding_kernel(spec: dict, device, cfg) -> str:
+    """The row's sliding-layer kernel, resolved as the FFPAAttention Callback resolves its `sliding` option: a row
+    asking for FA4 where FA4 cannot run fails here (ConfigError with the reason) instead of timing Flex."""
+    from lightning_ffpa.attention.plan import resolve_plan
+    from lightning_ffpa.callbacks.attention import FFPAAttention
+
+    # Gemma4 configs hold head_dim per layer (the global value raises where layers differ)
+    head_dim = next(layer.head_dim for layer, kind in zip(cfg.per_layer_config, cfg.layer_types)
+                    if kind == "sliding_attention")
+    callback = FFPAAttention(attn_implementation="ffpa", sliding=spec.get("sliding", "flex"))
+    return resolve_plan("ffpa", 1, callback, device, sliding_head_dim=head_dim).sliding_kernel
+
+
+def sliding_path_error(spec: dict, dispatch: dict[str, int], fallbacks: dict[str, int]) -> str | None:
+    """Why a row's timed steps did not run its sliding layers on the kernel its spec names (None: they did).
+    The backend falls back to Flex per call, counted: a row labelled FA4 whose calls fell back is an error."""
+    kernel = spec.get("sliding", "flex")
+    if spec["attn"] != "ffpa" or kernel == "flex":
+        return None
+    fell_back = {k: v for k, v in fallbacks.items() if k.startswith(f"{kernel}_")}
+    if fell_back or not dispatch.get(f"{kernel}-dense"):
+        return (f"the sliding layers were to run {kernel} but the timed steps dispatched {dispatch} "
+                f"(fallbacks {fallbacks})")
+    return None
+
+
 def build_model(spec: dict, mesh, layers: int, device, preset: str):
     import transformers
 
@@ -239,7 +270,7 @@ def build_model(spec: dict, mesh, layers: int, device, preset: str):
         if spec["attn"] == "ffpa" and device.type == "cuda" and not kernels.ffpa_available():
             # An "ffpa" row timed on the sdpa fallback would be a silent mislabel: fail the row instead.
             raise RuntimeError(f"FFPA CuTeDSL unavailable: {kernels.ffpa_unavailable_reason()}")
-        register_ffpa()
+        register_ffpa(sliding=sliding_kernel(spec, device, cfg))
     hf_compat.set_config_attn_implementation(cfg, "sdpa")
     with torch.device("meta"):
         model = transformers.Gemma4ForCausalLM(cfg)
@@ -359,6 +390,7 @@ def measure_row(name: str, seq: int, args, mesh, device, rank: int) -> dict:
             mfu_spec=flops / median / spec_peak if spec_peak else None,  # of the datasheet bf16 peak
             mfu_measured_peak=flops / median / measured_peak if measured_peak else None,  # of the 8192^3 matmul
             first_loss=losses[0], last_loss=losses[-1], dispatch=attention.dispatch_counts(),
+            fallbacks=attention.fallback_counts(),  # the backend's counted fallbacks, with their reasons
             # compile health: graph breaks, and graphs compiled during the timed steps (recompiles in timing)
             graph_breaks=sum(dynamo["graph_break"].values()),
             compiled_graphs=dynamo["stats"]["unique_graphs"],
@@ -370,6 +402,9 @@ def measure_row(name: str, seq: int, args, mesh, device, rank: int) -> dict:
             row["profile"] = profile_step(device, partial(_step, spec, model, opt, ids))
         if not all(v == v and abs(v) < 1e4 for v in losses):
             row["error"] = f"non-finite loss {losses}"
+        mislabelled = sliding_path_error(spec, row["dispatch"], row["fallbacks"])
+        if mislabelled:
+            row["error"] = mislabelled
     except Exception as e:  # noqa: BLE001 - the row records its error; the driver goes on with the next row
         traceback.print_exc()
         row["error"] = f"{type(e).__name__}: {e}"[:1500]

@@ -18,7 +18,9 @@ Default rows, each at 8k, 16k and 32k (6 layers: 5 sliding + 1 full):
                  keep the product's block-sparse Flex path. It splits ours' gain over sdpa_recipe by kernel:
                  ours / ours_sdpa_d512 is FFPA's share (`ours_vs_ours_sdpa_d512_tps_*`), ours_sdpa_d512 /
                  sdpa_recipe the sliding path's (`ours_sdpa_d512_vs_sdpa_recipe_tps_*`)
-Ablations (ours_nocompile, ffpa_defaults, seed_gqa, ...) run when named in --rows.
+Ablations (ours_nocompile, ffpa_defaults, seed_gqa, ...) run when named in --rows; among them ours_fa4_sliding
+(ours with the sliding layers on FA4, the backend's sliding='fa4': a row where FA4 cannot run, or whose calls fell
+back to Flex, is an error), compared with ours in `sliding_path_step_gain_*` (its tokens/s over ours').
 MFU is given against the datasheet bf16 peak (`mfu_spec`) and a measured 8192^3 matmul (`mfu_measured_peak`).
 
 Run (one H200):  python benchmarks/train_throughput.py --out $OUT/train_throughput.json --budget-s 520
@@ -188,6 +190,8 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
         # the other factor of ours_vs_sdpa_recipe: what the sliding path gains with SDPA on the D=512 layers in both
         ratio(f"ours_sdpa_d512_vs_sdpa_recipe_tps_{tag}", row_at(rows, "ours_sdpa_d512", seq),
               row_at(rows, "sdpa_recipe", seq))
+        # opt-in row: what moving the sliding layers from Flex to FA4 gains at the step
+        ratio(f"sliding_path_step_gain_{tag}", row_at(rows, "ours_fa4_sliding", seq), row_at(rows, "ours", seq))
     ratio("ours_vs_liger_tps_8k", row_at(rows, "ours", 8192), fastest_row(rows, LIGER_ROWS, 8192, "tokens_per_s_per_gpu"))
     ratio("ours_vs_sdpa_defaults_tps_8k", row_at(rows, "ours", 8192), row_at(rows, "sdpa_defaults", 8192))
     ours16, why = row_at(rows, "ours", 16384)

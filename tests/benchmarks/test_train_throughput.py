@@ -17,7 +17,8 @@ from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 _SMOKE = ["--cpu", "--preset", "tiny", "--layers", "2", "--seqs", "128", "--warmup", "1", "--steps", "1"]
 _KEYS = {f"ours_vs_{b}_tps_{k}" for b in ("sdpa_recipe", "flex_recipe", "ours_sdpa_d512") for k in ("8k", "16k", "32k")} | {
-    f"ours_sdpa_d512_vs_sdpa_recipe_tps_{k}" for k in ("8k", "16k", "32k")} | {"ours_vs_liger_tps_8k", "ours_vs_sdpa_defaults_tps_8k", "ours_mfu_spec_16k", "ours_mfu_measured_peak_16k"}
+    f"ours_sdpa_d512_vs_sdpa_recipe_tps_{k}" for k in ("8k", "16k", "32k")} | {
+    f"sliding_path_step_gain_{k}" for k in ("8k", "16k", "32k")} | {"ours_vs_liger_tps_8k", "ours_vs_sdpa_defaults_tps_8k", "ours_mfu_spec_16k", "ours_mfu_measured_peak_16k"}
 
 
 def _drive(out, rows, launcher=(sys.executable,), extra=()):
@@ -270,3 +271,70 @@ def test_cpu_phase_memory_sees_the_foreach_adamw_temporary():
 
     assert run(foreach=True) == pytest.approx(1.0, abs=0.01)
     assert run(fused=True) == pytest.approx(0.0, abs=0.01)
+
+
+def test_the_fa4_sliding_row_is_ours_with_fa4_on_the_sliding_layers(monkeypatch):
+    """ours_fa4_sliding is ours' spec with sliding='fa4', opt-in. Its kernel is resolved as the FFPAAttention
+    Callback resolves `sliding: fa4`: refused where FA4 cannot run (here CPU), never Flex under its name. With FA4's
+    CPU stand-in, a forward of a tiny Gemma4 sends its sliding layers to FA4 (counted), with ours' logits."""
+    import torch
+    import transformers
+
+    from benchmarks import train_rows
+    from lightning_ffpa import attention
+    from lightning_ffpa._compat import transformers as hf_compat
+    from lightning_ffpa.attention import fa4, kernels, register_ffpa
+    from lightning_ffpa.presets import build_text_config
+
+    spec = train_rows.ROWS["ours_fa4_sliding"]
+    assert {k: v for k, v in spec.items() if k not in ("sliding", "label")} == \
+        {k: v for k, v in train_rows.ROWS["ours"].items() if k != "label"}
+    assert spec["sliding"] == "fa4" and "FA4" in spec["label"] and "ours_fa4_sliding" not in train_rows.DEFAULT_ROWS
+    cpu = torch.device("cpu")
+    cfg = build_text_config("tiny")  # sliding, full, sliding, full
+    with pytest.raises(ConfigError, match="FFPAAttention.sliding.*flash-attn-4 cannot run here"):
+        train_rows.sliding_kernel(spec, cpu, cfg)
+    assert train_rows.sliding_kernel(train_rows.ROWS["ours"], cpu, cfg) == "flex"
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(cfg).eval()
+    hf_compat.set_attn_implementation(model, "ffpa")
+    ids = torch.randint(0, cfg.vocab_size, (1, 64))
+    logits, counts = {}, {}
+    try:
+        with fa4.cpu_stand_in():
+            for name in ("ours", "ours_fa4_sliding"):
+                register_ffpa(sliding=train_rows.sliding_kernel(train_rows.ROWS[name], cpu, cfg))
+                attention.reset_dispatch_counts()
+                with torch.no_grad(), kernels.force_kernel("reference"):
+                    logits[name] = model(input_ids=ids, use_cache=False).logits
+                counts[name] = ({k: v for k, v in attention.dispatch_counts().items() if v},
+                                attention.fallback_counts())
+    finally:
+        register_ffpa(sliding="flex")  # the process-wide backend config goes back to the default
+    assert counts["ours"] == ({"ffpa-dense": 2, "flex": 2}, {})
+    assert counts["ours_fa4_sliding"] == ({"ffpa-dense": 2, "fa4-dense": 2}, {})
+    torch.testing.assert_close(logits["ours_fa4_sliding"], logits["ours"], rtol=1e-4, atol=1e-4)
+    assert train_rows.sliding_path_error(spec, *counts["ours_fa4_sliding"]) is None
+    assert train_rows.sliding_path_error(train_rows.ROWS["ours"], *counts["ours"]) is None
+
+
+def test_an_fa4_row_whose_calls_fell_back_to_flex_is_an_error():
+    from benchmarks import train_rows
+
+    spec = train_rows.ROWS["ours_fa4_sliding"]
+    why = train_rows.sliding_path_error(spec, {"ffpa-dense": 2, "fa4-dense": 0, "flex": 2}, {"fa4_unavailable": 2})
+    assert why and "fa4" in why and "fa4_unavailable" in why
+    assert train_rows.sliding_path_error(spec, {"ffpa-dense": 2, "fa4-dense": 1, "flex": 1}, {"fa4_dtype": 1})
+    assert train_rows.sliding_path_error(spec, {"ffpa-dense": 2, "fa4-dense": 2}, {}) is None
+
+
+def test_sliding_path_step_gain_is_the_fa4_rows_tokens_over_ours():
+    rows = [dict(row="ours", seq=8192, tokens_per_s_per_gpu=200.0),
+            dict(row="ours_fa4_sliding", seq=8192, tokens_per_s_per_gpu=210.0),
+            dict(row="ours", seq=16384, tokens_per_s_per_gpu=100.0),
+            dict(row="ours_fa4_sliding", seq=16384, error="ConfigError: FFPAAttention.sliding: fa4: flash-attn-4 ...")]
+    summary, missing = tt.summarize(rows)
+    assert summary["sliding_path_step_gain_8k"] == pytest.approx(1.05)
+    assert summary["sliding_path_step_gain_16k"] is None
+    assert "ours_fa4_sliding at seq 16384 has no measurement: ConfigError" in missing["sliding_path_step_gain_16k"]
+    assert "not in this result" in missing["sliding_path_step_gain_32k"]

@@ -136,8 +136,11 @@ def stray_numbers(section: str, record: dict) -> list[str]:
     numbers = [v for v in results_io.leaves(record) if isinstance(v, (int, float)) and not isinstance(v, bool)]
     allowed = {f.format(v) for v in numbers for f in tables.FORMATS.values()}
     allowed |= {str(v) for v in numbers if isinstance(v, int)}
-    text = re.sub(r"``.+?``|`[^`\n]*`", " ", re.sub(r"\]\([^)]*\)", "]", section))  # code spans, link targets
-    strings = {v for v in results_io.leaves(record) if isinstance(v, str) and not re.fullmatch(r"[\d.,%x]*", v)}
+    code = r"``.+?``|`[^`\n]*`"
+    text = re.sub(code, " ", re.sub(r"\]\([^)]*\)", "]", section))  # code spans, link targets
+    # the record's strings as they read once their own code spans are gone (a label may quote an option)
+    strings = {re.sub(code, " ", v) for v in results_io.leaves(record)
+               if isinstance(v, str) and not re.fullmatch(r"[\d.,%x]*", v)}
     for s in sorted(strings, key=len, reverse=True):  # longest first: a label before the words inside it
         text = text.replace(s.replace("|", "\\|"), " ")
     return [n for n in NUMBER.findall(text) if n not in allowed]

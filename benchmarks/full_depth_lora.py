@@ -64,8 +64,8 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gemma4_ffpa.yaml"
 LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
 ROWS = {
     "ours_lora": "configs/gemma4_ffpa.yaml through lightning_ffpa.cli.build + trainer.fit (Gemma4LM, FSDP2Strategy "
-                 "with the yaml's replicate_frozen, FFPAAttention: FFPA for the D=512 layers, block-sparse Flex for "
-                 "the sliding layers)",
+                 "with the yaml's replicate_frozen, FFPAAttention: FFPA for the D=512 layers, the yaml's sliding: auto for "
+                 "the sliding layers: FA4 where it runs, else block-sparse Flex; the row's dispatch says which)",
     "ours_lora_offload": "ours_lora with activation_checkpointing=full, activation_offload=true (each layer's saved "
                          "input waits in pinned host memory), loss_chunk_size=1024 (a quarter of the chunked "
                          "loss's fp32 logits at a time) and replicate_frozen=false (the frozen base sharded by "

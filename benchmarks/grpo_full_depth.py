@@ -15,30 +15,52 @@ preset, `--count-routed` turns on the engine's routed-expert count (`engine.coun
 run times at least 3 steps per row (`--steps` >= 4: the first is not timed); the fraction is the median over them,
 with its min and max.
 
+The weights are counted as the fit stores them: the preset's model on meta, wrapped with the recipe's LoRA
+(`configs/<recipe>.yaml` model.init_args.lora with the command's `--model.init_args.lora {...}` merged over it,
+as jsonargparse merges it) and, with `--base-dtype fp8` (which adds `--model.init_args.lora '{r: R, base_dtype:
+fp8}'` to the fit), its LoRA bases converted by `fp8_base.quantize_lora_bases`: a float8 base weight at one byte
+and its fp32 rowwise scales at four (the engine reads them in place), every other weight, the LoRA A/B included,
+at two (the bf16 engine). `--recount FILE --out NEW` recomputes a recorded file's byte count and every roofline
+field from its rows' recorded step timings and bandwidth (no GPU), keeping the measured fields, and records
+`recounted_from` (the measured file, its commit and why).
+
     python benchmarks/grpo_full_depth.py --lengths 4096 --steps 3 --logs $OUT --out $OUT/grpo_full_depth.json
+    python benchmarks/grpo_full_depth.py --recount benchmarks/results/grpo_full_depth_fp8base_h100.json \
+        --base-dtype fp8 --lengths 1024 --out /tmp/recount.json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.fit_recipes import console_command  # noqa: E402
-from benchmarks.report.results_io import write_result  # noqa: E402
+from benchmarks.report.results_io import read_result, write_result  # noqa: E402
 
 _NOISE = ("DEBUG", "V1201", "I1201")
 CB = "--trainer.callbacks.init_args."  # lands on the recipe's last callback, the RolloutCallback
+LORA = "--model.init_args.lora"
+LORA_OVERRIDE = re.compile(re.escape(LORA) + r" (\{[^}]*\})")  # a dict override, as a command records it
+FP8_IN_COMMAND = re.compile(r"base_dtype\W+fp8")
+RECIPE_IN_COMMAND = re.compile(r"--config \S*?(\w+)\.yaml")
+RECOUNT_REASON = ("decode_bytes counts the weights as the fit stores them: a float8 LoRA base at one byte plus its "
+                  "fp32 rowwise scales, not every weight at two bytes")
 
 
 def read_steps(root: Path) -> list[dict[str, float]]:
@@ -64,6 +86,33 @@ def page_multiple(n: int, page: int) -> int:
     return -(-n // page) * page
 
 
+def fit_overrides(args: argparse.Namespace) -> list[str]:
+    """The console overrides after the script's own: `--base-dtype fp8`'s LoRA override, then `--extra`."""
+    fp8 = [LORA, f"{{r: {args.lora_r}, base_dtype: fp8}}"] if args.base_dtype == "fp8" else []
+    return [*fp8, *args.extra]
+
+
+def fit_lora(recipe: str, command: str) -> dict[str, Any] | None:
+    """The LoRA options a fit of `recipe` resolves: the YAML's model.init_args.lora with each `--model.init_args.lora
+    {...}` of `command` merged over it key by key, as jsonargparse merges a dict override (target_modules kept)."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "configs" / f"{recipe}.yaml").read_text())
+    lora = ((cfg.get("model") or {}).get("init_args") or {}).get("lora")
+    for found in LORA_OVERRIDE.finditer(command):
+        lora = {**(lora or {}), **yaml.safe_load(found.group(1))}
+    return lora
+
+
+def check_lora_r(lora: dict[str, Any] | None, lora_r: int, recipe: str) -> None:
+    """`--lora-r` must be the rank the fit trains (the count's adapters are the fit's)."""
+    from lightning_ffpa.errors import ConfigError
+
+    if lora is not None and lora.get("r") != lora_r:
+        raise ConfigError("--lora-r", lora_r, f"the fit's LoRA has r={lora.get('r')} (configs/{recipe}.yaml and the "
+                                              f"{LORA} overrides); pass --lora-r {lora.get('r')}")
+
+
 def fit_row(length: int, args: argparse.Namespace) -> dict[str, Any]:
     """Fit the recipe with completions of `length` tokens; the row's command, exit code, log and steps."""
     root = Path(tempfile.mkdtemp(prefix=f"grpo_{length}_"))
@@ -73,7 +122,7 @@ def fit_row(length: int, args: argparse.Namespace) -> dict[str, Any]:
            "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(root),
            "--trainer.logger.flush_logs_every_n_steps", "1",  # a row cut short keeps the steps it finished
            f"{CB}sampling.max_new_tokens", str(length), f"{CB}engine.max_seq_len", str(max_seq),
-           *([f"{CB}engine.count_routed_experts", "true"] if args.count_routed else []), *args.extra]
+           *([f"{CB}engine.count_routed_experts", "true"] if args.count_routed else []), *fit_overrides(args)]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
@@ -89,8 +138,8 @@ def fit_row(length: int, args: argparse.Namespace) -> dict[str, Any]:
     log.write_text(" ".join(cmd) + "\n" + "\n".join(lines) + "\n")
     steps = read_steps(root)
     return {"name": f"ours_grpo_{length}", "completion_len": length, "prompt_len": args.prompt_len,
-            "command": " ".join(cmd[len(console_command()):]), "exit_code": rc, "wall_s": wall,
-            "last_line": lines[-1] if lines else "", "log": log.name, "steps": steps}
+            "base_dtype": args.base_dtype, "command": " ".join(cmd[len(console_command()):]), "exit_code": rc,
+            "wall_s": wall, "last_line": lines[-1] if lines else "", "log": log.name, "steps": steps}
 
 
 def _stat(values: list[float]) -> dict[str, float] | None:
@@ -98,23 +147,42 @@ def _stat(values: list[float]) -> dict[str, float] | None:
             "n": len(values)} if values else None
 
 
-def decode_bytes(prompt_len: int, length: int, seqs: int, preset: str, layers: int | None, lora_r: int,
-                 routed_fraction: float | None = None) -> float:
-    """Bytes one decode step must read, averaged over the completion's positions: every weight once (the
-    embedding as the head's matrix), the LoRA adapters, and each row's K/V within its layers' reach. With
+def stored_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of `model`'s weights as the fit stores them and the bf16 engine reads them: a `Float8BaseLinear`'s
+    float8 weight (one byte) and fp32 rowwise scales (four) as stored, every other weight (LoRA A/B included) at two;
+    a tied weight once."""
+    from lightning_ffpa.fp8_base import Float8BaseLinear
+
+    stored = {id(t) for m in model.modules() if isinstance(m, Float8BaseLinear) for t in (m.weight, m.weight_scale)}
+    return sum(p.numel() * (p.element_size() if id(p) in stored else 2) for p in model.parameters())
+
+
+def decode_bytes(prompt_len: int, length: int, seqs: int, preset: str, layers: int | None,
+                 lora: dict[str, Any] | None, routed_fraction: float | None = None) -> float:
+    """Bytes one decode step must read, averaged over the completion's positions: every weight once as the fit
+    stores it (the embedding as the head's matrix; `lora`, the fit's LoRA options, adds the adapters and, with
+    `base_dtype: fp8`, stores the targets' bases in float8), and each row's K/V within its layers' reach. With
     `routed_fraction` (a MoE model), only that share of the expert weights."""
+    from lightning_ffpa.lora import apply_lora, unwrap_peft
     from lightning_ffpa.rollout.kv_cache import token_bytes
-    from lightning_ffpa.rollout.memory import lora_params, meta_model
+    from lightning_ffpa.rollout.memory import meta_model
     from lightning_ffpa.rollout.routing import moe_layers
     from lightning_ffpa.rollout.walker import DecoderWalker
 
     model = meta_model(preset, **({} if layers is None else {"num_hidden_layers": layers}))
-    weights = sum(p.numel() for p in model.parameters()) * 2 + lora_params(model, lora_r) * 2
+    if lora:  # the fit's own steps: peft LoRA on its targets, then (fp8) the bases as HFModule stores them
+        model = apply_lora(model, lora)
+        if lora.get("base_dtype") == "fp8":
+            from lightning_ffpa.fp8_base import quantize_lora_bases
+
+            quantize_lora_bases(model)
+    weights = float(stored_weight_bytes(model))
+    base = unwrap_peft(model)
     if routed_fraction is not None:
-        experts = sum(p.numel() for _, _, e in moe_layers(model) for p in e.parameters() if p.dim() == 3) * 2
+        experts = sum(p.numel() for _, _, e in moe_layers(base) for p in e.parameters() if p.dim() == 3) * 2
         weights -= (1 - routed_fraction) * experts
     kv = 0.0
-    for spec in DecoderWalker(model).specs:
+    for spec in DecoderWalker(base).specs:
         per_tok = token_bytes([spec], 2)
         for p in range(prompt_len, prompt_len + length):
             kv += per_tok * (p + 1 if spec.window is None else min(p + 1, spec.window))
@@ -146,7 +214,7 @@ def summarize(rows: list[dict[str, Any]], bandwidth: dict[str, Any] | None, args
         decode = [s["rollout/generate_s"] / s["rollout/decode_steps"] for s in timed
                   if s.get("rollout/decode_steps")]
         if decode and bandwidth:
-            need = decode_bytes(args.prompt_len, L, seqs, args.preset, args.layers, args.lora_r)
+            need = decode_bytes(args.prompt_len, L, seqs, args.preset, args.layers, args.lora)
             per_step = statistics.median(decode)
             r["decode_bytes_per_step"], r["decode_s_per_step_upper"] = need, per_step
             r["decode_timed_samples"] = len(decode)
@@ -159,7 +227,7 @@ def summarize(rows: list[dict[str, Any]], bandwidth: dict[str, Any] | None, args
             routed = [s["rollout/routed_expert_fraction"] for s in timed if "rollout/routed_expert_fraction" in s]
             if routed and bandwidth.get("datasheet_bytes_per_s"):  # `--count-routed` on a MoE preset
                 r["routed_expert_fraction"] = statistics.median(routed)
-                need = decode_bytes(args.prompt_len, L, seqs, args.preset, args.layers, args.lora_r,
+                need = decode_bytes(args.prompt_len, L, seqs, args.preset, args.layers, args.lora,
                                     r["routed_expert_fraction"])
                 r["decode_bytes_per_step_routed"] = need
                 r["decode_roofline_routed_datasheet"] = need / per_step / bandwidth["datasheet_bytes_per_s"]
@@ -181,7 +249,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--prompts", type=int, default=2, help="the recipe's data.batch_size")
     p.add_argument("--group", type=int, default=8, help="the recipe's num_generations")
-    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lora-r", type=int, default=16, help="the fit's LoRA rank (checked against the recipe's)")
+    p.add_argument("--base-dtype", choices=("model", "fp8"), default="model",
+                   help="fp8: the fit stores the LoRA bases in float8 (lora.base_dtype), and the count follows")
+    p.add_argument("--recount", default=None, metavar="FILE",
+                   help="recount a recorded result file's decode bytes and roofline fractions (no fit); needs --out")
+    p.add_argument("--reason", default=RECOUNT_REASON, help="--recount: why, recorded in recounted_from")
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--count-routed", action="store_true",
                    help="MoE preset: count the routed experts (engine.count_routed_experts) for the routed roofline")
@@ -194,6 +267,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     from lightning_ffpa.errors import ConfigError
 
+    said = [a for a in args.extra if "base_dtype" in a]
+    if said:  # one place says it: the fit's override and the count both follow --base-dtype
+        raise ConfigError("--extra", " ".join(said), "sets base_dtype; use --base-dtype (the byte count follows it)")
+    if args.recount:
+        if not args.out:
+            raise ConfigError("--out", None, "--recount writes a new file; name it (the measured file stays)")
+        return args
+    args.lora = fit_lora(args.recipe, " ".join(fit_overrides(args)))
+    check_lora_r(args.lora, args.lora_r, args.recipe)
     if torch.cuda.is_available() and args.steps < MIN_TIMED_STEPS + 1:
         raise ConfigError("--steps", args.steps, f"a GPU run times at least {MIN_TIMED_STEPS} steps per row after "
                                                  "the first (capture and compile), so it needs at least "
@@ -201,8 +283,67 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+ROOFLINE_ROW_KEYS = ("decode_bytes_per_step", "decode_s_per_step_upper", "decode_timed_samples",
+                     "decode_roofline_datasheet", "decode_roofline_datasheet_min", "decode_roofline_datasheet_max",
+                     "decode_roofline_copy_bw", "routed_expert_fraction", "decode_bytes_per_step_routed",
+                     "decode_roofline_routed_datasheet")
+"""What `summarize` derives from the byte count and the rows' decode timings; a recount rewrites only these."""
+
+
+def recount(args: argparse.Namespace) -> Path:
+    """Rewrite `args.recount`'s roofline fields with today's byte count into `args.out`, from the rows' recorded
+    steps and the recorded bandwidth; every measured field stays as recorded."""
+    from lightning_ffpa.errors import ConfigError
+
+    record = read_result(args.recount, "--recount")
+    if record["benchmark"] != "grpo_full_depth":
+        raise ConfigError("--recount", args.recount, f"holds {record['benchmark']!r} rows, not grpo_full_depth's")
+    bandwidth = record["summary"].get("bandwidth")
+    if not bandwidth:
+        raise ConfigError("--recount", args.recount, "records no bandwidth (a CPU run): no roofline to recount")
+    lora = []
+    for row in record["rows"]:
+        command = row.get("command", "")
+        fp8 = bool(FP8_IN_COMMAND.search(command))
+        if fp8 != (args.base_dtype == "fp8"):
+            raise ConfigError("--base-dtype", args.base_dtype, f"row {row.get('name')} ran "
+                              f"{'with' if fp8 else 'without'} base_dtype: fp8 (its recorded command)")
+        recipe = RECIPE_IN_COMMAND.search(command)
+        if recipe is None or recipe.group(1) != args.recipe:
+            raise ConfigError("--recipe", args.recipe, f"row {row.get('name')} ran "
+                              f"{recipe.group(1) if recipe else 'no recipe'} (its recorded command)")
+        if row.get("prompt_len") != args.prompt_len:
+            raise ConfigError("--prompt-len", args.prompt_len, f"row {row.get('name')} ran {row.get('prompt_len')}")
+        lora.append(fit_lora(args.recipe, command))
+        check_lora_r(lora[-1], args.lora_r, args.recipe)
+    if any(x != lora[0] for x in lora):
+        raise ConfigError("--recount", args.recount, "its rows ran different LoRA options: recount them apart")
+    args.lora = lora[0] if lora else None
+    rows = record["rows"]
+    fresh = copy.deepcopy(rows)
+    counted = summarize(fresh, bandwidth, args)
+    for row, new in zip(rows, fresh):
+        for key in ROOFLINE_ROW_KEYS:
+            row.pop(key, None)
+            if key in new:
+                row[key] = new[key]
+        row["base_dtype"] = args.base_dtype
+    summary = {k: counted.get(k, v) for k, v in record["summary"].items() if "_decode_" not in k or k in counted}
+    summary.update({k: v for k, v in counted.items() if "_decode_" in k})  # in place where the keys stay
+    measured = {k: v for k, v in record.items() if k not in ("benchmark", "command", "commit", "tree", "rows",
+                                                             "summary", "recounted_from")}
+    source = {"file": Path(args.recount).name, "commit": record.get("commit"), "command": record.get("command"),
+              "reason": args.reason}
+    if record.get("recounted_from"):  # a recount of a recount: the measurement stays reachable
+        source["recounted_from"] = record["recounted_from"]
+    return write_result("grpo_full_depth", rows, summary, out=args.out, **measured, recounted_from=source)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.recount:
+        recount(args)
+        return
     bandwidth = None
     import torch
 

@@ -1,5 +1,6 @@
 """CPU smoke of benchmarks/grpo_full_depth.py: the recipe fit through the console script, its steps read back
-from the CSV logger, the first step left out of the medians, and the decode roofline's byte count."""
+from the CSV logger, the first step left out of the medians, the decode roofline's byte count (the weights as the fit
+stores them, a float8 base included), and the recount of a recorded file."""
 
 import json
 import subprocess
@@ -36,23 +37,137 @@ def test_tiny_recipe_row_reads_every_step_and_times_all_but_the_first(tmp_path):
     assert first.split()[0].endswith("lightning-ffpa") and "fit --config" in first
 
 
+LORA = {"r": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
 def test_decode_bytes_count_each_weight_once_and_sliding_kv_only_within_the_window():
-    short = grpo_full_depth.decode_bytes(4, 8, 1, "tiny", None, 4)
-    longer = grpo_full_depth.decode_bytes(4, 400, 1, "tiny", None, 4)
-    two_rows = grpo_full_depth.decode_bytes(4, 400, 2, "tiny", None, 4)
+    short = grpo_full_depth.decode_bytes(4, 8, 1, "tiny", None, LORA)
+    longer = grpo_full_depth.decode_bytes(4, 400, 1, "tiny", None, LORA)
+    two_rows = grpo_full_depth.decode_bytes(4, 400, 2, "tiny", None, LORA)
     assert short < longer < two_rows  # full layers read every position; more rows read more K/V
     weights = two_rows - 2 * (two_rows - longer)  # what does not scale with the rows
-    assert weights == pytest.approx(grpo_full_depth.decode_bytes(4, 400, 0, "tiny", None, 4))
+    assert weights == pytest.approx(grpo_full_depth.decode_bytes(4, 400, 0, "tiny", None, LORA))
+
+
+@pytest.mark.parametrize("layers", [None, 2])
+def test_fp8_decode_bytes_count_the_lora_bases_at_one_byte_and_their_scales(layers):
+    """Counted independently on the meta model: the bf16 count is every weight and the LoRA A/B at two bytes; the
+    float8 one is smaller by exactly each target's (out x in) at one byte less, plus its (out,) fp32 scales."""
+    from torch import nn
+
+    from lightning_ffpa.rollout.memory import lora_params, meta_model
+
+    model = meta_model("tiny", **({} if layers is None else {"num_hidden_layers": layers}))
+    targets = [m for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in LORA["target_modules"]]
+    assert len(targets) >= 7
+    bf16 = grpo_full_depth.decode_bytes(4, 8, 0, "tiny", layers, LORA)
+    assert bf16 == sum(p.numel() for p in model.parameters()) * 2 + lora_params(model, 4) * 2
+    fp8 = grpo_full_depth.decode_bytes(4, 8, 0, "tiny", layers, {**LORA, "base_dtype": "fp8"})
+    saved = sum(m.weight.numel() * (2 - 1) - m.out_features * 4 for m in targets)
+    assert saved > 0 and bf16 - fp8 == saved
+    kv = grpo_full_depth.decode_bytes(4, 8, 3, "tiny", layers, LORA) - bf16  # the K/V does not depend on it
+    assert grpo_full_depth.decode_bytes(4, 8, 3, "tiny", layers, {**LORA, "base_dtype": "fp8"}) - fp8 == kv
+    no_lora = grpo_full_depth.decode_bytes(4, 8, 0, "tiny", layers, None)  # a recipe without LoRA: no adapters
+    assert no_lora == sum(p.numel() for p in model.parameters()) * 2
+
+
+def test_base_dtype_fp8_adds_the_fits_override_and_keeps_the_recipes_targets():
+    """`--base-dtype fp8` merges `{r, base_dtype: fp8}` over the recipe's LoRA (jsonargparse merges a dict override
+    key by key), so the counted targets are the YAML's; the row records it."""
+    args = grpo_full_depth.parse_args(["--base-dtype", "fp8"])
+    assert grpo_full_depth.fit_overrides(args) == ["--model.init_args.lora", "{r: 16, base_dtype: fp8}"]
+    assert args.lora["base_dtype"] == "fp8" and args.lora["r"] == 16
+    assert args.lora["target_modules"] == LORA["target_modules"]  # configs/gemma4_grpo.yaml's
+    assert "base_dtype" not in grpo_full_depth.parse_args([]).lora
+
+
+def test_a_base_dtype_in_the_extras_or_a_rank_the_fit_does_not_train_is_refused():
+    from lightning_ffpa.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--extra.*--base-dtype"):
+        grpo_full_depth.parse_args(["--extra", "--model.init_args.lora", "{r: 16, base_dtype: fp8}"])
+    with pytest.raises(ConfigError, match="--extra"):
+        grpo_full_depth.parse_args(["--base-dtype", "fp8", "--extra", "--model.init_args.lora.base_dtype", "fp8"])
+    with pytest.raises(ConfigError, match="--lora-r.*r=16"):  # the recipe trains r=16 unless overridden
+        grpo_full_depth.parse_args(["--lora-r", "8"])
+    assert grpo_full_depth.parse_args(["--lora-r", "8", "--extra", "--model.init_args.lora", "{r: 8}"]).lora["r"] == 8
+    assert grpo_full_depth.parse_args(["--lora-r", "8", "--base-dtype", "fp8"]).lora["r"] == 8
+
+
+def _recorded(tmp_path, command_lora: str, scale: float = 2.0):
+    """A result file as the GPU run wrote it, whose byte count is `scale` times today's (tiny preset, r=4)."""
+    steps = [{"rollout/refresh_s": 0.1, "rollout/generate_s": g, "rollout/update_s": 0.5, "rollout/decode_steps": 7.0,
+              "rollout/completion_length": 8.0, "device/peak_memory_gb": 1.5} for g in (9.0, 1.0, 1.4, 1.2)]
+    bw = {"datasheet_bytes_per_s": 1e12, "copy_bytes_per_s": 8e11, "device_name": "H"}
+    lora = {**LORA, **({"base_dtype": "fp8"} if "fp8" in command_lora else {})}
+    need = scale * grpo_full_depth.decode_bytes(4, 8, 2, "tiny", None, lora)
+    row = {"name": "ours_grpo_8", "completion_len": 8, "prompt_len": 4, "exit_code": 0, "wall_s": 12.5,
+           "command": f"fit --config /r/configs/gemma4_grpo.yaml --x 1 --model.init_args.lora {command_lora} --y 2",
+           "steps": steps, "step_s": {"median": 1.8}, "peak_mem_gib": 1.5, "completion_tokens_per_s": 9.0,
+           "decode_bytes_per_step": need, "decode_s_per_step_upper": 1.2 / 7, "decode_timed_samples": 3,
+           "decode_roofline_datasheet": need / (1.2 / 7) / 1e12, "decode_roofline_copy_bw": 0.0}
+    record = {"benchmark": "grpo_full_depth", "command": "python benchmarks/grpo_full_depth.py --lengths 8",
+              "commit": "abc1234", "tree": {"sha256": "t"}, "date": "2026-12-01", "finished_at": "2026-12-01 10:00:00",
+              "device": "NVIDIA H100 80GB HBM3 x1", "versions": {"torch": "9"}, "script_doc": "as run",
+              "rows": [row], "summary": {"complete": True, "grpo_full_depth_step_s_8": 1.8, "bandwidth": bw,
+                                         "grpo_full_depth_decode_roofline_datasheet_bs2_8": row["decode_roofline_datasheet"]}}
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(record))
+    return path, record
+
+
+RECOUNT = ["--preset", "tiny", "--prompt-len", "4", "--prompts", "1", "--group", "2", "--lora-r", "4", "--lengths", "8"]
+
+
+def test_recount_recomputes_the_roofline_from_the_recorded_timings_and_keeps_the_measurement(tmp_path):
+    """A file that counted twice today's bytes: the recount halves the fractions, from the recorded steps' seconds
+    and bandwidth, and leaves every measured field and the measurement's device, date and commit visible."""
+    path, before = _recorded(tmp_path, "{r: 4, base_dtype: fp8}")
+    out = tmp_path / "recounted.json"
+    grpo_full_depth.main(["--recount", str(path), "--base-dtype", "fp8", "--out", str(out), *RECOUNT])
+    after = json.loads(out.read_text())
+    (row,), (old,) = after["rows"], before["rows"]
+    assert row["decode_bytes_per_step"] == pytest.approx(old["decode_bytes_per_step"] / 2)
+    assert row["decode_roofline_datasheet"] == pytest.approx(old["decode_roofline_datasheet"] / 2)
+    assert row["decode_s_per_step_upper"] == pytest.approx(1.2 / 7)  # the median of the timed steps (not the first)
+    assert row["decode_roofline_datasheet_min"] == pytest.approx(row["decode_bytes_per_step"] / (1.4 / 7) / 1e12)
+    assert row["decode_roofline_copy_bw"] == pytest.approx(row["decode_bytes_per_step"] / (1.2 / 7) / 8e11)
+    assert after["summary"]["grpo_full_depth_decode_roofline_datasheet_bs2_8"] == row["decode_roofline_datasheet"]
+    assert row["base_dtype"] == "fp8"
+    for key in ("steps", "step_s", "peak_mem_gib", "completion_tokens_per_s", "wall_s", "exit_code", "command"):
+        assert row[key] == old[key]
+    for key in ("device", "versions", "date", "finished_at", "script_doc"):
+        assert after[key] == before[key]
+    assert after["summary"]["grpo_full_depth_step_s_8"] == 1.8 and after["summary"]["bandwidth"]["device_name"] == "H"
+    assert after["recounted_from"]["file"] == "measured.json" and after["recounted_from"]["commit"] == "abc1234"
+    assert after["recounted_from"]["reason"] and after["commit"] != "abc1234"
+    assert json.loads(path.read_text()) == before  # the measured file is untouched
+
+
+def test_recount_refuses_a_base_dtype_its_rows_did_not_run(tmp_path):
+    from lightning_ffpa.errors import ConfigError
+
+    fp8, _ = _recorded(tmp_path, "{r: 4, base_dtype: fp8}")
+    with pytest.raises(ConfigError, match="--base-dtype.*with base_dtype: fp8"):
+        grpo_full_depth.main(["--recount", str(fp8), "--out", str(tmp_path / "o.json"), *RECOUNT])
+    bf16, _ = _recorded(tmp_path, "{r: 4}")
+    with pytest.raises(ConfigError, match="--base-dtype.*without base_dtype: fp8"):
+        grpo_full_depth.main(["--recount", str(bf16), "--base-dtype", "fp8", "--out", str(tmp_path / "o.json"),
+                              *RECOUNT])
+    with pytest.raises(ConfigError, match="--out"):
+        grpo_full_depth.parse_args(["--recount", str(bf16)])
+    assert not (tmp_path / "o.json").exists()
 
 
 def test_routed_decode_bytes_count_the_routed_share_of_the_experts():
     """tiny-moe: 4 layers x 4 experts x (gate_up 64x64 + down 64x32) bf16; a routed half drops half of them."""
     experts = 4 * 4 * (64 * 64 + 64 * 32) * 2
-    full = grpo_full_depth.decode_bytes(4, 8, 2, "tiny-moe", None, 4)
-    assert grpo_full_depth.decode_bytes(4, 8, 2, "tiny-moe", None, 4, 1.0) == pytest.approx(full)
-    assert grpo_full_depth.decode_bytes(4, 8, 2, "tiny-moe", None, 4, 0.5) == pytest.approx(full - experts / 2)
     args = grpo_full_depth.parse_args(["--preset", "tiny-moe", "--lengths", "8", "--prompt-len", "4",
-                                       "--prompts", "1", "--group", "2", "--lora-r", "4", "--count-routed"])
+                                       "--prompts", "1", "--group", "2", "--count-routed"])
+    full = grpo_full_depth.decode_bytes(4, 8, 2, "tiny-moe", None, args.lora)  # the recipe's LoRA
+    assert grpo_full_depth.decode_bytes(4, 8, 2, "tiny-moe", None, args.lora, 1.0) == pytest.approx(full)
+    assert grpo_full_depth.decode_bytes(4, 8, 2, "tiny-moe", None, args.lora, 0.5) == pytest.approx(full - experts / 2)
     steps = [{"rollout/refresh_s": 0.1, "rollout/generate_s": 1.0, "rollout/update_s": 0.1,
               "rollout/decode_steps": 7.0, "rollout/routed_expert_fraction": f} for f in (1.0, 0.5, 0.5, 0.25)]
     row = {"completion_len": 8, "exit_code": 0, "steps": steps}

@@ -55,7 +55,7 @@ ROWS: dict[str, dict] = {
                          label="sdpa_recipe with liger-kernel's Gemma4 patches (RMSNorm, GEGLU MLP, fused linear CE "
                                "with softcap) in place of our chunked loss"),
     "ours": dict(attn="ffpa", **_RECIPE, label="sdpa_recipe with the ffpa backend: FFPA for the D=512 layers, "
-                                               "block-sparse Flex for the sliding layers (the FFPAAttention Callback's default)"),
+                                               "block-sparse Flex for the sliding layers (FFPAAttention's sliding: flex)"),
     # Splits ours' gain over sdpa_recipe by kernel: against ours, FFPA's share; against sdpa_recipe, the sliding path's.
     "ours_sdpa_d512": dict(attn="sdpa_d512_ours_sliding", **_RECIPE,
                            label="ours with SDPA in place of FFPA on the D=512 layers, called as sdpa_recipe calls "

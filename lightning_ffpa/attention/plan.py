@@ -12,9 +12,10 @@ The plan:
   one local call, Flex, or FA4's varlen kernel over the chunk's documents under `sliding: fa4 | auto`). It needs
   the Callback, which installs it.
 - CP = 1: `attn_implementation` is what HF runs: the Callback's option when the Callback is there, else the
-  model's. Under "ffpa", full layers at head_dim 512 run FFPA and sliding layers run `sliding`: "flex" (default),
-  "fa4" (flash-attn-4; refused here with one line where it cannot run) or "auto" (FA4 where a call can take it,
-  else Flex, each fallback counted and warned about once per reason by the backend).
+  model's. Under "ffpa", full layers at head_dim 512 run FFPA and sliding layers run `sliding`: "auto" (default:
+  FA4 where a call can take it, else Flex, each fallback counted and warned about once per reason by the backend;
+  measured against Flex in docs/performance.md), "fa4" (flash-attn-4; refused here
+  with one line where it cannot run) or "flex".
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from lightning_ffpa.attention import fa4, registry
 from lightning_ffpa.attention.documents import check_packing
 from lightning_ffpa.errors import ConfigError
 
-__all__ = ["SLIDING", "AttentionPlan", "plan_for", "resolve_plan"]
+__all__ = ["DEFAULT_SLIDING", "SLIDING", "AttentionPlan", "plan_for", "resolve_plan"]
 
 CALLBACK = "lightning_ffpa.callbacks.FFPAAttention"
 SLIDING = ("flex", "fa4", "auto")
+DEFAULT_SLIDING = "auto"  # the Callback's default; the start-up line names any other choice
 SLIDING_OPTION = "FFPAAttention.sliding"
 PLAN_OWNER = "installs_attention_plan"  # the class attribute that marks the FFPAAttention Callback
 
@@ -49,7 +51,8 @@ class AttentionPlan:
     cp_size: int = 1
     """Context-parallel size; > 1 runs the FFPA ring."""
     sliding: str = "flex"
-    """The sliding layers' kernel under "ffpa", as asked: "flex", "fa4" or "auto" (`SLIDING`)."""
+    """The sliding layers' kernel under "ffpa", as asked: "flex", "fa4" or "auto" (`SLIDING`); without the Callback,
+    the backend's own "flex" (the Callback's default is `DEFAULT_SLIDING`)."""
     from_callback: bool = False
     """Whether the FFPAAttention Callback is in the run (it installs the plan on the model)."""
 
@@ -76,8 +79,8 @@ class AttentionPlan:
     def describe(self) -> str:
         """One line: the route and its kernels."""
         if self.ring:
-            return f"ring CP={self.cp_size}" + (f", sliding={self.sliding}" if self.sliding != "flex" else "")
-        if self.attn_implementation == "ffpa" and self.sliding != "flex":  # the default stays out of the line
+            return f"ring CP={self.cp_size}" + (f", sliding={self.sliding}" if self.sliding != DEFAULT_SLIDING else "")
+        if self.attn_implementation == "ffpa" and self.sliding != DEFAULT_SLIDING:  # the default stays out of the line
             return f"attn_implementation=ffpa, sliding={self.sliding}"
         return f"attn_implementation={self.attn_implementation}"
 
@@ -109,7 +112,8 @@ def resolve_plan(model_attn: str | None, cp_size: int = 1, callback: Any = None,
         raise ValueError(f"`context_parallel_size={cp_size}` needs the `{CALLBACK}` callback in trainer.callbacks: "
                          "it installs the ring that attends across the ranks' chunks")
     attn = callback.attn_implementation if callback is not None else model_attn
-    sliding = getattr(callback, "sliding", "flex")
+    # without the Callback nothing installs a sliding kernel: the "ffpa" backend runs its own default, Flex
+    sliding = getattr(callback, "sliding", DEFAULT_SLIDING) if callback is not None else "flex"
     if sliding == "fa4":
         if cp_size == 1 and attn != "ffpa":
             raise ConfigError(SLIDING_OPTION, sliding, f"applies to the 'ffpa' backend or the ring "

@@ -25,7 +25,7 @@ from lightning_ffpa import attention, saved_ops
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat.transformers import find_hf_model, set_attn_implementation
 from lightning_ffpa.attention import kernels, registry
-from lightning_ffpa.attention.plan import SLIDING, SLIDING_OPTION, AttentionPlan, plan_for
+from lightning_ffpa.attention.plan import DEFAULT_SLIDING, SLIDING, SLIDING_OPTION, AttentionPlan, plan_for
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.parallel.dims import context_parallel_size  # re-exported: the callback's CP size
 
@@ -38,14 +38,15 @@ class FFPAAttention(Callback):
     installs_attention_plan = True  # how `attention.plan` finds this Callback in a trainer (`PLAN_OWNER`)
 
     def __init__(self, log_every_n_steps: int = 50, attn_implementation: str = "ffpa",
-                 sliding: Literal["flex", "fa4", "auto"] = "flex") -> None:
+                 sliding: Literal["flex", "fa4", "auto"] = DEFAULT_SLIDING) -> None:
         """Configure the callback.
 
         Args:
             log_every_n_steps: Log the dispatch counters every this many optimizer steps (0 = never).
             attn_implementation: HF attention name installed at CP=1 ("ffpa"; "sdpa" to compare).
-            sliding: Sliding-window layers under "ffpa" and in the CP ring: `flex`, `fa4` (flash-attn-4; an error where it cannot run)
-                or `auto` (FA4 where a call can take it, else Flex, each fallback counted). FA4's speed is unmeasured here yet.
+            sliding: Sliding-window layers under "ffpa" and in the CP ring: `auto` (FA4 where a call can take it, else
+                block-sparse Flex, each fallback counted), `fa4` (flash-attn-4; an error where it cannot run) or `flex`.
+                Measured against Flex in docs/performance.md#the-sliding-layers-on-fa4.
         """
         if log_every_n_steps < 0:
             raise ValueError(f"`log_every_n_steps={log_every_n_steps}` must be >= 0")

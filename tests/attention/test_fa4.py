@@ -153,11 +153,14 @@ def test_plan_refuses_an_explicit_fa4_that_cannot_run():
             resolve_plan("ffpa", 1, FFPAAttention(sliding="fa4"), cpu, 512)
         ring = resolve_plan("sdpa", 2, FFPAAttention(sliding="fa4"), cpu, 256)  # the ring's sliding layers
         assert ring.ring_sliding_backend == "fa4" and ring.describe() == "ring CP=2, sliding=fa4"
-        assert resolve_plan("sdpa", 2, FFPAAttention(), cpu, 256).ring_sliding_backend is None
+        assert resolve_plan("sdpa", 2, FFPAAttention(), cpu, 256).ring_sliding_backend == "auto"  # the default
+        assert resolve_plan("sdpa", 2, FFPAAttention(sliding="flex"), cpu, 256).ring_sliding_backend is None
         with pytest.raises(ConfigError, match="attn_implementation='sdpa'"):
             resolve_plan("sdpa", 1, FFPAAttention(attn_implementation="sdpa", sliding="fa4"), cpu, 256)
     plan = resolve_plan("ffpa", 1, FFPAAttention(sliding="auto"), cpu, 512)  # auto: never an error, Flex counted
-    assert plan.sliding_kernel == "fa4" and plan.describe() == "attn_implementation=ffpa, sliding=auto"
+    assert plan.sliding_kernel == "fa4" and plan.describe() == "attn_implementation=ffpa"  # the default, unnamed
+    assert resolve_plan("ffpa", 1, FFPAAttention(sliding="flex"), cpu, 256).describe() == \
+        "attn_implementation=ffpa, sliding=flex"
     with pytest.raises(ConfigError, match=r"^`FFPAAttention.sliding='fast'`: must be one of"):
         FFPAAttention(sliding="fast")
 

@@ -178,6 +178,6 @@ def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatc
                                                        parallel_dims=SimpleNamespace(cp_mesh=cp_mesh)))
     callback = FFPAAttention()
     callback.setup(trainer, module, "fit")
-    assert calls == [(module.net["lm"], cp_mesh, None)]  # the default sliding path: Flex
+    assert calls == [(module.net["lm"], cp_mesh, "auto")]  # the default sliding path: FA4 where it runs, else Flex
     assert module.net["lm"].config._attn_implementation == "sdpa"  # the ring's own installer takes over from here
     assert "ring CP=2" in callback.summary() and "ring-block_dense=3" in callback.summary()

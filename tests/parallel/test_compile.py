@@ -26,7 +26,7 @@ STEPS = 3
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_compiled_sac_ffpa_layers_match_eager_without_breaks_or_recompiles(aot_eager_compile, dtype):
-    attention.register_ffpa()
+    attention.register_ffpa(sliding="flex")  # process state: an earlier test may have set another
     # One layer of each kind keeps compile time down (4 layers compile 4 variants: Gemma4's shared-KV dict grows).
     cfg = build_text_config("tiny", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
     cfg._attn_implementation = "ffpa"
@@ -63,7 +63,7 @@ def test_compiled_sac_ffpa_layers_match_eager_without_breaks_or_recompiles(aot_e
 
 
 def test_eager_counts_skip_the_checkpoint_recompute():
-    attention.register_ffpa()
+    attention.register_ffpa(sliding="flex")  # the backend's sliding choice is process state an earlier test may set
     cfg = build_text_config("tiny")
     cfg._attn_implementation = "ffpa"  # transformers 5.25 drops `_attn_implementation` as a config kwarg
     model = transformers.Gemma4ForCausalLM(cfg)

@@ -17,7 +17,7 @@ Rows (`--rows`, default all, in this order):
   and `fp8_base.path_counts()` (forward calls per matmul path; a CUDA-graph replay runs no Python, so on CUDA these
   are the calls of eager runs and of the graphs' capture: which path the captured graphs hold).
 Each row records `weight_bytes_per_step`: the bytes of every weight tensor the engine's model reads in a decode step
-(`aliased_bytes + engine_own_bytes`, each tensor at its stored size: float8 at one byte, the scales not counted).
+(`aliased_bytes + engine_own_bytes`, each tensor at its stored size: float8 at one byte, with its scales).
 
 Summary: `unmerged_lora_decode_overhead` = shared decode step / merged decode step - 1 (the unmerged adapters' cost
 as a fraction of the merged decode time; the issue's target is <= 0.10), `fp8_base_decode_vs_shared_bf16` = shared

@@ -49,9 +49,9 @@ def test_merged_shared_and_fp8_rows_in_own_processes(tmp_path):
     assert fp8["fp8_matmul_path"][0] == "dequantize"
     assert set(fp8["fp8_path_counts"]) == {"dequantize"} and fp8["fp8_path_counts"]["dequantize"] > 0
     assert fp8["fp8_path_counts"]["dequantize"] > fp8["fp8_path_counts_warmup"]["dequantize"]  # the timed runs too
-    # float8 W0 at one byte where the fp32 policy's is four: the engine reads 3 bytes less per base element
-    base_elems = fp8["fp8_conversion"]["was_bytes"] // 4
-    assert shared["aliased_bytes"] - fp8["aliased_bytes"] == 3 * base_elems
+    # the engine reads the float8 W0 and its scales (the conversion's bytes) where the fp32 row reads W0 at 4 bytes
+    conversion = fp8["fp8_conversion"]
+    assert shared["aliased_bytes"] - fp8["aliased_bytes"] == conversion["was_bytes"] - conversion["fp8_bytes"] > 0
     assert fp8["engine_own_bytes"] == shared["engine_own_bytes"]  # the same adapter buffers
     assert merged["weights_path"].startswith("merged copy: ") and merged["aliased_bytes"] == 0
     assert shared["weights_path"].startswith("shared: ") and shared["aliased_bytes"] > 0

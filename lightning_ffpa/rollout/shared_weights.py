@@ -230,10 +230,12 @@ class WeightsPlan:
 
     @property
     def aliased_bytes(self) -> int:
-        """Bytes of the policy's tensors the engine reads in place (0 when merged)."""
+        """Bytes of the policy's tensors the engine reads in place (0 when merged): a float8 W0 at its one byte an
+        element, with its rowwise scales."""
         seen = {id(t): _nbytes(t) for t in self.aliases.values()}
         seen.update({id(b): _nbytes(b) for g in self.groups for b in (*g.bases, *(g.biases or ()))
                      if not self._alias_why(b)})
+        seen.update({id(s): _nbytes(s) for g in self.groups for b in g.bases if (s := scale_of(b)) is not None})
         return sum(seen.values())
 
     def describe(self) -> str:

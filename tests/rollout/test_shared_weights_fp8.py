@@ -75,3 +75,13 @@ def test_the_engine_reads_the_policys_float8_bytes_and_scales_in_place():
     read = sum(p.numel() for p in fp8)
     assert sync.stats["aliased_bytes"] >= read and "float8" not in sync.weights_path  # nothing copied for dtype
     assert sync.verify_no_drift(num_refreshes=2)["base_sha256"] == sync.base_digest()
+
+
+def test_aliased_bytes_count_the_float8_base_at_one_byte_and_its_scales():
+    """The bytes the engine reads from the policy: every frozen tensor at its stored size (the float8 W0 at one byte
+    an element) and the rowwise scales read with it (left out before: the plan summed the bases alone)."""
+    train = _policy()
+    frozen = [p for p in train.parameters() if not p.requires_grad]  # deduplicated: a tied weight once
+    assert any(p.dtype == FP8_DTYPE for p in frozen)
+    sync, _ = _engine(train, "shared")
+    assert sync.stats["aliased_bytes"] == sum(p.numel() * p.element_size() for p in frozen)

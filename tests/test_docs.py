@@ -298,3 +298,12 @@ def test_row_names_in_benchmark_commands_are_rows_of_that_script():
                 found += 1
                 assert name in rows, f"{page.name}: `{script}.py --rows {name}` is no row of the script"
     assert found >= 5
+
+
+def test_recipes_cite_existing_result_files():
+    """A recipe's header that names a measurement names a file that exists (a planned file is not a measurement)."""
+    cited = {(path.name, rel) for path in (ROOT / "configs").glob("*.yaml")
+             for rel in re.findall(r"benchmarks/results/[\w./-]+\.(?:json|log)", path.read_text())}
+    assert cited, "no recipe cites a result file"
+    missing = [(name, rel) for name, rel in sorted(cited) if not (ROOT / rel).exists()]
+    assert not missing, f"recipes cite result files that do not exist: {missing}"

@@ -43,6 +43,7 @@ The float8 base against ours in bf16 (`fp8_base_lora_vs_bf16_tps_{8k,16k}`, `fp8
 float8 row / ours_lora, tokens/s and peak allocated memory at that seq; one H200, ours_lora's bf16 base does not fit
 an 80 GB H100 at full depth):
   python benchmarks/full_depth_lora.py --rows ours_lora ours_lora_fp8base --seqs 8192 --out $OUT/full_depth_lora_fp8base.json
+and at 16384 one row per call (about 290 s each), `--resume FILE --budget-s 560 --row-timeout-s 540`.
 A row killed at its timeout after it wrote its whole row (a slow exit) keeps its measurement; `--summarize FILE`
 recomputes a file's summary with that rule (recorded in the file as `summary_recomputed`).
 CPU smoke (tiny preset, 2 layers, fp32, seq 64, compile off, the FFPA op's CPU reference; the float8 row takes

@@ -16,6 +16,13 @@ real), LoRA r=16 (lora_alpha 32) on every linear layer of the decoder, bf16 base
                        AC, per-layer compile, chunked linear CE, fused AdamW, clip 1.0 (train_rows' `sdpa_recipe`
                        with a LoRA wrap). Both rows record `strategy_settings`; they differ in the model path only.
   unsloth_lora         the same LoRA through Unsloth's FastModel; what was tried and the exact error if it cannot run.
+  ours_lora_fp8base    ours_lora with `model.lora.base_dtype: fp8` (the frozen base of every LoRA target stored
+                       float8_e4m3fn with rowwise fp32 scales, `lightning_ffpa/fp8_base.py`). Not in the default
+                       --rows (ask for it). It records the fit's start-up report (`fp8_base_conversion`: how many base
+                       weights were converted and their bytes, `fp8_base_startup`: the module's line,
+                       `fp8_base_matmul_path`) and the matmul path counts over the timed steps (`fp8_base_paths`,
+                       `fp8_base.path_counts()`); a row that converted nothing, ran no float8-base matmul, or on CUDA
+                       never took the scaled_mm (FP8 tensor-core) path is an error, not a number.
 Timing: per-step wall time, CUDA-synchronised, after --warmup steps (compile happens there): median, min, max of
 --steps steps; peak allocated and reserved memory over the timed steps. MFU counts LoRA FLOPs (frozen weights get
 no weight-gradient matmul: 4 x frozen matmul params x tokens, 6 x adapter params x tokens, attention fwd + bwd)
@@ -32,10 +39,16 @@ row: top CUDA kernels, GPU busy against wall time; not timed, and not in the dis
 One H200, one call per seq (each well under 10 minutes):
   python benchmarks/full_depth_lora.py --rows ours_lora hf_peft_sdpa_recipe --seqs 8192 --out $OUT/full_depth_lora.json
   python benchmarks/full_depth_lora.py --rows ours_lora hf_peft_sdpa_recipe --seqs 16384 --resume FILE --out ...
+The float8 base against ours in bf16 (`fp8_base_lora_vs_bf16_tps_{8k,16k}`, `fp8_base_lora_peak_mem_ratio_{8k,16k}`:
+float8 row / ours_lora, tokens/s and peak allocated memory at that seq; one H200, ours_lora's bf16 base does not fit
+an 80 GB H100 at full depth):
+  python benchmarks/full_depth_lora.py --rows ours_lora ours_lora_fp8base --seqs 8192 --out $OUT/full_depth_lora_fp8base.json
+and at 16384 one row per call (about 290 s each), `--resume FILE --budget-s 560 --row-timeout-s 540`.
 A row killed at its timeout after it wrote its whole row (a slow exit) keeps its measurement; `--summarize FILE`
 recomputes a file's summary with that rule (recorded in the file as `summary_recomputed`).
-CPU smoke (tiny preset, 2 layers, fp32, seq 64, compile off, the FFPA op's CPU reference):
-  python benchmarks/full_depth_lora.py --smoke --rows ours_lora hf_peft_sdpa_recipe --out /tmp/fdl.json
+CPU smoke (tiny preset, 2 layers, fp32, seq 64, compile off, the FFPA op's CPU reference; the float8 row takes
+the dequantise path there):
+  python benchmarks/full_depth_lora.py --smoke --rows ours_lora hf_peft_sdpa_recipe ours_lora_fp8base --out /tmp/fdl.json
 """
 
 from __future__ import annotations
@@ -79,8 +92,12 @@ ROWS = {
                     "compiled Gemma4 forward and loss), fused AdamW, clip 1.0",
     "unsloth_lora_gc": "unsloth_lora with use_gradient_checkpointing=True (plain checkpointing) in place of its "
                        "offloaded \"unsloth\" mode: Unsloth's other option; the faster of the two is the baseline",
+    "ours_lora_fp8base": "ours_lora with model.lora.base_dtype: fp8 (the frozen base of every LoRA target stored "
+                         "float8_e4m3fn with rowwise fp32 scales)",
 }
 UNSLOTH_ROWS = ("unsloth_lora", "unsloth_lora_gc")
+FP8_BASE_ROWS = ("ours_lora_fp8base",)  # rows whose LoRA stores its frozen base in float8 (`lora_of`)
+OPT_IN_ROWS = FP8_BASE_ROWS  # not in the default --rows: the default set is already more than one call's budget
 _SEQ_TAGS = {8192: "8k", 16384: "16k"}
 _SHAPE_KEYS = ("preset", "layers", "warmup", "steps", "smoke")  # a resumed file must match these and the commit
 
@@ -88,7 +105,8 @@ _SHAPE_KEYS = ("preset", "layers", "warmup", "steps", "smoke")  # a resumed file
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(RESULTS_DIR / "full_depth_lora.json"), help="result JSON path")
-    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--rows", nargs="+", default=[r for r in ROWS if r not in OPT_IN_ROWS], choices=list(ROWS),
+                   help=f"default: every row but {', '.join(OPT_IN_ROWS)}")
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="default 8192 16384 (64 with --smoke)")
     add_run_options(p, budget_s=540.0, row_timeout_s=330.0)
     p.add_argument("--smoke", action="store_true", help="CPU: tiny preset, 2 layers, fp32, compile off")
@@ -106,6 +124,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- row: ours (the product path)
+def lora_of(row: str) -> dict[str, Any]:
+    """The row's `model.lora`: LORA, with `base_dtype: fp8` for a float8-base row (its one difference)."""
+    return {**LORA, "base_dtype": "fp8"} if row in FP8_BASE_ROWS else dict(LORA)
+
+
+def fp8_base_error(row: dict[str, Any], device_type: str) -> str | None:
+    """Why a float8-base row holds no float8-base measurement, or None: no base weight was converted, no
+    float8-base matmul ran in the timed steps, or on CUDA none took the FP8 tensor-core path (`scaled_mm`)."""
+    conversion, paths = row.get("fp8_base_conversion") or {}, row.get("fp8_base_paths") or {}
+    if not conversion.get("converted"):
+        return f"no LoRA base weight was stored in float8 (the module's fp8_base report: {conversion or None})"
+    if not sum(paths.values()):
+        return (f"no float8-base matmul ran in the timed steps (fp8_base.path_counts(): {paths}): a row labelled "
+                "fp8 that ran another base")
+    if device_type == "cuda" and not paths.get("scaled_mm"):
+        return (f"no float8 matmul (scaled_mm) ran on CUDA in the timed steps, only {paths}: every base matmul "
+                "dequantised W0 to bf16")
+    return None
+
+
 def recipe_callbacks(window: int) -> tuple[list[dict], list[str]]:
     """The recipe's callbacks without checkpointing (a 31B save would take minutes and most of the disk) and
     with TokenThroughput's window at the timed steps (its own reading, beside ours), and the ones dropped."""
@@ -127,7 +165,7 @@ def cli_args(spec: dict[str, Any], root: Path) -> list[str]:
             "--trainer.default_root_dir", str(root), "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
             "--trainer.logger.save_dir", str(root), "--trainer.log_every_n_steps", "1",
             "--model.init_args.preset", spec["preset"], "--model.init_args.dtype", spec["dtype"],
-            "--model.init_args.lora", json.dumps(LORA), "--model.init_args.max_seq_length", str(seq),
+            "--model.init_args.lora", json.dumps(lora_of(spec["row"])), "--model.init_args.max_seq_length", str(seq),
             "--data.init_args.seq_length", str(seq)]
     if spec["layers"] is not None:
         args += ["--model.init_args.config_overrides", json.dumps(config_overrides(spec))]
@@ -164,7 +202,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.fit_recipes import read_metrics
     from benchmarks.gpu_clocks import ClockSampler
     from benchmarks.step_probe import StepProfiler
-    from lightning_ffpa import attention
+    from lightning_ffpa import attention, fp8_base
     from lightning_ffpa._compat import torch as torch_compat
     from lightning_ffpa._compat import transformers as hf_compat
     from lightning_ffpa._compat.transformers import find_hf_model
@@ -182,7 +220,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
             self.last: float | None = None
             self.profiler: StepProfiler | None = None
             self.profile: dict | None = None
-            self.counts: tuple[dict, dict] = ({}, {})
+            self.counts: tuple[dict, dict, dict] = ({}, {}, {})
             self.clocks: ClockSampler | None = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -200,7 +238,8 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                 self.profile = self.profiler.stop()
             elif trainer.global_step > spec["warmup"]:
                 self.times.append(now - self.last)
-                self.counts = (attention.dispatch_counts(), kernels.kernel_counts())  # of the timed steps
+                # of the timed steps (the dispatch reset clears the float8-base path counts too)
+                self.counts = (attention.dispatch_counts(), kernels.kernel_counts(), fp8_base.path_counts())
                 if trainer.global_step == spec["warmup"] + spec["steps"]:
                     self.clocks.stop()
             elif trainer.global_step == spec["warmup"]:  # the last warm-up step: count from here
@@ -239,6 +278,14 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                strategy_settings=strategy_settings(cli.trainer.strategy, model),
                gpu_clocks=clock.clocks.summary() if clock.clocks else {"unavailable": "no timed steps"})
     row.update(step_stats(clock.times, spec["seq"], train_flops_per_batch(model, 1, spec["seq"]), device))
+    if spec["row"] in FP8_BASE_ROWS:  # what the fit's start-up reported, and the paths the timed steps took
+        report = getattr(cli.model, "fp8_base", None)  # HFModule keeps quantize_lora_bases' report
+        row.update(fp8_base_conversion=report, fp8_base_paths=clock.counts[2],
+                   fp8_base_matmul_path=list(fp8_base.matmul_path(device)),
+                   fp8_base_startup=fp8_base.describe(report, device) if report else None)
+        why = fp8_base_error(row, device.type)
+        if why:
+            row["error"] = why
     if spec.get("profile"):
         row["profile"] = clock.profile
     return row
@@ -378,6 +425,15 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
             key = f"full_depth_lora_peak_mem_gb_{short[name]}_{tag}"
             summary[key] = row.get("peak_mem_allocated_gb") if row else None
             missing.update({key: why or f"row {name} recorded no device memory"} if summary[key] is None else {})
+        # the float8 base against ours in bf16 (issue 43): tokens/s and peak allocated memory, float8 / bf16
+        (fp8, why_fp8), (bf16, why_bf16) = row_at(rows, "ours_lora_fp8base", seq), found["ours_lora"]
+        why = "; ".join(filter(None, (why_fp8, why_bf16)))
+        for key, metric in ((f"fp8_base_lora_vs_bf16_tps_{tag}", "tokens_per_s"),
+                            (f"fp8_base_lora_peak_mem_ratio_{tag}", "peak_mem_allocated_gb")):
+            mine, theirs = (r.get(metric) if r else None for r in (fp8, bf16))
+            summary[key] = mine / theirs if mine is not None and theirs else None
+            missing.update({key: why or f"ours_lora_fp8base or ours_lora at seq {seq} recorded no {metric}"}
+                           if summary[key] is None else {})
     return summary, missing
 
 
@@ -391,7 +447,7 @@ def drive(args) -> None:
     done = {(r["row"], r["seq"]) for r in kept}
     dtype = "float32" if args.smoke else "bfloat16"
     specs = [dict(row=name, name=f"{name}_{seq}", seq=seq, preset=args.preset, layers=args.layers, dtype=dtype,
-                  warmup=args.warmup, steps=args.steps, smoke=args.smoke, lora=LORA, label=ROWS[name],
+                  warmup=args.warmup, steps=args.steps, smoke=args.smoke, lora=lora_of(name), label=ROWS[name],
                   profile=name in args.profile)
              for seq in args.seqs for name in args.rows if (name, seq) not in done]
     out = Path(args.out)

@@ -74,6 +74,15 @@ HEADLINES: dict[str, tuple[str, str]] = {
     "full_depth_lora_ours_offload_replicated_vs_unsloth_tps_8k": (
         "Gemma4-31B, all 60 layers, LoRA r=16, one H200, 8k tokens: ours with full AC, activation offload, "
         "1024-token loss chunks and the frozen base out of FSDP2 vs Unsloth", "{:.2f}x tokens/s"),
+    # The float8 frozen base (`model.lora.base_dtype: fp8`) against ours with the bf16 base, same run and recipe
+    **{f"fp8_base_lora_vs_bf16_tps_{k}": (f"Gemma4-31B, all 60 layers, LoRA r=16, one H200, {k} tokens: ours with "
+                                          "the LoRA targets' frozen base stored in float8 (`lora.base_dtype: fp8`, "
+                                          "rowwise scales) vs ours with the bf16 base", "{:.2f}x tokens/s")
+       for k in ("8k", "16k")},
+    **{f"fp8_base_lora_peak_mem_ratio_{k}": (f"Gemma4-31B, all 60 layers, LoRA r=16, one H200, {k} tokens: peak "
+                                             "allocated memory of ours with the float8 frozen base relative to ours "
+                                             "with the bf16 base (below 1: less memory)", "{:.2f}x")
+       for k in ("8k", "16k")},
     "ours_vs_nemo_backend_fwdbwd_8k": ("Gemma4 full-attention layer, 8k tokens, forward+backward: ours vs "
                                        "NeMo-Automodel's FFPA backend", "{:.2f}x"),
     "ours_vs_nemo_backend_step_tps_8k": ("training step, 8k tokens: ours vs NeMo-Automodel's FFPA backend, same "

@@ -19,7 +19,8 @@ _SMOKE = ["--smoke", "--warmup", "1", "--steps", "2"]
 _KEYS = {f"full_depth_lora_{k}_{t}" for t in ("8k", "16k") for k in (
     "ours_vs_sdpa_recipe_tps", "ours_vs_unsloth_tps", "ours_offload_vs_unsloth_tps",
     "ours_offload_replicated_vs_unsloth_tps", "peak_mem_gb_ours", "peak_mem_gb_ours_offload",
-    "peak_mem_gb_ours_offload_replicated", "peak_mem_gb_sdpa_recipe", "peak_mem_gb_unsloth", "unsloth_baseline")}
+    "peak_mem_gb_ours_offload_replicated", "peak_mem_gb_sdpa_recipe", "peak_mem_gb_unsloth", "unsloth_baseline")} | {
+    f"fp8_base_lora_{k}_{t}" for t in ("8k", "16k") for k in ("vs_bf16_tps", "peak_mem_ratio")}
 
 
 @pytest.fixture(scope="module")

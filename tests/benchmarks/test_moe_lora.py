@@ -29,6 +29,7 @@ def smoke_run(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # three row processes, ~35 s on 2 cores
 @pytest.mark.timeout(300)
 def test_the_three_rows_run_in_their_own_processes_and_differ_where_their_labels_say(smoke_run):
     rows = {r["row"]: r for r in smoke_run["rows"]}

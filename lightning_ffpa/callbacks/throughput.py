@@ -10,12 +10,16 @@ the input gradient of every matmul (as many FLOPs as its forward), and the weigh
 for weights with `requires_grad`. A full fine-tune is then 3x the forward; a LoRA step, whose frozen base gets
 no weight gradient, 2x for the base weights and 3x for the adapters and attention. Validation, test and predict
 batches count the forward only. Activation-checkpoint recompute is not counted.
+MoE layers count the routed work only: a 3-D expert stack, and the LoRA adapters peft's `target_parameters` puts
+on it, at top_k / num_experts of their parameters per token. `active_train_flops_per_batch` is the MoE
+convention instead: 6 x active parameters x tokens plus attention, as if every active weight trained.
 Padding tokens cost compute, so FLOPs use the padded batch shape; tokens/s counts real tokens only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -29,7 +33,11 @@ from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa.loss import IGNORE_INDEX
 
 __all__ = ["TokenThroughput", "BF16_PEAK_FLOPS", "peak_bf16_flops", "count_real_tokens", "forward_flops_per_batch",
-           "train_flops_per_batch"]
+           "train_flops_per_batch", "active_params", "active_train_flops_per_batch"]
+
+# peft's adapters on a 3-D expert stack (`experts.lora_A.<adapter>.weight`, nested `base_layer.`s for a second
+# stack of the same module): 2-D, but each token runs only its top_k experts' slices of them
+_EXPERT_ADAPTER = re.compile(r"(^|\.)experts\.(base_layer\.)*lora_[AB]\.")
 
 # Dense bf16 tensor-core peaks (no sparsity) from the vendor data sheets, by device-name substring.
 BF16_PEAK_FLOPS: dict[str, float] = {
@@ -84,39 +92,79 @@ def _keys_per_query(seq: int, window: int | None, causal: bool) -> float:
     return (w * (w + 1) / 2 + (seq - w) * w) / seq
 
 
-def _flops_split(model: nn.Module, batch_size: int, seq_len: int) -> tuple[float, float]:
-    """(forward FLOPs, the part of them that are matmuls with a frozen weight) of a (B, S) batch."""
+def _layers_and_config(model: nn.Module) -> tuple[Any, Any]:
     from lightning_ffpa._compat.transformers import find_decoder_layers, text_config
 
     found = find_decoder_layers(model)
     if found is None:
         raise TypeError(f"the model-FLOP count found no decoder layers in {type(model).__name__}")
-    layers = getattr(*found)
-    tokens = batch_size * seq_len
     config = getattr(model, "config", None)
-    config = text_config(config) if config is not None else None  # a multimodal model's experts live there
+    return getattr(*found), text_config(config) if config is not None else None  # a multimodal model's experts live there
+
+
+def _routed_fraction(config: Any, num_experts: int) -> float:
+    """top_k / num_experts: the share of an expert stack (or its adapters) one token runs."""
+    return getattr(config, "top_k_experts", num_experts) / getattr(config, "num_experts", num_experts)
+
+
+def _attention_flops(layer: nn.Module, batch_size: int, seq_len: int) -> float:
+    """Forward FLOPs of a layer's QK^T and PV matmuls (0 without an HF attention module)."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is None or not hasattr(attn, "head_dim") or not hasattr(attn, "q_proj"):
+        return 0.0
+    n_heads = attn.q_proj.out_features // attn.head_dim
+    kq = _keys_per_query(seq_len, getattr(attn, "sliding_window", None), getattr(attn, "is_causal", True))
+    return 2 * 2 * batch_size * n_heads * seq_len * kq * attn.head_dim
+
+
+def _flops_split(model: nn.Module, batch_size: int, seq_len: int) -> tuple[float, float]:
+    """(forward FLOPs, the part of them that are matmuls with a frozen weight) of a (B, S) batch."""
+    layers, config = _layers_and_config(model)
+    tokens = batch_size * seq_len
     fwd = frozen = 0.0
     for layer in layers:
         for name, p in layer.named_parameters():
             flops = 0.0
-            if p.dim() == 2 and not name.endswith("router.proj.weight"):
+            if p.dim() == 2 and _EXPERT_ADAPTER.search(name):
+                flops = 2 * p.numel() * tokens * _routed_fraction(config, 1)
+            elif p.dim() == 2 and not name.endswith("router.proj.weight"):
                 flops = 2 * p.numel() * tokens
             elif p.dim() == 3:  # stacked MoE experts: only top_k of num_experts run per token
                 k, e = getattr(config, "top_k_experts", p.shape[0]), p.shape[0]
                 flops = 2 * p.numel() * tokens * k / e
             fwd += flops
             frozen += 0.0 if p.requires_grad else flops
-        attn = getattr(layer, "self_attn", None)
-        if attn is not None and hasattr(attn, "head_dim") and hasattr(attn, "q_proj"):
-            n_heads = attn.q_proj.out_features // attn.head_dim
-            kq = _keys_per_query(seq_len, getattr(attn, "sliding_window", None), getattr(attn, "is_causal", True))
-            fwd += 2 * 2 * batch_size * n_heads * seq_len * kq * attn.head_dim  # QK^T and PV
+        fwd += _attention_flops(layer, batch_size, seq_len)
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear):
         flops = 2 * head.weight.numel() * tokens
         fwd += flops
         frozen += 0.0 if head.weight.requires_grad else flops
     return fwd, frozen
+
+
+def active_params(model: nn.Module) -> float:
+    """Base parameters one token runs through: every decoder matmul weight (attention projections, dense MLP,
+    the MoE router), top_k / num_experts of each 3-D expert stack, and the lm_head. LoRA adapters and the
+    embedding lookup are not counted."""
+    layers, config = _layers_and_config(model)
+    total = 0.0
+    for layer in layers:
+        for name, p in layer.named_parameters():
+            if p.dim() == 2 and "lora_" not in name:
+                total += p.numel()
+            elif p.dim() == 3:
+                total += p.numel() * getattr(config, "top_k_experts", p.shape[0]) / p.shape[0]
+    head = getattr(model, "lm_head", None)
+    return total + (head.weight.numel() if isinstance(head, nn.Linear) else 0)
+
+
+def active_train_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> float:
+    """MoE MFU's count for one training step on a (B, S) batch: 6 x `active_params` x tokens (forward, input and
+    weight gradients of every active weight, adapters or not) plus 3 x the attention score/value matmuls."""
+    layers, _ = _layers_and_config(model)
+    attention = sum(_attention_flops(layer, batch_size, seq_len) for layer in layers)
+    return 6.0 * active_params(model) * batch_size * seq_len + 3.0 * attention
 
 
 def forward_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> float:

@@ -114,3 +114,53 @@ def test_token_throughput_logs_the_lora_count():
     batch = {"input_ids": torch.zeros(2, 32, dtype=torch.long)}
     with monitor._flops_of(SimpleNamespace(is_global_zero=True), module, batch, backward=True):
         assert module.flops_per_batch == train_flops_per_batch(peft.get_base_model(), 2, 32) < full
+
+
+def _tiny_moe_lora():
+    """A two-layer tiny-moe Gemma4 on meta and the same model under the 26B-A4B recipe's LoRA (Linears and the
+    3-D expert stacks through peft's `target_parameters`)."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = build_text_config("tiny-moe", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    with torch.device("meta"):
+        base = transformers.Gemma4ForCausalLM(cfg)
+    peft = get_peft_model(base, LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    return cfg, peft.get_base_model()
+
+
+def test_expert_adapters_count_only_the_routed_experts():
+    """peft's adapters on a 3-D expert stack are 2-D (A: (r*E, in), B: (out, r*E)) but a token runs only its
+    top_k experts' slices: top_k / num_experts of them per token, trained (6 x), like the stack itself."""
+    from lightning_ffpa.callbacks.throughput import _attention_flops, _flops_split
+
+    cfg, model = _tiny_moe_lora()
+    b, s = 1, 16
+    stacks = {n: p for n, p in model.named_parameters() if ".experts." in n and "lora_" in n}
+    assert len(stacks) == 4 * cfg.num_hidden_layers  # A and B of gate_up_proj and down_proj
+    routed = sum(p.numel() for p in stacks.values()) * cfg.top_k_experts / cfg.num_experts
+    others = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and n not in stacks)
+    fwd, frozen = _flops_split(model, b, s)
+    attn = sum(_attention_flops(layer, b, s) for layer in model.model.layers)  # no weight: never frozen
+    assert fwd - frozen == pytest.approx(2 * (routed + others) * b * s + attn)
+
+
+def test_active_params_and_flops_of_a_moe_match_a_hand_count():
+    """26B-A4B's MFU count: attention projections (the full layers share K and V), dense MLP, router, top_k of
+    num_experts experts (gate_up and down), lm_head; 6 x that x tokens plus 3 x the attention matmuls."""
+    from lightning_ffpa.callbacks.throughput import active_params, active_train_flops_per_batch
+    from lightning_ffpa.presets import PRESETS
+
+    _, model = _tiny_moe_lora()
+    c = PRESETS["tiny-moe"]  # the shapes (the config holds head_dim per layer)
+    h, heads, b, s = c["hidden_size"], c["num_attention_heads"], 2, 32
+    sliding = h * heads * c["head_dim"] * 2 + 2 * h * c["num_key_value_heads"] * c["head_dim"]  # q, o, k, v
+    full = h * heads * c["global_head_dim"] * 2 + h * c["num_global_key_value_heads"] * c["global_head_dim"]  # k = v
+    per_layer = 3 * h * c["intermediate_size"] + c["num_experts"] * h  # dense MLP, router
+    per_layer += c["top_k_experts"] * 3 * h * c["moe_intermediate_size"]  # gate, up, down of top_k experts
+    expected = sliding + full + 2 * per_layer + c["vocab_size"] * h
+    assert active_params(model) == pytest.approx(expected)
+    attn = sum(4 * b * heads * s * _keys_per_query(s, w, True) * d
+               for w, d in ((c["sliding_window"], c["head_dim"]), (None, c["global_head_dim"])))
+    assert active_train_flops_per_batch(model, b, s) == pytest.approx(6 * expected * b * s + 3 * attn)

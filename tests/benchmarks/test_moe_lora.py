@@ -1,0 +1,119 @@
+"""benchmarks/moe_lora.py on CPU: the three rows in their own processes (tiny-moe), the summary and its reasons."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(_ROOT))
+
+from benchmarks import moe_lora  # noqa: E402
+from lightning_ffpa.errors import ConfigError  # noqa: E402
+
+_KEYS = {f"moe_{k}_{t}" for t in ("8k", "16k") for k in (
+    "ours_vs_hf_same_recipe_tps", "ours_vs_hf_defaults_tps", "mfu_active_spec", "full_depth_lora_peak_mem_gib")}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe") / "moe.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(_ROOT / "benchmarks" / "moe_lora.py"), "--cpu", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow  # three row processes, ~35 s on 2 cores
+@pytest.mark.timeout(300)
+def test_the_three_rows_run_in_their_own_processes_and_differ_where_their_labels_say(smoke_run):
+    rows = {r["row"]: r for r in smoke_run["rows"]}
+    assert set(rows) == set(moe_lora.ROWS)
+    assert not [(r.get("error"), r.get("log_tail")) for r in rows.values() if "error" in r]
+    assert len({r["process"]["pid"] for r in rows.values()}) == 3 and os.getpid() not in {
+        r["process"]["pid"] for r in rows.values()}
+    for r in rows.values():
+        assert r["seq"] == 128 and r["timed_steps"] == 1 and len(r["losses"]) == 2
+        assert r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms_max"]
+        assert r["tokens_per_s"] == pytest.approx(128 / r["step_ms_median"] * 1e3)
+        assert r["mfu_active_spec"] is None and r["peak_mem_allocated_gb"] is None  # CPU: no peak, no number
+        assert all(0 < v < 20 for v in r["losses"])
+    ours, same, defaults = rows["ours"], rows["hf_same_recipe"], rows["hf_defaults"]
+    # ours: the shipped yaml through the CLI, its LoRA untouched (the expert stacks included), FFPA on the full layer
+    assert ours["built_by"] == "lightning_ffpa.cli.build" and ours["cli_args"][:2] == ["--config", str(moe_lora.CONFIG)]
+    assert "--model.init_args.lora" not in ours["cli_args"] and ours["lora"] == moe_lora.recipe_lora()
+    assert moe_lora.recipe_lora()["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
+    assert ours["global_step"] == 2 and ours["attn_implementation"] == "ffpa" and ours["dispatch"]["ffpa-dense"] == 1
+    # the HF rows: SDPA, the experts each label names, on every MoE layer (2)
+    assert ours["experts_implementation"] == same["experts_implementation"] == {"grouped_mm": 2}
+    assert defaults["experts_implementation"] == {"eager": 2}
+    assert same["attn_implementation"] == defaults["attn_implementation"] == "sdpa"
+    # the same adapters and base in every row; the FLOP counts agree
+    for r in (same, defaults):
+        assert r["static_memory"]["trainable_params"] == ours["static_memory"]["trainable_params"] > 0
+        assert r["static_memory"]["frozen_params"] == ours["static_memory"]["frozen_params"]
+        assert r["active_params"] == ours["active_params"] and r["flop_count"] == ours["flop_count"]
+        assert r["lora_tflops_per_step"] == pytest.approx(ours["lora_tflops_per_step"])
+    # same recipe: ours' FSDP2 settings as applied; defaults: full AC and no compile, the rest the same
+    assert same["strategy_settings"] == ours["strategy_settings"]
+    assert ours["strategy_settings"]["activation_checkpointing"] == "selective"
+    differ = {k for k in ours["strategy_settings"] if defaults["strategy_settings"][k] != ours["strategy_settings"][k]}
+    assert differ == {"activation_checkpointing"}  # compile is off in both on CPU (the smoke turns it off)
+    assert defaults["strategy_settings"]["activation_checkpointing"] == "full"
+    assert (same["loss"], defaults["loss"]) == ("chunked", "HF forward(labels)")
+    # no 8k/16k row ran: every key null, with why
+    assert set(smoke_run["summary"]) == _KEYS and all(v is None for v in smoke_run["summary"].values())
+    assert "row ours at seq 8192 is not in this result" in smoke_run["summary_missing"]["moe_mfu_active_spec_8k"]
+
+
+def test_summary_gives_ratios_mfu_memory_and_reasons():
+    rows = [dict(row="ours", seq=8192, tokens_per_s=300.0, peak_mem_allocated_gb=90.0, mfu_active_spec=0.4),
+            dict(row="hf_same_recipe", seq=8192, tokens_per_s=200.0, peak_mem_allocated_gb=100.0),
+            dict(row="hf_defaults", seq=8192, error="CUDA out of memory"),
+            dict(row="ours", seq=16384, tokens_per_s=250.0, peak_mem_allocated_gb=120.0, mfu_active_spec=0.38)]
+    summary, missing = moe_lora.summarize(rows)
+    assert set(summary) == _KEYS
+    assert summary["moe_ours_vs_hf_same_recipe_tps_8k"] == 1.5 and summary["moe_mfu_active_spec_8k"] == 0.4
+    assert summary["moe_full_depth_lora_peak_mem_gib_16k"] == 120.0 and summary["moe_mfu_active_spec_16k"] == 0.38
+    assert summary["moe_ours_vs_hf_defaults_tps_8k"] is None
+    assert "no measurement: CUDA out of memory" in missing["moe_ours_vs_hf_defaults_tps_8k"]
+    assert "row hf_same_recipe at seq 16384 is not in this result" in missing["moe_ours_vs_hf_same_recipe_tps_16k"]
+    assert set(missing) == {k for k, v in summary.items() if v is None}
+    rows[0] = dict(rows[0], error="timeout")  # ours failed: every 8k key null, the reason named
+    summary, missing = moe_lora.summarize(rows)
+    assert all(summary[k] is None for k in _KEYS if k.endswith("_8k"))
+    assert "row ours at seq 8192 has no measurement: timeout" in missing["moe_full_depth_lora_peak_mem_gib_8k"]
+
+
+def test_a_gpu_run_without_cuda_is_refused_with_one_line_naming_cpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    with pytest.raises(ConfigError, match="--cpu"):
+        moe_lora.main(["--out", "/nonexistent/x.json"])
+
+
+def test_hf_rows_take_ours_strategy_options_and_defaults_change_ac_and_compile(tmp_path):
+    """The HF rows' FSDP2Strategy options are those ours' CLI parses from the yaml (with this run's overrides);
+    hf_defaults sets full AC and no compile on top."""
+    from lightning_ffpa.cli import build
+    from lightning_ffpa.parallel import FSDP2Strategy
+
+    spec = dict(row="hf_same_recipe", seq=64, preset="gemma4-26b-a4b", layers=2, dtype="bfloat16", warmup=2,
+                steps=5, cpu=False)
+    words = moe_lora.cli_args({**spec, "row": "ours"}, tmp_path) + ["--trainer.accelerator", "cpu"]
+    ours = build(words, run=False).trainer.strategy
+    same = FSDP2Strategy(**moe_lora.strategy_init_args(spec))
+    defaults = FSDP2Strategy(**moe_lora.strategy_init_args({**spec, "row": "hf_defaults"}))
+    names = ("activation_checkpointing", "sac_save_mm", "sac_extra_save_ops", "param_dtype", "reduce_dtype",
+             "reshard_after_forward", "cpu_offload", "replicate_frozen", "activation_offload", "compile")
+    assert all(getattr(same, n) == getattr(ours, n) for n in names)
+    assert ours.compile and ours.activation_checkpointing == "selective"
+    assert [n for n in names if getattr(defaults, n) != getattr(ours, n)] == ["activation_checkpointing", "compile"]
+    assert defaults.activation_checkpointing == "full" and not defaults.compile

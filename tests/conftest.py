@@ -37,6 +37,17 @@ def _sigint_does_not_leak():
 
 
 @pytest.fixture(autouse=True)
+def _ffpa_sliding_choice_does_not_leak():
+    """The "ffpa" backend's sliding kernel is process state (`register_ffpa(sliding=...)`): a test that sets it
+    directly would hand its choice to every later test of the process."""
+    from lightning_ffpa.attention import backend
+
+    before = backend.config().sliding
+    yield
+    backend.config().sliding = before
+
+
+@pytest.fixture(autouse=True)
 def _launch_vars_do_not_leak():
     before = {k: os.environ.get(k) for k in _LAUNCH_VARS}
     yield

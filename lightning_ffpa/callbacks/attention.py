@@ -59,6 +59,7 @@ class FFPAAttention(Callback):
         self.plan: AttentionPlan | None = None  # this run's plan, from `setup`
         self._installed_on: weakref.ref | None = None  # the model configured in this stage
         self.ring = None  # the ring handle at CP > 1 (its `stats` count the blocks that ran)
+        self._sliding_before: str | None = None  # the backend's sliding kernel before this run set its own
 
     # -- install ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -66,6 +67,7 @@ class FFPAAttention(Callback):
         self.plan = plan_for(trainer, pl_module, context_parallel_size(trainer, pl_module), callback=self)
         self.cp_size = self.plan.cp_size
         if not self.plan.ring and self.plan.attn_implementation == "ffpa":
+            self._sliding_before = attention.backend.config().sliding  # given back at teardown
             attention.register_ffpa(sliding=self.plan.sliding_kernel)
         elif self.plan.ring:
             # The ring is installed once the model exists, possibly after the strategy has wrapped the layers
@@ -98,6 +100,9 @@ class FFPAAttention(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._installed_on = None  # the next stage installs again: the model's attention may have changed since
+        if self._sliding_before is not None:  # the sliding choice is this run's, not the process's
+            attention.register_ffpa(sliding=self._sliding_before)
+            self._sliding_before = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._install(trainer, pl_module, required=True)

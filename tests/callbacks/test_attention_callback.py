@@ -181,3 +181,19 @@ def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatc
     assert calls == [(module.net["lm"], cp_mesh, "auto")]  # the default sliding path: FA4 where it runs, else Flex
     assert module.net["lm"].config._attn_implementation == "sdpa"  # the ring's own installer takes over from here
     assert "ring CP=2" in callback.summary() and "ring-block_dense=3" in callback.summary()
+
+
+def test_the_sliding_choice_lasts_for_its_run_only():
+    """The backend's sliding kernel is process state: the Callback sets its own for the run and gives the one
+    before back at teardown, so a later run without it (or with another choice) starts from the process's."""
+    from lightning_ffpa.attention import backend
+
+    attention.register_ffpa(sliding="flex")
+    seen = []
+
+    class _Look(L.Callback):
+        def on_train_batch_start(self, *args):
+            seen.append(backend.config().sliding)
+
+    _fit(_Wrapper(), [FFPAAttention(log_every_n_steps=0), _Look()], steps=1)  # default: auto, FA4 tried first
+    assert seen == ["fa4"] and backend.config().sliding == "flex"

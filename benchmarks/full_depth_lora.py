@@ -54,10 +54,7 @@ the dequantise path there):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -65,7 +62,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.lora_step import config_overrides, static_memory, step_stats, strategy_settings, sync  # noqa: E402
+from benchmarks.lora_step import (  # noqa: E402
+    config_overrides,
+    fit_as_built,
+    one_rank_group,
+    place_peft_model,
+    recipe_strategy_options,
+    static_memory,
+    step_stats,
+    strategy_settings,
+    sync,
+)
 from benchmarks.report import results_io  # noqa: E402
 from benchmarks.report.results_io import RESULTS_DIR, resummarize, write_result  # noqa: E402
 from benchmarks.row_process import add_run_options, fastest_row, row_at, row_main, run_rows  # noqa: E402
@@ -185,12 +192,7 @@ def strategy_init_args(spec: dict[str, Any]) -> dict[str, Any]:
     for this run. The HF + PEFT row builds its strategy from these, so the two cannot drift apart."""
     import yaml
 
-    options = dict(yaml.safe_load(CONFIG.read_text())["trainer"]["strategy"]["init_args"])
-    words, prefix = cli_args({**spec, "row": "ours_lora"}, Path(".")), "--trainer.strategy.init_args."
-    for flag, value in zip(words, words[1:]):
-        if flag.startswith(prefix):
-            options[flag.removeprefix(prefix)] = yaml.safe_load(value)
-    return options
+    return recipe_strategy_options(yaml.safe_load(CONFIG.read_text()), cli_args({**spec, "row": "ours_lora"}, Path(".")))
 
 
 def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
@@ -208,8 +210,6 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning_ffpa._compat.transformers import find_hf_model
     from lightning_ffpa.attention import kernels
     from lightning_ffpa.callbacks.throughput import train_flops_per_batch
-    from lightning_ffpa.cli import build
-    from lightning_ffpa.validation import preflight
 
     class StepClock(Callback):
         """Wall time between consecutive batch ends (CUDA-synchronised); counters and peaks reset after warm-up."""
@@ -252,14 +252,8 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
 
     root = Path(tempfile.mkdtemp(prefix="fdl_ours_"))
     words = cli_args(spec, root)
-    cli = build(words, run=False)
     clock = StepClock()
-    cli.trainer.callbacks.append(clock)
-    preflight(cli.trainer, cli.model, cli.datamodule, None)  # what `lightning-ffpa fit` checks before fit
-    torch_compat.dynamo_counters().clear()
-    # CPU smoke: the real dispatch over the CPU reference of the FFPA op (fp32 would otherwise fall back to sdpa)
-    with kernels.force_kernel("reference") if spec["smoke"] else contextlib.nullcontext():
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    cli = fit_as_built(words, clock, reference_kernel=spec["smoke"])
     device = cli.trainer.strategy.root_device
     model = find_hf_model(cli.model)
     row = dict(built_by="lightning_ffpa.cli.build", cli_args=words, preflight="lightning_ffpa.validation.preflight",
@@ -304,12 +298,7 @@ def peft_model_on_meta(spec: dict[str, Any]):
     from lightning_ffpa.presets import build_text_config
 
     cuda = not spec["smoke"]
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
-                                         **({"device_id": device} if cuda else {}))
+    device = one_rank_group(cuda)
     cfg = build_text_config(spec["preset"], **config_overrides(spec))
     with torch.device("meta"):
         model = from_config(transformers.Gemma4ForCausalLM, cfg, dtype=getattr(torch, spec["dtype"]),
@@ -320,7 +309,6 @@ def peft_model_on_meta(spec: dict[str, Any]):
 
 def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from peft.tuners.lora import LoraLayer
 
     from benchmarks.gpu_clocks import ClockSampler
     from benchmarks.step_probe import profile_step
@@ -330,23 +318,11 @@ def measure_hf_peft(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning_ffpa._compat import transformers as hf_compat
     from lightning_ffpa.callbacks.throughput import train_flops_per_batch
     from lightning_ffpa.module import build_adamw
-    from lightning_ffpa.parallel import FSDP2Strategy
-    from lightning_ffpa.parallel.dims import ParallelDims
-    from lightning_ffpa.parallel.strategy import materialize
 
     model, cfg, device, _ = peft_model_on_meta(spec)
-    strategy = FSDP2Strategy(**strategy_init_args(spec))  # ours_lora's, so the rows differ in the model path only
+    # ours_lora's strategy options, so the rows differ in the model path only
+    strategy = place_peft_model(model, strategy_init_args(spec), device)
     cuda = device.type == "cuda"
-    strategy.use_parallel_dims(ParallelDims(1), device.type)
-    torch_compat.raise_recompile_limit(64)
-    strategy.parallelize_module(model)  # ours' recipe as ours_lora's strategy applies it, replicate_frozen included
-    materialize(model, device)
-    with torch.no_grad():  # HF's init touched the adapters too: back to peft's (B = 0), as the product does
-        for module in model.modules():
-            if isinstance(module, LoraLayer):
-                for adapter in module.lora_A:
-                    module.reset_lora_parameters(adapter, True)
-    model.train()
     opt = build_adamw(model, lr=1e-5)
     trainable = [p for p in model.parameters() if p.requires_grad]
     ids = torch.randint(0, cfg.vocab_size, (1, spec["seq"]), device=device, generator=torch.Generator(device).manual_seed(0))

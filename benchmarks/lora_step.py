@@ -1,9 +1,14 @@
-"""What the full-depth LoRA rows share (ours, HF + PEFT, Unsloth): the model's overrides, the FSDP2 recipe a row
-applied, static memory and the timed steps' statistics. Owns no row and no run (`full_depth_lora.py`, `unsloth_row.py`).
+"""What the full-depth LoRA rows share (ours, HF + PEFT, Unsloth; dense and MoE): the model's overrides, ours'
+fit as the console builds it, the HF + PEFT rows' one-rank placement under ours' strategy options, the FSDP2 recipe a
+row applied, static memory and the timed steps' statistics. Owns no row and no run (`full_depth_lora.py`,
+`moe_lora.py`, `unsloth_row.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import statistics
 from typing import Any
 
@@ -68,3 +73,72 @@ def sync(device) -> None:
     """Wait for the device's queued work (CUDA); nothing on CPU."""
     if device.type == "cuda":
         __import__("torch").cuda.synchronize(device)
+
+
+def recipe_strategy_options(recipe: dict[str, Any], words: list[str]) -> dict[str, Any]:
+    """A recipe's FSDP2Strategy `init_args` with the `--trainer.strategy.init_args.*` overrides among `words`:
+    the HF + PEFT rows build their strategy from ours' options, so the rows cannot drift apart."""
+    import yaml
+
+    options = dict(recipe["trainer"]["strategy"]["init_args"])
+    prefix = "--trainer.strategy.init_args."
+    for flag, value in zip(words, words[1:]):
+        if flag.startswith(prefix):
+            options[flag.removeprefix(prefix)] = yaml.safe_load(value)
+    return options
+
+
+def fit_as_built(words: list[str], clock, reference_kernel: bool):
+    """Ours as `lightning-ffpa fit` runs it: `cli.build(words)`, `clock` appended to the callbacks, the console's
+    pre-flight, then fit (the CPU smoke runs the FFPA op's CPU reference: fp32 would otherwise fall back to sdpa)."""
+    from lightning_ffpa._compat import torch as torch_compat
+    from lightning_ffpa.attention import kernels
+    from lightning_ffpa.cli import build
+    from lightning_ffpa.validation import preflight
+
+    cli = build(words, run=False)
+    cli.trainer.callbacks.append(clock)
+    preflight(cli.trainer, cli.model, cli.datamodule, None)  # what `lightning-ffpa fit` checks before fit
+    torch_compat.dynamo_counters().clear()
+    with kernels.force_kernel("reference") if reference_kernel else contextlib.nullcontext():
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return cli
+
+
+def one_rank_group(cuda: bool):
+    """A one-rank process group on a free local port (nccl on GPU 0, gloo on CPU); returns the row's device."""
+    import torch
+
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
+                                         **({"device_id": device} if cuda else {}))
+    return device
+
+
+def place_peft_model(model, strategy_options: dict[str, Any], device):
+    """An HF + PEFT model built on meta, placed as ours' strategy places it on a mesh of one (replicate_frozen
+    included), materialised, and its adapters back to peft's init (HF's init touched them; B = 0, as the product
+    has them); returns the strategy."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    from lightning_ffpa._compat import torch as torch_compat
+    from lightning_ffpa.parallel import FSDP2Strategy
+    from lightning_ffpa.parallel.dims import ParallelDims
+    from lightning_ffpa.parallel.strategy import materialize
+
+    strategy = FSDP2Strategy(**strategy_options)
+    strategy.use_parallel_dims(ParallelDims(1), device.type)
+    torch_compat.raise_recompile_limit(64)
+    strategy.parallelize_module(model)
+    materialize(model, device)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                for adapter in module.lora_A:
+                    module.reset_lora_parameters(adapter, True)
+    model.train()
+    return strategy

@@ -42,10 +42,7 @@ CPU smoke (tiny-moe preset, 2 layers, fp32, seq 128, one warm-up and one timed s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import socket
 import sys
 import tempfile
 import time
@@ -54,7 +51,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.lora_step import config_overrides, static_memory, step_stats, strategy_settings, sync  # noqa: E402
+from benchmarks.lora_step import (  # noqa: E402
+    config_overrides,
+    fit_as_built,
+    one_rank_group,
+    place_peft_model,
+    recipe_strategy_options,
+    static_memory,
+    step_stats,
+    strategy_settings,
+    sync,
+)
 from benchmarks.report import results_io  # noqa: E402
 from benchmarks.report.results_io import RESULTS_DIR, write_result  # noqa: E402
 from benchmarks.row_process import add_run_options, row_at, row_main, run_rows  # noqa: E402
@@ -152,13 +159,7 @@ def cli_args(spec: dict[str, Any], root: Path) -> list[str]:
 def strategy_init_args(spec: dict[str, Any]) -> dict[str, Any]:
     """ours' FSDP2Strategy options (the yaml's, with the overrides `cli_args` passes); hf_defaults then sets full
     AC and no compile."""
-    import yaml
-
-    options = dict(_recipe()["trainer"]["strategy"]["init_args"])
-    words, prefix = cli_args(spec, Path(".")), "--trainer.strategy.init_args."
-    for flag, value in zip(words, words[1:]):
-        if flag.startswith(prefix):
-            options[flag.removeprefix(prefix)] = yaml.safe_load(value)
+    options = recipe_strategy_options(_recipe(), cli_args(spec, Path(".")))
     if spec["row"] == "hf_defaults":
         options.update(activation_checkpointing="full", compile=False)
     return options
@@ -172,10 +173,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning_ffpa._compat import torch as torch_compat
     from lightning_ffpa._compat import transformers as hf_compat
     from lightning_ffpa._compat.transformers import find_hf_model
-    from lightning_ffpa.attention import kernels
     from lightning_ffpa.callbacks.throughput import train_flops_per_batch
-    from lightning_ffpa.cli import build
-    from lightning_ffpa.validation import preflight
 
     class StepClock(Callback):
         """Wall time between consecutive batch ends (synchronised); dispatch counts and peaks from the warm-up's end."""
@@ -201,14 +199,8 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
 
     root = Path(tempfile.mkdtemp(prefix="moe_ours_"))
     words = cli_args(spec, root)
-    cli = build(words, run=False)
     clock = StepClock()
-    cli.trainer.callbacks.append(clock)
-    preflight(cli.trainer, cli.model, cli.datamodule, None)  # what `lightning-ffpa fit` checks before fit
-    torch_compat.dynamo_counters().clear()
-    # CPU smoke: the real dispatch over the CPU reference of the FFPA op (fp32 would otherwise fall back to sdpa)
-    with kernels.force_kernel("reference") if spec["cpu"] else contextlib.nullcontext():
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    cli = fit_as_built(words, clock, reference_kernel=spec["cpu"])
     model = find_hf_model(cli.model)
     row = dict(built_by="lightning_ffpa.cli.build", cli_args=words, strategy=type(cli.trainer.strategy).__qualname__,
                callbacks=[type(c).__qualname__ for c in cli.trainer.callbacks], dispatch=clock.dispatch,
@@ -232,12 +224,7 @@ def hf_peft_model(spec: dict[str, Any]):
     from lightning_ffpa.lora import lora_hparam, peft_options
     from lightning_ffpa.presets import build_text_config
 
-    device = torch.device("cpu") if spec["cpu"] else torch.device("cuda", 0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    torch.distributed.init_process_group("gloo" if spec["cpu"] else "nccl", rank=0, world_size=1,
-                                         **({} if spec["cpu"] else {"device_id": device}))
+    device = one_rank_group(not spec["cpu"])
     cfg = build_text_config(spec["preset"], **config_overrides(spec))
     with torch.device("meta"):
         model = from_config(transformers.Gemma4ForCausalLM, cfg, dtype=getattr(torch, spec["dtype"]),
@@ -248,30 +235,16 @@ def hf_peft_model(spec: dict[str, Any]):
 
 def measure_hf(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from peft.tuners.lora import LoraLayer
 
     from benchmarks.train_rows import loss_fn
     from lightning_ffpa._compat import torch as torch_compat
     from lightning_ffpa._compat import transformers as hf_compat
     from lightning_ffpa.callbacks.throughput import train_flops_per_batch
     from lightning_ffpa.module import build_adamw
-    from lightning_ffpa.parallel import FSDP2Strategy
-    from lightning_ffpa.parallel.dims import ParallelDims
-    from lightning_ffpa.parallel.strategy import materialize
 
     model, cfg, device = hf_peft_model(spec)
     defaults = spec["row"] == "hf_defaults"
-    strategy = FSDP2Strategy(**strategy_init_args(spec))
-    strategy.use_parallel_dims(ParallelDims(1), device.type)
-    torch_compat.raise_recompile_limit(64)
-    strategy.parallelize_module(model)
-    materialize(model, device)
-    with torch.no_grad():  # HF's init touched the adapters too: back to peft's (B = 0), as the product does
-        for module in model.modules():
-            if isinstance(module, LoraLayer):
-                for adapter in module.lora_A:
-                    module.reset_lora_parameters(adapter, True)
-    model.train()
+    strategy = place_peft_model(model, strategy_init_args(spec), device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-5) if defaults else build_adamw(model, lr=1e-5)
     ids = torch.randint(0, cfg.vocab_size, (1, spec["seq"]), device=device,

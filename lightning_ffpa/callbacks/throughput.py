@@ -130,8 +130,7 @@ def _flops_split(model: nn.Module, batch_size: int, seq_len: int) -> tuple[float
             elif p.dim() == 2 and not name.endswith("router.proj.weight"):
                 flops = 2 * p.numel() * tokens
             elif p.dim() == 3:  # stacked MoE experts: only top_k of num_experts run per token
-                k, e = getattr(config, "top_k_experts", p.shape[0]), p.shape[0]
-                flops = 2 * p.numel() * tokens * k / e
+                flops = 2 * p.numel() * tokens * _routed_fraction(config, p.shape[0])
             fwd += flops
             frozen += 0.0 if p.requires_grad else flops
         fwd += _attention_flops(layer, batch_size, seq_len)
@@ -154,7 +153,7 @@ def active_params(model: nn.Module) -> float:
             if p.dim() == 2 and "lora_" not in name:
                 total += p.numel()
             elif p.dim() == 3:
-                total += p.numel() * getattr(config, "top_k_experts", p.shape[0]) / p.shape[0]
+                total += p.numel() * _routed_fraction(config, p.shape[0])
     head = getattr(model, "lm_head", None)
     return total + (head.weight.numel() if isinstance(head, nn.Linear) else 0)
 

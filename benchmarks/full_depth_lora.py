@@ -74,8 +74,8 @@ from benchmarks.lora_step import (  # noqa: E402
     sync,
 )
 from benchmarks.report import results_io  # noqa: E402
-from benchmarks.report.results_io import RESULTS_DIR, resummarize, write_result  # noqa: E402
-from benchmarks.row_process import add_run_options, fastest_row, row_at, row_main, run_rows  # noqa: E402
+from benchmarks.report.results_io import RESULTS_DIR, resummarize  # noqa: E402
+from benchmarks.row_process import add_run_options, fastest_row, row_at, row_main, run_resumed_rows  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 # No transformers at module level: an Unsloth row's process runs this file and must import Unsloth first.
@@ -426,18 +426,8 @@ def drive(args) -> None:
                   warmup=args.warmup, steps=args.steps, smoke=args.smoke, lora=lora_of(name), label=ROWS[name],
                   profile=name in args.profile)
              for seq in args.seqs for name in args.rows if (name, seq) not in done]
-    out = Path(args.out)
-    this_call = dict(command=" ".join([Path(sys.executable).name, *sys.argv]),
-                     date=time.strftime("%Y-%m-%d %H:%M:%S"), rows=[s["name"] for s in specs])
-
-    def save(rows: list[dict]) -> None:
-        summary, missing = summarize([*kept, *rows])
-        write_result("full_depth_lora", [*kept, *rows], summary, out=out, summary_missing=missing,
-                     calls=[*calls, this_call], budget_s=args.budget_s, row_timeout_s=args.row_timeout_s,
-                     **{k: getattr(args, k) for k in _SHAPE_KEYS})
-
-    save([])
-    run_rows(Path(__file__).resolve(), specs, out.parent / f"{out.stem}_logs", args.row_timeout_s, args.budget_s, save)
+    run_resumed_rows(Path(__file__).resolve(), "full_depth_lora", specs, Path(args.out), (kept, calls), summarize,
+                     args.row_timeout_s, args.budget_s, **{k: getattr(args, k) for k in _SHAPE_KEYS})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -205,6 +205,27 @@ def run_rows_into(script: Path, name: str, specs: list[dict[str, Any]], out: Pat
     return run_rows(script, specs, out.with_suffix(".logs"), row_timeout_s, budget_s, write)
 
 
+def run_resumed_rows(script: Path, name: str, specs: list[dict[str, Any]], out: Path, resumed: tuple[list, list],
+                     summarize: Callable[[list[dict[str, Any]]], tuple[dict, dict]], row_timeout_s: float,
+                     budget_s: float, **fields: Any) -> list[dict[str, Any]]:
+    """`run_rows` for a script that resumes: result `name` at `out` is rewritten after each row with the kept rows
+    of its `--resume` file first, this call appended to the file's `calls`, the summary and what it could not
+    compute (`summary_missing`) over all rows, and `fields`; logs go to `<out stem>_logs`."""
+    from benchmarks.report.results_io import write_result  # the report package reads this module
+
+    kept, calls = resumed
+    this_call = dict(command=" ".join([Path(sys.executable).name, *sys.argv]),
+                     date=time.strftime("%Y-%m-%d %H:%M:%S"), rows=[s["name"] for s in specs])
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        summary, missing = summarize([*kept, *rows])
+        write_result(name, [*kept, *rows], summary, out=out, summary_missing=missing, calls=[*calls, this_call],
+                     budget_s=budget_s, row_timeout_s=row_timeout_s, **fields)
+
+    save([])
+    return run_rows(script, specs, out.parent / f"{out.stem}_logs", row_timeout_s, budget_s, save)
+
+
 def _slug(spec: dict[str, Any]) -> str:
     parts = [str(spec.get(k)) for k in ("name", "batch") if spec.get(k) is not None]
     return "_".join(parts).replace("/", "-")

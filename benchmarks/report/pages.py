@@ -365,21 +365,21 @@ def _notes(record: dict[str, Any]) -> str:
 def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) -> list[str]:
     """Per result file, the file whose headline comes first in HEADLINES first: a line naming the run, then one
     bullet per known summary key or row value. A key held by several files of the same benchmark and notes is
-    shown once, from the newest run (as the targets table reads it)."""
+    shown once per GPU, from that card's newest run: an H100 run does not hide the H200 number."""
     lines = []
     newest: dict[tuple, Path] = {}
     by_priority = sorted(results, key=lambda pr: _priority(pr[1]))
     for path, record in sorted(reversed(by_priority), key=lambda pr: measured_at(pr[1])):  # ties: the first file
         for key, value in record["summary"].items():
             if key in HEADLINES and is_number(value):
-                newest[(record.get("benchmark"), _notes(record), key)] = path
+                newest[(record.get("benchmark"), _notes(record), record.get("device"), key)] = path
     for path, record in by_priority:  # stable: file names break ties
         link = f"[`{path.name}`]({rel(path, link_from)})"
         notes = _notes(record)
         bullets = []
         for key, (what, fmt) in HEADLINES.items():
             value = record["summary"].get(key)
-            if is_number(value) and newest[(record.get("benchmark"), notes, key)] == path:
+            if is_number(value) and newest[(record.get("benchmark"), notes, record.get("device"), key)] == path:
                 what += qualifier(key, record)
                 bullets.append(f"- **{fmt.format(value)}**: {what}. {link} (`summary.{key}`)")
         for bench, match, metric, what, fmt in ROW_HEADLINES:

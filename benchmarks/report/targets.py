@@ -54,10 +54,20 @@ MEMORY_BARS: dict[str, tuple[str, str]] = {
 }
 
 
+TARGET_CARD = "H200"  # the card the issues set the bars on; another card's number shows only where it has none
+
+
 def _newest(results: list[tuple[Path, dict[str, Any]]], key: str, stem: str | None):
-    """(path, record) of the newest file that recorded a number for `key` (any file, or only `stem`)."""
+    """(path, record) of the newest file on the target card that recorded a number for `key` (any file, or only
+    `stem`), else the newest on any card."""
     found = [(p, r) for p, r in results if (stem is None or p.stem == stem) and is_number(r["summary"].get(key))]
-    return max(found, key=lambda pr: measured_at(pr[1]), default=(None, None))
+    return max(found, key=lambda pr: (not other_card(pr[1]), measured_at(pr[1])), default=(None, None))
+
+
+def other_card(record: dict[str, Any]) -> str:
+    """The file's device where it names one other than the target card, else ""."""
+    device = str(record.get("device") or "")
+    return "" if not device or TARGET_CARD in device else device
 
 
 def measured_at(record: dict[str, Any]) -> str:
@@ -89,7 +99,8 @@ def render_targets(results: list[tuple[Path, dict[str, Any]]], link_from: Path, 
     """Markdown lines: one table row per target, with the value, its status and the file it came from; a value
     read from a file of `marked` (stem -> mark, e.g. one that predates the current code) carries its mark."""
     out = ["## Targets", "",
-           "Each target is a ratio or fraction measured in one run on one GPU; the value is the newest file's. "
+           "Each target is a ratio or fraction measured in one run on one GPU; the value is the newest H200 file's "
+           "(another card's, named beside the file, only where no H200 run has it). "
            "Why a target is missed is written up in [performance notes](performance.md).", "",
            "| target | bar | measured | status | file (commit) |", "|---|---|---|---|---|"]
     for key, stem, bar, strict, what in TARGETS:
@@ -104,7 +115,8 @@ def render_targets(results: list[tuple[Path, dict[str, Any]]], link_from: Path, 
             mem_shown, mem_missed = memory_status(rec["summary"], key)
             shown += mem_shown
             status = f"missed: {mem_missed}" if status == "met" and mem_missed else status
-        where = f"[`{path.name}`]({rel(path, link_from)}) (`{str(rec.get('commit', '?'))[:7]}`)" if path else "-"
+        where = (f"[`{path.name}`]({rel(path, link_from)}) (`{str(rec.get('commit', '?'))[:7]}`"
+                 f"{', ' + other_card(rec) if other_card(rec) else ''})" if path else "-")
         if path is not None and (marked or {}).get(path.stem):
             status += f" ({marked[path.stem]})"
         out.append(f"| {what} (`{key}`) | {bar_text} | {shown} | {status} | {where} |")

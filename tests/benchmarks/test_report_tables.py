@@ -496,3 +496,22 @@ def test_the_roofline_reads_the_datasheet_fraction_first():
     bullets = [ln for ln in pages.render_headline([(Path("rollout_x.json"), dict(record, commit="abc1234"))])
                .splitlines() if "roofline_fraction" in ln]
     assert "summary.roofline_fraction_datasheet_bs64" in bullets[0]
+
+
+def test_targets_read_the_h200_run_before_a_newer_run_on_another_card_and_name_that_card(tmp_path):
+    """The bars are set on the H200: a newer H100 file does not replace its number; where only another card ran,
+    its number shows with the card named. The headline keeps one bullet per card."""
+    from benchmarks.report import targets
+
+    h200 = dict(benchmark="b", commit="aaaaaaa", date="2026-12-01", device="NVIDIA H200 x1", rows=[],
+                summary={"ours_mfu_spec_16k": 0.44})
+    h100 = dict(h200, commit="bbbbbbb", date="2026-12-05", device="NVIDIA H100 80GB HBM3 x1",
+                summary={"ours_mfu_spec_16k": 0.40, "moe_decode_routed_roofline_bs64": 0.67})
+    results = [(tmp_path / "a.json", h200), (tmp_path / "b.json", h100)]
+    lines = targets.render_targets(results, tmp_path, lambda p, s: p.name)
+    mfu = next(ln for ln in lines if "(`ours_mfu_spec_16k`)" in ln)
+    assert "| 44.0% |" in mfu and "(`aaaaaaa`) |" in mfu
+    moe = next(ln for ln in lines if "(`moe_decode_routed_roofline_bs64`)" in ln)
+    assert "(`bbbbbbb`, NVIDIA H100 80GB HBM3 x1) |" in moe
+    bullets = [ln for ln in pages.render_headline(results).splitlines() if "(`summary.ours_mfu_spec_16k`)" in ln]
+    assert len(bullets) == 2

@@ -385,8 +385,8 @@ def test_two_files_of_one_day_without_calls_are_told_apart_by_when_the_writer_fi
     for order in ((earlier, later), (later, earlier)):  # "a.json" sorts first either way: the time decides
         results = [(tmp_path / name, r) for name, r in zip(("a.json", "b.json"), order)]
         assert targets._newest(results, "ours_mfu_spec_16k", None)[1]["commit"] == "bbbbbbb"
-        assert "(`bbbbbbb`)" in next(ln for ln in targets.render_targets(results, tmp_path, lambda p, s: p.name)
-                                     if "ours_mfu_spec_16k" in ln)
+        assert "(`bbbbbbb`, cpu)" in next(ln for ln in targets.render_targets(results, tmp_path, lambda p, s: p.name)
+                                          if "ours_mfu_spec_16k" in ln)
         bullets = [ln for ln in pages.render_headline(results).splitlines() if "ours_mfu_spec_16k" in ln]
         assert len(bullets) == 1 and "45.0%" in bullets[0]
 

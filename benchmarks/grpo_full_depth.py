@@ -24,6 +24,11 @@ at two (the bf16 engine). `--recount FILE --out NEW` recomputes a recorded file'
 field from its rows' recorded step timings and bandwidth (no GPU), keeping the measured fields, and records
 `recounted_from` (the measured file, its commit and why).
 
+Each row also records `rollout/memory.py`'s estimate of its fit (`memory_estimate_gib` and its components, from the
+recipe with the row's recorded command applied, `memory_recipe.recipe_estimate`) and its error against the measured
+peak allocated, (estimate - measured) / measured; the summary has `grpo_full_depth_memory_estimate_gib_{L}` and
+`grpo_full_depth_memory_estimate_rel_err_{L}`. A recount fills them too.
+
     python benchmarks/grpo_full_depth.py --lengths 4096 --steps 3 --logs $OUT --out $OUT/grpo_full_depth.json
     python benchmarks/grpo_full_depth.py --recount benchmarks/results/grpo_full_depth_fp8base_h100.json \
         --base-dtype fp8 --lengths 1024 --out /tmp/recount.json
@@ -147,35 +152,19 @@ def _stat(values: list[float]) -> dict[str, float] | None:
             "n": len(values)} if values else None
 
 
-def stored_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of `model`'s weights as the fit stores them and the bf16 engine reads them: a `Float8BaseLinear`'s
-    float8 weight (one byte) and fp32 rowwise scales (four) as stored, every other weight (LoRA A/B included) at two;
-    a tied weight once."""
-    from lightning_ffpa.fp8_base import Float8BaseLinear
-
-    stored = {id(t) for m in model.modules() if isinstance(m, Float8BaseLinear) for t in (m.weight, m.weight_scale)}
-    return sum(p.numel() * (p.element_size() if id(p) in stored else 2) for p in model.parameters())
-
-
 def decode_bytes(prompt_len: int, length: int, seqs: int, preset: str, layers: int | None,
                  lora: dict[str, Any] | None, routed_fraction: float | None = None) -> float:
     """Bytes one decode step must read, averaged over the completion's positions: every weight once as the fit
     stores it (the embedding as the head's matrix; `lora`, the fit's LoRA options, adds the adapters and, with
     `base_dtype: fp8`, stores the targets' bases in float8), and each row's K/V within its layers' reach. With
     `routed_fraction` (a MoE model), only that share of the expert weights."""
-    from lightning_ffpa.lora import apply_lora, unwrap_peft
+    from lightning_ffpa.lora import unwrap_peft
     from lightning_ffpa.rollout.kv_cache import token_bytes
-    from lightning_ffpa.rollout.memory import meta_model
+    from lightning_ffpa.rollout.memory import lora_meta_model, stored_weight_bytes
     from lightning_ffpa.rollout.routing import moe_layers
     from lightning_ffpa.rollout.walker import DecoderWalker
 
-    model = meta_model(preset, **({} if layers is None else {"num_hidden_layers": layers}))
-    if lora:  # the fit's own steps: peft LoRA on its targets, then (fp8) the bases as HFModule stores them
-        model = apply_lora(model, lora)
-        if lora.get("base_dtype") == "fp8":
-            from lightning_ffpa.fp8_base import quantize_lora_bases
-
-            quantize_lora_bases(model)
+    model = lora_meta_model(preset, layers, lora)  # the fit's LoRA, and (fp8) the bases as HFModule stores them
     weights = float(stored_weight_bytes(model))
     base = unwrap_peft(model)
     if routed_fraction is not None:
@@ -187,6 +176,36 @@ def decode_bytes(prompt_len: int, length: int, seqs: int, preset: str, layers: i
         for p in range(prompt_len, prompt_len + length):
             kv += per_tok * (p + 1 if spec.window is None else min(p + 1, spec.window))
     return weights + seqs * kv / length
+
+
+def estimate_overrides(args: argparse.Namespace) -> list[str]:
+    """What this script's options say the fit ran (preset, depth, prompt length, prompts, group), as console words
+    that go before a row's own recorded command (whose words win)."""
+    words = ["--model.init_args.preset", args.preset, "--data.init_args.prompt_len", str(args.prompt_len),
+             "--data.init_args.batch_size", str(args.prompts), f"{CB}num_generations", str(args.group)]
+    if args.layers is not None:
+        words += ["--model.init_args.config_overrides", f"{{num_hidden_layers: {args.layers}}}"]
+    return words
+
+
+def memory_estimate(row: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """`rollout/memory.py`'s estimate of the row's fit (the recipe with the row's command applied), its components
+    in GiB and its error against the measured peak allocated: (estimate - measured) / measured. A fit the estimate
+    does not cover (no LoRA) records why in `memory_estimate_error`."""
+    from lightning_ffpa.errors import ConfigError
+    from lightning_ffpa.rollout.memory import GIB
+    from lightning_ffpa.rollout.memory_recipe import recipe_estimate, split_command
+
+    words = [*estimate_overrides(args), *split_command(row.get("command", ""))]
+    try:
+        est = recipe_estimate(REPO / "configs" / f"{args.recipe}.yaml", words)
+    except ConfigError as err:
+        return {"memory_estimate_error": str(err)}
+    total, peak = est.total / GIB, row.get("peak_mem_gib")
+    return {"memory_estimate_gib": total,
+            "memory_estimate_components_gib": {k: v / GIB for k, v in est.components().items()},
+            "memory_estimate_caveats": list(est.caveats),
+            "memory_estimate_rel_err": (total - peak) / peak if peak else None}
 
 
 def summarize(rows: list[dict[str, Any]], bandwidth: dict[str, Any] | None, args: argparse.Namespace) -> dict:
@@ -203,6 +222,9 @@ def summarize(rows: list[dict[str, Any]], bandwidth: dict[str, Any] | None, args
         reserved = [s.get("device/peak_reserved_gb") for s in r["steps"] if "device/peak_reserved_gb" in s]
         r["peak_mem_gib"] = max(peak) if peak else None
         r["peak_reserved_gib"] = max(reserved) if reserved else None
+        r.update(memory_estimate(r, args))
+        out[f"grpo_full_depth_memory_estimate_gib_{L}"] = r.get("memory_estimate_gib")
+        out[f"grpo_full_depth_memory_estimate_rel_err_{L}"] = r.get("memory_estimate_rel_err")
         seqs = args.prompts * args.group
         tokens = [s["rollout/completion_length"] * seqs for s in timed if "rollout/completion_length" in s]
         if step_s and tokens:
@@ -287,7 +309,12 @@ ROOFLINE_ROW_KEYS = ("decode_bytes_per_step", "decode_s_per_step_upper", "decode
                      "decode_roofline_datasheet", "decode_roofline_datasheet_min", "decode_roofline_datasheet_max",
                      "decode_roofline_copy_bw", "routed_expert_fraction", "decode_bytes_per_step_routed",
                      "decode_roofline_routed_datasheet")
-"""What `summarize` derives from the byte count and the rows' decode timings; a recount rewrites only these."""
+MEMORY_ROW_KEYS = ("memory_estimate_gib", "memory_estimate_components_gib", "memory_estimate_caveats",
+                   "memory_estimate_rel_err", "memory_estimate_error")
+RECOUNTED_ROW_KEYS = (*ROOFLINE_ROW_KEYS, *MEMORY_ROW_KEYS)
+"""What `summarize` derives from the byte count and the rows' decode timings, and the memory estimate beside the
+measured peak; a recount rewrites only these."""
+RECOUNTED_SUMMARY = ("_decode_", "_memory_estimate_")
 
 
 def recount(args: argparse.Namespace) -> Path:
@@ -323,13 +350,16 @@ def recount(args: argparse.Namespace) -> Path:
     fresh = copy.deepcopy(rows)
     counted = summarize(fresh, bandwidth, args)
     for row, new in zip(rows, fresh):
-        for key in ROOFLINE_ROW_KEYS:
+        for key in RECOUNTED_ROW_KEYS:
             row.pop(key, None)
             if key in new:
                 row[key] = new[key]
         row["base_dtype"] = args.base_dtype
-    summary = {k: counted.get(k, v) for k, v in record["summary"].items() if "_decode_" not in k or k in counted}
-    summary.update({k: v for k, v in counted.items() if "_decode_" in k})  # in place where the keys stay
+    def recounted(key: str) -> bool:
+        return any(part in key for part in RECOUNTED_SUMMARY)
+
+    summary = {k: counted.get(k, v) for k, v in record["summary"].items() if not recounted(k) or k in counted}
+    summary.update({k: v for k, v in counted.items() if recounted(k)})  # in place where the keys stay
     measured = {k: v for k, v in record.items() if k not in ("benchmark", "command", "commit", "tree", "rows",
                                                              "summary", "recounted_from")}
     source = {"file": Path(args.recount).name, "commit": record.get("commit"), "command": record.get("command"),

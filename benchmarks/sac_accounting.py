@@ -51,8 +51,9 @@ def _nbytes(out) -> int:
     return sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
 
 
-def account(preset: str = "gemma4-31b", seq: int = 8192, rules=SAVE_MM_RULES) -> dict:
-    """{rule: [per layer {layer_type, saved_bytes, saved_mm_bytes, recompute_mm_flops, mm_flops, saved_ops}]}."""
+def account(preset: str = "gemma4-31b", seq: int = 8192, rules=SAVE_MM_RULES, lora: dict | None = None) -> dict:
+    """{rule: [per layer {layer_type, saved_bytes, saved_mm_bytes, recompute_mm_flops, mm_flops, saved_ops}]};
+    `lora` (`model.lora` options) wraps the model in peft LoRA first, as the fit does before `parallelize`."""
     import transformers
 
     hf_compat.register_attention("acct", _attention)
@@ -80,6 +81,11 @@ def account(preset: str = "gemma4-31b", seq: int = 8192, rules=SAVE_MM_RULES) ->
         try:
             with torch.device("meta"):
                 model = transformers.Gemma4ForCausalLM(cfg).to(torch.bfloat16)
+            if lora:
+                from lightning_ffpa.lora import apply_lora, unwrap_peft
+
+                # peft keeps the adapters in fp32; FSDP2's param_dtype computes them in bf16, as here
+                model = unwrap_peft(apply_lora(model, lora)).to(torch.bfloat16)
             parallelize(model, None, activation_checkpointing="selective", sac_save_mm=rule,
                         sac_extra_save_ops=[_ATTN_OP])
             ids = torch.zeros(1, seq, dtype=torch.long, device="meta")

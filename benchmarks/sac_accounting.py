@@ -65,9 +65,11 @@ def account(preset: str = "gemma4-31b", seq: int = 8192, rules=SAVE_MM_RULES, lo
     real = checkpointing.sac_policy
     for rule in rules:
         records: dict[int, list] = defaultdict(list)
+        held: dict[int, dict] = {}  # each invocation's `meta` kept alive: a freed one's id could key the next layer
 
-        def recording(meta, save_ops, mm_ops, save_mm, ctx, op, *args, records=records, **kwargs):
+        def recording(meta, save_ops, mm_ops, save_mm, ctx, op, *args, records=records, held=held, **kwargs):
             decision = real(meta, save_ops, mm_ops, save_mm, ctx, op, *args, **kwargs)
+            held.setdefault(id(meta), meta)
             if not ctx.is_recompute:
                 out = op(*args, **{k: v for k, v in kwargs.items() if k != "width"})
                 flops, name = 0, str(op).removeprefix("aten.").removesuffix(".default")

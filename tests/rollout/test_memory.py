@@ -1,7 +1,11 @@
 """The GRPO memory arithmetic against known sizes: parameter counts derived by hand from the 31B shapes, real
-models, peft's adapters, the KV pool the engine allocates, and the bytes autograd saves per layer."""
+models, peft's adapters, the KV pool the engine allocates, the float8 base as `quantize_lora_bases` stores it, the
+bytes autograd saves per layer, the bytes the product's SAC policy saves, and the chunked log-probs' live buffers."""
 
+import sys
+import weakref
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +32,7 @@ def test_31b_at_12_layers_by_hand():
     adapters = (est.policy - params * 2) // 4
     assert est.engine_weights == params * 2 and est.lora_optimizer == adapters * 12
     assert est.kv_pool == 64 * 128 * 2 * (10 * KV_SLIDING + 2 * KV_FULL)
-    assert est.activations == 0 and est.logits == 0
+    assert est.activations == est.layer_transient == est.logprob_chunks == 0
 
 
 def test_full_depth_31b_policy_and_merged_copy_alone_fill_an_h200_and_shared_weights_do_not():
@@ -131,3 +135,144 @@ def test_shared_engine_weights_equal_what_the_engine_allocates():
     assert est.engine_weights == plan.own_bytes == sum(g.adapter_bytes for g in plan.build().groups)
     with pytest.raises(ValueError, match="weights='copy'"):
         memory.estimate("tiny", weights="copy")
+
+
+ROOT = Path(__file__).resolve().parents[2]
+LORA16 = {"r": 16, "target_modules": list(memory.LORA_TARGETS)}
+# SAC keeps per token of a 31B layer with LoRA r=16 on every target (by hand): its input, the attention's o (bf16)
+# and lse (fp32), the high-K matmuls' outputs (o_proj, down_proj: back to H) and their LoRA A outputs (r wide)
+SAC_SLIDING = H * 2 + 32 * 256 * 2 + 32 * 4 + 2 * H * 2 + 2 * 16 * 2
+SAC_FULL = H * 2 + 32 * 512 * 2 + 32 * 4 + 2 * H * 2 + 2 * 16 * 2
+
+
+@pytest.mark.parametrize("lora", [None, LORA16])
+def test_sac_bytes_per_token_are_what_the_products_policy_saves(lora):
+    """benchmarks/sac_accounting.py runs the product's `parallelize(activation_checkpointing="selective")` on a meta
+    31B slice and sums the outputs its policy answers MUST_SAVE for; the estimate's per-layer bytes are those plus
+    the layer input, which checkpoint itself keeps."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.sac_accounting import account
+
+    seq = 64
+    counted = account("gemma4-31b", seq, ("high_k",), lora)["high_k"]
+    ours, dequant = memory.slice_terms("gemma4-31b", memory.meta_model("gemma4-31b").config, lora)
+    assert dequant == 0 and {c["layer_type"] for c in counted} == set(ours)
+    for layer in counted:
+        assert ours[layer["layer_type"]] * seq == layer["saved_bytes"] + seq * H * 2
+    if lora:
+        assert ours == {"sliding_attention": SAC_SLIDING, "full_attention": SAC_FULL}
+
+
+def test_activations_scale_with_the_microbatch_not_the_batch():
+    kw = dict(num_hidden_layers=12, logprob_chunk_size=1024, engine=EngineConfig(page_size=128, num_pages=64))
+    one = memory.estimate("gemma4-31b", train_tokens=4608, **kw)
+    four = memory.estimate("gemma4-31b", train_tokens=4 * 4608, max_tokens_per_microbatch=4608, **kw)
+    whole = memory.estimate("gemma4-31b", train_tokens=4 * 4608, **kw)  # null budget: one forward over the batch
+    assert (four.activations, four.layer_transient, four.logprob_chunks) == \
+        (one.activations, one.layer_transient, one.logprob_chunks)
+    assert whole.activations == 4 * one.activations
+    # 10 sliding + 2 full layers keep their SAC bytes; the last layer's output, the final norm's and the
+    # completion rows gathered for the log-probs stay too
+    assert one.activations == 4608 * (10 * SAC_SLIDING + 2 * SAC_FULL + 3 * H * 2)
+    # the recompute re-makes what a layer without checkpointing keeps (less what SAC kept), plus two gradients
+    assert one.layer_transient == 4608 * ((memory.ACTIVATION_BYTES_PER_HIDDEN * H - SAC_SLIDING) + 2 * H * 2)
+    none = memory.estimate("gemma4-31b", train_tokens=4608, activation_checkpointing="none", **kw)
+    assert none.activations == 4608 * (12 * H * memory.ACTIVATION_BYTES_PER_HIDDEN + 3 * H * 2)
+    assert none.layer_transient == 4608 * 2 * H * 2 < one.layer_transient and none.activations > one.activations
+
+
+class _LivePeak(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most bytes, after any op, of the storages the ops made (`exclude`'s aside) that are still referenced."""
+
+    def __init__(self, exclude=()):
+        super().__init__()
+        self.refs, self.peak = [], 0
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.exclude:
+                self.refs.append((weakref.ref(t), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        self.refs = [r for r in self.refs if r[0]() is not None]
+        self.peak = max(self.peak, sum({ptr: n for _, ptr, n in self.refs}.values()))
+        return out
+
+
+@pytest.mark.parametrize("rows, per_vocab", [(32, memory.LOGPROB_BYTES_PER_VOCAB),
+                                             (96, memory.LOGPROB_BYTES_PER_VOCAB + memory.LOGPROB_OVERLAP_BYTES_PER_VOCAB)])
+def test_chunked_logprob_buffers_are_the_bytes_the_function_keeps_alive(rows, per_vocab):
+    """Count the live bytes of `chunked_token_logprobs` forward and backward (softcapped, frozen head as under LoRA):
+    one chunk of 32 rows keeps 10 bytes per row per vocabulary entry, several keep two chunks' worth (18)."""
+    from lightning_ffpa.rl.logprobs import chunked_token_logprobs
+
+    chunk, vocab = 32, 8192
+    torch.manual_seed(0)
+    h = torch.randn(rows, 16, dtype=torch.bfloat16, requires_grad=True)
+    w, labels = torch.randn(vocab, 16, dtype=torch.bfloat16), torch.randint(0, vocab, (rows,))
+    with _LivePeak(exclude=(h, w, labels)) as live:
+        logp, _ = chunked_token_logprobs(h, w, labels, softcap=30.0, chunk_size=chunk)
+        logp.sum().backward()
+    assert chunk * vocab * per_vocab <= live.peak <= 1.01 * chunk * vocab * per_vocab
+    est = memory.estimate("tiny", lora_r=2, train_tokens=rows, logprob_chunk_size=chunk)
+    assert est.logprob_chunks == chunk * build_text_config("tiny").vocab_size * per_vocab
+
+
+def test_logprob_chunks_are_bounded_by_the_chunk_not_the_tokens():
+    kw = dict(num_hidden_layers=2, logprob_chunk_size=1024, engine=EngineConfig(page_size=128, num_pages=8))
+    a = memory.estimate("gemma4-31b", train_tokens=4608, **kw)
+    b = memory.estimate("gemma4-31b", train_tokens=8 * 4608, **kw)
+    assert a.logprob_chunks == b.logprob_chunks == 1024 * V * 18  # several chunks: two chunks' buffers
+    assert b.logprob_chunks < 8 * 4608 * V  # under a byte per (token x vocab entry) of the batch
+
+
+def test_fp8_policy_bytes_are_what_quantize_lora_bases_stores():
+    """A real tiny model in bf16 with LoRA on every target (peft keeps the adapters fp32), its bases converted."""
+    from lightning_ffpa.fp8_base import quantize_lora_bases
+    from lightning_ffpa.lora import apply_lora
+
+    torch.manual_seed(0)
+    peft = apply_lora(transformers.Gemma4ForCausalLM(build_text_config("tiny")).to(torch.bfloat16),
+                      {"r": 4, "target_modules": list(memory.LORA_TARGETS)})
+    quantize_lora_bases(peft)
+    assert {p.dtype for p in peft.parameters()} == {torch.float8_e4m3fn, torch.float32, torch.bfloat16}
+    fp8 = memory.estimate("tiny", lora_r=4, base_dtype="fp8")
+    assert fp8.policy == sum(p.numel() * p.element_size() for p in peft.parameters())
+    assert fp8.lora_optimizer == 12 * sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    bf16 = memory.estimate("tiny", lora_r=4)
+    assert fp8.policy < bf16.policy and fp8.lora_optimizer == bf16.lora_optimizer
+
+
+def test_bad_values_name_the_option():
+    from lightning_ffpa.errors import ConfigError
+
+    for kw, option in [({"activation_checkpointing": "full"}, "activation_checkpointing"),
+                       ({"base_dtype": "int8"}, "base_dtype"), ({"max_tokens_per_microbatch": 0},
+                                                               "max_tokens_per_microbatch"),
+                       ({"logprob_chunk_size": 0}, "logprob_chunk_size"), ({"train_tokens": -1}, "train_tokens")]:
+        with pytest.raises(ConfigError, match=f"`{option}="):
+            memory.estimate("tiny", **kw)
+
+
+def test_recipe_options_are_the_recipe_with_the_commands_overrides():
+    """The recorded command of the float8-base H100 run over configs/gemma4_grpo.yaml: 16 rows of 512 + 1024
+    tokens, three a micro-batch within 4608, the engine's 200 pages."""
+    import yaml
+
+    from lightning_ffpa.rollout.memory_recipe import apply_overrides, recipe_options, split_command
+
+    command = ("fit --config /x/configs/gemma4_grpo.yaml --trainer.max_steps 4 "
+               "--trainer.callbacks.init_args.sampling.max_new_tokens 1024 "
+               "--trainer.callbacks.init_args.engine.max_seq_len 1536 --model.init_args.lora {r: 16, base_dtype: fp8} "
+               "--trainer.callbacks.init_args.engine.num_pages 200 --model.init_args.max_tokens_per_microbatch 4608")
+    config = apply_overrides(yaml.safe_load((ROOT / "configs" / "gemma4_grpo.yaml").read_text()),
+                             split_command(command))
+    opts = recipe_options(config)
+    assert opts["engine"] == EngineConfig(page_size=128, num_pages=200, max_batch_size=16, max_seq_len=1536)
+    assert (opts["train_tokens"], opts["max_tokens_per_microbatch"]) == (16 * 1536, 3 * 1536)
+    assert (opts["preset"], opts["num_hidden_layers"], opts["lora_r"], opts["base_dtype"]) == \
+        ("gemma4-31b", None, 16, "fp8")
+    assert opts["lora_targets"] == tuple(memory.LORA_TARGETS)  # the YAML's, kept under the dict override
+    assert (opts["logprob_chunk_size"], opts["activation_checkpointing"], opts["weight_bytes"]) == (1024, "selective", 2)
+    assert recipe_options(yaml.safe_load((ROOT / "configs" / "gemma4_grpo.yaml").read_text()))[
+        "max_tokens_per_microbatch"] == 2 * 4608  # as shipped: two of the 16 (512 + 4096)-token rows

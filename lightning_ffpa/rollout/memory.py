@@ -256,7 +256,6 @@ def estimate(preset: str = "gemma4-31b", num_hidden_layers: int | None = None, l
     engine = engine or EngineConfig()
     overrides = {} if num_hidden_layers is None else {"num_hidden_layers": num_hidden_layers}
     model = meta_model(preset, **overrides)
-    cfg = model.config
     lora = {"r": lora_r, "target_modules": list(lora_targets),
             **({"target_parameters": list(lora_target_parameters)} if lora_target_parameters else {}),
             **({"base_dtype": "fp8"} if base_dtype == "fp8" else {})}

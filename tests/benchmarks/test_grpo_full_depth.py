@@ -33,6 +33,7 @@ def test_tiny_recipe_row_reads_every_step_and_times_all_but_the_first(tmp_path):
     parts = [s["rollout/refresh_s"] + s["rollout/generate_s"] + s["rollout/update_s"] for s in row["steps"][1:]]
     assert row["step_s"]["median"] == pytest.approx(sum(parts) / 2)
     assert row["completion_tokens_per_s"] > 0 and record["summary"]["grpo_full_depth_fits_6"] is True
+    assert "`model.lora=None`" in row["memory_estimate_error"]  # tiny_grpo trains every weight: no LoRA estimate
     first = (tmp_path / "grpo_full_depth_6.log").read_text().splitlines()[0]  # the log opens with the command
     assert first.split()[0].endswith("lightning-ffpa") and "fit --config" in first
 
@@ -103,7 +104,9 @@ def _recorded(tmp_path, command_lora: str, scale: float = 2.0):
     lora = {**LORA, **({"base_dtype": "fp8"} if "fp8" in command_lora else {})}
     need = scale * grpo_full_depth.decode_bytes(4, 8, 2, "tiny", None, lora)
     row = {"name": "ours_grpo_8", "completion_len": 8, "prompt_len": 4, "exit_code": 0, "wall_s": 12.5,
-           "command": f"fit --config /r/configs/gemma4_grpo.yaml --x 1 --model.init_args.lora {command_lora} --y 2",
+           "command": f"fit --config /r/configs/gemma4_grpo.yaml --x 1 --model.init_args.lora {command_lora} --y 2 "
+                      "--trainer.callbacks.init_args.sampling.max_new_tokens 8 "
+                      "--trainer.callbacks.init_args.engine.max_seq_len 16",
            "steps": steps, "step_s": {"median": 1.8}, "peak_mem_gib": 1.5, "completion_tokens_per_s": 9.0,
            "decode_bytes_per_step": need, "decode_s_per_step_upper": 1.2 / 7, "decode_timed_samples": 3,
            "decode_roofline_datasheet": need / (1.2 / 7) / 1e12, "decode_roofline_copy_bw": 0.0}
@@ -143,6 +146,19 @@ def test_recount_recomputes_the_roofline_from_the_recorded_timings_and_keeps_the
     assert after["recounted_from"]["file"] == "measured.json" and after["recounted_from"]["commit"] == "abc1234"
     assert after["recounted_from"]["reason"] and after["commit"] != "abc1234"
     assert json.loads(path.read_text()) == before  # the measured file is untouched
+    # the memory estimate beside the measured peak (1.5 GiB): configs/gemma4_grpo.yaml at the script's preset,
+    # prompt length and group, with the row's command (r=4, fp8 base, 8-token completions, max_seq_len 16)
+    from lightning_ffpa.rollout.engine import EngineConfig
+    from lightning_ffpa.rollout.memory import GIB, estimate
+
+    est = estimate("tiny", lora_r=4, base_dtype="fp8", train_tokens=2 * 12, max_tokens_per_microbatch=2 * 12,
+                   logprob_chunk_size=1024, engine=EngineConfig(page_size=128, num_pages=577, max_batch_size=16,
+                                                                max_seq_len=16))
+    assert row["memory_estimate_gib"] == pytest.approx(est.total / GIB)
+    assert row["memory_estimate_components_gib"] == pytest.approx({k: v / GIB for k, v in est.components().items()})
+    assert row["memory_estimate_rel_err"] == pytest.approx((est.total / GIB - 1.5) / 1.5)
+    assert after["summary"]["grpo_full_depth_memory_estimate_gib_8"] == row["memory_estimate_gib"]
+    assert after["summary"]["grpo_full_depth_memory_estimate_rel_err_8"] == row["memory_estimate_rel_err"]
 
 
 def test_recount_refuses_a_base_dtype_its_rows_did_not_run(tmp_path):

@@ -113,9 +113,13 @@ def test_activation_coefficient_matches_the_bytes_autograd_saves():
 
 def test_cli_prints_the_table(capsys):
     est = memory.main(["--preset", "tiny", "--lora_r", "2", "--engine.num_pages", "8", "--engine.page_size", "4",
-                       "--engine.max_seq_len", "16", "--train_tokens", "32"])
+                       "--engine.max_seq_len", "16", "--train_tokens", "32", "--max_tokens_per_microbatch", "16",
+                       "--logprob_chunk_size", "8", "--base_dtype", "fp8"])
     out = capsys.readouterr().out
-    assert "kv_pool" in out and f"{est.total / memory.GIB:8.1f} GiB" in out
+    assert "kv_pool" in out and "logprob_chunks" in out and f"{est.total / memory.GIB:8.1f} GiB" in out
+    assert est == memory.estimate("tiny", lora_r=2, engine=EngineConfig(page_size=4, num_pages=8, max_seq_len=16),
+                                  train_tokens=32, max_tokens_per_microbatch=16, logprob_chunk_size=8, base_dtype="fp8")
+    assert est.logprob_chunks == 8 * build_text_config("tiny").vocab_size * 18  # 16 tokens: two chunks of 8
     with pytest.raises(ValueError, match="lora_r"):
         memory.estimate("tiny", lora_r=0)
 

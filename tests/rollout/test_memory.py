@@ -203,8 +203,7 @@ class _LivePeak(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("rows, per_vocab", [(32, memory.LOGPROB_BYTES_PER_VOCAB),
-                                             (96, memory.LOGPROB_BYTES_PER_VOCAB + memory.LOGPROB_OVERLAP_BYTES_PER_VOCAB)])
+@pytest.mark.parametrize("rows, per_vocab", [(32, 4 + 4 + 2), (96, 4 + 4 + 2 + 4 + 4)])
 def test_chunked_logprob_buffers_are_the_bytes_the_function_keeps_alive(rows, per_vocab):
     """Count the live bytes of `chunked_token_logprobs` forward and backward (softcapped, frozen head as under LoRA):
     one chunk of 32 rows keeps 10 bytes per row per vocabulary entry, several keep two chunks' worth (18)."""

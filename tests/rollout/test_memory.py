@@ -279,3 +279,17 @@ def test_recipe_options_are_the_recipe_with_the_commands_overrides():
     assert (opts["logprob_chunk_size"], opts["activation_checkpointing"], opts["weight_bytes"]) == (1024, "selective", 2)
     assert recipe_options(yaml.safe_load((ROOT / "configs" / "gemma4_grpo.yaml").read_text()))[
         "max_tokens_per_microbatch"] == 2 * 4608  # as shipped: two of the 16 (512 + 4096)-token rows
+
+
+def test_moe_expert_lora_is_counted_as_peft_builds_it_and_what_is_not_counted_is_said():
+    from lightning_ffpa.lora import apply_lora
+
+    stacks = ["experts.gate_up_proj", "experts.down_proj"]
+    torch.manual_seed(0)
+    peft = apply_lora(transformers.Gemma4ForCausalLM(build_text_config("tiny-moe")),
+                      {"r": 4, "target_modules": list(memory.LORA_TARGETS), "target_parameters": stacks})
+    est = memory.estimate("tiny-moe", lora_r=4, weight_bytes=4, lora_target_parameters=tuple(stacks),
+                          train_tokens=64, max_tokens_per_microbatch=32)
+    assert est.policy == sum(p.numel() * p.element_size() for p in peft.parameters())
+    assert est.lora_optimizer == 12 * sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    assert est.activations > 0 and len(est.caveats) == 2 and "caveat" in est.table()

@@ -28,7 +28,8 @@ larger. Parameters, KV specs and stored bytes come from the model built on the m
 shapes); `tests/rollout/test_memory.py` checks the per-token terms against the bytes autograd and the product's
 SAC policy save. MoE expert activations are counted by the same rules with a dense layer's coefficient, and the
 engine's expert adapters are not counted: `caveats` says so. It does not measure a run; `benchmarks/results/`
-holds measured peaks (`benchmarks/grpo_full_depth.py` records this estimate beside them).
+holds measured peaks (`benchmarks/grpo_full_depth.py` records this estimate beside them). Reading a recipe and
+console overrides into these arguments is `memory_recipe.py`'s.
 
     python -m lightning_ffpa.rollout.memory --preset gemma4-31b --num_hidden_layers 12 \
         --engine.page_size 128 --engine.num_pages 64 --train_tokens 5120 --max_tokens_per_microbatch 2560
@@ -310,7 +311,7 @@ def slice_terms(preset: str, cfg: Any, lora: dict[str, Any] | None) -> tuple[dic
     from lightning_ffpa.fp8_base import Float8BaseLinear
     from lightning_ffpa.lora import apply_lora
 
-    kinds = sorted(set(cfg.layer_types), key=lambda t: t == "full_attention")  # HF wants a full layer last
+    kinds = sorted(set(cfg.layer_types), key=lambda t: (t == "full_attention", t))  # HF wants a full layer last
     sl = meta_model(preset, num_hidden_layers=len(kinds), layer_types=kinds)
     sl = apply_lora(sl, lora) if lora else sl
     if lora and lora.get("base_dtype") == "fp8":

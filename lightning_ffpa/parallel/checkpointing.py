@@ -52,7 +52,7 @@ _SDPA_FORWARDS = (
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_fused_attention_overrideable",
 )
-_MM_OPS = ("mm", "addmm", "_grouped_mm")
+_MM_OPS = ("mm", "addmm", "_grouped_mm", "_scaled_mm")  # _scaled_mm: the float8 LoRA base's forward
 
 
 def default_save_ops() -> set:
@@ -96,9 +96,17 @@ def mm_reduction_dim(op, args) -> int:
     return int(a.shape[-1])
 
 
+def _linear_like(m: torch.nn.Module) -> bool:
+    """An nn.Linear, or a module that owns a 2-D `weight` and says its `in_features` (a float8 base)."""
+    weight = m._parameters.get("weight")
+    return isinstance(m, torch.nn.Linear) or (isinstance(getattr(m, "in_features", None), int)
+                                               and weight is not None and weight.dim() == 2)
+
+
 def layer_width(layer: torch.nn.Module) -> int:
-    """The residual-stream width of a decoder layer: the `in_features` most of its Linear modules share."""
-    widths = [m.in_features for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    """The residual-stream width of a decoder layer: the `in_features` most of its linear layers share (nn.Linear,
+    and a float8 LoRA base, which is no nn.Linear: without it the adapters' B widths, r, would outnumber the rest)."""
+    widths = [m.in_features for m in layer.modules() if _linear_like(m)]
     if not widths:
         raise ValueError(f"`sac_save_mm='high_k'` needs nn.Linear modules to find the width of {type(layer).__name__}")
     return max(set(widths), key=widths.count)

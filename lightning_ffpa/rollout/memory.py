@@ -14,8 +14,7 @@ The update's peak (one micro-batch of at most `max_tokens_per_microbatch` padded
 - `activations`: what every decoder layer keeps for backward, alive together when backward starts. Selective
   checkpointing (`parallel/checkpointing.py`) keeps each layer's input and the outputs of the ops its policy must
   save: the attention forward (o in bf16, lse in fp32) and the matmuls the `high_k` rule saves, asked of the policy
-  itself per Linear (a float8 base's matmul is `torch._scaled_mm` on the GPU, which the policy does not count as a
-  matmul: recomputed). Without checkpointing, `ACTIVATION_BYTES_PER_HIDDEN` per hidden unit per layer. Plus the
+  itself per Linear (a float8 base's `torch._scaled_mm` included). Without checkpointing, `ACTIVATION_BYTES_PER_HIDDEN` per hidden unit per layer. Plus the
   final hidden states and their completion rows, which the chunked log-probs keep;
 - `layer_transient`: one layer's working memory during its backward: the recompute re-makes what a layer without
   checkpointing keeps (less what the policy saved), the gradients into and out of the layer, and with a float8 base
@@ -188,17 +187,16 @@ def _policy_saves_matmul(k: int, width: int) -> bool:
 def sac_saved_bytes_per_token(layer: nn.Module, hidden: int, num_heads: int, top_k: int = 0) -> int:
     """Bytes one decoder layer keeps per token under selective checkpointing: its input (checkpoint keeps it), the
     attention forward's outputs (o in bf16, lse in fp32; MUST_SAVE), and every matmul output the policy saves: an
-    nn.Linear's (LoRA A and B included) and an expert stack's (`top_k` rows per token). A `Float8BaseLinear` is no
-    nn.Linear: its `torch._scaled_mm` is not one of the policy's matmuls on the GPU, so its output is recomputed.
-    `layer_width` is the policy's own (with a float8 base it reads the adapters' widths: every LoRA A output is
-    kept, r values a token)."""
+    nn.Linear's (LoRA A and B included), a float8 base's (`torch._scaled_mm` is one of the policy's matmuls) and
+    an expert stack's (`top_k` rows per token). `layer_width` is the policy's own."""
+    from lightning_ffpa.fp8_base import Float8BaseLinear
     from lightning_ffpa.parallel.checkpointing import layer_width
 
     width = layer_width(layer)
     q = layer.self_attn.q_proj
     total = hidden * ACT_BYTES + q.out_features * ACT_BYTES + num_heads * 4
     for m in layer.modules():
-        if isinstance(m, nn.Linear) and _policy_saves_matmul(m.in_features, width):
+        if isinstance(m, (nn.Linear, Float8BaseLinear)) and _policy_saves_matmul(m.in_features, width):
             total += m.out_features * ACT_BYTES
     experts = getattr(layer, "experts", None)
     if experts is not None:  # stacks stored (experts, out, in): each routed row reduces over `in`

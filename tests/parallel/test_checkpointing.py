@@ -239,3 +239,24 @@ def test_a_user_forward_with_hf_default_use_cache_trains_under_ac(mode):
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_high_k_reads_the_residual_width_and_saves_the_scaled_mm_of_a_float8_lora_base():
+    """A float8 LoRA base is no nn.Linear: the width must still be the hidden size (not the adapters' r, which
+    outnumber the rest without the bases), and its `torch._scaled_mm` is a matmul the rule saves when K > width
+    (o_proj, down_proj), as it saves their bf16 mm."""
+    from types import SimpleNamespace
+
+    from lightning_ffpa.fp8_base import quantize_lora_bases
+    from lightning_ffpa.lora import apply_lora, unwrap_peft
+
+    model = unwrap_peft(apply_lora(_tiny("sdpa"), {"r": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"]}))
+    quantize_lora_bases(model)
+    hidden = build_text_config("tiny").hidden_size
+    assert checkpointing.layer_width(model.model.layers[0]) == hidden
+    wide = torch.empty(8, 4 * hidden, device="meta")
+    answer = checkpointing.sac_policy({"forward_mm": 0}, frozenset(), frozenset(checkpointing._mm_ops()), "high_k",
+                                      SimpleNamespace(is_recompute=False), torch.ops.aten._scaled_mm.default,
+                                      wide, torch.empty(4 * hidden, 8, device="meta"), width=hidden)
+    assert answer == checkpointing.CheckpointPolicy.MUST_SAVE

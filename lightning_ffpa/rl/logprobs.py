@@ -48,6 +48,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             logp[s:s + chunk_size] = z.gather(1, labels[s:s + chunk_size, None])[:, 0] - c_lse
             # H = lse - sum_v p_v z_v, with p = exp(z - lse) in a second (C, V) buffer
             entropy[s:s + chunk_size] = c_lse - (z - c_lse[:, None]).exp_().mul_(z).sum(-1)
+            del z  # before the next chunk's logits: one chunk's buffers alive at a time
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.softcap, ctx.temperature, ctx.chunk_size = softcap, temperature, chunk_size
         ctx.mark_non_differentiable(entropy)
@@ -74,6 +75,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 torch.mm(dz, weight.to(hidden.dtype), out=grad_h[s:s + ctx.chunk_size])  # (C, H)
             if need_w:
                 grad_w.addmm_(dz.t().to(weight.dtype), h.to(weight.dtype))  # (V, H)
+            del z, t, dz  # before the next chunk's logits and tanh: one chunk's buffers alive at a time
         return grad_h, grad_w, None, None, None, None
 
 

@@ -20,8 +20,8 @@ The update's peak (one micro-batch of at most `max_tokens_per_microbatch` padded
   checkpointing keeps (less what the policy saved), the gradients into and out of the layer, and with a float8 base
   the largest base weight dequantised for the input's gradient (`fp8_base._BaseMatmul.backward`);
 - `logprob_chunks`: the chunked log-probs' buffers (`rl/logprobs.py`), one chunk of `logprob_chunk_size` rows
-  x vocabulary at `LOGPROB_BYTES_PER_VOCAB` (plus `LOGPROB_OVERLAP_BYTES_PER_VOCAB` when there are several chunks:
-  two chunks' buffers overlap); O(chunk x vocab), never tokens x vocab.
+  x vocabulary at `LOGPROB_BYTES_PER_VOCAB` (the loop frees a chunk's buffers before the next one's);
+  O(chunk x vocab), never tokens x vocab.
 The two transients do not overlap (the log-probs' backward ends before the layers' starts), so `total` counts the
 larger. Parameters, KV specs and stored bytes come from the model built on the meta device (no memory, exact
 shapes); `tests/rollout/test_memory.py` checks the per-token terms against the bytes autograd and the product's
@@ -58,9 +58,6 @@ LOGPROB_BYTES_PER_VOCAB = 10
 """Bytes per chunk row per vocabulary entry at the chunked log-probs' backward (`rl/logprobs.py`): the chunk's fp32
 logits (4), the softcap's tanh kept for its derivative (4), and d logits cast to bf16 for the two matmuls (2); the
 forward holds less."""
-LOGPROB_OVERLAP_BYTES_PER_VOCAB = 8
-"""With more than one chunk, the next chunk's fp32 logits and tanh (4 + 4) are made while the previous chunk's three
-buffers are still bound to the loop's names (they are rebound only when the call returns)."""
 
 
 @dataclass(frozen=True)
@@ -290,8 +287,7 @@ def _update_terms(preset: str, model: nn.Module, lora: dict[str, Any], train_tok
     cfg = model.config
     hidden, types = cfg.hidden_size, list(cfg.layer_types)
     kept = 3 * tokens * hidden * ACT_BYTES  # the last layer's output, the final norm's, the completion rows' copy
-    per_vocab = LOGPROB_BYTES_PER_VOCAB + (LOGPROB_OVERLAP_BYTES_PER_VOCAB if tokens > chunk else 0)
-    chunks = min(chunk, tokens) * cfg.vocab_size * per_vocab  # scored rows <= the micro-batch's tokens
+    chunks = min(chunk, tokens) * cfg.vocab_size * LOGPROB_BYTES_PER_VOCAB  # scored rows <= the micro-batch's tokens
     grads = 2 * tokens * hidden * ACT_BYTES  # the gradient into a layer's output and out of its input
     no_ac = ACTIVATION_BYTES_PER_HIDDEN * hidden  # per token per layer
     per_type, dequant = slice_terms(preset, cfg, lora)

@@ -14,9 +14,10 @@ how many decoder layers FP8 converted.
 Shape (GPU, one device): configs/gemma4_ffpa.yaml's model, the Gemma4-31B slice (real dims, vocab 262144, tied
 lm_head/embeddings kept bf16), `--layers` deep (6: five sliding and one full-attention layer), random init;
 byte-level Shakespeare (`tokenizer: byte`: 259 of the vocab's 262,144 ids occur, the embedding and lm_head keep
-the real tokenizer's shape), packed into rows of `--seq` tokens (4096), batch 1, `--steps` steps (200, about 6
-passes over the text), AdamW at `--lr` (1e-4, a random init learns at the recipe's 1e-5 too slowly for a
-meaningful curve) with `--warmup-steps` (20) then the recipe's cosine decay, gradient clip 1.0. Changes to the
+the real tokenizer's shape) as one document cut into windows of `--seq` tokens (4096: 36 windows), one window per
+packed row so that every step has the same shapes, batch 1, `--steps` steps (200: about 5.5 passes over the
+text), AdamW at `--lr` (1e-4: the weights start random, and the recipe's 1e-5 is a fine-tuning rate) with
+`--warmup-steps` (20) then the recipe's cosine decay, gradient clip 1.0. Changes to the
 recipe beyond those flags: its ModelCheckpoint is dropped and checkpointing is off (the slice's checkpoint, fp32
 weights and AdamW moments, is ~65 GiB: more than the device's disk; the curve needs none); no validation
 (`val_fraction 0`).
@@ -59,10 +60,13 @@ ROWS = ("bf16", "fp8")
 TOLERANCE = 0.01  # issue 43: the FP8 final loss within 1% of bf16's
 FINAL_STEPS = 10  # the final loss is the mean of the last this many steps
 MIN_GPU_STEPS = 200
+SHAKESPEARE = REPO / "lightning_ffpa" / "assets" / "shakespeare.txt"  # TextDataModule's shipped sample
 RECIPE_KEY = "fp8_full_ft_recipe_16k"  # train_throughput's faster FP8 recipe at the issue's 16k bar
 CONVERTED = re.compile(r"fp8 (\w+): (\d+) decoder Linear layers train in torchao float8")  # FSDP2Strategy's line
 SKIPPED = "update skipped"  # NonFiniteGuard's warning for a dropped update
 _NOISE = ("DEBUG", "V1201", "I1201")
+DATA = ("lightning_ffpa/assets/shakespeare.txt as one document, byte tokenizer (bos/eos added), cut to whole windows "
+        "of `seq` tokens: one window per packed row (the rows' text_bytes, kept_bytes, windows)")
 Launch = Callable[[list[str], float], tuple[Any, str]]  # (command, timeout) -> (exit code or why none, output)
 _SHAPE_KEYS = ("recipe", "layers", "seq", "batch_size", "steps", "lr", "warmup_steps", "fp8")  # --resume must match
 
@@ -125,13 +129,30 @@ def derived_recipe(name: str) -> tuple[dict[str, Any], list[str]]:
     return cfg, changes
 
 
-def fit_overrides(args: argparse.Namespace, row: str) -> list[str]:
+def write_text(seq: int, path: Path) -> dict[str, int]:
+    """The shipped Shakespeare as one document (a .jsonl record) cut to whole windows: with the byte tokenizer's
+    bos and eos it is `windows` x `seq` tokens, so every packed row holds one window and every step has the same
+    shapes (a row of many short paragraphs would give each step its own segment count, and a compiled layer a
+    recompile per count)."""
+    import json
+
+    text = SHAKESPEARE.read_text(encoding="utf-8")
+    windows = (len(text.encode()) + 2) // seq
+    if windows < 1:
+        raise ValueError(f"--seq {seq} is longer than the shipped text")
+    kept = text.encode()[:windows * seq - 2].decode()  # ASCII: bytes are characters
+    path.write_text(json.dumps({"text": kept}) + "\n")
+    return dict(text_bytes=len(text.encode()), kept_bytes=len(kept.encode()), windows=windows)
+
+
+def fit_overrides(args: argparse.Namespace, row: str, text: Path) -> list[str]:
     """The console overrides of `row`: the shape, the data, the steps and (fp8 row) the strategy's fp8 option."""
     words = ["--trainer.max_steps", str(args.steps), "--trainer.log_every_n_steps", "1",
              "--model.init_args.learning_rate", str(args.lr), "--model.init_args.warmup_steps", str(args.warmup_steps),
-             "--data", "lightning_ffpa.data.TextDataModule", "--data.init_args.tokenizer", "byte",  # shipped text
-             "--data.init_args.max_seq_length", str(args.seq), "--data.init_args.batch_size", str(args.batch_size),
-             "--data.init_args.pack", "true", "--data.init_args.val_fraction", "0"]
+             "--data", "lightning_ffpa.data.TextDataModule", "--data.init_args.train_file", str(text),
+             "--data.init_args.tokenizer", "byte", "--data.init_args.max_seq_length", str(args.seq),
+             "--data.init_args.batch_size", str(args.batch_size), "--data.init_args.pack", "true",
+             "--data.init_args.val_fraction", "0"]
     if not args.cpu:
         words = ["--trainer.devices", "1", "--model.init_args.config_overrides",
                  f"{{num_hidden_layers: {args.layers}}}", *words]
@@ -196,7 +217,9 @@ def run_row(args: argparse.Namespace, row: str, logs: Path, launch: Launch = run
     root = Path(tempfile.mkdtemp(prefix=f"fp8_loss_{row}_"))
     cfg, _ = derived_recipe(args.recipe)
     (root / "recipe.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    cmd = [*console_command(), "fit", "--config", str(root / "recipe.yaml"), *fit_overrides(args, row),
+    text = write_text(args.seq, root / "shakespeare.jsonl")
+    cmd = [*console_command(), "fit", "--config", str(root / "recipe.yaml"),
+           *fit_overrides(args, row, root / "shakespeare.jsonl"),
            "--trainer.default_root_dir", str(root),
            "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(root)]
     t0 = time.monotonic()
@@ -208,7 +231,7 @@ def run_row(args: argparse.Namespace, row: str, logs: Path, launch: Launch = run
     record = dict(row=row, fp8=args.fp8 if row == "fp8" else "none", exit_code=rc,
                   wall_s=round(time.monotonic() - t0, 1), log=log.name, last_line=lines[-1] if lines else "",
                   command=" ".join(cmd[len(console_command()):]).replace(str(root), "<run dir>"),
-                  skipped_updates=sum(SKIPPED in ln for ln in lines), **read_curve(root))
+                  skipped_updates=sum(SKIPPED in ln for ln in lines), **text, **read_curve(root))
     said = CONVERTED.findall(out)
     record["fp8_converted_layers"] = int(said[-1][1]) if said else 0
     losses = record["losses"]
@@ -264,7 +287,7 @@ def main(argv: list[str] | None = None, launch: Launch = run_console) -> None:
         summary, missing = summarize(rows)
         results_io.write_result("fp8_loss", rows, summary, out=out, summary_missing=missing,
                                 calls=[*calls, this_call], recipe_changes=changes, final_steps=FINAL_STEPS,
-                                data="lightning_ffpa/assets/shakespeare.txt, byte tokenizer, packed", **shape)
+                                data=DATA, **shape)
 
 
 if __name__ == "__main__":

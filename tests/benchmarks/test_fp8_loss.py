@@ -58,6 +58,8 @@ def test_cpu_smoke_fits_both_rows_through_the_console_and_writes_the_keys(tmp_pa
                                        "--trainer.strategy.init_args.fp8_emulate true --trainer.default_root_dir")
     assert bf16["command"].startswith("fit --config <run dir>/recipe.yaml") and "TextDataModule" in bf16["command"]
     assert bf16["logged_steps"] == list(range(10)) and bf16["fp8_converted_layers"] == 0
+    # the shipped text as one document of whole 64-token windows (bos and eos included): one per packed row
+    assert bf16["kept_bytes"] + 2 == 64 * bf16["windows"] and 0 <= bf16["text_bytes"] - bf16["kept_bytes"] < 64
     assert bf16["final_loss"] == pytest.approx(statistics.fmean(bf16["losses"]))
     assert bf16["losses"][-1] < bf16["losses"][0]  # Shakespeare is learnable
     summary, missing = result["summary"], result["summary_missing"]
@@ -114,7 +116,7 @@ def test_the_gpu_recipe_drops_only_its_checkpoints():
     assert cfg["trainer"]["strategy"]["init_args"]["param_dtype"] == "bf16"  # the recipe's bf16 stays as shipped
     args = fp8_loss.parse_args(["--fp8", "rowwise"])
     assert (args.recipe, args.steps, args.seq, args.lr) == ("gemma4_ffpa", 200, 4096, 1e-4)
-    words = fp8_loss.fit_overrides(args, "fp8")
+    words = fp8_loss.fit_overrides(args, "fp8", Path("text.jsonl"))
     assert words[:4] == ["--trainer.devices", "1", "--model.init_args.config_overrides", "{num_hidden_layers: 6}"]
     assert words[-2:] == ["--trainer.strategy.init_args.fp8", "rowwise"]  # never emulated on GPU
 

@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < (FINAL_STEPS if cpu else MIN_GPU_STEPS):
         raise ConfigError("--steps", args.steps, f"the final loss is the mean of the last {FINAL_STEPS} steps, and "
                                                  f"a GPU run trains at least {MIN_GPU_STEPS} (issue 43's bar)")
+    if args.seq < 2 or args.seq > SHAKESPEARE.stat().st_size + 2:
+        raise ConfigError("--seq", args.seq, f"must fit the shipped text ({SHAKESPEARE.stat().st_size} bytes) at "
+                                             "least once")
     if (args.fp8 is None) == (args.fp8_from is None):
         raise ConfigError("--fp8", args.fp8, "give the fp8 row's recipe with --fp8 or --fp8-from (one of them)")
     if args.fp8_from:
@@ -129,7 +132,7 @@ def derived_recipe(name: str) -> tuple[dict[str, Any], list[str]]:
     return cfg, changes
 
 
-def write_text(seq: int, path: Path) -> dict[str, int]:
+def write_document(seq: int, path: Path) -> dict[str, int]:
     """The shipped Shakespeare as one document (a .jsonl record) cut to whole windows: with the byte tokenizer's
     bos and eos it is `windows` x `seq` tokens, so every packed row holds one window and every step has the same
     shapes (a row of many short paragraphs would give each step its own segment count, and a compiled layer a
@@ -137,9 +140,7 @@ def write_text(seq: int, path: Path) -> dict[str, int]:
     import json
 
     text = SHAKESPEARE.read_text(encoding="utf-8")
-    windows = (len(text.encode()) + 2) // seq
-    if windows < 1:
-        raise ValueError(f"--seq {seq} is longer than the shipped text")
+    windows = (len(text.encode()) + 2) // seq  # parse_args refused a seq with none
     kept = text.encode()[:windows * seq - 2].decode()  # ASCII: bytes are characters
     path.write_text(json.dumps({"text": kept}) + "\n")
     return dict(text_bytes=len(text.encode()), kept_bytes=len(kept.encode()), windows=windows)
@@ -217,7 +218,7 @@ def run_row(args: argparse.Namespace, row: str, logs: Path, launch: Launch = run
     root = Path(tempfile.mkdtemp(prefix=f"fp8_loss_{row}_"))
     cfg, _ = derived_recipe(args.recipe)
     (root / "recipe.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    text = write_text(args.seq, root / "shakespeare.jsonl")
+    text = write_document(args.seq, root / "shakespeare.jsonl")
     cmd = [*console_command(), "fit", "--config", str(root / "recipe.yaml"),
            *fit_overrides(args, row, root / "shakespeare.jsonl"),
            "--trainer.default_root_dir", str(root),

@@ -124,6 +124,8 @@ def test_the_gpu_recipe_drops_only_its_checkpoints():
 def test_bad_options_are_one_line_before_any_fit(tmp_path):
     with pytest.raises(ConfigError, match="--steps.*at least 200"):
         fp8_loss.parse_args(["--fp8", "rowwise", "--steps", "100"])
+    with pytest.raises(ConfigError, match="--seq.*must fit the shipped text"):
+        fp8_loss.parse_args(["--cpu", "--fp8", "rowwise", "--seq", "1000000"])
     with pytest.raises(ConfigError, match="--fp8.*one of them"):
         fp8_loss.parse_args(["--cpu"])
     tt = tmp_path / "tt.json"

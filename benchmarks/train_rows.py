@@ -7,7 +7,9 @@ process of its own and collects the rows.
 
 Slice: real Gemma4-31B dims (hidden 5376, 32 heads, 16/4 kv heads, k_eq_v, window 1024, vocab 262144,
 softcap 30), `--layers` deep with the last layer full attention, random weights initialised for real. Every
-row runs FSDP2 (`parallelize`, the strategy's recipe) on a (dp, 1) mesh, bf16 params / fp32 reduce, batch 1.
+row runs FSDP2 (`parallelize`, the strategy's recipe) on a (dp, 1) mesh, bf16 params / fp32 reduce, batch 1. The
+FP8 rows pass the strategy's `Float8Training` to the same call (torchao float8 emulated only on CPU, where nothing is
+timed) and record what was converted; their FLOPs are counted as the bf16 rows' (bf16-equivalent MFU).
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ from lightning_ffpa.callbacks.throughput import peak_bf16_flops, train_flops_per
 from lightning_ffpa.flex_options import LARGE_HEAD_DIM_CANDIDATES, flex_kernel_options
 from lightning_ffpa.loss import linear_cross_entropy
 from lightning_ffpa.module import build_adamw
-from lightning_ffpa.parallel import FSDP2Strategy, causal_lm_hidden_states, parallelize
+from lightning_ffpa.parallel import Float8Training, FSDP2Strategy, causal_lm_hidden_states, parallelize
 from lightning_ffpa.parallel.strategy import materialize
 from lightning_ffpa.presets import build_text_config
 
-__all__ = ["DEFAULT_ROWS", "FFPA_BACKEND_ATTN", "PRODUCT_SAVE_MM", "ROWS", "measure_row", "sliding_kernel",
-           "sliding_path_error"]
+__all__ = ["DEFAULT_ROWS", "FFPA_BACKEND_ATTN", "FP8_ROWS", "PRODUCT_SAVE_MM", "ROWS", "fp8_layout", "measure_row",
+           "row_fp8", "sliding_kernel", "sliding_path_error"]
 
 # "ours" and the recipe rows take the product's defaults, so the benchmark follows them when they change.
 PRODUCT_SAVE_MM = inspect.signature(FSDP2Strategy).parameters["sac_save_mm"].default
@@ -80,7 +82,16 @@ ROWS: dict[str, dict] = {
                              label="ours with the sliding layers on FA4 in place of block-sparse Flex (the ffpa "
                                    "backend's sliding='fa4', as FFPAAttention's `sliding: fa4` sets it); the D=512 "
                                    "layers keep FFPA"),
+    # FP8 full fine-tuning: ours with only the strategy's `fp8` option changed (torchao float8 via Float8Training)
+    "ours_fp8_rowwise": dict(attn="ffpa", **_RECIPE, fp8="rowwise",
+                             label="ours with FSDP2Strategy(fp8='rowwise'): the decoder layers' linear layers in "
+                                   "torchao float8 with rowwise scales; the lm_head and embeddings stay bf16"),
+    "ours_fp8_tensorwise": dict(attn="ffpa", **_RECIPE, fp8="tensorwise",
+                                label="ours with FSDP2Strategy(fp8='tensorwise'): the decoder layers' linear layers in "
+                                      "torchao float8 with tensorwise scales, all-gathered in float8; the lm_head and "
+                                      "embeddings stay bf16"),
 }
+FP8_ROWS = ("ours_fp8_rowwise", "ours_fp8_tensorwise")  # the faster one is compared with ours
 DEFAULT_ROWS = ["ours", "ours_sdpa_d512", "sdpa_recipe", "sdpa_defaults", "liger_recipe", "liger_recipe_nocompile",
                 "flex_recipe"]
 # Rows whose attention is the ffpa backend's on some layers: the backend is registered as the product does.
@@ -259,9 +270,31 @@ def sliding_path_error(spec: dict, dispatch: dict[str, int], fallbacks: dict[str
     return None
 
 
+def row_fp8(spec: dict, device) -> Float8Training:
+    """The row's FP8 choice, as `FSDP2Strategy(fp8=...)` holds it. Emulated only on CPU (the smoke run, which times
+    nothing); a GPU row never emulates, so one below SM89 or without torchao fails as the strategy refuses."""
+    recipe = spec.get("fp8", "none")
+    return Float8Training(recipe, emulate=recipe != "none" and device.type == "cpu")
+
+
+def fp8_layout(model, fp8: Float8Training) -> dict:
+    """What an FP8 row converted: the strategy's record (`model.fp8_layout`) checked against the Float8Linear
+    modules the built model holds. A row that converted nothing fails here: it would time a bf16 model."""
+    if not fp8.enabled:
+        return {}
+    layout = getattr(model, "fp8_layout", None) or {"converted": [], "kept": []}
+    held = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    if not layout["converted"] or held != len(layout["converted"]):
+        raise RuntimeError(f"fp8={fp8.recipe}: parallelize recorded {len(layout['converted'])} converted modules "
+                           f"and the model holds {held} Float8Linear: this row would not time FP8")
+    return dict(fp8_converted=len(layout["converted"]), fp8_kept=layout["kept"], fp8_emulate=fp8.emulate,
+                fp8_float8_all_gather=fp8.float8_all_gather, lm_head_type=type(model.lm_head).__name__)
+
+
 def build_model(spec: dict, mesh, layers: int, device, preset: str):
     import transformers
 
+    row_fp8(spec, device).check_device(device)  # the strategy's refusal (below SM89, no torchao), before any work
     types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
     cfg = build_text_config(preset, num_hidden_layers=layers, layer_types=types)
     if spec["attn"] in FFPA_BACKEND_ATTN:
@@ -275,11 +308,13 @@ def build_model(spec: dict, mesh, layers: int, device, preset: str):
     with torch.device("meta"):
         model = transformers.Gemma4ForCausalLM(cfg)
     hf_compat.set_attn_implementation(model, spec["attn"])  # the FFPAAttention Callback's own setter
+    fp8 = row_fp8(spec, device)
     strategy = FSDP2Strategy(activation_checkpointing=spec["ac"], compile=spec["compile"],  # product defaults
-                             param_dtype="bf16" if device.type == "cuda" else "fp32")
+                             param_dtype="bf16" if device.type == "cuda" else "fp32", fp8=fp8.recipe,
+                             fp8_emulate=fp8.emulate)
     parallelize(model, mesh, activation_checkpointing=spec["ac"], compile=spec["compile"],
                 sac_save_mm=spec.get("save_mm", PRODUCT_SAVE_MM),
-                mp_policy=strategy.mp_policy(), reshard_after_forward=True)
+                mp_policy=strategy.mp_policy(), reshard_after_forward=True, fp8=strategy.fp8_training)
     materialize(model, device)  # the strategy's meta -> device init (HF _init_weights, real random values)
     bad = [n for n, p in model.named_parameters() if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]
     if bad:
@@ -303,17 +338,17 @@ def loss_fn(spec: dict, model, ids):
                                 softcap=model.config.final_logit_softcapping, chunk_size=4096)
 
 
-def _step(spec, model, opt, ids) -> float:
+def _step(spec, model, opt, ids, fp8: Float8Training) -> float:
     loss = loss_fn(spec, model, ids)
     loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    _opt_step(opt, model, fp8)
     return loss.item()
 
 
-def _opt_step(opt) -> None:
+def _opt_step(opt, model, fp8: Float8Training) -> None:
     opt.step()
     opt.zero_grad(set_to_none=True)
+    fp8.after_optimizer_step(model)  # as the strategy's optimizer_step: tensorwise precomputes the float8 scales
 
 
 # ----------------------------------------------------------------------------- one (row, seq)
@@ -349,6 +384,8 @@ def measure_row(name: str, seq: int, args, mesh, device, rank: int) -> dict:
         _progress(f"{name} seq={seq}: model built in {row['build_s']:.1f} s")
         if spec.get("patches") == "liger":
             row.update(liger_applied(model))
+        fp8 = row_fp8(spec, device)
+        row.update(fp8_layout(model, fp8))
         opt = build_optimizer(spec, model)
         gen = torch.Generator(device=device).manual_seed(rank)
         ids = torch.randint(0, model.config.vocab_size, (1, seq), device=device, generator=gen)
@@ -359,7 +396,7 @@ def measure_row(name: str, seq: int, args, mesh, device, rank: int) -> dict:
         losses, row["warmup_step_s"] = [], []
         for i in range(args.warmup):  # compiles here: each step's time says where a slow or killed row stood
             t0 = time.perf_counter()
-            losses.append(_step(spec, model, opt, ids))
+            losses.append(_step(spec, model, opt, ids, fp8))
             row["warmup_step_s"].append(time.perf_counter() - t0)
             _progress(f"{name} seq={seq}: warm-up step {i + 1}/{args.warmup} took {row['warmup_step_s'][-1]:.1f} s")
         graphs_after_warmup = dynamo["stats"]["unique_graphs"]
@@ -371,7 +408,7 @@ def measure_row(name: str, seq: int, args, mesh, device, rank: int) -> dict:
         with ClockSampler(device, interval_s=0.2) as clocks:  # did the GPU slow down in this row?
             for _ in range(args.steps):
                 t0 = time.perf_counter()
-                losses.append(_step(spec, model, opt, ids))  # .item() syncs
+                losses.append(_step(spec, model, opt, ids, fp8))  # .item() syncs
                 times.append(time.perf_counter() - t0)
         row["gpu_clocks"] = clocks.summary()
         median = statistics.median(times)
@@ -397,9 +434,9 @@ def measure_row(name: str, seq: int, args, mesh, device, rank: int) -> dict:
             recompiles_timed=dynamo["stats"]["unique_graphs"] - graphs_after_warmup)
         # Untimed extra steps: where the memory goes, and (opt-in) where the time goes.
         row["memory_phases"] = phase_memory(device, partial(loss_fn, spec, model, ids), torch.Tensor.backward,
-                                            partial(_opt_step, opt))
+                                            partial(_opt_step, opt, model, fp8))
         if args.profile is not None:  # the driver passes a bare --profile to the rows it profiles
-            row["profile"] = profile_step(device, partial(_step, spec, model, opt, ids))
+            row["profile"] = profile_step(device, partial(_step, spec, model, opt, ids, fp8))
         if not all(v == v and abs(v) < 1e4 for v in losses):
             row["error"] = f"non-finite loss {losses}"
         mislabelled = sliding_path_error(spec, row["dispatch"], row["fallbacks"])

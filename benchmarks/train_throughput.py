@@ -20,7 +20,13 @@ Default rows, each at 8k, 16k and 32k (6 layers: 5 sliding + 1 full):
                  sdpa_recipe the sliding path's (`ours_sdpa_d512_vs_sdpa_recipe_tps_*`)
 Ablations (ours_nocompile, ffpa_defaults, seed_gqa, ...) run when named in --rows; among them ours_fa4_sliding
 (ours with the sliding layers on FA4, the backend's sliding='fa4': a row where FA4 cannot run, or whose calls fell
-back to Flex, is an error), compared with ours in `sliding_path_step_gain_*` (its tokens/s over ours').
+back to Flex, is an error), compared with ours in `sliding_path_step_gain_*` (its tokens/s over ours'); and
+ours_fp8_rowwise / ours_fp8_tensorwise (ours with only FSDP2Strategy's `fp8` option changed: torchao float8 linear
+layers in the decoder, lm_head and embeddings bf16; a row without FP8 hardware or torchao, or that converted no
+module, is an error), whose faster one gives `fp8_full_ft_vs_bf16_tps_*` (its tokens/s over ours'),
+`fp8_full_ft_recipe_*`, both rows' peak memory (`fp8_full_ft_peak_mem_gb_*`, `ours_peak_mem_gb_*`) and
+`ours_mfu_bf16eq_spec_*` (its MFU with the bf16 rows' FLOP count, of the datasheet bf16 peak):
+  python benchmarks/train_throughput.py --rows ours ours_fp8_rowwise ours_fp8_tensorwise --seqs 16384 ...
 MFU is given against the datasheet bf16 peak (`mfu_spec`) and a measured 8192^3 matmul (`mfu_measured_peak`).
 
 Run (one H200):  python benchmarks/train_throughput.py --out $OUT/train_throughput.json --budget-s 520
@@ -59,7 +65,7 @@ from benchmarks.row_process import (  # noqa: E402
     progress_tail,
     row_at,
 )
-from benchmarks.train_rows import DEFAULT_ROWS, PRODUCT_SAVE_MM, ROWS  # noqa: E402
+from benchmarks.train_rows import DEFAULT_ROWS, FP8_ROWS, PRODUCT_SAVE_MM, ROWS  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 LIGER_ROWS = ("liger_recipe", "liger_recipe_nocompile")  # the faster one is the Liger baseline
@@ -192,6 +198,19 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
               row_at(rows, "sdpa_recipe", seq))
         # opt-in row: what moving the sliding layers from Flex to FA4 gains at the step
         ratio(f"sliding_path_step_gain_{tag}", row_at(rows, "ours_fa4_sliding", seq), row_at(rows, "ours", seq))
+        # opt-in rows: FP8 full fine-tuning, the faster recipe against ours in bf16
+        fp8, why_fp8 = fastest_row(rows, FP8_ROWS, seq, "tokens_per_s_per_gpu")
+        ours, why_ours = row_at(rows, "ours", seq)
+        ratio(f"fp8_full_ft_vs_bf16_tps_{tag}", (fp8, why_fp8), (ours, why_ours))
+        # MFU in bf16-equivalent FLOPs: the fp8 row's model FLOPs are counted as the bf16 row's (same shapes),
+        # over the datasheet bf16 peak
+        for key, row, field, why in ((f"fp8_full_ft_recipe_{tag}", fp8, "fp8", why_fp8),
+                                     (f"fp8_full_ft_peak_mem_gb_{tag}", fp8, "peak_mem_allocated_gb", why_fp8),
+                                     (f"ours_peak_mem_gb_{tag}", ours, "peak_mem_allocated_gb", why_ours),
+                                     (f"ours_mfu_bf16eq_spec_{tag}", fp8, "mfu_spec", why_fp8)):
+            summary[key] = row.get(field) if row else None
+            if summary[key] is None:
+                missing[key] = why or f"row {row['row']} at seq {seq} has no {field} (no GPU on this device)"
     ratio("ours_vs_liger_tps_8k", row_at(rows, "ours", 8192), fastest_row(rows, LIGER_ROWS, 8192, "tokens_per_s_per_gpu"))
     ratio("ours_vs_sdpa_defaults_tps_8k", row_at(rows, "ours", 8192), row_at(rows, "sdpa_defaults", 8192))
     ours16, why = row_at(rows, "ours", 16384)

@@ -120,6 +120,13 @@ class Float8Training:
         converted = [n for n, m in layers.named_modules() if _is_float8_linear(m)]
         return {"converted": converted, "kept": sorted(set(kept))}
 
+    def describe(self, layout: dict[str, list[str]]) -> str:
+        """One line saying what `convert` did (the strategy logs it, so a run shows FP8 ran and where)."""
+        kept = f" ({', '.join(layout['kept'][:3])}{', ...' if len(layout['kept']) > 3 else ''})" if layout["kept"] else ""
+        return (f"fp8 {self.recipe}: {len(layout['converted'])} decoder Linear layers train in torchao float8"
+                f"{' (emulated in high precision)' if self.emulate else ''}, {len(layout['kept'])} kept in high "
+                f"precision{kept}; the lm_head and embeddings stay in high precision")
+
     def plain_tensors(self, tree: Any) -> Any:
         """`tree` (a checkpoint's nested dicts and lists) with torchao's float8 all-gather weight wrappers replaced
         by plain tensors of the same values: a single-file checkpoint then loads without torchao, with

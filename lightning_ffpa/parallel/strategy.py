@@ -360,12 +360,17 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def parallelize_module(self, module: nn.Module) -> nn.Module:
         """Apply this strategy's recipe to `module` (an HF decoder model); returns it."""
-        return parallelize(
+        out = parallelize(
             module, self.parallel_dims, activation_checkpointing=self.activation_checkpointing,
             sac_extra_save_ops=self.sac_extra_save_ops, sac_save_mm=self.sac_save_mm, compile=self.compile_layers,
             mp_policy=self.mp_policy(), reshard_after_forward=self.reshard_after_forward,
             cpu_offload=self.cpu_offload, replicate_frozen=self.place_frozen(module), fp8=self.fp8_training,
         )
+        if self.fp8_training.enabled:
+            from lightning.pytorch.utilities import rank_zero_info
+
+            rank_zero_info(self.fp8_training.describe(out.fp8_layout))  # what FP8 converted, said once
+        return out
 
     def place_frozen(self, module: nn.Module) -> bool:
         """Decide `replicate_frozen` for `module` on this mesh; record and log the decision."""

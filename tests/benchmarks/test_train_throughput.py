@@ -18,7 +18,10 @@ from lightning_ffpa.errors import ConfigError  # noqa: E402
 _SMOKE = ["--cpu", "--preset", "tiny", "--layers", "2", "--seqs", "128", "--warmup", "1", "--steps", "1"]
 _KEYS = {f"ours_vs_{b}_tps_{k}" for b in ("sdpa_recipe", "flex_recipe", "ours_sdpa_d512") for k in ("8k", "16k", "32k")} | {
     f"ours_sdpa_d512_vs_sdpa_recipe_tps_{k}" for k in ("8k", "16k", "32k")} | {
-    f"sliding_path_step_gain_{k}" for k in ("8k", "16k", "32k")} | {"ours_vs_liger_tps_8k", "ours_vs_sdpa_defaults_tps_8k", "ours_mfu_spec_16k", "ours_mfu_measured_peak_16k"}
+    f"sliding_path_step_gain_{k}" for k in ("8k", "16k", "32k")} | {
+    f"{key}_{k}" for key in ("fp8_full_ft_vs_bf16_tps", "fp8_full_ft_recipe", "fp8_full_ft_peak_mem_gb",
+                             "ours_peak_mem_gb", "ours_mfu_bf16eq_spec") for k in ("8k", "16k", "32k")} | {
+    "ours_vs_liger_tps_8k", "ours_vs_sdpa_defaults_tps_8k", "ours_mfu_spec_16k", "ours_mfu_measured_peak_16k"}
 
 
 def _drive(out, rows, launcher=(sys.executable,), extra=()):
@@ -338,3 +341,97 @@ def test_sliding_path_step_gain_is_the_fa4_rows_tokens_over_ours():
     assert summary["sliding_path_step_gain_16k"] is None
     assert "ours_fa4_sliding at seq 16384 has no measurement: ConfigError" in missing["sliding_path_step_gain_16k"]
     assert "not in this result" in missing["sliding_path_step_gain_32k"]
+
+
+def test_the_fp8_rows_are_ours_with_only_the_strategys_fp8_option_changed():
+    import torch
+
+    from benchmarks import train_rows
+
+    ours = train_rows.ROWS["ours"]
+    assert train_rows.FP8_ROWS == ("ours_fp8_rowwise", "ours_fp8_tensorwise")
+    for name, recipe in zip(train_rows.FP8_ROWS, ("rowwise", "tensorwise")):
+        spec = train_rows.ROWS[name]
+        assert {k: v for k, v in spec.items() if k not in ("fp8", "label")} == \
+            {k: v for k, v in ours.items() if k != "label"}
+        assert spec["fp8"] == recipe and f"ours with FSDP2Strategy(fp8='{recipe}')" in spec["label"]
+        assert "lm_head and embeddings stay bf16" in spec["label"] and name not in train_rows.DEFAULT_ROWS
+        # a GPU row never emulates (below SM89 it fails); only the CPU smoke run emulates, and times nothing
+        assert train_rows.row_fp8(spec, torch.device("cuda")) == train_rows.Float8Training(recipe, emulate=False)
+        assert train_rows.row_fp8(spec, torch.device("cpu")) == train_rows.Float8Training(recipe, emulate=True)
+    assert not train_rows.row_fp8(ours, torch.device("cuda")).enabled
+
+
+def test_an_fp8_row_without_torchao_fails_with_the_strategys_one_line_before_building(monkeypatch):
+    """Never a silent bf16 row: the row's build stops at the strategy's refusal (here: no torchao), before any
+    model exists."""
+    import torch
+
+    from benchmarks import train_rows
+    from lightning_ffpa.parallel import fp8
+
+    monkeypatch.setattr(fp8, "torchao_available", lambda: False)
+    monkeypatch.setattr(train_rows, "build_text_config", lambda *a, **k: pytest.fail("built past the refusal"))
+    with pytest.raises(ConfigError, match=r"fp8.*rowwise.*needs torchao"):
+        train_rows.build_model(train_rows.ROWS["ours_fp8_rowwise"], None, 2, torch.device("cpu"), "tiny")
+
+
+def test_an_fp8_row_that_converted_nothing_fails_loudly():
+    import transformers
+
+    from benchmarks import train_rows
+    from lightning_ffpa.presets import build_text_config
+
+    model = transformers.Gemma4ForCausalLM(build_text_config("tiny"))
+    rowwise = train_rows.Float8Training("rowwise", emulate=True)
+    with pytest.raises(RuntimeError, match="0 converted modules and the model holds 0 Float8Linear"):
+        train_rows.fp8_layout(model, rowwise)
+    model.fp8_layout = {"converted": ["0.mlp.up_proj"], "kept": []}  # recorded, yet no module was swapped
+    with pytest.raises(RuntimeError, match="1 converted modules and the model holds 0 Float8Linear"):
+        train_rows.fp8_layout(model, rowwise)
+    assert train_rows.fp8_layout(model, train_rows.Float8Training()) == {}  # a bf16 row records nothing
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is the fp8 extra")
+def test_an_fp8_rows_layout_counts_the_converted_modules():
+    import transformers
+
+    from benchmarks import train_rows
+    from lightning_ffpa.parallel import parallelize
+    from lightning_ffpa.presets import build_text_config
+
+    model = transformers.Gemma4ForCausalLM(build_text_config("tiny"))
+    rowwise = train_rows.Float8Training("rowwise", emulate=True)
+    parallelize(model, None, fp8=rowwise)
+    layout = train_rows.fp8_layout(model, rowwise)
+    assert layout["fp8_converted"] == len(model.fp8_layout["converted"]) > 0
+    assert layout["lm_head_type"] == "Linear" and layout["fp8_emulate"] and not layout["fp8_float8_all_gather"]
+
+
+def test_the_fp8_summary_takes_the_faster_recipe_against_ours():
+    rows = [dict(row="ours", seq=16384, tokens_per_s_per_gpu=100.0, peak_mem_allocated_gb=70.0, mfu_spec=0.44),
+            dict(row="ours_fp8_rowwise", seq=16384, fp8="rowwise", tokens_per_s_per_gpu=120.0,
+                 peak_mem_allocated_gb=66.0, mfu_spec=0.528),
+            dict(row="ours_fp8_tensorwise", seq=16384, fp8="tensorwise", tokens_per_s_per_gpu=135.0,
+                 peak_mem_allocated_gb=64.0, mfu_spec=0.594),
+            dict(row="ours", seq=8192, tokens_per_s_per_gpu=100.0, peak_mem_allocated_gb=69.0, mfu_spec=0.41),
+            dict(row="ours_fp8_rowwise", seq=8192, fp8="rowwise", tokens_per_s_per_gpu=110.0,
+                 peak_mem_allocated_gb=65.0, mfu_spec=0.45),
+            dict(row="ours_fp8_tensorwise", seq=8192, fp8="tensorwise",
+                 error="ConfigError: fp8: 'tensorwise': needs FP8 tensor cores (CUDA capability >= 8.9)")]
+    summary, missing = tt.summarize(rows)
+    assert summary["fp8_full_ft_vs_bf16_tps_16k"] == pytest.approx(1.35)
+    assert summary["fp8_full_ft_recipe_16k"] == "tensorwise"
+    assert (summary["fp8_full_ft_peak_mem_gb_16k"], summary["ours_peak_mem_gb_16k"]) == (64.0, 70.0)
+    assert summary["ours_mfu_bf16eq_spec_16k"] == 0.594
+    # a failed recipe row is not a candidate: the other one is compared, and the failure stays in its row
+    assert summary["fp8_full_ft_vs_bf16_tps_8k"] == pytest.approx(1.1) and summary["fp8_full_ft_recipe_8k"] == "rowwise"
+    assert "fp8_full_ft_vs_bf16_tps_16k" not in missing and "ours_mfu_bf16eq_spec_8k" not in missing
+    assert summary["fp8_full_ft_vs_bf16_tps_32k"] is None
+    assert "ours_fp8_rowwise at seq 32768 is not in this result" in missing["fp8_full_ft_vs_bf16_tps_32k"]
+    rows[-2] = dict(rows[-2], error="RuntimeError: fp8=rowwise: parallelize recorded 0 converted modules")
+    summary, missing = tt.summarize(rows)
+    assert summary["fp8_full_ft_vs_bf16_tps_8k"] is None and summary["ours_mfu_bf16eq_spec_8k"] is None
+    assert "recorded 0 converted modules" in missing["fp8_full_ft_vs_bf16_tps_8k"]
+    assert "needs FP8 tensor cores" in missing["fp8_full_ft_recipe_8k"]
+    assert summary["ours_peak_mem_gb_8k"] == 69.0

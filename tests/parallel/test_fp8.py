@@ -241,6 +241,17 @@ def test_fp8_fit_tracks_the_fp32_fit_resumes_and_exports_plain_weights(one_proce
         assert torch.equal(single_logits, hf(input_ids=ids).logits)
 
 
+def test_the_conversion_is_said_in_one_line():
+    """What the strategy logs after parallelize (a run, and benchmarks/fp8_loss.py reading its log, see FP8 ran)."""
+    layout = {"converted": [f"{i}.mlp.up_proj" for i in range(7)], "kept": [f"{i}.router.proj" for i in range(4)]}
+    line = Float8Training("tensorwise", emulate=True).describe(layout)
+    assert line == ("fp8 tensorwise: 7 decoder Linear layers train in torchao float8 (emulated in high precision), "
+                    "4 kept in high precision (0.router.proj, 1.router.proj, 2.router.proj, ...); the lm_head and "
+                    "embeddings stay in high precision")
+    assert Float8Training("rowwise").describe({"converted": ["0.q_proj"], "kept": []}).startswith(
+        "fp8 rowwise: 1 decoder Linear layers train in torchao float8, 0 kept in high precision;")
+
+
 # Bad input: one ConfigError naming `fp8`, before any process group or model work
 
 

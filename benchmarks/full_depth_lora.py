@@ -103,6 +103,7 @@ ROWS = {
                          "float8_e4m3fn with rowwise fp32 scales)",
 }
 UNSLOTH_ROWS = ("unsloth_lora", "unsloth_lora_gc")
+SHIPPED_LORA_ROW = "ours_lora"  # the recipe's options with LoRA, bf16 base: what ships (the float8 base is opt-in)
 FP8_BASE_ROWS = ("ours_lora_fp8base",)  # rows whose LoRA stores its frozen base in float8 (`lora_of`)
 OPT_IN_ROWS = FP8_BASE_ROWS  # not in the default --rows: the default set is already more than one call's budget
 _SEQ_TAGS = {8192: "8k", 16384: "16k"}
@@ -401,6 +402,11 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
             key = f"full_depth_lora_peak_mem_gb_{short[name]}_{tag}"
             summary[key] = row.get("peak_mem_allocated_gb") if row else None
             missing.update({key: why or f"row {name} recorded no device memory"} if summary[key] is None else {})
+        # ours as the recipe ships it for one-GPU LoRA against Unsloth (its peak beside the ratio's, in MEMORY_BARS)
+        (shipped, why_shipped), (peer, why_peer) = found[SHIPPED_LORA_ROW], found["unsloth_lora"]
+        key = f"ours_vs_unsloth_shipped_recipe_tps_{tag}"
+        summary[key] = shipped["tokens_per_s"] / peer["tokens_per_s"] if shipped and peer else None
+        missing.update({key: "; ".join(filter(None, (why_shipped, why_peer)))} if summary[key] is None else {})
         # the float8 base against ours in bf16 (issue 43): tokens/s and peak allocated memory, float8 / bf16
         (fp8, why_fp8), (bf16, why_bf16) = row_at(rows, "ours_lora_fp8base", seq), found["ours_lora"]
         why = "; ".join(filter(None, (why_fp8, why_bf16)))

@@ -515,3 +515,14 @@ def test_targets_read_the_h200_run_before_a_newer_run_on_another_card_and_name_t
     assert "(`bbbbbbb`, NVIDIA H100 80GB HBM3 x1) |" in moe
     bullets = [ln for ln in pages.render_headline(results).splitlines() if "(`summary.ours_mfu_spec_16k`)" in ln]
     assert len(bullets) == 2
+
+
+def test_an_at_most_target_is_met_at_or_under_its_bar_and_shows_its_bar_as_such(tmp_path):
+    from benchmarks.report import targets
+
+    for value, status in ((0.092, "met"), (0.12, "missed")):
+        rec = dict(benchmark="b", commit="c" * 7, date="2026-12-02", rows=[], device="NVIDIA H200 x1",
+                   summary={"unmerged_lora_decode_overhead": value})
+        row = next(ln for ln in targets.render_targets([(tmp_path / "f.json", rec)], tmp_path, lambda p, s: p.name)
+                   if "(`unmerged_lora_decode_overhead`)" in ln)
+        assert f"| <= 10% | {value:.1%} | {status} |" in row

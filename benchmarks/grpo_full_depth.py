@@ -252,6 +252,10 @@ def summarize(rows: list[dict[str, Any]], bandwidth: dict[str, Any] | None, args
                 r["decode_roofline_routed_datasheet"] = need / per_step / bandwidth["datasheet_bytes_per_s"]
                 out[f"grpo_full_depth_decode_routed_roofline_datasheet_bs{seqs}_{L}"] = \
                     r["decode_roofline_routed_datasheet"]
+    measured = [r for r in rows if r.get("decode_roofline_datasheet") is not None]
+    if measured:  # the batch's headline: its longest completions, where steady decode dominates the rollout
+        out[f"grpo_full_depth_decode_roofline_datasheet_bs{args.prompts * args.group}"] = max(
+            measured, key=lambda r: r["completion_len"])["decode_roofline_datasheet"]
     return out
 
 

@@ -195,6 +195,19 @@ def test_routed_decode_bytes_count_the_routed_share_of_the_experts():
     assert row["decode_roofline_datasheet"] == pytest.approx(full / (1.0 / 7) / 1e12)  # all weights, beside
 
 
+def test_the_batch_roofline_key_is_its_longest_completions_row():
+    """`grpo_full_depth_decode_roofline_datasheet_bs{B}` (the issue's key, no length) reads the longest completion
+    length measured at that batch, where steady decode dominates the rollout."""
+    args = grpo_full_depth.parse_args(["--preset", "tiny", "--lengths", "8", "16", "--prompt-len", "4",
+                                       "--prompts", "1", "--group", "2"])
+    rows = [{"completion_len": L, "exit_code": 0,
+             "steps": [{"rollout/refresh_s": 0.1, "rollout/generate_s": g, "rollout/update_s": 0.1,
+                        "rollout/decode_steps": float(L - 1)} for _ in range(4)]} for L, g in ((16, 2.0), (8, 1.0))]
+    out = grpo_full_depth.summarize(rows, {"datasheet_bytes_per_s": 1e12, "copy_bytes_per_s": 1e12}, args)
+    assert out["grpo_full_depth_decode_roofline_datasheet_bs2"] == rows[0]["decode_roofline_datasheet"]
+    assert out["grpo_full_depth_decode_roofline_datasheet_bs2"] != rows[1]["decode_roofline_datasheet"]
+
+
 def test_a_gpu_run_times_at_least_three_steps_per_row(monkeypatch):
     """The first step captures and compiles: a GPU run needs --steps >= 4 for three timed samples (one line
     naming the option, before any row runs); on CPU the smoke run may time fewer."""

@@ -20,7 +20,8 @@ _KEYS = {f"full_depth_lora_{k}_{t}" for t in ("8k", "16k") for k in (
     "ours_vs_sdpa_recipe_tps", "ours_vs_unsloth_tps", "ours_offload_vs_unsloth_tps",
     "ours_offload_replicated_vs_unsloth_tps", "peak_mem_gb_ours", "peak_mem_gb_ours_offload",
     "peak_mem_gb_ours_offload_replicated", "peak_mem_gb_sdpa_recipe", "peak_mem_gb_unsloth", "unsloth_baseline")} | {
-    f"fp8_base_lora_{k}_{t}" for t in ("8k", "16k") for k in ("vs_bf16_tps", "peak_mem_ratio")}
+    f"fp8_base_lora_{k}_{t}" for t in ("8k", "16k") for k in ("vs_bf16_tps", "peak_mem_ratio")} | {
+    f"ours_vs_unsloth_shipped_recipe_tps_{t}" for t in ("8k", "16k")}
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +109,7 @@ def test_summary_gives_ratios_and_reasons():
     summary, _ = fdl.summarize(rows)
     assert summary["full_depth_lora_unsloth_baseline_8k"] == "unsloth_lora_gc"
     assert summary["full_depth_lora_ours_vs_unsloth_tps_8k"] == 1.2
+    assert summary["ours_vs_unsloth_shipped_recipe_tps_8k"] == 1.2  # the recipe ships ours_lora (bf16 base)
     assert summary["full_depth_lora_peak_mem_gb_unsloth_8k"] == 80.0
     rows += [dict(row="unsloth_lora", seq=8192, tokens_per_s=275.0, peak_mem_allocated_gb=60.0)]  # a later one
     assert fdl.summarize(rows)[0]["full_depth_lora_unsloth_baseline_8k"] == "unsloth_lora"

@@ -490,7 +490,8 @@ def test_the_roofline_reads_the_datasheet_fraction_first():
 
     # the MoE target is the datasheet fraction too, over the routed experts' bytes (rollout.py's summary)
     assert [k for k, *_ in targets.TARGETS if "roofline" in k] == ["roofline_fraction_datasheet_bs64",
-                                                                    "moe_decode_routed_roofline_bs64"]
+                                                                    "moe_decode_routed_roofline_bs64",
+                                                                    "grpo_full_depth_decode_roofline_datasheet_bs64"]
     header = next(ln for ln in tables.rollout(record, "r.json") if ln.startswith("| batch"))
     assert header.index("of datasheet HBM") < header.index("of measured copy bandwidth")
     bullets = [ln for ln in pages.render_headline([(Path("rollout_x.json"), dict(record, commit="abc1234"))])

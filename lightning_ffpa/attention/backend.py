@@ -122,6 +122,10 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
         padding = padding[:, kv_offset:kv_offset + kv_length]
         # One host sync per forward (HF's sdpa mask does the same check).
         return None if bool(padding.all()) else padding
+    if padding is not None and bool(padding.all()):
+        # No row is padded (a data loader's all-ones mask): the window alone stays a plain window a windowed
+        # kernel (FA4) can take. One host sync per mask, as for the full layers above.
+        padding = None
     if mask_function is None:
         mask_function = masks.generate_causal()
     mod = masks.combine(mask_function, masks.generate_padding(padding) if padding is not None else None)

@@ -218,3 +218,23 @@ def test_head_dims_follow_the_architecture():
         assert kernel.why_not(160, torch.bfloat16, torch.device("cpu")) == ""  # the stand-in takes the range
         assert kernel.why_not(264, torch.bfloat16, torch.device("cpu")) == "head_dim"
         assert kernel.why_not(100, torch.bfloat16, torch.device("cpu")) == "head_dim"  # not a multiple of 8
+
+
+def test_an_all_ones_attention_mask_still_sends_sliding_layers_to_fa4(sliding):
+    """A data loader passes `attention_mask` of ones (nothing padded): the sliding layers' mask is still a plain
+    window, so FA4 takes them as without a mask (before, any mask tensor sent every sliding call to Flex)."""
+    model = _tiny_ffpa()
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(1))
+    sliding("fa4")
+    with fa4.cpu_stand_in():
+        loss, _ = _loss_and_grads(model, ids, attention_mask=torch.ones_like(ids))
+        counts = backend.dispatch_counts()
+        assert counts["fa4-dense"] == 2 and counts["flex"] == 0, counts
+        loss_none, _ = _loss_and_grads(model, ids)
+    torch.testing.assert_close(loss, loss_none)
+    padded = torch.ones_like(ids)
+    padded[1, -5:] = 0  # a padded row keeps the mask: the window and the padding through Flex's path
+    sliding("fa4")
+    with fa4.cpu_stand_in():
+        _loss_and_grads(model, ids, attention_mask=padded)
+    assert backend.dispatch_counts()["fa4-dense"] == 0

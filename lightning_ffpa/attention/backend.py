@@ -186,6 +186,7 @@ _REASON_TEXT = {
     "fa4_head_dim": "FA4 has no kernel at this head_dim here (SM90: 8-256; SM100: 8-128 or 256) -> flex",
     "fa4_dtype": "dtype is not fp16/bf16 (FA4) -> flex",
     "fa4_unavailable": "flash-attn-4 cannot run here -> flex",
+    "fa4_mask": "the sliding mask is more than a causal window (padded rows, an overlay or a cache offset) -> flex",
 }
 
 
@@ -267,6 +268,8 @@ def ffpa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
         # chunk size as `local_size`).
         window = getattr(attention_mask, "_ffpa_plain_window", None)
         window = window if causal and window is not None and window == sliding_window else None
+        if window is None and sliding_window is not None and _config.sliding != "flex":
+            _note_fallback(f"{registry.get(_config.sliding).name}_mask", query)  # padded, packed or offset: Flex
         return _block_mask_forward(module, query, key, value, attention_mask, dropout, scaling, softcap, window), None
 
     if attention_mask is not None and attention_mask.dim() != 2:

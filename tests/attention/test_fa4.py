@@ -238,3 +238,4 @@ def test_an_all_ones_attention_mask_still_sends_sliding_layers_to_fa4(sliding):
     with fa4.cpu_stand_in():
         _loss_and_grads(model, ids, attention_mask=padded)
     assert backend.dispatch_counts()["fa4-dense"] == 0
+    assert backend.fallback_counts()["fa4_mask"] == 2  # every sliding call counted (as fa4-dense above), not silent

@@ -139,10 +139,21 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     # A causal sliding window and nothing else (no padding, overlay, packing or cache offset): a windowed kernel
     # (FA4) can replace the mask by its window. HF clears allow_is_causal_skip for overlays and packing, and
     # passes it False for bidirectional sliding masks.
-    block_mask._ffpa_plain_window = (local_size if local_size is not None and allow_is_causal_skip and padding is None
-                                     and not block_mask._ffpa_overlay and q_offset == 0 and kv_offset == 0
-                                     and q_length == kv_length else None)
+    window = (local_size if local_size is not None and allow_is_causal_skip and not block_mask._ffpa_overlay
+              and q_offset == 0 and kv_offset == 0 and q_length == kv_length else None)
+    block_mask._ffpa_plain_window = window if padding is None else None
+    # Padded rows whose tokens are contiguous (left or right padding, a GRPO batch): the same window over each row's
+    # tokens, which a windowed kernel's varlen form runs on the unpadded tokens (`_padded_window_forward`).
+    block_mask._ffpa_padding = padding if window is not None and padding is not None and _contiguous(padding) else None
     return block_mask
+
+
+def _contiguous(padding: Tensor) -> bool:
+    """Whether every row's kept tokens form one run (one host sync)."""
+    count = padding.sum(-1, keepdim=True)
+    first = padding.int().argmax(-1, keepdim=True)
+    pos = torch.arange(padding.shape[-1], device=padding.device)
+    return bool((((pos >= first) & (pos < first + count)) == padding).all())
 
 
 # --------------------------------------------------------------------------- routing
@@ -186,7 +197,8 @@ _REASON_TEXT = {
     "fa4_head_dim": "FA4 has no kernel at this head_dim here (SM90: 8-256; SM100: 8-128 or 256) -> flex",
     "fa4_dtype": "dtype is not fp16/bf16 (FA4) -> flex",
     "fa4_unavailable": "flash-attn-4 cannot run here -> flex",
-    "fa4_mask": "the sliding mask is more than a causal window (padded rows, an overlay or a cache offset) -> flex",
+    "fa4_mask": "the sliding mask is more than a causal window over each row's tokens (an overlay, a cache offset "
+                "or padding between tokens) -> flex",
 }
 
 
@@ -268,8 +280,13 @@ def ffpa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
         # chunk size as `local_size`).
         window = getattr(attention_mask, "_ffpa_plain_window", None)
         window = window if causal and window is not None and window == sliding_window else None
-        if window is None and sliding_window is not None and _config.sliding != "flex":
-            _note_fallback(f"{registry.get(_config.sliding).name}_mask", query)  # padded, packed or offset: Flex
+        padding = getattr(attention_mask, "_ffpa_padding", None)
+        if window is None and padding is not None and causal and sliding_window is not None:
+            out = _padded_window_forward(query, key, value, padding, scaling, softcap, int(sliding_window))
+            if out is not None:
+                return out, None
+        elif window is None and sliding_window is not None and _config.sliding != "flex":
+            _note_fallback(f"{registry.get(_config.sliding).name}_mask", query)  # packed, overlay or offset: Flex
         return _block_mask_forward(module, query, key, value, attention_mask, dropout, scaling, softcap, window), None
 
     if attention_mask is not None and attention_mask.dim() != 2:
@@ -307,6 +324,21 @@ def _windowed_kernel(query: Tensor) -> registry.Kernel | None:
         _note_fallback(f"{kernel.name}_{why.split(':')[0]}", query)
         return None
     return kernel
+
+
+def _padded_window_forward(query: Tensor, key: Tensor, value: Tensor, padding: Tensor, scaling, softcap,
+                           window: int) -> Tensor | None:
+    """A sliding layer over padded rows on the windowed kernel's varlen form: unpad -> varlen -> pad; None (the
+    caller's Flex path) when the kernel cannot take the call (counted there) or the plan is Flex."""
+    kernel = _windowed_kernel(query) if not softcap and scaling is not None else None
+    if kernel is None:
+        return None
+    counters.count("path", f"{kernel.name}-varlen", query)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B,S,H,D] views
+    batch, seq = q.shape[0], q.shape[1]
+    q_u, k_u, v_u, idx, (cu, _), (max_len, _) = hf_compat.unpad(q, k, v, padding, seq)
+    out = kernel.windowed.varlen(q_u, k_u, v_u, cu, max_len, scaling, window)
+    return hf_compat.pad(out, idx, batch, seq)
 
 
 def _block_mask_forward(module, query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMask, dropout: float,

@@ -191,22 +191,6 @@ def test_preflight_refuses_fa4_on_this_machine_naming_the_option():
         check_parallel_layout(trainer, Gemma4LM(preset="tiny", attn_implementation="ffpa"))
 
 
-def test_padded_sliding_masks_stay_on_flex(sliding):
-    """Only a plain causal window goes to FA4: a padded batch's sliding mask keeps Flex (its padding is in the mask)."""
-    model = _tiny_ffpa()
-    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(2, 40, dtype=torch.long)
-    mask[1, 30:] = 0
-    sliding("fa4")
-    with torch.no_grad(), fa4.cpu_stand_in(), force_kernel("reference"):
-        model(input_ids=ids, attention_mask=mask)
-        padded = backend.dispatch_counts()
-        backend.reset_dispatch_counts()
-        model(input_ids=ids)
-    assert padded["fa4-dense"] == 0 and padded["flex"] == 2 and padded["ffpa-varlen"] == 2, padded
-    assert backend.dispatch_counts()["fa4-dense"] == 2
-
-
 def test_head_dims_follow_the_architecture():
     """FA4 has SM90 kernels for 8-256 but SM100 ones only for 8-128 and 256 (flash_attn/cute/interface.py)."""
     from lightning_ffpa._compat import fa4 as fa4_compat
@@ -232,10 +216,44 @@ def test_an_all_ones_attention_mask_still_sends_sliding_layers_to_fa4(sliding):
         assert counts["fa4-dense"] == 2 and counts["flex"] == 0, counts
         loss_none, _ = _loss_and_grads(model, ids)
     torch.testing.assert_close(loss, loss_none)
-    padded = torch.ones_like(ids)
-    padded[1, -5:] = 0  # a padded row keeps the mask: the window and the padding through Flex's path
+    holes = torch.ones_like(ids)
+    holes[1, 10:15] = 0  # padding between tokens: the window over absolute positions stays on Flex, counted
     sliding("fa4")
     with fa4.cpu_stand_in():
-        _loss_and_grads(model, ids, attention_mask=padded)
-    assert backend.dispatch_counts()["fa4-dense"] == 0
-    assert backend.fallback_counts()["fa4_mask"] == 2  # every sliding call counted (as fa4-dense above), not silent
+        _loss_and_grads(model, ids, attention_mask=holes)
+    assert backend.dispatch_counts()["fa4-dense"] == backend.dispatch_counts()["fa4-varlen"] == 0
+    assert backend.fallback_counts()["fa4_mask"] == 2  # every sliding call counted, not silent
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_rows_take_fa4_varlen_on_the_sliding_layers_and_match_flex(sliding, side):
+    """A batch with padded rows (a GRPO update's completions): the sliding layers unpad and run FA4's varlen form
+    with the window; loss and grads over the kept tokens equal Flex's window-and-padding mask."""
+    model = _tiny_ffpa()
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, -13:] = 0 if side == "right" else 1
+    if side == "left":
+        mask[1, :13] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 13] = -100 if side == "left" else labels[1, 13]  # its logit sits on a padded position: not scored
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with force_kernel("reference"):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+            loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    sliding("flex")
+    loss_flex, grads_flex = run()
+    sliding("fa4")
+    with fa4.cpu_stand_in():
+        loss_fa4, grads_fa4 = run()
+    counts = backend.dispatch_counts()
+    assert counts["fa4-varlen"] == 2 and counts["fa4-dense"] == counts["flex"] == 0, counts
+    assert "fa4_mask" not in backend.fallback_counts()
+    torch.testing.assert_close(loss_fa4, loss_flex, atol=1e-5, rtol=1e-5)
+    for name, g in grads_flex.items():
+        rel = ((grads_fa4[name] - g).norm() / g.norm().clamp_min(1e-12)).item()
+        assert rel < 2e-4, (name, rel)

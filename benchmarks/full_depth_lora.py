@@ -63,6 +63,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lora_step import (  # noqa: E402
+    ExtraStepProfile,
     config_overrides,
     fit_as_built,
     one_rank_group,
@@ -204,7 +205,6 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
 
     from benchmarks.fit_recipes import read_metrics
     from benchmarks.gpu_clocks import ClockSampler
-    from benchmarks.step_probe import StepProfiler
     from lightning_ffpa import attention, fp8_base
     from lightning_ffpa._compat import torch as torch_compat
     from lightning_ffpa._compat import transformers as hf_compat
@@ -219,24 +219,20 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
             self.times: list[float] = []
             self.losses: list[float] = []
             self.last: float | None = None
-            self.profiler: StepProfiler | None = None
-            self.profile: dict | None = None
+            self.extra = ExtraStepProfile(spec["warmup"] + spec["steps"] if spec.get("profile") else None)
             self.counts: tuple[dict, dict, dict] = ({}, {}, {})
             self.clocks: ClockSampler | None = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            # --profile: one extra step after the timed ones, under the profiler and not timed
-            if spec.get("profile") and trainer.global_step == spec["warmup"] + spec["steps"]:
-                self.profiler = StepProfiler(trainer.strategy.root_device)
-                self.profiler.start()
+            self.extra.start_if_due(trainer)  # --profile: one extra step after the timed ones, not timed
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             device = trainer.strategy.root_device
             sync(device)
             now = time.perf_counter()
             self.losses.append(float(outputs["loss"]))
-            if self.profiler is not None and self.profiler.active:
-                self.profile = self.profiler.stop()
+            if self.extra.stop():  # the profiled step: not timed, not counted
+                pass
             elif trainer.global_step > spec["warmup"]:
                 self.times.append(now - self.last)
                 # of the timed steps (the dispatch reset clears the float8-base path counts too)
@@ -282,7 +278,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
         if why:
             row["error"] = why
     if spec.get("profile"):
-        row["profile"] = clock.profile
+        row["profile"] = clock.extra.profile
     return row
 
 

@@ -1,6 +1,6 @@
 """What the full-depth LoRA rows share (ours, HF + PEFT, Unsloth; dense and MoE): the model's overrides, ours'
-fit as the console builds it, the HF + PEFT rows' one-rank placement under ours' strategy options, the FSDP2 recipe a
-row applied, static memory and the timed steps' statistics. Owns no row and no run (`full_depth_lora.py`,
+fit as the console builds it (and `--profile`'s extra step in it), the HF + PEFT rows' one-rank placement under ours'
+strategy options, the FSDP2 recipe a row applied, static memory and the timed steps' statistics. Owns no row and no run (`full_depth_lora.py`,
 `moe_lora.py`, `unsloth_row.py`).
 """
 
@@ -103,6 +103,30 @@ def fit_as_built(words: list[str], clock, reference_kernel: bool):
     with kernels.force_kernel("reference") if reference_kernel else contextlib.nullcontext():
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     return cli
+
+
+class ExtraStepProfile:
+    """`--profile` in ours' fit: the batch at global step `at_step` (None: no profile), the one after the timed ones,
+    runs under `step_probe.StepProfiler`, started at its batch start, stopped at its batch end (`profile` then holds
+    the result). A clock's batch-end hook calls `stop()` first and times nothing when it returns True."""
+
+    def __init__(self, at_step: int | None) -> None:
+        self.at_step, self.profile, self._profiler = at_step, None, None
+
+    def start_if_due(self, trainer) -> None:
+        """At the batch start of `at_step`, start the profiler."""
+        if self.at_step is not None and trainer.global_step == self.at_step:
+            from benchmarks.step_probe import StepProfiler
+
+            self._profiler = StepProfiler(trainer.strategy.root_device)
+            self._profiler.start()
+
+    def stop(self) -> bool:
+        """At a batch end: stop a running profile and keep its result; True when this batch was the profiled one."""
+        if self._profiler is None or not self._profiler.active:
+            return False
+        self.profile = self._profiler.stop()
+        return True
 
 
 def one_rank_group(cuda: bool):

@@ -30,6 +30,10 @@ FLOPs, two counts per row (lightning_ffpa/callbacks/throughput.py):
   `mfu_spec` (the LoRA count TokenThroughput logs): frozen matmuls 4 x, adapters 6 x (expert adapters at top_k
     of num_experts), attention 3 x.
 Both against the datasheet bf16 peak (`peak_bf16_flops`: 989 TFLOP/s on H100 SXM and H200).
+`--profile ROW ...`: those rows run one extra step after the timed ones under torch's profiler (`profile` of the row:
+top CUDA kernels, GPU busy against wall time; not timed, not in the dispatch counts; the report sums the kernels by
+kind). Where the step's time goes (routing, permutation, the grouped GEMMs, the un-permute), one H100 or H200:
+  python benchmarks/moe_lora.py --seqs 8192 --rows ours hf_same_recipe --profile ours hf_same_recipe --out $OUT/moe_lora_8k_profile.json
 One H200 (a call has 10 minutes; hf_defaults, eager experts under full AC without compile, is the slow row, so
 it runs in a call of its own; `--resume` takes the earlier call's file, rows already measured are kept):
   python benchmarks/moe_lora.py --seqs 8192 --rows ours hf_same_recipe --out $OUT/moe_lora_8k.json
@@ -52,6 +56,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lora_step import (  # noqa: E402
+    ExtraStepProfile,
     config_overrides,
     fit_as_built,
     one_rank_group,
@@ -87,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(RESULTS_DIR / "moe_lora.json"), help="result JSON path")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--profile", nargs="+", default=[], choices=list(ROWS), metavar="ROW",
+                   help="rows that profile one extra step after the timed ones (top CUDA kernels, busy vs wall)")
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="default 8192 16384 (128 with --cpu)")
     add_run_options(p, budget_s=560.0, row_timeout_s=400.0)
     p.set_defaults(warmup=None, steps=None)  # filled below: 2 and 5 on a GPU, 1 and 1 with --cpu
@@ -107,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               "tiny-moe smoke run")
         if args.steps < 5:
             raise ConfigError("--steps", args.steps, "a GPU run times at least 5 steps (median, min and max)")
+    if not set(args.profile) <= set(args.rows):
+        raise ConfigError("--profile", args.profile, f"profiles only rows that run; --rows is {args.rows}")
     if args.warmup < 1:
         raise ConfigError("--warmup", args.warmup, "needs at least one untimed step (compile, optimizer states)")
     return args
@@ -143,7 +152,7 @@ def cli_args(spec: dict[str, Any], root: Path) -> list[str]:
     seq = spec["seq"]
     args = ["--config", str(CONFIG), "--trainer.enable_checkpointing", "false",
             "--trainer.callbacks", json.dumps(callbacks), "--trainer.devices", "1",
-            "--trainer.max_steps", str(spec["warmup"] + spec["steps"]), "--trainer.default_root_dir", str(root),
+            "--trainer.max_steps", str(spec["warmup"] + spec["steps"] + bool(spec.get("profile"))), "--trainer.default_root_dir", str(root),
             "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(root),
             "--trainer.log_every_n_steps", "1", "--model.init_args.preset", spec["preset"],
             "--model.init_args.dtype", spec["dtype"], "--model.init_args.max_seq_length", str(seq),
@@ -176,19 +185,26 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning_ffpa.callbacks.throughput import train_flops_per_batch
 
     class StepClock(Callback):
-        """Wall time between consecutive batch ends (synchronised); dispatch counts and peaks from the warm-up's end."""
+        """Wall time between consecutive batch ends (synchronised); dispatch counts and peaks from the warm-up's end;
+        --profile's extra step after the timed ones."""
 
         def __init__(self) -> None:
             self.times: list[float] = []
             self.losses: list[float] = []
             self.dispatch: dict[str, int] = {}
             self.last = 0.0
+            self.extra = ExtraStepProfile(spec["warmup"] + spec["steps"] if spec.get("profile") else None)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.extra.start_if_due(trainer)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             device = trainer.strategy.root_device
             sync(device)
             self.losses.append(float(outputs["loss"]))
-            if trainer.global_step > spec["warmup"]:
+            if self.extra.stop():  # the profiled step: not timed, not counted
+                pass
+            elif trainer.global_step > spec["warmup"]:
                 self.times.append(time.perf_counter() - self.last)
                 self.dispatch = attention.dispatch_counts()
             elif trainer.global_step == spec["warmup"]:
@@ -209,6 +225,8 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                graph_breaks=sum(torch_compat.dynamo_counters()["graph_break"].values()),
                global_step=cli.trainer.global_step, losses=clock.losses, static_memory=static_memory(cli.model),
                strategy_settings=strategy_settings(cli.trainer.strategy, model))
+    if spec.get("profile"):
+        row["profile"] = clock.extra.profile
     return _with_flops(row, clock.times, spec, model, cli.trainer.strategy.root_device, train_flops_per_batch)
 
 
@@ -236,6 +254,7 @@ def hf_peft_model(spec: dict[str, Any]):
 def measure_hf(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
+    from benchmarks.step_probe import profile_step
     from benchmarks.train_rows import loss_fn
     from lightning_ffpa._compat import torch as torch_compat
     from lightning_ffpa._compat import transformers as hf_compat
@@ -251,18 +270,22 @@ def measure_hf(spec: dict[str, Any]) -> dict[str, Any]:
                         generator=torch.Generator(device).manual_seed(0))
     losses, times, dynamo = [], [], torch_compat.dynamo_counters()
     dynamo.clear()
+
+    def step() -> None:
+        loss = loss_fn(dict(loss="plain" if defaults else "chunked"), model, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # syncs
+
     for i in range(spec["warmup"] + spec["steps"]):
         if i == spec["warmup"]:
             sync(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        loss = loss_fn(dict(loss="plain" if defaults else "chunked"), model, ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        step()
         sync(device)
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
@@ -274,6 +297,8 @@ def measure_hf(spec: dict[str, Any]) -> dict[str, Any]:
                strategy_settings=strategy_settings(strategy, model), graph_breaks=sum(dynamo["graph_break"].values()),
                losses=losses, static_memory=static_memory(model))
     row = _with_flops(row, times, spec, hf, device, train_flops_per_batch)
+    if spec.get("profile"):
+        row["profile"] = profile_step(device, step)  # an extra step, after the peaks are read
     torch.distributed.destroy_process_group()
     return row
 
@@ -328,7 +353,8 @@ def drive(args) -> None:
     done = {(r["row"], r["seq"]) for r in kept}
     dtype = "float32" if args.cpu else "bfloat16"
     specs = [dict(row=name, name=f"{name}_{seq}", seq=seq, preset=args.preset, layers=args.layers, dtype=dtype,
-                  warmup=args.warmup, steps=args.steps, cpu=args.cpu, label=ROWS[name])
+                  warmup=args.warmup, steps=args.steps, cpu=args.cpu, label=ROWS[name],
+                  profile=name in args.profile)
              for seq in args.seqs for name in args.rows if (name, seq) not in done]
     run_resumed_rows(Path(__file__).resolve(), "moe_lora", specs, Path(args.out), (kept, calls), summarize,
                      args.row_timeout_s, args.budget_s, **{k: getattr(args, k) for k in _SHAPE_KEYS})

@@ -23,7 +23,8 @@ def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe") / "moe.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(_ROOT / "benchmarks" / "moe_lora.py"), "--cpu", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(_ROOT / "benchmarks" / "moe_lora.py"), "--cpu", "--profile", "ours",
+                           "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -38,17 +39,22 @@ def test_the_three_rows_run_in_their_own_processes_and_differ_where_their_labels
     assert len({r["process"]["pid"] for r in rows.values()}) == 3 and os.getpid() not in {
         r["process"]["pid"] for r in rows.values()}
     for r in rows.values():
-        assert r["seq"] == 128 and r["timed_steps"] == 1 and len(r["losses"]) == 2
+        assert r["seq"] == 128 and r["timed_steps"] == 1
         assert r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms_max"]
         assert r["tokens_per_s"] == pytest.approx(128 / r["step_ms_median"] * 1e3)
         assert r["mfu_active_spec"] is None and r["peak_mem_allocated_gb"] is None  # CPU: no peak, no number
         assert all(0 < v < 20 for v in r["losses"])
     ours, same, defaults = rows["ours"], rows["hf_same_recipe"], rows["hf_defaults"]
+    # --profile ours: one extra step after the timed one, under the profiler, for that row only (CPU: no CUDA
+    # kernels, the extra step's wall time); the timing and dispatch counts stay those of the timed step
+    assert ours["profile"]["wall_ms"] > 0 and ours["profile"]["top_kernels"] == []
+    assert same["profile"] is defaults["profile"] is False  # the spec's flag, no profile recorded
+    assert len(ours["losses"]) == 3 and len(same["losses"]) == len(defaults["losses"]) == 2
     # ours: the shipped yaml through the CLI, its LoRA untouched (the expert stacks included), FFPA on the full layer
     assert ours["built_by"] == "lightning_ffpa.cli.build" and ours["cli_args"][:2] == ["--config", str(moe_lora.CONFIG)]
     assert "--model.init_args.lora" not in ours["cli_args"] and ours["lora"] == moe_lora.recipe_lora()
     assert moe_lora.recipe_lora()["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
-    assert ours["global_step"] == 2 and ours["attn_implementation"] == "ffpa" and ours["dispatch"]["ffpa-dense"] == 1
+    assert ours["global_step"] == 3 and ours["attn_implementation"] == "ffpa" and ours["dispatch"]["ffpa-dense"] == 1
     # the HF rows: SDPA, the experts each label names, on every MoE layer (2)
     assert ours["experts_implementation"] == same["experts_implementation"] == {"grouped_mm": 2}
     assert defaults["experts_implementation"] == {"eager": 2}
@@ -97,6 +103,12 @@ def test_a_gpu_run_without_cuda_is_refused_with_one_line_naming_cpu():
         pytest.skip("this machine has a CUDA GPU")
     with pytest.raises(ConfigError, match="--cpu"):
         moe_lora.main(["--out", "/nonexistent/x.json"])
+
+
+def test_profile_names_only_rows_that_run():
+    with pytest.raises(ConfigError, match="--profile"):
+        moe_lora.parse_args(["--cpu", "--rows", "ours", "--profile", "hf_same_recipe"])
+    assert moe_lora.parse_args(["--cpu", "--rows", "ours", "--profile", "ours"]).profile == ["ours"]
 
 
 def test_hf_rows_take_ours_strategy_options_and_defaults_change_ac_and_compile(tmp_path):

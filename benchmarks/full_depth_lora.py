@@ -129,6 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ConfigError("--steps", args.steps, "a GPU run times at least 5 steps (median, min and max)")
     if args.warmup < 1:
         raise ConfigError("--warmup", args.warmup, "needs at least one untimed step (compile, optimizer states)")
+    if not set(args.profile) <= set(args.rows):
+        raise ConfigError("--profile", args.profile, f"profiles only rows that run; --rows is {args.rows}")
     return args
 
 

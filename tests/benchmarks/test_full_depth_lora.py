@@ -254,3 +254,10 @@ def test_the_hf_peft_row_takes_ours_strategy_options_from_the_recipe(tmp_path):
                      "reshard_after_forward", "cpu_offload", "replicate_frozen", "activation_offload", "compile",
                      "context_parallel_size"):
             assert getattr(built, name) == getattr(ours, name), name
+
+
+def test_profile_names_only_rows_that_run():
+    """A --profile row that --rows does not run is one line naming the option (it was silently never profiled)."""
+    with pytest.raises(ConfigError, match="--profile"):
+        fdl.parse_args(["--smoke", "--rows", "ours_lora", "--profile", "hf_peft_sdpa_recipe"])
+    assert fdl.parse_args(["--smoke", "--rows", "ours_lora", "--profile", "ours_lora"]).profile == ["ours_lora"]

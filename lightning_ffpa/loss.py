@@ -91,6 +91,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             if need_grad:
                 torch.mm(g, weight, out=grad_h[start:start + chunk_size])  # (C, H)
                 grad_w.addmm_(g.t(), h)  # (V, H), accumulated in the weight dtype
+            del loss_sum, g  # before the next chunk's logits: one chunk's buffers alive at a time
         ctx.save_for_backward(grad_h, grad_w)
         return total * scale
 

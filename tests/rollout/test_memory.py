@@ -3,13 +3,13 @@ models, peft's adapters, the KV pool the engine allocates, the float8 base as `q
 bytes autograd saves per layer, the bytes the product's SAC policy saves, and the chunked log-probs' live buffers."""
 
 import sys
-import weakref
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from _live_peak import LivePeak
 
 from lightning_ffpa.presets import build_text_config
 from lightning_ffpa.rollout import memory
@@ -185,24 +185,6 @@ def test_activations_scale_with_the_microbatch_not_the_batch():
     assert none.layer_transient == 4608 * 2 * H * 2 < one.layer_transient and none.activations > one.activations
 
 
-class _LivePeak(torch.utils._python_dispatch.TorchDispatchMode):
-    """The most bytes, after any op, of the storages the ops made (`exclude`'s aside) that are still referenced."""
-
-    def __init__(self, exclude=()):
-        super().__init__()
-        self.refs, self.peak = [], 0
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.exclude:
-                self.refs.append((weakref.ref(t), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
-        self.refs = [r for r in self.refs if r[0]() is not None]
-        self.peak = max(self.peak, sum({ptr: n for _, ptr, n in self.refs}.values()))
-        return out
-
-
 @pytest.mark.parametrize("rows", [32, 96])
 def test_chunked_logprob_buffers_are_the_bytes_the_function_keeps_alive(rows):
     """Count the live bytes of `chunked_token_logprobs` forward and backward (softcapped, frozen head as under LoRA):
@@ -215,7 +197,7 @@ def test_chunked_logprob_buffers_are_the_bytes_the_function_keeps_alive(rows):
     torch.manual_seed(0)
     h = torch.randn(rows, 16, dtype=torch.bfloat16, requires_grad=True)
     w, labels = torch.randn(vocab, 16, dtype=torch.bfloat16), torch.randint(0, vocab, (rows,))
-    with _LivePeak(exclude=(h, w, labels)) as live:
+    with LivePeak(exclude=(h, w, labels)) as live:
         logp, _ = chunked_token_logprobs(h, w, labels, softcap=30.0, chunk_size=chunk)
         logp.sum().backward()
     assert chunk * vocab * per_vocab <= live.peak <= 1.01 * chunk * vocab * per_vocab

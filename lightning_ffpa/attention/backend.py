@@ -144,7 +144,10 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     block_mask._ffpa_plain_window = window if padding is None else None
     # Padded rows whose tokens are contiguous (left or right padding, a GRPO batch): the same window over each row's
     # tokens, which a windowed kernel's varlen form runs on the unpadded tokens (`_padded_window_forward`).
-    block_mask._ffpa_padding = padding if window is not None and padding is not None and _contiguous(padding) else None
+    # (Its host sync only where a windowed kernel is planned.)
+    block_mask._ffpa_padded_window = (
+        (padding, window) if window is not None and padding is not None and _config.sliding != "flex"
+        and _contiguous(padding) else None)
     return block_mask
 
 
@@ -280,9 +283,9 @@ def ffpa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
         # chunk size as `local_size`).
         window = getattr(attention_mask, "_ffpa_plain_window", None)
         window = window if causal and window is not None and window == sliding_window else None
-        padding = getattr(attention_mask, "_ffpa_padding", None)
-        if window is None and padding is not None and causal and sliding_window is not None:
-            out = _padded_window_forward(query, key, value, padding, scaling, softcap, int(sliding_window))
+        padded = getattr(attention_mask, "_ffpa_padded_window", None)
+        if window is None and padded is not None and causal and padded[1] == sliding_window:
+            out = _padded_window_forward(query, key, value, padded[0], scaling, softcap, int(sliding_window))
             if out is not None:
                 return out, None
         elif window is None and sliding_window is not None and _config.sliding != "flex":

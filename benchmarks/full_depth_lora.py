@@ -75,8 +75,15 @@ from benchmarks.lora_step import (  # noqa: E402
     sync,
 )
 from benchmarks.report import results_io  # noqa: E402
-from benchmarks.report.results_io import RESULTS_DIR, resummarize  # noqa: E402
-from benchmarks.row_process import add_run_options, fastest_row, row_at, row_main, run_resumed_rows  # noqa: E402
+from benchmarks.report.results_io import RESULTS_DIR  # noqa: E402
+from benchmarks.row_process import (  # noqa: E402
+    add_run_options,
+    check_profiled_rows,
+    driver_main,
+    fastest_row,
+    row_at,
+    run_resumed_rows,
+)
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 # No transformers at module level: an Unsloth row's process runs this file and must import Unsloth first.
@@ -129,8 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ConfigError("--steps", args.steps, "a GPU run times at least 5 steps (median, min and max)")
     if args.warmup < 1:
         raise ConfigError("--warmup", args.warmup, "needs at least one untimed step (compile, optimizer states)")
-    if not set(args.profile) <= set(args.rows):
-        raise ConfigError("--profile", args.profile, f"profiles only rows that run; --rows is {args.rows}")
+    check_profiled_rows(args)
     return args
 
 
@@ -435,13 +441,7 @@ def drive(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    if row_main(argv, measure):  # a child: one (row, seq)
-        return
-    args = parse_args(argv)
-    if args.summarize:
-        resummarize(args.summarize, summarize, by="full_depth_lora.py --summarize")
-        return
-    drive(args)
+    driver_main(argv, "full_depth_lora.py", measure, parse_args, summarize, drive)
 
 
 if __name__ == "__main__":

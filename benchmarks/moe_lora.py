@@ -69,7 +69,7 @@ from benchmarks.lora_step import (  # noqa: E402
 )
 from benchmarks.report import results_io  # noqa: E402
 from benchmarks.report.results_io import RESULTS_DIR  # noqa: E402
-from benchmarks.row_process import add_run_options, row_at, row_main, run_resumed_rows  # noqa: E402
+from benchmarks.row_process import add_run_options, check_profiled_rows, driver_main, row_at, run_resumed_rows  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gemma4_26b_a4b.yaml"
@@ -114,8 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               "tiny-moe smoke run")
         if args.steps < 5:
             raise ConfigError("--steps", args.steps, "a GPU run times at least 5 steps (median, min and max)")
-    if not set(args.profile) <= set(args.rows):
-        raise ConfigError("--profile", args.profile, f"profiles only rows that run; --rows is {args.rows}")
+    check_profiled_rows(args)
     if args.warmup < 1:
         raise ConfigError("--warmup", args.warmup, "needs at least one untimed step (compile, optimizer states)")
     return args
@@ -361,13 +360,7 @@ def drive(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    if row_main(argv, measure):  # a child: one (row, seq)
-        return
-    args = parse_args(argv)
-    if args.summarize:
-        results_io.resummarize(args.summarize, summarize, by="moe_lora.py --summarize")
-        return
-    drive(args)
+    driver_main(argv, "moe_lora.py", measure, parse_args, summarize, drive)
 
 
 if __name__ == "__main__":

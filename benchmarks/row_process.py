@@ -262,3 +262,26 @@ def row_main(argv: list[str] | None, measure: Callable[[dict[str, Any]], dict[st
     if int(os.environ.get("RANK", "0")) == 0:  # one launch writes one row; every rank measured it together
         Path(args.row_out).write_text(json.dumps(row, default=str) + "\n")
     return True
+
+
+def driver_main(argv: list[str] | None, script: str, measure: Callable[[dict[str, Any]], dict[str, Any]],
+                parse_args: Callable[[list[str] | None], Any], summarize: Callable, drive: Callable[[Any], None]) -> None:
+    """A resumable driver's `main`: a child runs its one row; `--summarize FILE` recomputes a file's summary;
+    otherwise `drive(args)` runs the rows."""
+    if row_main(argv, measure):  # a child: one (row, seq)
+        return
+    args = parse_args(argv)
+    if args.summarize:
+        from benchmarks.report.results_io import resummarize
+
+        resummarize(args.summarize, summarize, by=f"{script} --summarize")
+        return
+    drive(args)
+
+
+def check_profiled_rows(args: Any) -> None:
+    """`--profile` names only rows that `--rows` runs: one line naming the option otherwise."""
+    from lightning_ffpa.errors import ConfigError
+
+    if not set(args.profile) <= set(args.rows):
+        raise ConfigError("--profile", args.profile, f"profiles only rows that run; --rows is {args.rows}")

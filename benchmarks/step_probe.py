@@ -152,7 +152,10 @@ KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention: FFPA", ("ffpa",)),
     ("attention: Flex", ("flex_attention",)),
     ("attention: SDPA", ("sdpa", "fmha", "flash")),
+    ("MoE: grouped GEMM", ("grouped", "group_gemm")),
     ("matmul", ("nvjet", "gemm", "sm90_xmma")),
+    ("fused elementwise (Triton)", ("triton_poi", "triton_red", "triton_per")),
+    ("routing, gather and scatter", ("topk", "sort", "histc", "histogram", "bincount", "index", "gather", "scatter")),
     ("optimizer", ("multi_tensor_apply",)),
     ("copies and casts", ("memcpy", "copy_kernel", "chunk_cat", "split_with_sizes")),
 )

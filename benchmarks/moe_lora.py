@@ -1,6 +1,6 @@
 """Gemma4-26B-A4B (MoE: 128 experts, top-8) LoRA at full depth on one GPU: ours (the shipped recipe) against HF + PEFT.
 
-Owns the three rows below, their summary and the call (one process per (row, seq) through
+Owns the rows below, their summary and the call (one process per (row, seq) through
 `benchmarks/row_process.py`, a per-row timeout, a total `--budget-s`, the result rewritten after every row,
 `--resume`). What the rows share with the 31B full-depth rows (step statistics, static memory, the FSDP2 recipe
 as applied) comes from `benchmarks/lora_step.py`; the loss calls from `benchmarks/train_rows.py`.
@@ -11,6 +11,8 @@ on the 3-D expert stacks `experts.gate_up_proj`, `experts.down_proj` through pef
   ours            `configs/gemma4_26b_a4b.yaml` as a user runs it: `lightning_ffpa.cli.build(..., run=False)` with
                   one-GPU run overrides only (devices 1, max_steps, a tmp run dir, CSV logger, no checkpointing,
                   seq), the CLI's pre-flight, then `trainer.fit`.
+  ours_folded_experts  ours with `lora.expert_adapters: folded`: peft folds W + s B A into every expert stack on each
+                  forward (ours runs the expert adapters unmerged in the grouped GEMMs, `lightning_ffpa/experts.py`).
   hf_same_recipe  ours' model and LoRA through HF Gemma4ForCausalLM + peft `get_peft_model`, SDPA for every
                   layer, `experts_implementation="grouped_mm"`, ours' recipe: the FSDP2Strategy options the yaml
                   gives ours (selective AC, per-layer compile, replicate_frozen), chunked linear CE, fused AdamW,
@@ -77,12 +79,15 @@ ROWS = {
     "ours": "configs/gemma4_26b_a4b.yaml through lightning_ffpa.cli.build + trainer.fit (Gemma4LM, the yaml's "
             "FSDP2Strategy, FFPAAttention: FFPA on the D=512 layers, sliding: auto on the others; HF's grouped_mm "
             "experts as transformers sets them)",
+    "ours_folded_experts": "ours with lora.expert_adapters: folded (peft's fold of W + s B A into every expert "
+                           "stack on each forward, instead of ours' unmerged adapters in the grouped GEMMs)",
     "hf_same_recipe": "ours' model and LoRA through HF Gemma4ForCausalLM + peft, SDPA for all layers, "
                       "experts_implementation=grouped_mm, ours' recipe (the yaml's FSDP2Strategy options: selective "
                       "AC, per-layer compile, replicate_frozen; chunked linear CE, fused AdamW, clip 1.0)",
     "hf_defaults": "hf_same_recipe with experts_implementation=eager, full AC, no compile, HF's loss (full fp32 "
                    "logits) and torch's default (foreach) AdamW",
 }
+OURS_ROWS = ("ours", "ours_folded_experts")  # built through lightning_ffpa.cli.build
 EXPERTS = {"hf_same_recipe": "grouped_mm", "hf_defaults": "eager"}
 _SEQ_TAGS = {8192: "8k", 16384: "16k"}
 _SHAPE_KEYS = ("preset", "layers", "warmup", "steps", "cpu")  # a resumed file must match these and the commit
@@ -161,6 +166,8 @@ def cli_args(spec: dict[str, Any], root: Path) -> list[str]:
     if spec["cpu"]:
         args += ["--trainer.accelerator", "cpu", "--trainer.strategy.init_args.compile", "false",
                  "--trainer.strategy.init_args.param_dtype", "fp32", "--data.init_args.vocab_size", "512"]
+    if spec["row"] == "ours_folded_experts":
+        args += ["--model.init_args.lora.expert_adapters", "folded"]
     return args
 
 
@@ -182,6 +189,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning_ffpa._compat import transformers as hf_compat
     from lightning_ffpa._compat.transformers import find_hf_model
     from lightning_ffpa.callbacks.throughput import train_flops_per_batch
+    from lightning_ffpa.experts import path_counts as expert_lora_paths
 
     class StepClock(Callback):
         """Wall time between consecutive batch ends (synchronised); dispatch counts and peaks from the warm-up's end;
@@ -221,6 +229,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                callbacks=[type(c).__qualname__ for c in cli.trainer.callbacks], dispatch=clock.dispatch,
                attn_implementation=hf_compat.config_attn_implementation(model.config),
                lora=cli.model.hparams.lora, experts_implementation=experts_impls(model),
+               expert_lora_paths=expert_lora_paths(),
                graph_breaks=sum(torch_compat.dynamo_counters()["graph_break"].values()),
                global_step=cli.trainer.global_step, losses=clock.losses, static_memory=static_memory(cli.model),
                strategy_settings=strategy_settings(cli.trainer.strategy, model))
@@ -318,7 +327,7 @@ def _with_flops(row: dict[str, Any], times: list[float], spec: dict[str, Any], m
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One (row, seq) in this process: the row's measurement, or an `error` saying why it has none."""
-    row = (measure_ours if spec["row"] == "ours" else measure_hf)(spec)
+    row = (measure_ours if spec["row"] in OURS_ROWS else measure_hf)(spec)
     if not all(v == v and abs(v) < 1e4 for v in row["losses"]):
         row["error"] = f"non-finite loss {row['losses']}"
     return row
@@ -340,6 +349,10 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
             other, why_other = row_at(rows, peer, seq)
             put(f"moe_ours_vs_{peer}_tps_{tag}", ours["tokens_per_s"] / other["tokens_per_s"] if ours and other
                 else None, "; ".join(filter(None, (why_ours, why_other))))
+        folded, why_folded = row_at(rows, "ours_folded_experts", seq)
+        put(f"moe_unmerged_vs_folded_expert_lora_tps_{tag}",
+            ours["tokens_per_s"] / folded["tokens_per_s"] if ours and folded else None,
+            "; ".join(filter(None, (why_ours, why_folded))))
         put(f"moe_mfu_active_spec_{tag}", ours and ours.get("mfu_active_spec"),
             why_ours or "row ours recorded no datasheet peak (not a CUDA device)")
         put(f"moe_full_depth_lora_peak_mem_gib_{tag}", ours and ours.get("peak_mem_allocated_gb"),

@@ -2,7 +2,8 @@
 
 Owns the typed LoRA options (a subset of peft's `LoraConfig` fields, so LightningCLI/jsonargparse type and
 document them: `--model.init_args.lora '{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}'` or
-`--model.init_args.lora.r 16`; `base_dtype` is ours: the FP8 frozen base of `fp8_base.py`), their range checks,
+`--model.init_args.lora.r 16`; `base_dtype` and `expert_adapters` are ours: the FP8 frozen base of `fp8_base.py`,
+the expert adapters' path of `experts.py`), their range checks,
 the plain dict form kept in `hparams` and checkpoints
 (`torch.load(weights_only=True)` cannot unpickle a dataclass), `apply_lora`, `unwrap_peft` (the HF model inside a
 peft wrapper), and the peft naming and merge rule shared by export and the rollout weight sync (`PEFT_PREFIX`,
@@ -63,11 +64,15 @@ class LoraSpec:
     """peft's adapter initialisation (True: B = 0, so training starts from the base model)."""
     base_dtype: Literal["model", "fp8"] = "model"
     """the targets' frozen W0: `model` (in model.dtype) or `fp8` (float8_e4m3fn, one fp32 scale per row)."""
+    expert_adapters: Literal["unmerged", "folded"] = "unmerged"
+    """how `target_parameters` adapters run: `unmerged` (x W^T + s (x A^T) B^T inside the experts' grouped GEMMs,
+    `experts.py`) or `folded` (peft's: W + s B A for every expert on each forward, and a gradient for the whole stack)."""
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(LoraSpec)}
 BASE_DTYPES = ("model", "fp8")  # `base_dtype`: the frozen base as built, or float8 (`fp8_base.py`)
-OURS = ("base_dtype",)  # LoraSpec fields that are not peft's: never passed to `LoraConfig`
+EXPERT_ADAPTERS = ("unmerged", "folded")
+OURS = ("base_dtype", "expert_adapters")  # LoraSpec fields that are not peft's: never passed to `LoraConfig`
 
 
 def _spec(value: LoraSpec | dict[str, Any], option: str) -> LoraSpec:
@@ -98,6 +103,9 @@ def lora_hparam(value: LoraSpec | dict[str, Any] | None, option: str = "model.lo
         raise ConfigError(f"{option}.bias", spec.bias, "must be one of 'none', 'all', 'lora_only'")
     _check_target_parameters(spec, option)
     _check_base_dtype(spec, option)
+    if spec.expert_adapters not in EXPERT_ADAPTERS:
+        raise ConfigError(f"{option}.expert_adapters", spec.expert_adapters,
+                          f"must be one of {', '.join(EXPERT_ADAPTERS)}")
     plain = {"r": spec.r}
     for name, field in _FIELDS.items():
         v = getattr(spec, name)
@@ -185,12 +193,22 @@ def apply_lora(model: nn.Module, lora: dict[str, Any], option: str = "model.lora
     """Wrap `model` in a peft LoRA model (only the adapters train)."""
     from peft import LoraConfig, get_peft_model
 
-    spec = {"task_type": "CAUSAL_LM", **peft_options(lora_hparam(lora, option))}
+    hparam = lora_hparam(lora, option)
+    spec = {"task_type": "CAUSAL_LM", **peft_options(hparam)}
     check_targets_match(model, spec, option)
     try:
-        return get_peft_model(model, LoraConfig(**spec))
+        model = get_peft_model(model, LoraConfig(**spec))
     except ValueError as err:
         raise ConfigError(f"{option}.target_modules", spec.get("target_modules"), str(err)) from err
+    if spec.get("target_parameters") and hparam.get("expert_adapters", "unmerged") == "unmerged":
+        from lightning.pytorch.utilities import rank_zero_info
+
+        from lightning_ffpa.experts import unmerge_expert_adapters
+
+        done = unmerge_expert_adapters(model, f"{option}.expert_adapters")
+        rank_zero_info(f"{option}.target_parameters: {done['stacks']} expert stacks in {done['unmerged']} MoE layers "
+                       "run their adapters unmerged in the experts' GEMMs (expert_adapters: unmerged)")
+    return model
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:

@@ -34,6 +34,8 @@ __all__ = [
     "dynamo_counters",
     "without_wrapper_levels",
     "flatten_mesh",
+    "grouped_mm",
+    "HAS_GROUPED_MM",
     "hf_storage_writer",
     "in_backward",
     "local_part",
@@ -260,3 +262,16 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     Rowwise scaling: `a` (M, K) row-major float8 with `scale_a` (M, 1) fp32, `b` (K, N) column-major float8 with
     `scale_b` (1, N) fp32, K and N multiples of 16, `out_dtype` bfloat16."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+
+# --------------------------------------------------------------------------- grouped GEMM
+
+# `F.grouped_mm` is public from torch 2.13; torch 2.11 has the private `torch._grouped_mm` (both take `offs`).
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+HAS_GROUPED_MM = _GROUPED_MM is not None
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x (N, K) with rows grouped by `offs` (G,) int32 group ends, group g through w[g] (G, K, M): (N, M)."""
+    return _GROUPED_MM(x, w, offs=offs)

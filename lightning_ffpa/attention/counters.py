@@ -1,4 +1,5 @@
-"""Dispatch counters (attention path, fallback reason, kernel; the FP8 frozen base's matmul path, `fp8_base.py`)
+"""Dispatch counters (attention path, fallback reason, kernel; the FP8 frozen base's matmul path, `fp8_base.py`;
+the experts' path with unmerged LoRA, `experts.py`)
 that stay truthful under torch.compile.
 
 Owns the counter storage, what one count means, and how a count is taken in eager and in compiled
@@ -34,7 +35,7 @@ from lightning_ffpa._compat.torch import in_backward
 
 __all__ = ["count", "counts", "on_first", "reset"]
 
-GROUPS = ("path", "reason", "kernel", "fp8_base")
+GROUPS = ("path", "reason", "kernel", "fp8_base", "expert_lora")
 
 _counts: dict[str, Counter] = {g: Counter() for g in GROUPS}
 _first_hooks: dict[str, Callable[[str], None]] = {}

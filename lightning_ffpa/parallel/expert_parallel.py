@@ -6,7 +6,7 @@ and DCP checkpoints keep HF's names and whole shapes), and the experts' forward 
 1. sort the (token, expert) pairs by expert, so they are grouped by the rank that owns the expert;
 2. all-to-all the pairs' hidden states to those ranks (the counts first, as split sizes);
 3. run the local experts: as HF's `grouped_mm` runs them (one grouped GEMM per projection, torch's
-   `F.grouped_mm`) when the model's experts implementation is "grouped_mm", else HF's eager math, one expert
+   grouped GEMM, `experts.expert_mlp`) when the model's experts implementation is "grouped_mm", else HF's eager math, one expert
    after another (what ran is counted in the module's `expert_parallel.stats`);
 4. all-to-all the results back and sum them per token with the router's weights, as HF does.
 The router is HF's, unchanged and replicated (its softmax in fp32); so are the dense MLP and attention, which
@@ -24,36 +24,17 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_ffpa._compat.torch import all_to_all_autograd
+from lightning_ffpa._compat.torch import HAS_GROUPED_MM, all_to_all_autograd
 from lightning_ffpa._compat.transformers import experts_implementation
 from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.experts import EXPERT_STACKS, expert_mlp
 from lightning_ffpa.parallel.dims import ParallelDims
 
-__all__ = ["EXPERT_STACKS", "clip_grad_norm_by_mesh", "find_experts", "local_experts", "shard_experts"]
-
-EXPERT_STACKS = ("gate_up_proj", "down_proj")  # HF's names of the 3-D expert weights
-GROUPED_MM = hasattr(F, "grouped_mm")  # torch >= 2.13's public grouped GEMM
-
-
-def local_experts(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor, act_fn,
-                  grouped: bool) -> torch.Tensor:
-    """Rows `x` (N, H), grouped by expert (`counts[e]` rows for expert e), through their experts: gate_up (E, 2I, H),
-    act(gate) * up, down (E, H, I). `grouped`: one `F.grouped_mm` per projection, else a loop over experts."""
-    if grouped:
-        offsets = torch.tensor(counts, device=x.device).cumsum(0, dtype=torch.int32)  # (E,) end of each group
-        gate, up = F.grouped_mm(x.to(gate_up.dtype), gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-        return F.grouped_mm(act_fn(gate) * up, down.transpose(-2, -1), offs=offsets)  # (N, H)
-    outs = []
-    for e, rows in enumerate(x.split(counts)):
-        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
-        outs.append(F.linear(act_fn(gate) * up, down[e]))
-    return torch.cat(outs)
-
+__all__ = ["EXPERT_STACKS", "clip_grad_norm_by_mesh", "find_experts", "shard_experts"]
 
 def _is_experts(module: nn.Module) -> bool:
     stacks = [getattr(module, name, None) for name in EXPERT_STACKS]
@@ -87,8 +68,8 @@ def shard_experts(layers: Iterable[nn.Module], dims: ParallelDims,
     ep_mesh = dims.ep_mesh
     replicas = dims.expert_replicas_mesh.get_group() if dims.dp_mod_ep > 1 else None
     impl = experts_implementation(experts[0])
-    path = "grouped_mm" if impl == "grouped_mm" and GROUPED_MM else "a loop over experts"
-    why = " (torch has no F.grouped_mm)" if impl == "grouped_mm" and not GROUPED_MM else ""
+    path = "grouped_mm" if impl == "grouped_mm" and HAS_GROUPED_MM else "a loop over experts"
+    why = " (torch has no grouped GEMM)" if impl == "grouped_mm" and not HAS_GROUPED_MM else ""
     rank_zero_info(f"expert parallelism: {len(experts)} MoE layers, {experts[0].gate_up_proj.shape[0] // dims.ep} "
                    f"experts per rank over {dims.ep} ranks; local experts run on {path}{why}")
     sharded: set[nn.Parameter] = set()
@@ -159,7 +140,7 @@ class _Dispatch:
         self.group, self.ep, self.per_rank = group, ep, per_rank
         self.replicas, self.grad_scale, self.compute_dtype = replicas, grad_scale, compute_dtype
         # (token, expert) pairs this rank routed, and which local-experts path ran (`grouped_mm_unavailable`: the
-        # model asked for grouped_mm on a torch without F.grouped_mm, so the loop ran)
+        # model asked for grouped_mm on a torch without a grouped GEMM, so the loop ran)
         self.stats = {"forwards": 0, "rows_kept": 0, "rows_sent": 0, "grouped_mm": 0, "loop": 0,
                       "grouped_mm_unavailable": 0}
 
@@ -196,11 +177,15 @@ class _Dispatch:
         gate_up, down = self._local(module.gate_up_proj), self._local(module.down_proj)
         x = got[by_expert]
         grouped = experts_implementation(module) == "grouped_mm"
-        if grouped and not GROUPED_MM:
+        if grouped and not HAS_GROUPED_MM:
             self.stats["grouped_mm_unavailable"] += 1
-        grouped = grouped and GROUPED_MM and x.shape[0] > 0  # no rows: nothing to multiply
+        grouped = grouped and HAS_GROUPED_MM and x.shape[0] > 0  # no rows: nothing to multiply
         self.stats["grouped_mm" if grouped else "loop"] += 1
-        out = local_experts(x, recv_counts.sum(0).tolist(), gate_up, down, module.act_fn, grouped)
+        per_expert = recv_counts.sum(0)
+        if grouped:
+            out = expert_mlp(x, gate_up, down, module.act_fn, offsets=per_expert.cumsum(0, dtype=torch.int32))
+        else:
+            out = expert_mlp(x, gate_up, down, module.act_fn, counts=per_expert.tolist())
         y = torch.empty_like(x).index_copy(0, by_expert, out.to(x.dtype))  # back to arrival order
         back = all_to_all_autograd(y, send_splits, recv_splits, self.group)  # (T*K, H) in `sent`'s order
         weighted = back * top_k_weights.reshape(-1)[order, None]  # (T*K, H), fp32 weights as HF multiplies them

@@ -1,4 +1,4 @@
-"""benchmarks/moe_lora.py on CPU: the three rows in their own processes (tiny-moe), the summary and its reasons."""
+"""benchmarks/moe_lora.py on CPU: the four rows in their own processes (tiny-moe), the summary and its reasons."""
 
 import json
 import os
@@ -15,7 +15,8 @@ from benchmarks import moe_lora  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 _KEYS = {f"moe_{k}_{t}" for t in ("8k", "16k") for k in (
-    "ours_vs_hf_same_recipe_tps", "ours_vs_hf_defaults_tps", "mfu_active_spec", "full_depth_lora_peak_mem_gib")}
+    "ours_vs_hf_same_recipe_tps", "ours_vs_hf_defaults_tps", "unmerged_vs_folded_expert_lora_tps", "mfu_active_spec",
+    "full_depth_lora_peak_mem_gib")}
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +31,13 @@ def smoke_run(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.slow  # three row processes, ~35 s on 2 cores
+@pytest.mark.slow  # four row processes, ~45 s on 2 cores
 @pytest.mark.timeout(300)
-def test_the_three_rows_run_in_their_own_processes_and_differ_where_their_labels_say(smoke_run):
+def test_the_rows_run_in_their_own_processes_and_differ_where_their_labels_say(smoke_run):
     rows = {r["row"]: r for r in smoke_run["rows"]}
     assert set(rows) == set(moe_lora.ROWS)
     assert not [(r.get("error"), r.get("log_tail")) for r in rows.values() if "error" in r]
-    assert len({r["process"]["pid"] for r in rows.values()}) == 3 and os.getpid() not in {
+    assert len({r["process"]["pid"] for r in rows.values()}) == 4 and os.getpid() not in {
         r["process"]["pid"] for r in rows.values()}
     for r in rows.values():
         assert r["seq"] == 128 and r["timed_steps"] == 1
@@ -55,6 +56,15 @@ def test_the_three_rows_run_in_their_own_processes_and_differ_where_their_labels
     assert "--model.init_args.lora" not in ours["cli_args"] and ours["lora"] == moe_lora.recipe_lora()
     assert moe_lora.recipe_lora()["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
     assert ours["global_step"] == 3 and ours["attn_implementation"] == "ffpa" and ours["dispatch"]["ffpa-dense"] == 1
+    # ours_folded_experts: ours with peft's fold of the expert adapters, nothing else; the same math
+    folded = rows["ours_folded_experts"]
+    spec = dict(row="ours", seq=128, preset="tiny-moe", layers=2, dtype="float32", warmup=1, steps=1, cpu=True)
+    option = ["--model.init_args.lora.expert_adapters", "folded"]
+    assert moe_lora.cli_args({**spec, "row": "ours_folded_experts"}, Path("r")) == moe_lora.cli_args(spec, Path("r")) + option
+    assert folded["cli_args"][-2:] == option and option[0] not in ours["cli_args"]
+    assert folded["lora"] == {**ours["lora"], "expert_adapters": "folded"}
+    assert set(ours["expert_lora_paths"]) == {"grouped_mm"} and folded["expert_lora_paths"] == {}
+    assert folded["losses"][:2] == pytest.approx(ours["losses"][:2], rel=1e-4)
     # the HF rows: SDPA, the experts each label names, on every MoE layer (2)
     assert ours["experts_implementation"] == same["experts_implementation"] == {"grouped_mm": 2}
     assert defaults["experts_implementation"] == {"eager": 2}

@@ -77,32 +77,6 @@ def test_expert_parallel_needs_a_moe_model_whose_experts_it_divides():
         check_expert_parallel(3, build_text_config("tiny-moe"))
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_local_experts_compute_what_hf_experts_compute(grouped):
-    """The local-experts step (rows already grouped by expert) against HF's eager experts forward, each row routed
-    to its one expert with weight 1: outputs and weight gradients."""
-    from transformers import Gemma4ForCausalLM
-
-    from lightning_ffpa.parallel.expert_parallel import GROUPED_MM, find_experts, local_experts
-
-    if grouped and not GROUPED_MM:
-        pytest.skip("this torch has no F.grouped_mm")
-    torch.manual_seed(0)
-    model = Gemma4ForCausalLM(build_text_config("tiny-moe", num_hidden_layers=1))
-    experts = find_experts(model.model.layers)[0]
-    experts.config._experts_implementation = "eager"
-    counts = [5, 0, 9, 2]  # an expert with no rows too
-    x = torch.randn(sum(counts), experts.gate_up_proj.shape[-1])
-    index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))[:, None]  # (N, 1)
-    want = experts(x, index, torch.ones(index.shape))
-    want_grads = torch.autograd.grad(want.square().sum(), [experts.gate_up_proj, experts.down_proj])
-    got = local_experts(x, counts, experts.gate_up_proj, experts.down_proj, experts.act_fn, grouped)
-    got_grads = torch.autograd.grad(got.square().sum(), [experts.gate_up_proj, experts.down_proj])
-    torch.testing.assert_close(got, want)
-    for g, w in zip(got_grads, want_grads):
-        torch.testing.assert_close(g, w)
-
-
 def test_the_strategy_checks_expert_parallel_size_before_any_process_starts():
     with pytest.raises(ConfigError, match=r"^`expert_parallel_size=0`: must be a positive int"):
         FSDP2Strategy(expert_parallel_size=0)

@@ -1,0 +1,168 @@
+"""The MoE experts' math, and LoRA on the expert stacks applied unmerged inside it (`lora.expert_adapters`).
+
+Owns `expert_mlp` (rows grouped by expert through gate_up (E, 2I, H), act(gate) * up and down (E, H, I): one grouped
+GEMM per projection, or a loop over experts; optional low-rank terms), the experts forward that routes a layer's
+tokens to it the way HF's `grouped_mm` experts do, and `unmerge_expert_adapters`, which points peft's
+expert-stack adapters at that forward.
+
+Why: peft's `target_parameters` adapts a 3-D stack by folding, W + s * B @ A for all E experts, on every forward
+(a tensor the size of the stack, 1.5 GB a layer at the 26B-A4B shapes), and its backward computes the gradient of
+that whole stack though W is frozen. Unmerged, each projection is
+    y = x @ W_e^T + s * (x @ A_e^T) @ B_e^T
+over the rows routed to expert e: two grouped GEMMs of rank r beside the base one, nothing the size of the stack,
+and no gradient for W. The parameters stay peft's (names, checkpoints, export and the rollout refresh read them as
+before). What ran is counted (`counters`, group "expert_lora": `grouped_mm` or `loop` forwards).
+Does not own which parameters are adapted (`lora.py`) nor expert parallelism (`parallel/expert_parallel.py`,
+which uses `expert_mlp` for its local experts and refuses expert LoRA).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_ffpa._compat.torch import HAS_GROUPED_MM, grouped_mm
+from lightning_ffpa._compat.transformers import experts_implementation
+from lightning_ffpa.attention import counters
+from lightning_ffpa.errors import ConfigError
+
+__all__ = ["EXPERT_STACKS", "COUNTER", "expert_mlp", "unmerge_expert_adapters", "path_counts"]
+
+EXPERT_STACKS = ("gate_up_proj", "down_proj")  # HF's names of the 3-D expert weights
+COUNTER = "expert_lora"
+_ALIGN = 8  # grouped GEMMs need 16-byte rows: a bf16 rank is padded to a multiple of 8 (zeros: the same product)
+
+Adapter = tuple[torch.Tensor, torch.Tensor, float]  # A (E, r, in), B (E, r, out) row-major, scaling
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None, counts: list[int] | None,
+             adapter: Adapter | None) -> torch.Tensor:
+    """x (N, in) grouped by expert through `weight` (E, out, in), plus s * (x A_e^T) B_e when `adapter` is given."""
+    if offsets is not None:
+        y = grouped_mm(x, weight.transpose(-2, -1), offsets)
+        if adapter is not None:
+            a, b, s = adapter
+            y = y + s * grouped_mm(grouped_mm(x, a.transpose(-2, -1), offsets), b, offsets)
+        return y
+    outs = []
+    for e, rows in enumerate(x.split(counts)):
+        y = F.linear(rows, weight[e])
+        if adapter is not None:
+            a, b, s = adapter
+            y = y + s * (rows @ a[e].t()) @ b[e]
+        outs.append(y)
+    return torch.cat(outs)
+
+
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn, *,
+               offsets: torch.Tensor | None = None, counts: list[int] | None = None,
+               adapters: dict[str, Adapter] | None = None) -> torch.Tensor:
+    """Rows `x` (N, H), grouped by expert, through their experts. `offsets` (E,) int32 ends of the groups: one grouped
+    GEMM per projection; else `counts` (E,) rows per expert: a loop. `adapters`: {stack name: (A, B, scaling)}."""
+    adapters = adapters or {}
+    x = x.to(gate_up.dtype)
+    gate, up = _project(x, gate_up, offsets, counts, adapters.get("gate_up_proj")).chunk(2, dim=-1)
+    return _project(act_fn(gate) * up, down, offsets, counts, adapters.get("down_proj"))
+
+
+def _factors(wrapper: nn.Module, dtype: torch.dtype) -> Adapter | None:
+    """peft's factors of one adapted stack as the grouped GEMMs read them, or None when its adapter is off."""
+    if wrapper.disable_adapters or wrapper.merged:
+        return None
+    active = [name for name in wrapper.active_adapters if name in wrapper.lora_A]
+    if not active:
+        return None
+    name = active[0]
+    experts = wrapper.num_experts
+    a = wrapper.lora_A[name].weight  # (r * E, in): expert e's rows at [e*r, (e+1)*r)
+    b = wrapper.lora_B[name].weight  # (out, r * E): expert e's columns at e, e + E, ...
+    a = a.reshape(experts, -1, a.shape[-1]).to(dtype)  # (E, r, in)
+    b = b.reshape(b.shape[0], -1, experts).permute(2, 1, 0).to(dtype).contiguous()  # (E, r, out)
+    pad = -a.shape[1] % _ALIGN
+    if pad:
+        a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, 0, 0, pad))
+    return a, b, wrapper.scaling[name]
+
+
+def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """HF's experts forward (hidden (T, H), top_k_index and top_k_weights (T, K)), the stacks' adapters unmerged."""
+    num_experts, top_k = module.gate_up_proj.shape[0], top_k_index.shape[-1]
+    adapters = {}
+    for name in EXPERT_STACKS:  # a plain loop: dynamo breaks the graph on a comprehension with `:=`
+        wrapper = module.expert_adapters.get(name)
+        factors = None if wrapper is None else _factors(wrapper, module.gate_up_proj.dtype)
+        if factors is not None:
+            adapters[name] = factors
+    flat = top_k_index.reshape(-1)  # (T*K,)
+    experts_sorted, order = torch.sort(flat)
+    x = hidden[order // top_k]  # (T*K, H) grouped by expert
+    offsets = counts = None
+    if experts_implementation(module) == "grouped_mm" and HAS_GROUPED_MM:
+        # histc, not bincount: no host sync; CUDA's takes ints, the CPU's floats (as HF counts)
+        counted = experts_sorted.int() if experts_sorted.is_cuda else experts_sorted.float()
+        offsets = torch.histc(counted, bins=num_experts, min=0, max=num_experts - 1).cumsum(0, dtype=torch.int32)
+    else:
+        counts = torch.bincount(flat, minlength=num_experts).tolist()
+    counters.count(COUNTER, "grouped_mm" if offsets is not None else "loop", hidden)
+    out = expert_mlp(x, module.gate_up_proj, module.down_proj, module.act_fn, offsets=offsets, counts=counts,
+                     adapters=adapters)
+    weighted = out * top_k_weights.reshape(-1)[order, None]  # (T*K, H), the router's weights as HF multiplies them
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    # HF's sum over each token's K rows (deterministic; index_add would add in bf16 with atomics)
+    return weighted[back].view(-1, top_k, hidden.shape[-1]).sum(dim=1).to(hidden.dtype)
+
+
+def _bypass(wrapper: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A peft `ParamWrapper`'s call without its fold: the experts forward reads the adapter itself."""
+    return wrapper.base_layer(*args, **kwargs)
+
+
+def _stack_wrappers(model: nn.Module) -> dict[nn.Module, dict[str, nn.Module]]:
+    """{experts module: {stack name: the peft ParamWrapper adapting it}} (peft nests one wrapper per stack)."""
+    found: dict[nn.Module, dict[str, nn.Module]] = {}
+    for m in model.modules():
+        if getattr(m, "parameter_name", None) in EXPERT_STACKS and hasattr(m, "lora_A") and hasattr(m, "base_layer"):
+            inner = m.base_layer
+            while hasattr(inner, "parameter_name") and hasattr(inner, "base_layer"):
+                inner = inner.base_layer
+            found.setdefault(inner, {})[m.parameter_name] = m
+    return found
+
+
+def _unsupported(experts: nn.Module, wrappers: dict[str, nn.Module]) -> str | None:
+    """Why this experts module keeps peft's fold, or None."""
+    if any(getattr(experts, flag, False) for flag in ("has_bias", "is_transposed", "has_post_expert_norm")):
+        return "its experts have biases, transposed stacks or a post-expert norm"
+    if getattr(experts, "has_gate", True) is False:
+        return "its experts have no gate"
+    if any(len(w.lora_A) > 1 for w in wrappers.values()):
+        return "it holds more than one adapter"
+    return None
+
+
+def unmerge_expert_adapters(model: nn.Module, option: str = "model.lora.expert_adapters") -> dict[str, Any]:
+    """Make every peft-adapted expert stack of `model` apply its adapter unmerged in the experts' GEMMs (see the
+    module docstring). Returns {"unmerged": experts modules, "stacks": adapted stacks}. Raises ConfigError for an
+    experts module the unmerged forward does not cover (`folded` keeps peft's fold)."""
+    groups = _stack_wrappers(model)
+    for experts, wrappers in groups.items():
+        why = _unsupported(experts, wrappers)
+        if why is not None:
+            raise ConfigError(option, "unmerged", f"cannot cover {type(experts).__name__}: {why}; set "
+                                                  "expert_adapters: folded (peft's fold)")
+        for wrapper in wrappers.values():
+            wrapper.forward = functools.partial(_bypass, wrapper)  # an instance attribute: the module's call
+        experts.expert_adapters = wrappers  # a plain dict: not submodules, so no second path to the parameters
+        experts.forward = functools.partial(_experts_forward, experts)
+    return {"unmerged": len(groups), "stacks": sum(len(w) for w in groups.values())}
+
+
+def path_counts() -> dict[str, int]:
+    """Experts forwards with unmerged adapters per path (`grouped_mm`, `loop`) since the counters were reset."""
+    return counters.counts(COUNTER)

@@ -1,0 +1,133 @@
+"""`experts.py`: the experts' math against HF's, and LoRA on the expert stacks applied unmerged
+(`lora.expert_adapters: unmerged`) against peft's fold: the same outputs and adapter gradients on the grouped GEMM
+and the loop, adapters off under `disable_adapter`, a rank padded for the grouped GEMM, the path counted, one
+dynamo graph, and the option's checks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import Gemma4ForCausalLM
+
+from lightning_ffpa._compat.torch import HAS_GROUPED_MM
+from lightning_ffpa.attention import counters
+from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.experts import expert_mlp, path_counts, unmerge_expert_adapters
+from lightning_ffpa.lora import apply_lora
+from lightning_ffpa.parallel.expert_parallel import find_experts
+from lightning_ffpa.presets import build_text_config
+
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+IMPLS = ["eager", pytest.param("grouped_mm", marks=pytest.mark.skipif(not HAS_GROUPED_MM, reason="no grouped GEMM"))]
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_expert_mlp_computes_what_hf_experts_compute(grouped):
+    """Rows already grouped by expert against HF's eager experts forward, each row routed to its one expert with
+    weight 1: outputs and weight gradients."""
+    if grouped and not HAS_GROUPED_MM:
+        pytest.skip("this torch has no grouped GEMM")
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(build_text_config("tiny-moe", num_hidden_layers=1))
+    experts = find_experts(model.model.layers)[0]
+    experts.config._experts_implementation = "eager"
+    counts = [5, 0, 9, 2]  # an expert with no rows too
+    x = torch.randn(sum(counts), experts.gate_up_proj.shape[-1])
+    index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))[:, None]  # (N, 1)
+    want = experts(x, index, torch.ones(index.shape))
+    want_grads = torch.autograd.grad(want.square().sum(), [experts.gate_up_proj, experts.down_proj])
+    where = ({"offsets": torch.tensor(counts).cumsum(0, dtype=torch.int32)} if grouped else {"counts": counts})
+    got = expert_mlp(x, experts.gate_up_proj, experts.down_proj, experts.act_fn, **where)
+    got_grads = torch.autograd.grad(got.square().sum(), [experts.gate_up_proj, experts.down_proj])
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+
+
+def _peft_moe(r: int, impl: str, seed: int = 0):
+    torch.manual_seed(seed)
+    config = build_text_config("tiny-moe", num_hidden_layers=2)
+    model = get_peft_model(Gemma4ForCausalLM(config), LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj"],
+                                                                  target_parameters=EXPERTS))
+    model.base_model.model.config._experts_implementation = impl
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)  # B = 0 at init would hide the adapters
+    return model
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("r", [8, 3])  # 3: padded to 8 for the grouped GEMM
+def test_unmerged_expert_adapters_match_peft_fold(impl, r):
+    folded = _peft_moe(r, impl)
+    unmerged = copy.deepcopy(folded)
+    assert unmerge_expert_adapters(unmerged) == {"unmerged": 2, "stacks": 4}
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    counters.reset("expert_lora")
+    loss, grads = _loss_and_grads(unmerged, ids)
+    assert path_counts() == {"grouped_mm" if impl == "grouped_mm" else "loop": 2}
+    want_loss, want_grads = _loss_and_grads(folded, ids)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == want_grads.keys() and any(".experts." in n for n in grads)
+    for name in grads:
+        scale = want_grads[name].abs().max().item()  # fp32 sums in another order: relative to the largest entry
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-4 * scale)
+    stacks = [p for n, p in unmerged.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))]
+    assert stacks and all(p.grad is None for p in stacks)  # frozen W: no stack-sized gradient
+
+
+def test_disabled_adapters_give_the_base_model_and_state_dicts_keep_peft_names():
+    model = _peft_moe(8, "eager")
+    names = set(model.state_dict())
+    unmerge_expert_adapters(model)
+    assert set(model.state_dict()) == names
+    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        with model.disable_adapter():
+            off = model(input_ids=ids).logits
+        on = model(input_ids=ids).logits
+        base = model.base_model.model
+        for m in base.modules():
+            if hasattr(m, "lora_B"):
+                for lin in m.lora_B.values():
+                    lin.weight.zero_()
+        zero = model(input_ids=ids).logits
+    torch.testing.assert_close(off, zero)
+    assert not torch.allclose(on, off)
+
+
+def test_the_unmerged_experts_trace_as_one_graph():
+    if not HAS_GROUPED_MM:
+        pytest.skip("this torch has no grouped GEMM (the loop reads the counts on the host)")
+    model = _peft_moe(8, "grouped_mm").to(torch.bfloat16)  # the grouped GEMM's fake kernel takes bf16 only
+    unmerge_expert_adapters(model)
+    experts = find_experts(model.base_model.model.model.layers)[0]
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(12, experts.gate_up_proj.shape[-1], generator=gen, dtype=torch.bfloat16)
+    index = torch.randint(0, experts.gate_up_proj.shape[0], (12, 2), generator=gen)
+    weights = torch.rand(12, 2, generator=gen)
+    explained = torch._dynamo.explain(experts)(hidden, index, weights)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch.testing.assert_close(torch.compile(experts, backend="aot_eager")(hidden, index, weights),
+                               experts(hidden, index, weights))
+
+
+def test_expert_adapters_option_is_checked_and_folded_keeps_peft():
+    model = Gemma4ForCausalLM(build_text_config("tiny-moe", num_hidden_layers=1))
+    with pytest.raises(ConfigError, match=r"^`model.lora.expert_adapters='merged'`: must be one of unmerged, folded"):
+        apply_lora(copy.deepcopy(model), {"r": 8, "target_parameters": EXPERTS, "expert_adapters": "merged"})
+    unmerged = apply_lora(copy.deepcopy(model), {"r": 8, "target_parameters": EXPERTS})
+    folded = apply_lora(model, {"r": 8, "target_parameters": EXPERTS, "expert_adapters": "folded"})
+    assert hasattr(find_experts(unmerged.base_model.model.model.layers)[0], "expert_adapters")
+    assert not hasattr(find_experts(folded.base_model.model.model.layers)[0], "expert_adapters")

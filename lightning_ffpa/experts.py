@@ -3,7 +3,8 @@
 Owns `expert_mlp` (rows grouped by expert through gate_up (E, 2I, H), act(gate) * up and down (E, H, I): one grouped
 GEMM per projection, or a loop over experts; optional low-rank terms), the experts forward that routes a layer's
 tokens to it the way HF's `grouped_mm` experts do, and `unmerge_expert_adapters`, which points peft's
-expert-stack adapters at that forward.
+expert-stack adapters at that forward; `StackAdapter` and `serve_adapters` let the rollout engine run the same
+forward over the policy's stacks with adapter buffers of its own.
 
 Why: peft's `target_parameters` adapts a 3-D stack by folding, W + s * B @ A for all E experts, on every forward
 (a tensor the size of the stack, 1.5 GB a layer at the 26B-A4B shapes), and its backward computes the gradient of
@@ -30,7 +31,8 @@ from lightning_ffpa._compat.transformers import experts_implementation
 from lightning_ffpa.attention import counters
 from lightning_ffpa.errors import ConfigError
 
-__all__ = ["EXPERT_STACKS", "COUNTER", "expert_mlp", "unmerge_expert_adapters", "path_counts"]
+__all__ = ["EXPERT_STACKS", "COUNTER", "StackAdapter", "expert_mlp", "path_counts", "peft_stack_factors",
+           "serve_adapters", "unmerge_expert_adapters", "unsupported"]
 
 EXPERT_STACKS = ("gate_up_proj", "down_proj")  # HF's names of the 3-D expert weights
 COUNTER = "expert_lora"
@@ -69,23 +71,60 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_f
     return _project(act_fn(gate) * up, down, offsets, counts, adapters.get("down_proj"))
 
 
-def _factors(wrapper: nn.Module, dtype: torch.dtype) -> Adapter | None:
-    """peft's factors of one adapted stack as the grouped GEMMs read them, or None when its adapter is off."""
-    if wrapper.disable_adapters or wrapper.merged:
-        return None
-    active = [name for name in wrapper.active_adapters if name in wrapper.lora_A]
-    if not active:
-        return None
-    name = active[0]
-    experts = wrapper.num_experts
-    a = wrapper.lora_A[name].weight  # (r * E, in): expert e's rows at [e*r, (e+1)*r)
-    b = wrapper.lora_B[name].weight  # (out, r * E): expert e's columns at e, e + E, ...
-    a = a.reshape(experts, -1, a.shape[-1]).to(dtype)  # (E, r, in)
-    b = b.reshape(b.shape[0], -1, experts).permute(2, 1, 0).to(dtype).contiguous()  # (E, r, out)
-    pad = -a.shape[1] % _ALIGN
-    if pad:
-        a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, 0, 0, pad))
-    return a, b, wrapper.scaling[name]
+def peft_stack_factors(a: torch.Tensor, b: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """peft's factors of an expert stack, A (r * E, in) with expert e's rows at [e*r, (e+1)*r) and B (out, r * E)
+    with its columns at e, e + E, ..., as A (E, r, in) and B (E, r, out), the layout the grouped GEMMs read."""
+    return a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts).permute(2, 1, 0)
+
+
+class _PeftStack:
+    """A training stack's adapter: peft's `ParamWrapper`, read at each call (FSDP2 gathers it in the layer)."""
+
+    def __init__(self, wrapper: nn.Module) -> None:
+        self.wrapper = wrapper
+
+    def factors(self, dtype: torch.dtype) -> Adapter | None:
+        """(A, B, scaling) in `dtype`, the rank padded for the grouped GEMM, or None when the adapter is off."""
+        w = self.wrapper
+        if w.disable_adapters or w.merged:
+            return None
+        active = [name for name in w.active_adapters if name in w.lora_A]
+        if not active:
+            return None
+        name = active[0]
+        a, b = peft_stack_factors(w.lora_A[name].weight, w.lora_B[name].weight, w.num_experts)
+        a, b = a.to(dtype), b.to(dtype).contiguous()
+        pad = StackAdapter.padded(a.shape[1]) - a.shape[1]
+        if pad:
+            a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, 0, 0, pad))
+        return a, b, w.scaling[name]
+
+
+class StackAdapter:
+    """An expert stack's adapter in buffers of its own (the rollout engine's): A (E, r', in) and s * B (E, r', out),
+    r' the rank padded for the grouped GEMM (zeros beyond r), written in place by `set` so captured CUDA graphs stay
+    valid across refreshes."""
+
+    def __init__(self, experts: int, rank: int, in_features: int, out_features: int, scaling: float,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.rank, self.scaling = rank, scaling
+        self.a = torch.zeros(experts, StackAdapter.padded(rank), in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(experts, StackAdapter.padded(rank), out_features, dtype=dtype, device=device)
+
+    @staticmethod
+    def padded(rank: int) -> int:
+        """The rank as the grouped GEMMs take it: 16-byte rows in bf16."""
+        return rank + (-rank % _ALIGN)
+
+    @torch.no_grad()
+    def set(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Write peft's factors (A (r * E, in), B (out, r * E)) into the buffers."""
+        a_e, b_e = peft_stack_factors(a, b, self.a.shape[0])
+        self.a[:, :self.rank].copy_(a_e)
+        self.b[:, :self.rank].copy_(b_e * self.scaling)  # scaled in B's own (training) dtype: one rounding
+
+    def factors(self, dtype: torch.dtype) -> Adapter:
+        return self.a, self.b, 1.0
 
 
 def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -94,8 +133,8 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     num_experts, top_k = module.gate_up_proj.shape[0], top_k_index.shape[-1]
     adapters = {}
     for name in EXPERT_STACKS:  # a plain loop: dynamo breaks the graph on a comprehension with `:=`
-        wrapper = module.expert_adapters.get(name)
-        factors = None if wrapper is None else _factors(wrapper, module.gate_up_proj.dtype)
+        adapter = module.expert_adapters.get(name)
+        factors = None if adapter is None else adapter.factors(module.gate_up_proj.dtype)
         if factors is not None:
             adapters[name] = factors
     flat = top_k_index.reshape(-1)  # (T*K,)
@@ -135,15 +174,21 @@ def _stack_wrappers(model: nn.Module) -> dict[nn.Module, dict[str, nn.Module]]:
     return found
 
 
-def _unsupported(experts: nn.Module, wrappers: dict[str, nn.Module]) -> str | None:
-    """Why this experts module keeps peft's fold, or None."""
+def unsupported(experts: nn.Module, wrappers: dict[str, nn.Module] | None = None) -> str | None:
+    """Why this experts module cannot take unmerged adapters (peft's `wrappers` on it, if any), or None."""
     if any(getattr(experts, flag, False) for flag in ("has_bias", "is_transposed", "has_post_expert_norm")):
         return "its experts have biases, transposed stacks or a post-expert norm"
     if getattr(experts, "has_gate", True) is False:
         return "its experts have no gate"
-    if any(len(w.lora_A) > 1 for w in wrappers.values()):
+    if any(len(w.lora_A) > 1 for w in (wrappers or {}).values()):
         return "it holds more than one adapter"
     return None
+
+
+def serve_adapters(experts: nn.Module, adapters: dict[str, _PeftStack | StackAdapter]) -> None:
+    """Give `experts` the forward that adds `adapters` ({stack name: adapter}) unmerged."""
+    experts.expert_adapters = adapters  # not submodules: no second path to the parameters
+    experts.forward = functools.partial(_experts_forward, experts)  # an instance attribute: the module's call
 
 
 def unmerge_expert_adapters(model: nn.Module, option: str = "model.lora.expert_adapters") -> dict[str, Any]:
@@ -152,14 +197,13 @@ def unmerge_expert_adapters(model: nn.Module, option: str = "model.lora.expert_a
     experts module the unmerged forward does not cover (`folded` keeps peft's fold)."""
     groups = _stack_wrappers(model)
     for experts, wrappers in groups.items():
-        why = _unsupported(experts, wrappers)
+        why = unsupported(experts, wrappers)
         if why is not None:
             raise ConfigError(option, "unmerged", f"cannot cover {type(experts).__name__}: {why}; set "
                                                   "expert_adapters: folded (peft's fold)")
         for wrapper in wrappers.values():
             wrapper.forward = functools.partial(_bypass, wrapper)  # an instance attribute: the module's call
-        experts.expert_adapters = wrappers  # a plain dict: not submodules, so no second path to the parameters
-        experts.forward = functools.partial(_experts_forward, experts)
+        serve_adapters(experts, {name: _PeftStack(w) for name, w in wrappers.items()})
     return {"unmerged": len(groups), "stacks": sum(len(w) for w in groups.values())}
 
 

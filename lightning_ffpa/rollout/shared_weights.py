@@ -7,7 +7,8 @@ owns (`SharedWeights`).
 Shared: the engine's model is built on the meta device and its parameters are pointed at the policy's tensors
 (the same storage) wherever the policy's tensor is frozen, a plain tensor (not an FSDP2 DTensor), on the
 engine's device and in its dtype. LoRA targets become `LoraLinear`s over the policy's W0 (`lora_linear.py`): the
-adapters are applied unmerged, from buffers a refresh fills in place. With `fuse`, the q/k/v and gate/up base
+adapters are applied unmerged, from buffers a refresh fills in place; an adapted MoE expert stack is read in place
+too, its adapter applied unmerged in the experts' grouped GEMMs from an `experts.StackAdapter`. With `fuse`, the q/k/v and gate/up base
 weights of each layer are moved into one tensor per group on the policy's side (its Parameters keep their
 identity; their `.data` become row views, as `fused_linear.py` does for a copy), so a group's W0 is one tensor and
 its adapters one A-GEMM. What cannot be aliased (weights the policy trains: `modules_to_save`, a full fine-tune;
@@ -29,6 +30,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lightning_ffpa.experts import EXPERT_STACKS, StackAdapter, serve_adapters, unsupported
 from lightning_ffpa.fp8_base import as_dtype, scale_of
 from lightning_ffpa.lora import merged_weight, unwrap_peft
 from lightning_ffpa.rollout.fused_linear import GROUPS, SHARED_MARK
@@ -148,6 +150,7 @@ class WeightsPlan:
         self.aliases: dict[str, torch.Tensor] = {}
         self.copies: dict[str, torch.Tensor] = {}
         self.merged: dict[str, tuple] = {}
+        self.stacks: dict[str, tuple] = {}  # adapted expert stacks read in place, adapters applied unmerged
         self.own_why: Counter[str] = Counter()  # reason -> bytes the engine owns for it
         if self.mode == "shared":
             self._plan_shared()
@@ -176,6 +179,9 @@ class WeightsPlan:
             if isinstance(src, tuple):
                 module = self.meta.get_submodule(module_name)
                 why = self._alias_why(src[0])
+                if why is None and attr in EXPERT_STACKS and unsupported(module) is None:
+                    self._plan_stack(key, src)
+                    continue
                 if why is None and not (isinstance(module, nn.Linear) and attr == "weight"):
                     why = f"a LoRA target that is a {type(module).__name__}"
                 parent_name, _, leaf = module_name.rpartition(".")
@@ -190,6 +196,15 @@ class WeightsPlan:
                 if id(src) not in copied:  # a weight the policy ties is copied once
                     copied.add(id(src))
                     self.own_why[f"copied ({why})"] += src.numel() * self.dtype.itemsize
+
+    def _plan_stack(self, key: str, src: tuple) -> None:
+        """An adapted expert stack: the policy's W0 read in place, its adapter in buffers of the engine's
+        (`experts.StackAdapter`), applied unmerged in the experts' grouped GEMMs."""
+        w0, a = src[0], src[1]
+        experts, out_features, in_features = w0.shape
+        rank = StackAdapter.padded(a.shape[0] // experts)
+        self.stacks[key] = src
+        self.own_why["expert LoRA A and B buffers"] += experts * rank * (in_features + out_features) * self.dtype.itemsize
 
     def _try_group(self, parent_name: str, attrs: list[str], done: set[str]) -> bool:
         """Plan the Linears `attrs` of `parent_name` as one `LoraGroup` over the policy's W0 rows; False (nothing
@@ -233,6 +248,7 @@ class WeightsPlan:
         """Bytes of the policy's tensors the engine reads in place (0 when merged): a float8 W0 at its one byte an
         element, with its rowwise scales."""
         seen = {id(t): _nbytes(t) for t in self.aliases.values()}
+        seen.update({id(src[0]): _nbytes(src[0]) for src in self.stacks.values()})
         seen.update({id(b): _nbytes(b) for g in self.groups for b in (*g.bases, *(g.biases or ()))
                      if not self._alias_why(b)})
         seen.update({id(s): _nbytes(s) for g in self.groups for b in g.bases if (s := scale_of(b)) is not None})
@@ -279,6 +295,13 @@ class _Adapter:
 
 
 @dataclass
+class _Stack:
+    adapter: StackAdapter
+    a: nn.Parameter
+    b: nn.Parameter
+
+
+@dataclass
 class _Merged:
     target: torch.Tensor
     base: torch.Tensor
@@ -295,11 +318,12 @@ class SharedWeights:
         self.stats = {"aliased_bytes": plan.aliased_bytes, "own_bytes": plan.own_bytes}
         dtype, device = plan.dtype, plan.device
         self.groups: list[LoraGroup] = []
-        self.pairs: list[_Adapter | _Merged] = []  # every LoRA adapter the refresh writes
+        self.pairs: list[_Adapter | _Stack | _Merged] = []  # every LoRA adapter the refresh writes
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (own tensor, training tensor)
         self._aliased: dict[int, tuple[str, torch.Tensor, int]] = {}  # id -> (name, policy tensor, data_ptr)
         for g in plan.groups:
             self._build_group(g, plan)
+        self._build_stacks(plan)
         for key, p in plan.aliases.items():
             p.__dict__[SHARED_MARK] = True  # fused_linear never moves it into a buffer of the engine's
             self._set(key, p)
@@ -331,6 +355,22 @@ class SharedWeights:
     def _set(self, key: str, value: torch.Tensor) -> None:
         module_name, _, attr = key.rpartition(".")
         setattr(self.inference.get_submodule(module_name), attr, value)
+
+    def _build_stacks(self, plan: WeightsPlan) -> None:
+        """Each adapted expert stack: the policy's W0 in the engine's experts module, its adapter in a
+        `StackAdapter`, served by the unmerged experts forward."""
+        served: dict[str, dict[str, StackAdapter]] = {}
+        for key, (w0, a, b, scale) in plan.stacks.items():
+            module_name, _, attr = key.rpartition(".")
+            self._set(key, w0)
+            self._aliased[id(w0)] = (key, w0, w0.data_ptr())
+            experts, out_features, in_features = w0.shape
+            adapter = StackAdapter(experts, a.shape[0] // experts, in_features, out_features, scale, plan.dtype,
+                                   plan.device)
+            served.setdefault(module_name, {})[attr] = adapter
+            self.pairs.append(_Stack(adapter, a, b))
+        for module_name, adapters in served.items():
+            serve_adapters(self.inference.get_submodule(module_name), adapters)
 
     def _build_group(self, g: _GroupPlan, plan: WeightsPlan) -> None:
         bases = g.bases
@@ -375,6 +415,8 @@ class SharedWeights:
         for p in self.pairs:
             if isinstance(p, _Adapter):
                 p.group.set_adapter(p.index, _full(p.a), _full(p.b), p.scale)
+            elif isinstance(p, _Stack):
+                p.adapter.set(_full(p.a), _full(p.b))
             else:
                 dt = p.target.dtype
                 merged_weight(as_dtype(_full(p.base), dt), _full(p.a).to(dt), _full(p.b).to(dt), p.scale, out=p.target)
@@ -394,6 +436,7 @@ class SharedWeights:
     def inference_digest(self) -> str:
         """`tensor_digest` of what the engine owns: adapter buffers, copies and merged targets."""
         own = [t for g in self.groups for t in (g.a, g.b) if t is not None]
+        own += [t for p in self.pairs if isinstance(p, _Stack) for t in (p.adapter.a, p.adapter.b)]
         own += [p.target for p in self.pairs if isinstance(p, _Merged)] + [t for t, _ in self.copies]
         return tensor_digest(own)
 

@@ -1,7 +1,7 @@
-"""LoRA on the MoE expert stacks (`model.lora.target_parameters`) in rollouts: the engine runs W0 + s*B_e@A_e per
-expert, written at each refresh into expert stacks it owns (shared mode reads every other frozen tensor in place),
-so its greedy tokens equal HF's generate on the peft policy, before and after an optimizer step; the base never
-changes."""
+"""LoRA on the MoE expert stacks (`model.lora.target_parameters`) in rollouts. Shared mode reads the policy's
+stacks in place and adds each expert's adapter unmerged in the grouped GEMMs, from buffers of its own written at each
+refresh; merged mode writes W0 + s*B_e@A_e into stacks it owns. Either way its greedy tokens equal HF's generate on
+the peft policy, before and after an optimizer step, and the base never changes."""
 
 import pytest
 import torch
@@ -53,8 +53,12 @@ def test_expert_lora_rollouts_follow_the_policy_through_a_refresh(mode):
     digest = sync.base_digest()
     before = [s.output for s in eng.generate(_prompts(), 6)]
     assert before == _hf_greedy(train, 6)
-    if mode == "shared":
-        assert "merged LoRA targets" in sync.weights_path and "Gemma4TextExperts" in sync.weights_path
+    if mode == "shared":  # the stacks are the policy's tensors; the engine owns A and B (and the q_proj adapters)
+        assert "expert LoRA A and B buffers" in sync.weights_path and "merged" not in sync.weights_path
+        engine_stacks = {n: p for n, p in sync.inference.named_parameters() if n.endswith(tuple(EXPERTS))}
+        policy = {p.data_ptr() for n, p in train.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))}
+        assert len(engine_stacks) == 8 and {p.data_ptr() for p in engine_stacks.values()} == policy
+        assert plan.own_bytes < sum(p.numel() * 4 for p in engine_stacks.values()) / 2  # tiny: rank 2 padded to 8
     opt = torch.optim.SGD([p for n, p in train.named_parameters() if "experts" in n and p.requires_grad], lr=20.0)
     train.train()
     train(torch.tensor([_prompts()[1]])).logits.square().mean().backward()

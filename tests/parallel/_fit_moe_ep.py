@@ -19,9 +19,9 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ffpa.data import MockDataModule
+from lightning_ffpa.experts import EXPERT_STACKS
 from lightning_ffpa.module import Gemma4LM
 from lightning_ffpa.parallel import FSDP2Strategy
-from lightning_ffpa.experts import EXPERT_STACKS
 
 
 class _Record(L.Callback):

@@ -25,8 +25,8 @@ The update's peak (one micro-batch of at most `max_tokens_per_microbatch` padded
 The two transients do not overlap (the log-probs' backward ends before the layers' starts), so `total` counts the
 larger. Parameters, KV specs and stored bytes come from the model built on the meta device (no memory, exact
 shapes); `tests/rollout/test_memory.py` checks the per-token terms against the bytes autograd and the product's
-SAC policy save. MoE expert activations are counted by the same rules with a dense layer's coefficient, and the
-engine's expert adapters are not counted: `caveats` says so. It does not measure a run; `benchmarks/results/`
+SAC policy save. MoE expert activations are counted by the same rules with a dense layer's coefficient (`caveats`
+says so); the shared engine's expert adapter buffers are counted (`expert_adapter_params`). It does not measure a run; `benchmarks/results/`
 holds measured peaks (`benchmarks/grpo_full_depth.py` records this estimate beside them). Reading a recipe and
 console overrides into these arguments is `memory_recipe.py`'s.
 
@@ -154,6 +154,16 @@ def shared_adapter_params(model: nn.Module, r: int, targets: tuple[str, ...] = L
                        if isinstance(m, nn.Linear) and id(m) not in grouped and name.rsplit(".", 1)[-1] in targets)
 
 
+def expert_adapter_params(model: nn.Module, r: int, target_parameters: tuple[str, ...]) -> int:
+    """Elements of the `experts.StackAdapter` buffers the shared engine owns for LoRA rank `r` on the adapted expert
+    stacks: per stack (E, out, in), E * r' * (in + out) with r' the rank padded for the grouped GEMM."""
+    from lightning_ffpa.experts import StackAdapter
+
+    rank = StackAdapter.padded(r)
+    return sum(p.shape[0] * rank * (p.shape[1] + p.shape[2]) for name, p in model.named_parameters()
+               if p.dim() == 3 and any(name.endswith(t) for t in target_parameters))
+
+
 def kv_bytes_per_token(model: nn.Module, dtype_bytes: int) -> int:
     """K+V bytes one cached token costs over every caching layer (what `PagedKVCache` allocates per slot)."""
     from lightning_ffpa.rollout.kv_cache import token_bytes
@@ -265,14 +275,13 @@ def estimate(preset: str = "gemma4-31b", num_hidden_layers: int | None = None, l
     caveats = []
     if any(getattr(layer, "experts", None) is not None for layer in _decoder_layers(model)):
         caveats.append("MoE: the recompute counts a dense layer's no-checkpoint bytes (experts' not measured)")
-    if lora_target_parameters and weights == "shared":
-        caveats.append("engine_weights: the engine's expert adapter buffers are not counted")
     act, transient, chunks = _update_terms(preset, model, lora, train_tokens, max_tokens_per_microbatch,
                                            logprob_chunk_size, activation_checkpointing)
     return GRPOMemory(
         policy=policy,
         engine_weights=(sum(p.numel() for p in model.parameters()) if weights == "merged"
-                        else shared_adapter_params(model, lora_r, lora_targets)) * inference_bytes,
+                        else shared_adapter_params(model, lora_r, lora_targets)
+                        + expert_adapter_params(model, lora_r, lora_target_parameters)) * inference_bytes,
         lora_optimizer=adapters * 4 * 3,  # gradient + AdamW exp_avg + exp_avg_sq, fp32
         kv_pool=kv_pool_bytes(model, engine, inference_bytes),
         activations=act, layer_transient=transient, logprob_chunks=chunks, caveats=tuple(caveats))

@@ -77,6 +77,45 @@ def peft_stack_factors(a: torch.Tensor, b: torch.Tensor, experts: int) -> tuple[
     return a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts).permute(2, 1, 0)
 
 
+@torch.library.custom_op("lightning_ffpa::expert_lora_factors", mutates_args=())
+def expert_lora_factors(a: torch.Tensor, b: torch.Tensor, experts: int, rank: int,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """peft's A (r * E, in) and B (out, r * E) as new contiguous A (E, rank, in) and B (E, rank, out) in `dtype`,
+    zeros beyond r. An op, not views + .contiguous(): inductor (torch 2.11) drops the copy and hands the permuted B
+    to _grouped_mm, which needs row- or column-major operands."""
+    a_e, b_e = peft_stack_factors(a, b, experts)
+    r = a_e.shape[1]
+    a_out = a.new_zeros(experts, rank, a.shape[-1], dtype=dtype)
+    b_out = b.new_zeros(experts, rank, b.shape[0], dtype=dtype)
+    a_out[:, :r].copy_(a_e)
+    b_out[:, :r].copy_(b_e)
+    return a_out, b_out
+
+
+@expert_lora_factors.register_fake
+def _(a, b, experts, rank, dtype):
+    return a.new_empty(experts, rank, a.shape[-1], dtype=dtype), b.new_empty(experts, rank, b.shape[0], dtype=dtype)
+
+
+def _factors_setup(ctx, inputs, output):
+    a, b, experts, _, _ = inputs
+    ctx.experts, ctx.r = experts, a.shape[0] // experts
+    ctx.a_dtype, ctx.b_dtype = a.dtype, b.dtype
+
+
+def _factors_backward(ctx, grad_a, grad_b):
+    r, e = ctx.r, ctx.experts
+    ga = gb = None
+    if grad_a is not None:  # (E, rank, in) -> (r * E, in)
+        ga = grad_a[:, :r].reshape(e * r, grad_a.shape[-1]).to(ctx.a_dtype)
+    if grad_b is not None:  # (E, rank, out) -> (out, r, E) -> (out, r * E)
+        gb = grad_b[:, :r].permute(2, 1, 0).reshape(grad_b.shape[-1], r * e).to(ctx.b_dtype)
+    return ga, gb, None, None, None
+
+
+expert_lora_factors.register_autograd(_factors_backward, setup_context=_factors_setup)
+
+
 class _PeftStack:
     """A training stack's adapter: peft's `ParamWrapper`, read at each call (FSDP2 gathers it in the layer)."""
 
@@ -92,11 +131,9 @@ class _PeftStack:
         if not active:
             return None
         name = active[0]
-        a, b = peft_stack_factors(w.lora_A[name].weight, w.lora_B[name].weight, w.num_experts)
-        a, b = a.to(dtype), b.to(dtype).contiguous()
-        pad = StackAdapter.padded(a.shape[1]) - a.shape[1]
-        if pad:
-            a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, 0, 0, pad))
+        a, b = w.lora_A[name].weight, w.lora_B[name].weight
+        rank = StackAdapter.padded(a.shape[0] // w.num_experts)
+        a, b = expert_lora_factors(a, b, w.num_experts, rank, dtype)  # fresh contiguous tensors: see the op
         return a, b, w.scaling[name]
 
 

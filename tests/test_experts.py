@@ -15,7 +15,13 @@ from transformers import Gemma4ForCausalLM
 from lightning_ffpa._compat.torch import HAS_GROUPED_MM
 from lightning_ffpa.attention import counters
 from lightning_ffpa.errors import ConfigError
-from lightning_ffpa.experts import expert_mlp, path_counts, unmerge_expert_adapters
+from lightning_ffpa.experts import (
+    expert_lora_factors,
+    expert_mlp,
+    path_counts,
+    peft_stack_factors,
+    unmerge_expert_adapters,
+)
 from lightning_ffpa.lora import apply_lora
 from lightning_ffpa.parallel.expert_parallel import find_experts
 from lightning_ffpa.presets import build_text_config
@@ -87,6 +93,26 @@ def test_unmerged_expert_adapters_match_peft_fold(impl, r):
     assert stacks and all(p.grad is None for p in stacks)  # frozen W: no stack-sized gradient
 
 
+def test_expert_lora_factors_op_pads_peft_layout_into_new_tensors_and_backpropagates():
+    e, r, rank, n_in, n_out = 3, 2, 8, 5, 7
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(r * e, n_in, dtype=torch.float64, generator=gen, requires_grad=True)
+    b = torch.randn(n_out, r * e, dtype=torch.float64, generator=gen, requires_grad=True)
+    got_a, got_b = expert_lora_factors(a, b, e, rank, torch.float32)
+    assert got_a.is_contiguous() and got_b.is_contiguous() and got_a.dtype == got_b.dtype == torch.float32
+    want_a, want_b = peft_stack_factors(a, b, e)
+    assert torch.equal(got_a[:, :r], want_a.float()) and torch.equal(got_b[:, :r], want_b.float())
+    assert not got_a[:, r:].any() and not got_b[:, r:].any()
+    ga, gb = torch.randn(e, rank, n_in, dtype=torch.float64), torch.randn(e, rank, n_out, dtype=torch.float64)
+    out_a, out_b = expert_lora_factors(a, b, e, rank, torch.float64)
+    got = torch.autograd.grad((out_a * ga).sum() + (out_b * gb).sum(), [a, b])
+    want = torch.autograd.grad((want_a * ga[:, :r]).sum() + (want_b * gb[:, :r]).sum(), [a, b])
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float64 and torch.equal(g, w)
+    assert torch.autograd.gradcheck(lambda x, y: expert_lora_factors(x, y, e, rank, torch.float64), (a, b))
+    torch.library.opcheck(expert_lora_factors, (a.float(), b.float(), e, rank, torch.bfloat16))
+
+
 def test_disabled_adapters_give_the_base_model_and_state_dicts_keep_peft_names():
     model = _peft_moe(8, "eager")
     names = set(model.state_dict())
@@ -142,17 +168,21 @@ def test_unmerged_expert_adapters_on_cuda_train_like_the_fold_and_decode_in_cuda
     from lightning_ffpa.rollout.shared_weights import WeightsPlan
 
     folded = _peft_moe(16, "grouped_mm").to("cuda", torch.bfloat16)
+    reference = copy.deepcopy(folded).float()  # the same weights in fp32: both bf16 paths are approximations of it
     unmerged = copy.deepcopy(folded)
     unmerge_expert_adapters(unmerged)
     ids = torch.randint(0, 512, (2, 256), generator=torch.Generator().manual_seed(1)).cuda()
-    want_loss, want_grads = _loss_and_grads(folded, ids)
+    ref_loss, ref_grads = _loss_and_grads(reference, ids)  # fp32 reference
+    _, fold_grads = _loss_and_grads(folded, ids)
     for model in (unmerged, torch.compile(unmerged)):
         loss, grads = _loss_and_grads(model, ids)
         grads = {n.replace("_orig_mod.", ""): g for n, g in grads.items()}  # torch.compile's wrapper level
-        torch.testing.assert_close(loss, want_loss, rtol=2e-2, atol=2e-2)
-        for name in want_grads:
-            got, want = grads[name].float(), want_grads[name].float()
-            assert (got - want).norm() <= 0.05 * want.norm() + 1e-6, name
+        torch.testing.assert_close(loss.float(), ref_loss, rtol=2e-2, atol=2e-2)
+        assert grads.keys() == ref_grads.keys()
+        for name, ref in ref_grads.items():
+            err = (grads[name].float() - ref).norm()
+            fold_err = (fold_grads[name].float() - ref).norm()
+            assert err <= 1.5 * fold_err + 1e-3 * ref.norm(), (name, err.item(), fold_err.item())
     unmerged.eval()
     unmerged.base_model.model.generation_config.eos_token_id = None
     prompts = [torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 9)]

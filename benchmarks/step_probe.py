@@ -151,8 +151,10 @@ def summarize_kernels(events: list[tuple[str, float, float]], wall_ms: float, to
 KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention: FFPA", ("ffpa",)),
     ("attention: Flex", ("flex_attention",)),
+    ("attention: FA4", ("flash_attncute",)),  # flash-attn-4's CuTeDSL kernels (the sliding layers)
     ("attention: SDPA", ("sdpa", "fmha", "flash")),
-    ("MoE: grouped GEMM", ("grouped", "group_gemm")),
+    # torch's CUTLASS 3.x kernels: _grouped_mm (the experts) and the float8 rowwise _scaled_mm; cuBLAS is "nvjet"
+    ("CUTLASS GEMM (grouped, scaled)", ("grouped", "group_gemm", "enable_3x_kernel_for_sm9x")),
     ("matmul", ("nvjet", "gemm", "sm90_xmma")),
     ("fused elementwise (Triton)", ("triton_poi", "triton_red", "triton_per")),
     ("routing, gather and scatter", ("topk", "sort", "histc", "histogram", "bincount", "index", "gather", "scatter")),

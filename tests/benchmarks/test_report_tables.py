@@ -404,15 +404,16 @@ def test_kernel_kinds_sum_the_top_list_by_kind_and_leave_profiler_ranges_out():
         dict(name="FSDP::post_backward_reduce", calls=2, total_ms=4.0),
         dict(name="Memcpy DtoD (Device -> Device)", calls=9, total_ms=3.0),
         dict(name="triton_red_fused_logsumexp", calls=2, total_ms=2.0),
-        dict(name="void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm90<grouped>>", calls=4,
+        dict(name="_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13Ge", calls=4,
              total_ms=1.5),
+        dict(name="kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90", calls=2, total_ms=0.25),
         dict(name="void at::native::indexing_backward_kernel<c10::BFloat16>", calls=2, total_ms=1.0),
         dict(name="void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor>", calls=2,
              total_ms=0.5)])
-    assert kernel_kinds(profile) == {"attention: FFPA": 10.0, "attention: Flex": 8.0, "attention: SDPA": 7.0,
-                                     "MoE: grouped GEMM": 1.5, "matmul": 40.0, "fused elementwise (Triton)": 2.0,
+    assert kernel_kinds(profile) == {"attention: FFPA": 10.0, "attention: Flex": 8.0, "attention: FA4": 0.25,
+                                     "attention: SDPA": 7.0, "CUTLASS GEMM (grouped, scaled)": 1.5, "matmul": 40.0, "fused elementwise (Triton)": 2.0,
                                      "routing, gather and scatter": 1.0, "optimizer": 5.0, "copies and casts": 3.0,
-                                     "other": 0.5, "outside the top list": 12.0}
+                                     "other": 0.5, "outside the top list": 11.75}
 
 
 def test_a_rollout_ratio_says_when_its_hf_baseline_was_eager_only():

@@ -198,3 +198,27 @@ def test_unmerged_expert_adapters_on_cuda_train_like_the_fold_and_decode_in_cuda
             assert engine.decode_path == "compiled" and engine.stats["graph_replays"] == 11
     agree = sum(a == b for s, t in zip(outputs[True], outputs[False]) for a, b in zip(s, t))
     assert agree >= 0.9 * 3 * 12, outputs  # bf16: compiled and eager may part at a near-tie
+
+
+def test_a_compiled_decoder_layer_is_one_graph_unmerged_and_breaks_under_peft_fold():
+    """Why unmerged is the default: peft's fold registers a parametrization inside the layer's forward (a context
+    manager, `.set_` on the stack), which dynamo cannot trace, so a per-layer-compiled MoE layer falls apart into
+    pieces and eager code; the unmerged experts compile into one graph per layer."""
+    from torch._dynamo.utils import counters as dynamo
+
+    if not HAS_GROUPED_MM:
+        pytest.skip("this torch has no grouped GEMM")
+    folded = _peft_moe(8, "grouped_mm").to(torch.bfloat16)
+    unmerged = copy.deepcopy(folded)
+    unmerge_expert_adapters(unmerged)
+    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(4))
+    breaks = {}
+    for name, model in (("folded", folded), ("unmerged", unmerged)):
+        torch._dynamo.reset()
+        dynamo.clear()
+        for layer in model.base_model.model.model.layers:
+            layer.compile(backend="aot_eager")
+        model(input_ids=ids, labels=ids).loss.backward()
+        breaks[name] = sum(dynamo["graph_break"].values())
+    torch._dynamo.reset()
+    assert breaks["unmerged"] == 0 and breaks["folded"] > 0, breaks

@@ -19,7 +19,6 @@ which uses `expert_mlp` for its local experts and refuses expert LoRA).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -199,6 +198,21 @@ def _bypass(wrapper: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return wrapper.base_layer(*args, **kwargs)
 
 
+def _with_forward(module: nn.Module, prefix: str, forward) -> None:
+    """Give `module` `forward` through a subclass of its class (made once per class, importable from here so a
+    pickled model loads). A class attribute, not an instance one: dynamo guards an instance's `forward` by identity,
+    so every layer would compile again (30 compiles of the 26B-A4B layer); a class is one guard for all layers."""
+    cls = type(module)
+    if cls.__dict__.get("forward") is forward:
+        return
+    name = f"{prefix}{cls.__name__}"  # the prefix keeps HF's suffix ("...Experts") that code and reports look for
+    sub = globals().get(name)
+    if sub is None or sub.__bases__ != (cls,):
+        sub = type(name, (cls,), {"forward": forward, "__module__": __name__, "__qualname__": name})
+        globals()[name] = sub
+    module.__class__ = sub
+
+
 def _stack_wrappers(model: nn.Module) -> dict[nn.Module, dict[str, nn.Module]]:
     """{experts module: {stack name: the peft ParamWrapper adapting it}} (peft nests one wrapper per stack)."""
     found: dict[nn.Module, dict[str, nn.Module]] = {}
@@ -225,7 +239,7 @@ def unsupported(experts: nn.Module, wrappers: dict[str, nn.Module] | None = None
 def serve_adapters(experts: nn.Module, adapters: dict[str, _PeftStack | StackAdapter]) -> None:
     """Give `experts` the forward that adds `adapters` ({stack name: adapter}) unmerged."""
     experts.expert_adapters = adapters  # not submodules: no second path to the parameters
-    experts.forward = functools.partial(_experts_forward, experts)  # an instance attribute: the module's call
+    _with_forward(experts, "UnmergedAdapters", _experts_forward)
 
 
 def unmerge_expert_adapters(model: nn.Module, option: str = "model.lora.expert_adapters") -> dict[str, Any]:
@@ -239,7 +253,7 @@ def unmerge_expert_adapters(model: nn.Module, option: str = "model.lora.expert_a
             raise ConfigError(option, "unmerged", f"cannot cover {type(experts).__name__}: {why}; set "
                                                   "expert_adapters: folded (peft's fold)")
         for wrapper in wrappers.values():
-            wrapper.forward = functools.partial(_bypass, wrapper)  # an instance attribute: the module's call
+            _with_forward(wrapper, "Unfolded", _bypass)
         serve_adapters(experts, {name: _PeftStack(w) for name, w in wrappers.items()})
     return {"unmerged": len(groups), "stacks": sum(len(w) for w in groups.values())}
 

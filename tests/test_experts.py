@@ -222,3 +222,30 @@ def test_a_compiled_decoder_layer_is_one_graph_unmerged_and_breaks_under_peft_fo
         breaks[name] = sum(dynamo["graph_break"].values())
     torch._dynamo.reset()
     assert breaks["unmerged"] == 0 and breaks["folded"] > 0, breaks
+
+
+def test_compiled_layers_share_their_graphs_with_unmerged_expert_adapters():
+    """The unmerged forward is a class attribute: every layer's experts pass one dynamo guard, so the per-layer
+    compile makes the graphs LoRA on q_proj alone makes (an instance attribute recompiled every layer)."""
+    from torch._dynamo.utils import counters as dynamo
+
+    if not HAS_GROUPED_MM:
+        pytest.skip("this torch has no grouped GEMM")
+    graphs = {}
+    for name, targets in (("q_proj only", []), ("experts unmerged", EXPERTS)):
+        torch.manual_seed(0)
+        model = Gemma4ForCausalLM(build_text_config("tiny-moe", num_hidden_layers=6))
+        model.config._experts_implementation = "grouped_mm"
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj"], target_parameters=targets or None))
+        if targets:
+            unmerge_expert_adapters(model)
+        model = model.to(torch.bfloat16)
+        torch._dynamo.reset()
+        dynamo.clear()
+        for layer in model.base_model.model.model.layers:
+            layer.compile(backend="eager")
+        ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(5))
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        graphs[name] = dynamo["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs["experts unmerged"] == graphs["q_proj only"], graphs

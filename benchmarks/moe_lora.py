@@ -35,7 +35,8 @@ Both against the datasheet bf16 peak (`peak_bf16_flops`: 989 TFLOP/s on H100 SXM
 `--profile ROW ...`: those rows run one extra step after the timed ones under torch's profiler (`profile` of the row:
 top CUDA kernels, GPU busy against wall time; not timed, not in the dispatch counts; the report sums the kernels by
 kind). Where the step's time goes (routing, permutation, the grouped GEMMs, the un-permute), one H100 or H200:
-  python benchmarks/moe_lora.py --seqs 8192 --rows ours hf_same_recipe --profile ours hf_same_recipe --out $OUT/moe_lora_8k_profile.json
+  python benchmarks/moe_lora.py --seqs 8192 --rows ours ours_folded_experts hf_same_recipe --profile ours --row-timeout-s 300 --out $OUT/moe_lora_8k_profile.json
+(ours compiles each MoE layer whole; the folded rows run much of it eager, so ours' first step takes longer)
 One H200 (a call has 10 minutes; hf_defaults, eager experts under full AC without compile, is the slow row, so
 it runs in a call of its own; `--resume` takes the earlier call's file, rows already measured are kept):
   python benchmarks/moe_lora.py --seqs 8192 --rows ours hf_same_recipe --out $OUT/moe_lora_8k.json

@@ -267,7 +267,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
 
 # --------------------------------------------------------------------------- grouped GEMM
 
-# `F.grouped_mm` is public from torch 2.13; torch 2.11 has the private `torch._grouped_mm` (both take `offs`).
+# The public `F.grouped_mm` where torch has it, else the older private `torch._grouped_mm` (both take `offs`).
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 HAS_GROUPED_MM = _GROUPED_MM is not None
 

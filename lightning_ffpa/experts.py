@@ -30,8 +30,8 @@ from lightning_ffpa._compat.transformers import experts_implementation
 from lightning_ffpa.attention import counters
 from lightning_ffpa.errors import ConfigError
 
-__all__ = ["EXPERT_STACKS", "COUNTER", "StackAdapter", "expert_mlp", "path_counts", "peft_stack_factors",
-           "serve_adapters", "unmerge_expert_adapters", "unsupported"]
+__all__ = ["EXPERT_STACKS", "COUNTER", "StackAdapter", "expert_mlp", "path_counts", "peft_stack_factors", "serve_adapters",
+           "unmerge_expert_adapters", "unsupported"]
 
 EXPERT_STACKS = ("gate_up_proj", "down_proj")  # HF's names of the 3-D expert weights
 COUNTER = "expert_lora"
@@ -72,7 +72,7 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_f
 
 def peft_stack_factors(a: torch.Tensor, b: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """peft's factors of an expert stack, A (r * E, in) with expert e's rows at [e*r, (e+1)*r) and B (out, r * E)
-    with its columns at e, e + E, ..., as A (E, r, in) and B (E, r, out), the layout the grouped GEMMs read."""
+    with its columns at e, e + E, ..., as per-expert views A (E, r, in) and B (E, r, out) (also `lora.merged_weight`'s)."""
     return a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts).permute(2, 1, 0)
 
 
@@ -146,6 +146,12 @@ class StackAdapter:
         self.rank, self.scaling = rank, scaling
         self.a = torch.zeros(experts, StackAdapter.padded(rank), in_features, dtype=dtype, device=device)
         self.b = torch.zeros(experts, StackAdapter.padded(rank), out_features, dtype=dtype, device=device)
+
+    @staticmethod
+    def elements(stack_shape: tuple[int, ...], rank: int) -> int:
+        """Elements of the A and B buffers for a stack (E, out, in) at LoRA rank `rank`."""
+        experts, out_features, in_features = stack_shape
+        return experts * StackAdapter.padded(rank) * (in_features + out_features)
 
     @staticmethod
     def padded(rank: int) -> int:

@@ -233,7 +233,8 @@ def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling:
     """
     if base.dim() == 2:
         return torch.addmm(base, b, a, alpha=scaling, out=out)
-    experts, rows, cols = base.shape  # (E, out, in)
-    a_e = a.reshape(experts, -1, cols)  # (E, r, in)
-    b_e = b.reshape(rows, -1, experts).permute(2, 0, 1)  # (E, out, r)
-    return torch.baddbmm(base, b_e, a_e, alpha=scaling, out=out)
+    from lightning_ffpa.experts import peft_stack_factors  # the experts' module reads the same layout
+
+    a_e, b_e = peft_stack_factors(a, b, base.shape[0])  # (E, r, in), (E, r, out)
+    return torch.baddbmm(base, b_e.transpose(-2, -1), a_e, alpha=scaling, out=out)
+

@@ -159,8 +159,7 @@ def expert_adapter_params(model: nn.Module, r: int, target_parameters: tuple[str
     stacks: per stack (E, out, in), E * r' * (in + out) with r' the rank padded for the grouped GEMM."""
     from lightning_ffpa.experts import StackAdapter
 
-    rank = StackAdapter.padded(r)
-    return sum(p.shape[0] * rank * (p.shape[1] + p.shape[2]) for name, p in model.named_parameters()
+    return sum(StackAdapter.elements(p.shape, r) for name, p in model.named_parameters()
                if p.dim() == 3 and any(name.endswith(t) for t in target_parameters))
 
 

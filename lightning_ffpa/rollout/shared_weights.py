@@ -201,10 +201,9 @@ class WeightsPlan:
         """An adapted expert stack: the policy's W0 read in place, its adapter in buffers of the engine's
         (`experts.StackAdapter`), applied unmerged in the experts' grouped GEMMs."""
         w0, a = src[0], src[1]
-        experts, out_features, in_features = w0.shape
-        rank = StackAdapter.padded(a.shape[0] // experts)
         self.stacks[key] = src
-        self.own_why["expert LoRA A and B buffers"] += experts * rank * (in_features + out_features) * self.dtype.itemsize
+        self.own_why["expert LoRA A and B buffers"] += (StackAdapter.elements(w0.shape, a.shape[0] // w0.shape[0])
+                                                        * self.dtype.itemsize)
 
     def _try_group(self, parent_name: str, attrs: list[str], done: set[str]) -> bool:
         """Plan the Linears `attrs` of `parent_name` as one `LoraGroup` over the policy's W0 rows; False (nothing

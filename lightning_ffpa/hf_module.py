@@ -240,7 +240,7 @@ class HFModule(L.LightningModule):
             register_ffpa()
             model.set_attn_implementation("ffpa")
         if hp.get("lora"):
-            model = apply_lora(model, hp.lora)
+            model = apply_lora(model, hp.lora, announce=True)
             if device != "meta":  # a meta build (FSDP2Strategy) is quantised once its weights are loaded
                 self._store_base_in_fp8(model)
         return model

@@ -189,8 +189,9 @@ def check_targets_match(model: nn.Module, lora: dict[str, Any], option: str = "m
                           f"available: {available}")
 
 
-def apply_lora(model: nn.Module, lora: dict[str, Any], option: str = "model.lora") -> nn.Module:
-    """Wrap `model` in a peft LoRA model (only the adapters train)."""
+def apply_lora(model: nn.Module, lora: dict[str, Any], option: str = "model.lora", announce: bool = False) -> nn.Module:
+    """Wrap `model` in a peft LoRA model (only the adapters train). `announce`: say once how the expert adapters
+    run (the trained model's build; the meta models of checks and estimates stay quiet)."""
     from peft import LoraConfig, get_peft_model
 
     hparam = lora_hparam(lora, option)
@@ -206,8 +207,9 @@ def apply_lora(model: nn.Module, lora: dict[str, Any], option: str = "model.lora
         from lightning_ffpa.experts import unmerge_expert_adapters
 
         done = unmerge_expert_adapters(model, f"{option}.expert_adapters")
-        rank_zero_info(f"{option}.target_parameters: {done['stacks']} expert stacks in {done['unmerged']} MoE layers "
-                       "run their adapters unmerged in the experts' GEMMs (expert_adapters: unmerged)")
+        if announce:
+            rank_zero_info(f"{option}.target_parameters: {done['stacks']} expert stacks in {done['unmerged']} MoE layers "
+                           "run their adapters unmerged in the experts' GEMMs (expert_adapters: unmerged)")
     return model
 
 

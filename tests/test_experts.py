@@ -159,6 +159,20 @@ def test_expert_adapters_option_is_checked_and_folded_keeps_peft():
     assert not hasattr(find_experts(folded.base_model.model.model.layers)[0], "expert_adapters")
 
 
+
+def test_only_the_trained_models_build_says_how_the_expert_adapters_run(caplog):
+    """The GRPO memory estimate and the pre-flight checks build meta models with the fit's LoRA: they say nothing
+    (a GRPO fit on 26B-A4B printed the line three times)."""
+    from lightning_ffpa.module import Gemma4LM
+    from lightning_ffpa.rollout.memory import lora_meta_model
+
+    lora = {"r": 4, "target_modules": ["q_proj"], "target_parameters": EXPERTS}
+    with caplog.at_level("INFO"):
+        lora_meta_model("tiny-moe", 1, lora)
+        assert "run their adapters unmerged" not in caplog.text
+        Gemma4LM(preset="tiny-moe", config_overrides={"num_hidden_layers": 1}, lora=lora).build_model("cpu")
+    assert caplog.text.count("run their adapters unmerged") == 1
+
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 def test_unmerged_expert_adapters_on_cuda_train_like_the_fold_and_decode_in_cuda_graphs():

@@ -128,13 +128,15 @@ HEADLINES: dict[str, tuple[str, str]] = {
     # Roofline: the datasheet HBM bandwidth is the primary denominator; the copy bandwidth measured on the same
     # GPU (what a plain copy reaches there) follows as the secondary one.
     # MoE (a MoE preset's rollout.py file): the routed experts' bytes first, every weight once beside it
-    "moe_decode_routed_roofline_bs64": ("MoE rollouts, batch 64, greedy: decode throughput as a fraction of the HBM "
-                                        "roofline over the experts the batch routed to (per layer, the union over "
-                                        "the rows), at the datasheet bandwidth", "{:.1%}"),
-    "moe_decode_all_weights_roofline_bs64": ("MoE rollouts, batch 64, greedy: the same step, of the roofline over "
-                                             "every weight once (all experts)", "{:.1%}"),
-    "moe_decode_routed_expert_fraction_bs64": ("MoE rollouts, batch 64, greedy: the share of all expert bytes a "
-                                               "decode step read", "{:.1%}"),
+    **{k: v for bs in (64, 16) for k, v in {
+        f"moe_decode_routed_roofline_bs{bs}": (f"MoE rollouts, batch {bs}, greedy: decode throughput as a fraction "
+                                               "of the HBM roofline over the experts the batch routed to (per layer, "
+                                               "the union over the rows), at the datasheet bandwidth", "{:.1%}"),
+        f"moe_decode_all_weights_roofline_bs{bs}": (f"MoE rollouts, batch {bs}, greedy: the same step, of the "
+                                                    "roofline over every weight once (all experts)", "{:.1%}"),
+        f"moe_decode_routed_expert_fraction_bs{bs}": (f"MoE rollouts, batch {bs}, greedy: the share of all expert "
+                                                      "bytes a decode step read", "{:.1%}"),
+    }.items()},
     "roofline_fraction_datasheet_bs64": ("GRPO rollouts, batch 64, greedy: decode throughput as a fraction of the "
                                          "HBM roofline at the datasheet bandwidth", "{:.1%}"),
     "roofline_fraction_bs64": ("the same, of the copy bandwidth measured on the same GPU", "{:.1%}"),
@@ -362,6 +364,13 @@ def _notes(record: dict[str, Any]) -> str:
     return "".join(f"; {record['summary'][k]}" for k in NOTE_KEYS if isinstance(record["summary"].get(k), str))
 
 
+def _moe_repeat(key: str, record: dict[str, Any]) -> bool:
+    """A dense roofline key on a MoE rollout file: its all-weights roofline, which the MoE keys already give; at
+    small batches the step reads only the routed experts, so that denominator overstates the bytes."""
+    return key.startswith("roofline_fraction") and any(k.startswith("moe_decode_routed_roofline")
+                                                        for k in record["summary"])
+
+
 def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) -> list[str]:
     """Per result file, the file whose headline comes first in HEADLINES first: a line naming the run, then one
     bullet per known summary key or row value. A key held by several files of the same benchmark and notes is
@@ -379,7 +388,8 @@ def headline_lines(results: list[tuple[Path, dict[str, Any]]], link_from: Path) 
         bullets = []
         for key, (what, fmt) in HEADLINES.items():
             value = record["summary"].get(key)
-            if is_number(value) and newest[(record.get("benchmark"), notes, record.get("device"), key)] == path:
+            if (is_number(value) and not _moe_repeat(key, record)
+                    and newest[(record.get("benchmark"), notes, record.get("device"), key)] == path):
                 what += qualifier(key, record)
                 bullets.append(f"- **{fmt.format(value)}**: {what}. {link} (`summary.{key}`)")
         for bench, match, metric, what, fmt in ROW_HEADLINES:

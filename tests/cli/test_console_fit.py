@@ -63,6 +63,8 @@ def test_shipped_recipe_fits_two_steps_through_the_console_script(recipe, tmp_pa
     assert "/-2" not in screen  # no bogus epoch total
     assert "-0.000" not in screen  # a small loss (GRPO's) in scientific notation
     assert "litlogger" not in screen and "LeafSpec" not in screen  # Lightning's tip and its pytree deprecation
+    # how the expert adapters run is said once, by the trained model's build (not by the meta models of checks)
+    assert screen.count("run their adapters unmerged") == (recipe == "gemma4_26b_a4b"), screen[-3000:]
     if "--trainer.enable_progress_bar false" not in TINY[recipe]:
         assert re.search(r"Epoch 0, step\b.*\b2/2\b", screen), screen[-2000:]  # steps done of max_steps
     if "grpo" in recipe:  # the rollout start-up line says what runs: attention, KV blocks, decode step, projections

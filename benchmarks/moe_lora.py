@@ -13,6 +13,11 @@ on the 3-D expert stacks `experts.gate_up_proj`, `experts.down_proj` through pef
                   seq), the CLI's pre-flight, then `trainer.fit`.
   ours_folded_experts  ours with `lora.expert_adapters: folded`: peft folds W + s B A into every expert stack on each
                   forward (ours runs the expert adapters unmerged in the grouped GEMMs, `lightning_ffpa/experts.py`).
+  ours_save_mm_every_other, ours_save_mm_all  ours with only `strategy.sac_save_mm` changed. The yaml's `high_k`
+                  saves a matmul when K exceeds the width (2816): at these shapes only o_proj, so the experts'
+                  grouped GEMMs run again in the backward (`benchmarks/sac_accounting.py --preset gemma4-26b-a4b`
+                  counts the bytes and FLOPs per rule); `moe_save_mm_{rule}_vs_high_k_tps_{8k,16k}`. On the H200:
+                    python benchmarks/moe_lora.py --seqs 8192 --rows ours ours_save_mm_every_other ours_save_mm_all --out $OUT/moe_lora_save_mm_8k.json
   hf_same_recipe  ours' model and LoRA through HF Gemma4ForCausalLM + peft `get_peft_model`, SDPA for every
                   layer, `experts_implementation="grouped_mm"`, ours' recipe: the FSDP2Strategy options the yaml
                   gives ours (selective AC, per-layer compile, replicate_frozen), chunked linear CE, fused AdamW,
@@ -82,13 +87,17 @@ ROWS = {
             "experts as transformers sets them)",
     "ours_folded_experts": "ours with lora.expert_adapters: folded (peft's fold of W + s B A into every expert "
                            "stack on each forward, instead of ours' unmerged adapters in the grouped GEMMs)",
+    **{f"ours_save_mm_{rule}": (f"ours with strategy.sac_save_mm: {rule} (the yaml's high_k saves only o_proj at "
+                                f"26B-A4B's width: the experts' grouped GEMMs are recomputed in the backward)")
+       for rule in ("every_other", "all")},
     "hf_same_recipe": "ours' model and LoRA through HF Gemma4ForCausalLM + peft, SDPA for all layers, "
                       "experts_implementation=grouped_mm, ours' recipe (the yaml's FSDP2Strategy options: selective "
                       "AC, per-layer compile, replicate_frozen; chunked linear CE, fused AdamW, clip 1.0)",
     "hf_defaults": "hf_same_recipe with experts_implementation=eager, full AC, no compile, HF's loss (full fp32 "
                    "logits) and torch's default (foreach) AdamW",
 }
-OURS_ROWS = ("ours", "ours_folded_experts")  # built through lightning_ffpa.cli.build
+OURS_ROWS = ("ours", "ours_folded_experts", "ours_save_mm_every_other", "ours_save_mm_all")  # through cli.build
+SAVE_MM_ROWS = {"ours_save_mm_every_other": "every_other", "ours_save_mm_all": "all"}
 EXPERTS = {"hf_same_recipe": "grouped_mm", "hf_defaults": "eager"}
 _SEQ_TAGS = {8192: "8k", 16384: "16k"}
 _SHAPE_KEYS = ("preset", "layers", "warmup", "steps", "cpu")  # a resumed file must match these and the commit
@@ -169,6 +178,8 @@ def cli_args(spec: dict[str, Any], root: Path) -> list[str]:
                  "--trainer.strategy.init_args.param_dtype", "fp32", "--data.init_args.vocab_size", "512"]
     if spec["row"] == "ours_folded_experts":
         args += ["--model.init_args.lora.expert_adapters", "folded"]
+    if spec["row"] in SAVE_MM_ROWS:
+        args += ["--trainer.strategy.init_args.sac_save_mm", SAVE_MM_ROWS[spec["row"]]]
     return args
 
 
@@ -354,6 +365,11 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
         put(f"moe_unmerged_vs_folded_expert_lora_tps_{tag}",
             ours["tokens_per_s"] / folded["tokens_per_s"] if ours and folded else None,
             "; ".join(filter(None, (why_ours, why_folded))))
+        for name, rule in SAVE_MM_ROWS.items():
+            saving, why_saving = row_at(rows, name, seq)
+            put(f"moe_save_mm_{rule}_vs_high_k_tps_{tag}",
+                saving["tokens_per_s"] / ours["tokens_per_s"] if ours and saving else None,
+                "; ".join(filter(None, (why_ours, why_saving))))
         put(f"moe_mfu_active_spec_{tag}", ours and ours.get("mfu_active_spec"),
             why_ours or "row ours recorded no datasheet peak (not a CUDA device)")
         put(f"moe_full_depth_lora_peak_mem_gib_{tag}", ours and ours.get("peak_mem_allocated_gb"),

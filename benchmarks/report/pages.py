@@ -186,6 +186,10 @@ HEADLINES: dict[str, tuple[str, str]] = {
     **{f"moe_ours_vs_hf_defaults_tps_{k}": (f"Gemma4-26B-A4B, all 30 layers, LoRA r=16, one GPU, {k} tokens: ours "
                                             "vs HF + PEFT defaults (SDPA, eager experts, full AC, HF loss)",
                                             "{:.2f}x tokens/s") for k in ("8k", "16k")},
+    **{f"moe_unmerged_vs_folded_expert_lora_tps_{k}": (f"Gemma4-26B-A4B LoRA, {k} tokens, same run: ours' expert "
+                                                       "adapters unmerged in the grouped GEMMs vs peft's fold "
+                                                       "(`lora.expert_adapters: folded`)", "{:.2f}x tokens/s")
+       for k in ("8k", "16k")},
     **{f"moe_mfu_active_spec_{k}": (f"Gemma4-26B-A4B LoRA, {k} tokens, ours: MFU on active parameters (6 x active "
                                     "params x tokens + attention) of the bf16 datasheet peak", "{:.1%}")
        for k in ("8k", "16k")},

@@ -16,7 +16,8 @@ from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 _KEYS = {f"moe_{k}_{t}" for t in ("8k", "16k") for k in (
     "ours_vs_hf_same_recipe_tps", "ours_vs_hf_defaults_tps", "unmerged_vs_folded_expert_lora_tps", "mfu_active_spec",
-    "full_depth_lora_peak_mem_gib")}
+    "full_depth_lora_peak_mem_gib", "save_mm_every_other_vs_high_k_tps", "save_mm_all_vs_high_k_tps")}
+_SMOKE_ROWS = sorted(set(moe_lora.ROWS) - {"ours_save_mm_every_other"})  # its option is checked without a run
 
 
 @pytest.fixture(scope="module")
@@ -25,19 +26,19 @@ def smoke_run(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(_ROOT / "benchmarks" / "moe_lora.py"), "--cpu", "--profile", "ours",
-                           "--out", str(out)],
+                           "--rows", *_SMOKE_ROWS, "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
-@pytest.mark.slow  # four row processes, ~45 s on 2 cores
+@pytest.mark.slow  # five row processes, ~55 s on 2 cores
 @pytest.mark.timeout(300)
 def test_the_rows_run_in_their_own_processes_and_differ_where_their_labels_say(smoke_run):
     rows = {r["row"]: r for r in smoke_run["rows"]}
-    assert set(rows) == set(moe_lora.ROWS)
+    assert set(rows) == set(_SMOKE_ROWS)
     assert not [(r.get("error"), r.get("log_tail")) for r in rows.values() if "error" in r]
-    assert len({r["process"]["pid"] for r in rows.values()}) == 4 and os.getpid() not in {
+    assert len({r["process"]["pid"] for r in rows.values()}) == len(_SMOKE_ROWS) and os.getpid() not in {
         r["process"]["pid"] for r in rows.values()}
     for r in rows.values():
         assert r["seq"] == 128 and r["timed_steps"] == 1
@@ -65,6 +66,14 @@ def test_the_rows_run_in_their_own_processes_and_differ_where_their_labels_say(s
     assert folded["lora"] == {**ours["lora"], "expert_adapters": "folded"}
     assert set(ours["expert_lora_paths"]) == {"grouped_mm"} and folded["expert_lora_paths"] == {}
     assert folded["losses"][:2] == pytest.approx(ours["losses"][:2], rel=1e-4)
+    # ours_save_mm_*: ours with only the SAC matmul rule changed; saving more changes no number of the math
+    for name, rule in moe_lora.SAVE_MM_ROWS.items():
+        option = ["--trainer.strategy.init_args.sac_save_mm", rule]
+        assert moe_lora.cli_args({**spec, "row": name}, Path("r")) == moe_lora.cli_args(spec, Path("r")) + option
+    saving = rows["ours_save_mm_all"]
+    differ = {k for k in ours["strategy_settings"] if saving["strategy_settings"][k] != ours["strategy_settings"][k]}
+    assert differ == {"sac_save_mm"} and saving["strategy_settings"]["sac_save_mm"] == "all"
+    assert saving["losses"][:2] == pytest.approx(ours["losses"][:2], rel=1e-5)
     # the HF rows: SDPA, the experts each label names, on every MoE layer (2)
     assert ours["experts_implementation"] == same["experts_implementation"] == {"grouped_mm": 2}
     assert defaults["experts_implementation"] == {"eager": 2}
@@ -91,9 +100,12 @@ def test_summary_gives_ratios_mfu_memory_and_reasons():
     rows = [dict(row="ours", seq=8192, tokens_per_s=300.0, peak_mem_allocated_gb=90.0, mfu_active_spec=0.4),
             dict(row="hf_same_recipe", seq=8192, tokens_per_s=200.0, peak_mem_allocated_gb=100.0),
             dict(row="hf_defaults", seq=8192, error="CUDA out of memory"),
-            dict(row="ours", seq=16384, tokens_per_s=250.0, peak_mem_allocated_gb=120.0, mfu_active_spec=0.38)]
+            dict(row="ours", seq=16384, tokens_per_s=250.0, peak_mem_allocated_gb=120.0, mfu_active_spec=0.38),
+            dict(row="ours_save_mm_all", seq=8192, tokens_per_s=330.0)]
     summary, missing = moe_lora.summarize(rows)
-    assert set(summary) == _KEYS
+    assert set(summary) == _KEYS and summary["moe_save_mm_all_vs_high_k_tps_8k"] == pytest.approx(1.1)
+    assert "row ours_save_mm_every_other at seq 8192 is not in this result" in missing[
+        "moe_save_mm_every_other_vs_high_k_tps_8k"]
     assert summary["moe_ours_vs_hf_same_recipe_tps_8k"] == 1.5 and summary["moe_mfu_active_spec_8k"] == 0.4
     assert summary["moe_full_depth_lora_peak_mem_gib_16k"] == 120.0 and summary["moe_mfu_active_spec_16k"] == 0.38
     assert summary["moe_ours_vs_hf_defaults_tps_8k"] is None

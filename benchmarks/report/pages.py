@@ -181,7 +181,8 @@ HEADLINES: dict[str, tuple[str, str]] = {
     # Gemma4-26B-A4B (MoE) LoRA at full depth (benchmarks/moe_lora.py)
     **{f"moe_ours_vs_hf_same_recipe_tps_{k}": (f"Gemma4-26B-A4B, all 30 layers, LoRA r=16 (experts included), one "
                                                f"GPU, {k} tokens: ours vs HF + PEFT with the same recipe (SDPA, "
-                                               "grouped_mm experts, selective AC, compile, chunked CE)",
+                                               "grouped_mm experts, peft's fold of the expert adapters: its only "
+                                               "way for 3-D parameters; selective AC, compile, chunked CE)",
                                                "{:.2f}x tokens/s") for k in ("8k", "16k")},
     **{f"moe_ours_vs_hf_defaults_tps_{k}": (f"Gemma4-26B-A4B, all 30 layers, LoRA r=16, one GPU, {k} tokens: ours "
                                             "vs HF + PEFT defaults (SDPA, eager experts, full AC, HF loss)",

@@ -12,7 +12,8 @@ that whole stack though W is frozen. Unmerged, each projection is
     y = x @ W_e^T + s * (x @ A_e^T) @ B_e^T
 over the rows routed to expert e: two grouped GEMMs of rank r beside the base one, nothing the size of the stack,
 and no gradient for W. The parameters stay peft's (names, checkpoints, export and the rollout refresh read them as
-before). What ran is counted (`counters`, group "expert_lora": `grouped_mm` or `loop` forwards).
+before). What ran is counted (`counters`, group "expert_lora": `grouped_mm` or `loop` forwards). Rows move to and
+from expert order by gathers in both directions (`_RouteRows`): no scatter with atomics in the backward.
 Does not own which parameters are adapted (`lora.py`) nor expert parallelism (`parallel/expert_parallel.py`,
 which uses `expert_mlp` for its local experts and refuses expert LoRA).
 """
@@ -169,6 +170,26 @@ class StackAdapter:
         return self.a, self.b, 1.0
 
 
+class _RouteRows(torch.autograd.Function):
+    """rows = src[index], where each row of `src` lands `group` times, at rows[inverse[t * group + j]] for its j-th
+    copy. The backward gathers, g[inverse] summed over each row's copies, where autograd's backward of indexing
+    scatter-adds into zeros (`index_put` with accumulation: atomics, an order that varies run to run)."""
+
+    @staticmethod
+    def forward(ctx, src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, group: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.group = group
+        return src[index]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        g = grad[inverse]
+        if ctx.group > 1:
+            g = g.view(-1, ctx.group, grad.shape[-1]).sum(dim=1)
+        return g, None, None, None
+
+
 def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """HF's experts forward (hidden (T, H), top_k_index and top_k_weights (T, K)), the stacks' adapters unmerged."""
@@ -181,7 +202,9 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
             adapters[name] = factors
     flat = top_k_index.reshape(-1)  # (T*K,)
     experts_sorted, order = torch.sort(flat)
-    x = hidden[order // top_k]  # (T*K, H) grouped by expert
+    back = torch.empty_like(order)  # the inverse permutation: (token, slot) -> its row in expert order
+    back[order] = torch.arange(order.numel(), device=order.device)
+    x = _RouteRows.apply(hidden, order // top_k, back, top_k)  # (T*K, H) grouped by expert
     offsets = counts = None
     if experts_implementation(module) == "grouped_mm" and HAS_GROUPED_MM:
         # histc, not bincount: no host sync; CUDA's takes ints, the CPU's floats (as HF counts)
@@ -192,11 +215,11 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     counters.count(COUNTER, "grouped_mm" if offsets is not None else "loop", hidden)
     out = expert_mlp(x, module.gate_up_proj, module.down_proj, module.act_fn, offsets=offsets, counts=counts,
                      adapters=adapters)
-    weighted = out * top_k_weights.reshape(-1)[order, None]  # (T*K, H), the router's weights as HF multiplies them
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)
+    weights = _RouteRows.apply(top_k_weights.reshape(-1, 1), order, back, 1)  # (T*K, 1) in expert order
+    weighted = out * weights  # (T*K, H), the router's weights as HF multiplies them
     # HF's sum over each token's K rows (deterministic; index_add would add in bf16 with atomics)
-    return weighted[back].view(-1, top_k, hidden.shape[-1]).sum(dim=1).to(hidden.dtype)
+    per_token = _RouteRows.apply(weighted, back, order, 1).view(-1, top_k, hidden.shape[-1])
+    return per_token.sum(dim=1).to(hidden.dtype)
 
 
 def _bypass(wrapper: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -93,6 +93,26 @@ def test_unmerged_expert_adapters_match_peft_fold(impl, r):
     assert stacks and all(p.grad is None for p in stacks)  # frozen W: no stack-sized gradient
 
 
+def test_the_routing_backward_gathers_and_never_scatters():
+    """Tokens to expert order and back: the backward reads by the inverse permutation (autograd's backward of
+    indexing would `index_put` with accumulation: atomics on a GPU, sums in a varying order)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        seen: set = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **kwargs or {})
+
+    model = _peft_moe(4, "grouped_mm", layers=1)
+    unmerge_expert_adapters(model)
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    with Ops() as ops:
+        loss.backward()
+    assert "index" in ops.seen and not ops.seen & {"index_put", "index_put_", "_index_put_impl_", "index_add"}
+
 def test_expert_lora_factors_op_pads_peft_layout_into_new_tensors_and_backpropagates():
     e, r, rank, n_in, n_out = 3, 2, 8, 5, 7
     gen = torch.Generator().manual_seed(0)

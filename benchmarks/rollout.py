@@ -98,7 +98,7 @@ def build_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     only = {o for o in (args.only or "").split(",") if o}
     common = {k: getattr(args, k) for k in ("layers", "prompt_len", "new_tokens", "preset", "device", "page_size",
                                             "bandwidth_gb", "kernel_options", "compile_mode", "fuse_projections",
-                                            "kv_block_size", "fuse_kv_write")}
+                                            "kv_block_size", "fuse_kv_write", "dtype")}
     specs = []
     for bs in batches:
         for kind in kinds:
@@ -269,6 +269,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=None,
                     help="default: the preset's full depth (60 for gemma4-31b); 12 = reduced-depth ablation")
     ap.add_argument("--batches", default="16,64,128")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                    help="the model's dtype (default: bfloat16 on cuda, float32 on cpu); float32 on a GPU checks the "
+                         "engine against HF where bf16 rounding cannot flip a token or an expert choice")
     ap.add_argument("--modes", default="greedy,sample", help="greedy and/or sample (temperature 1.0, top-p 1.0)")
     ap.add_argument("--rows", default="ours_paged_flex,hf_generate_static", help=f"row kinds, of {', '.join(KINDS)}")
     ap.add_argument("--only", default=None, help="only these labels, e.g. ours_paged_flex@64,hf_generate_static_sampled")

@@ -61,12 +61,12 @@ def bandwidths(device: str, gb: float) -> dict[str, Any]:
             "datasheet_bytes_per_s": sheet, "device_name": name}
 
 
-def build_model(layers: int, preset: str, device: str):
+def build_model(layers: int, preset: str, device: str, dtype: str | None = None):
     from transformers import Gemma4ForCausalLM
 
     cfg = build_text_config(preset, num_hidden_layers=layers)
     saved = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
+    torch.set_default_dtype(getattr(torch, dtype) if dtype else torch.bfloat16 if device == "cuda" else torch.float32)
     try:
         with torch.device(device):
             model = Gemma4ForCausalLM(cfg)
@@ -226,7 +226,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
         load_kernel_options(spec["kernel_options"])
     bw = bandwidths(device, spec["bandwidth_gb"])
-    model, cfg = build_model(spec["layers"], spec["preset"], device)
+    model, cfg = build_model(spec["layers"], spec["preset"], device, spec.get("dtype"))
     prompts = prompts_for(spec["batch"], spec["prompt_len"], cfg.vocab_size)
     new, kind = spec["new_tokens"], spec["kind"]
     row: dict[str, Any] = {"bandwidth": bw, "num_params": sum(p.numel() for p in model.parameters())}

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of scripts
@@ -64,3 +65,15 @@ def test_a_failed_count_is_recorded_and_the_timed_row_kept(monkeypatch):
     row = rollout_rows.measure(spec)
     assert row["moe_routing_error"] == "RuntimeError: no room for the counting engine"
     assert row["tokens_per_s"] > 0 and row["roofline_fraction"] > 0 and "routed_roofline_fraction" not in row
+
+
+def test_dtype_option_reaches_the_rows_model():
+    """`--dtype float32` on a GPU checks the MoE engine against HF without bf16 flips; the row builds its model so."""
+    from benchmarks import rollout_rows
+
+    args = rollout.parse_args(["--preset", "tiny-moe", "--device", "cpu", "--batches", "1", "--dtype", "bfloat16"])
+    (spec,) = [s for s in rollout.build_specs(args) if s["kind"] == "ours_paged_flex" and s["mode"] == "greedy"]
+    assert spec["dtype"] == "bfloat16"
+    model, _ = rollout_rows.build_model(1, "tiny-moe", "cpu", spec["dtype"])
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in rollout_rows.build_model(1, "tiny-moe", "cpu")[0].parameters()} == {torch.float32}

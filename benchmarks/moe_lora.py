@@ -22,6 +22,10 @@ on the 3-D expert stacks `experts.gate_up_proj`, `experts.down_proj` through pef
                   layer, `experts_implementation="grouped_mm"`, ours' recipe: the FSDP2Strategy options the yaml
                   gives ours (selective AC, per-layer compile, replicate_frozen), chunked linear CE, fused AdamW,
                   clip 1.0. It differs from ours in the model path only (attention kernels, Gemma4LM).
+  unsloth_lora    the same LoRA through Unsloth (`benchmarks/unsloth_row.py`: imported first in its process, its
+                  `FastModel` with the expert stacks as `target_parameters`, its offloaded checkpointing and loss);
+                  what was tried and the exact error if it cannot run (`moe_ours_vs_unsloth_lora_tps_{8k,16k}`).
+                  The device needs Unsloth's wheels (`DEVICE_EXTRA_WHEELS`, GPU_RUNS.md).
   hf_defaults     hf_same_recipe with HF's defaults: eager experts (`experts_implementation="eager"`, a loop over
                   experts), full activation checkpointing (every layer replayed), no compile, HF's loss (full
                   fp32 logits), torch's default AdamW (foreach); same FSDP2 placement and clip.
@@ -93,6 +97,9 @@ ROWS = {
     "hf_same_recipe": "ours' model and LoRA through HF Gemma4ForCausalLM + peft, SDPA for all layers, "
                       "experts_implementation=grouped_mm, ours' recipe (the yaml's FSDP2Strategy options: selective "
                       "AC, per-layer compile, replicate_frozen; chunked linear CE, fused AdamW, clip 1.0)",
+    "unsloth_lora": "Unsloth FastModel.from_pretrained + FastModel.get_peft_model, the recipe's LoRA (its linear "
+                    "targets, and the expert stacks through target_parameters), Unsloth's own gradient checkpointing "
+                    "and compiled loss; imported first in its process (benchmarks/unsloth_row.py)",
     "hf_defaults": "hf_same_recipe with experts_implementation=eager, full AC, no compile, HF's loss (full fp32 "
                    "logits) and torch's default (foreach) AdamW",
 }
@@ -339,6 +346,10 @@ def _with_flops(row: dict[str, Any], times: list[float], spec: dict[str, Any], m
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One (row, seq) in this process: the row's measurement, or an `error` saying why it has none."""
+    if spec["row"] == "unsloth_lora":  # before anything imports transformers or peft in this process
+        from benchmarks.unsloth_row import measure_unsloth
+
+        return measure_unsloth({**spec, "smoke": spec["cpu"], "lora": recipe_lora()})
     row = (measure_ours if spec["row"] in OURS_ROWS else measure_hf)(spec)
     if not all(v == v and abs(v) < 1e4 for v in row["losses"]):
         row["error"] = f"non-finite loss {row['losses']}"
@@ -357,7 +368,7 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
 
     for seq, tag in _SEQ_TAGS.items():
         (ours, why_ours) = row_at(rows, "ours", seq)
-        for peer in ("hf_same_recipe", "hf_defaults"):
+        for peer in ("hf_same_recipe", "hf_defaults", "unsloth_lora"):
             other, why_other = row_at(rows, peer, seq)
             put(f"moe_ours_vs_{peer}_tps_{tag}", ours["tokens_per_s"] / other["tokens_per_s"] if ours and other
                 else None, "; ".join(filter(None, (why_ours, why_other))))

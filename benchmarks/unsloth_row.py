@@ -119,9 +119,11 @@ def _run(spec: dict[str, Any], row: dict[str, Any], attempt) -> None:
         model_name=str(path), max_seq_length=spec["seq"], dtype=dtype, load_in_4bit=False, load_in_8bit=False,
         load_in_16bit=True, full_finetuning=False, fix_tokenizer=False, use_exact_model_name=True,
         device_map={"": 0} if cuda else "cpu"))
+    stacks = {"target_parameters": spec["lora"]["target_parameters"]} if spec["lora"].get("target_parameters") else {}
     model = attempt("FastModel.get_peft_model", lambda: FastModel.get_peft_model(
         model, r=spec["lora"]["r"], lora_alpha=spec["lora"]["lora_alpha"], lora_dropout=0.0, bias="none",
-        target_modules=LINEAR, use_gradient_checkpointing=GRADIENT_CHECKPOINTING[spec["row"]], random_state=0))
+        target_modules=LINEAR, use_gradient_checkpointing=GRADIENT_CHECKPOINTING[spec["row"]], random_state=0,
+        **stacks))  # a MoE recipe's expert stacks (26B-A4B), as peft names them
     hf = model.get_base_model()
     # `from_pretrained` must have initialised the weights the file lacks: no all-zero or non-finite matrix
     row["matrices_not_initialised"] = sum(1 for p in hf.parameters() if p.dim() == 2 and not p.requires_grad

@@ -15,9 +15,10 @@ from benchmarks import moe_lora  # noqa: E402
 from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 _KEYS = {f"moe_{k}_{t}" for t in ("8k", "16k") for k in (
-    "ours_vs_hf_same_recipe_tps", "ours_vs_hf_defaults_tps", "unmerged_vs_folded_expert_lora_tps", "mfu_active_spec",
+    "ours_vs_hf_same_recipe_tps", "ours_vs_hf_defaults_tps", "ours_vs_unsloth_lora_tps", "unmerged_vs_folded_expert_lora_tps", "mfu_active_spec",
     "full_depth_lora_peak_mem_gib", "save_mm_every_other_vs_high_k_tps", "save_mm_all_vs_high_k_tps")}
-_SMOKE_ROWS = sorted(set(moe_lora.ROWS) - {"ours_save_mm_every_other"})  # its option is checked without a run
+# ours_save_mm_every_other: its option is checked without a run; unsloth_lora: no Unsloth on the CPU image
+_SMOKE_ROWS = sorted(set(moe_lora.ROWS) - {"ours_save_mm_every_other", "unsloth_lora"})
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +152,19 @@ def test_hf_rows_take_ours_strategy_options_and_defaults_change_ac_and_compile(t
     assert ours.compile and ours.activation_checkpointing == "selective"
     assert [n for n in names if getattr(defaults, n) != getattr(ours, n)] == ["activation_checkpointing", "compile"]
     assert defaults.activation_checkpointing == "full" and not defaults.compile
+
+
+def test_the_unsloth_row_gets_the_recipes_lora_with_the_expert_stacks(monkeypatch):
+    """The row hands Unsloth the yaml's LoRA, expert stacks included; in a process that imported transformers
+    first (this one) it is refused untimed, naming why."""
+    from benchmarks import unsloth_row
+
+    spec = dict(row="unsloth_lora", seq=128, preset="tiny-moe", layers=2, dtype="float32", warmup=1, steps=1, cpu=True)
+    row = moe_lora.measure(spec)
+    assert "Unsloth must come first" in row["error"] and "transformers" in row["imported_before_unsloth"]
+    seen = {}
+    monkeypatch.setattr(unsloth_row, "measure_unsloth", lambda s: seen.update(s) or {})
+    moe_lora.measure(spec)
+    assert seen["lora"] == moe_lora.recipe_lora() and seen["smoke"] is True
+    assert seen["lora"]["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
+    assert sorted(seen["lora"]["target_modules"]) == sorted(unsloth_row.LINEAR)

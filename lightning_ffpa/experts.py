@@ -31,7 +31,8 @@ from lightning_ffpa._compat.transformers import experts_implementation
 from lightning_ffpa.attention import counters
 from lightning_ffpa.errors import ConfigError
 
-__all__ = ["EXPERT_STACKS", "COUNTER", "StackAdapter", "expert_mlp", "path_counts", "peft_stack_factors", "serve_adapters",
+__all__ = ["EXPERT_STACKS", "COUNTER", "StackAdapter", "combine_by_token", "expert_mlp", "inverse_permutation",
+           "path_counts", "peft_stack_factors", "permute_rows", "serve_adapters", "sort_by_expert",
            "unmerge_expert_adapters", "unsupported"]
 
 EXPERT_STACKS = ("gate_up_proj", "down_proj")  # HF's names of the 3-D expert weights
@@ -190,36 +191,59 @@ class _RouteRows(torch.autograd.Function):
         return g, None, None, None
 
 
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """inv with inv[perm[i]] = i."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """x[perm], whose backward gathers by `inv` (the inverse permutation) instead of scattering."""
+    return _RouteRows.apply(x, perm, inv, 1)
+
+
+def sort_by_expert(hidden: torch.Tensor, top_k_index: torch.Tensor):
+    """Each token's row once per routed expert, grouped by expert (stable within an expert).
+    Returns (rows (T*K, H), experts of the rows, order, back): row i is token order[i] // K's copy for its
+    (order[i] % K)-th expert, and back is order's inverse, which `combine_by_token` takes."""
+    experts_sorted, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    back = inverse_permutation(order)
+    return _RouteRows.apply(hidden, order // top_k_index.shape[-1], back, top_k_index.shape[-1]), experts_sorted, order, back
+
+
+def combine_by_token(rows: torch.Tensor, top_k_weights: torch.Tensor, order: torch.Tensor, back: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The experts' rows (in `sort_by_expert`'s order) weighted by the router as HF weights them and summed per
+    token over its K rows, in a fixed order (an index_add would add in `dtype` with atomics)."""
+    top_k = top_k_weights.shape[-1]
+    weights = _RouteRows.apply(top_k_weights.reshape(-1, 1), order, back, 1)  # (T*K, 1) in expert order
+    per_token = permute_rows(rows * weights, back, order).view(-1, top_k, rows.shape[-1])
+    return per_token.sum(dim=1).to(dtype)
+
+
 def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """HF's experts forward (hidden (T, H), top_k_index and top_k_weights (T, K)), the stacks' adapters unmerged."""
-    num_experts, top_k = module.gate_up_proj.shape[0], top_k_index.shape[-1]
+    num_experts = module.gate_up_proj.shape[0]
     adapters = {}
     for name in EXPERT_STACKS:  # a plain loop: dynamo breaks the graph on a comprehension with `:=`
         adapter = module.expert_adapters.get(name)
         factors = None if adapter is None else adapter.factors(module.gate_up_proj.dtype)
         if factors is not None:
             adapters[name] = factors
-    flat = top_k_index.reshape(-1)  # (T*K,)
-    experts_sorted, order = torch.sort(flat)
-    back = torch.empty_like(order)  # the inverse permutation: (token, slot) -> its row in expert order
-    back[order] = torch.arange(order.numel(), device=order.device)
-    x = _RouteRows.apply(hidden, order // top_k, back, top_k)  # (T*K, H) grouped by expert
+    x, experts_sorted, order, back = sort_by_expert(hidden, top_k_index)  # (T*K, H) grouped by expert
     offsets = counts = None
     if experts_implementation(module) == "grouped_mm" and HAS_GROUPED_MM:
         # histc, not bincount: no host sync; CUDA's takes ints, the CPU's floats (as HF counts)
         counted = experts_sorted.int() if experts_sorted.is_cuda else experts_sorted.float()
         offsets = torch.histc(counted, bins=num_experts, min=0, max=num_experts - 1).cumsum(0, dtype=torch.int32)
     else:
-        counts = torch.bincount(flat, minlength=num_experts).tolist()
+        counts = torch.bincount(experts_sorted, minlength=num_experts).tolist()
     counters.count(COUNTER, "grouped_mm" if offsets is not None else "loop", hidden)
     out = expert_mlp(x, module.gate_up_proj, module.down_proj, module.act_fn, offsets=offsets, counts=counts,
                      adapters=adapters)
-    weights = _RouteRows.apply(top_k_weights.reshape(-1, 1), order, back, 1)  # (T*K, 1) in expert order
-    weighted = out * weights  # (T*K, H), the router's weights as HF multiplies them
-    # HF's sum over each token's K rows (deterministic; index_add would add in bf16 with atomics)
-    per_token = _RouteRows.apply(weighted, back, order, 1).view(-1, top_k, hidden.shape[-1])
-    return per_token.sum(dim=1).to(hidden.dtype)
+    return combine_by_token(out, top_k_weights, order, back, hidden.dtype)
 
 
 def _bypass(wrapper: nn.Module, *args: Any, **kwargs: Any) -> Any:

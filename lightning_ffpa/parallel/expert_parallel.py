@@ -9,6 +9,8 @@ and DCP checkpoints keep HF's names and whole shapes), and the experts' forward 
    grouped GEMM, `experts.expert_mlp`) when the model's experts implementation is "grouped_mm", else HF's eager math, one expert
    after another (what ran is counted in the module's `expert_parallel.stats`);
 4. all-to-all the results back and sum them per token with the router's weights, as HF does.
+Steps 1 and 4 are `experts.sort_by_expert` and `experts.combine_by_token`, the routing of the EP=1 path: the same
+sums in the same order, and gathers in both directions of the backward.
 The router is HF's, unchanged and replicated (its softmax in fp32); so are the dense MLP and attention, which
 FSDP2 shards over every rank (`fsdp.py`). Expert gradients: the all-to-all's backward brings each owner the
 gradient from every rank's tokens; they are then summed over the expert groups holding the same experts and divided
@@ -31,7 +33,14 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_ffpa._compat.torch import HAS_GROUPED_MM, all_to_all_autograd
 from lightning_ffpa._compat.transformers import experts_implementation
 from lightning_ffpa.errors import ConfigError
-from lightning_ffpa.experts import EXPERT_STACKS, expert_mlp
+from lightning_ffpa.experts import (
+    EXPERT_STACKS,
+    combine_by_token,
+    expert_mlp,
+    inverse_permutation,
+    permute_rows,
+    sort_by_expert,
+)
 from lightning_ffpa.parallel.dims import ParallelDims
 
 __all__ = ["EXPERT_STACKS", "clip_grad_norm_by_mesh", "find_experts", "shard_experts"]
@@ -155,11 +164,8 @@ class _Dispatch:
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """HF's experts forward (hidden (T, H), top_k_index and top_k_weights (T, K)) with tokens all-to-all'd."""
         ep, per_rank = self.ep, self.per_rank
-        top_k = top_k_index.shape[1]
-        flat = top_k_index.reshape(-1)  # (T*K,)
-        order = flat.argsort(stable=True)  # pairs grouped by expert, so by owning rank
-        token = order // top_k  # (T*K,) the token of each sorted pair
-        counts = torch.bincount(flat, minlength=per_rank * ep)  # (E,)
+        sent, experts_sorted, order, back = sort_by_expert(hidden, top_k_index)  # (T*K, H): by expert, so by rank
+        counts = torch.bincount(experts_sorted, minlength=per_rank * ep)  # (E,)
         recv_counts = torch.empty_like(counts)  # (ep * per_rank,): from each rank, per local expert
         dist.all_to_all_single(recv_counts, counts, group=self.group)
         send_splits = counts.view(ep, per_rank).sum(1).tolist()
@@ -169,13 +175,13 @@ class _Dispatch:
         self.stats["rows_sent"] += sum(send_splits) - mine
         recv_counts = recv_counts.view(ep, per_rank)
         recv_splits = recv_counts.sum(1).tolist()
-        sent = hidden[token]  # (T*K, H)
         got = all_to_all_autograd(sent, recv_splits, send_splits, self.group)  # (N, H): by source, then expert
         # Regroup the received rows by local expert.
         row_expert = torch.arange(per_rank, device=counts.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
         by_expert = row_expert.argsort(stable=True)  # (N,)
+        arrival = inverse_permutation(by_expert)
         gate_up, down = self._local(module.gate_up_proj), self._local(module.down_proj)
-        x = got[by_expert]
+        x = permute_rows(got, by_expert, arrival)
         grouped = experts_implementation(module) == "grouped_mm"
         if grouped and not HAS_GROUPED_MM:
             self.stats["grouped_mm_unavailable"] += 1
@@ -186,7 +192,6 @@ class _Dispatch:
             out = expert_mlp(x, gate_up, down, module.act_fn, offsets=per_expert.cumsum(0, dtype=torch.int32))
         else:
             out = expert_mlp(x, gate_up, down, module.act_fn, counts=per_expert.tolist())
-        y = torch.empty_like(x).index_copy(0, by_expert, out.to(x.dtype))  # back to arrival order
-        back = all_to_all_autograd(y, send_splits, recv_splits, self.group)  # (T*K, H) in `sent`'s order
-        weighted = back * top_k_weights.reshape(-1)[order, None]  # (T*K, H), fp32 weights as HF multiplies them
-        return torch.zeros_like(hidden).index_add(0, token, weighted.to(hidden.dtype))
+        y = permute_rows(out.to(x.dtype), arrival, by_expert)  # back to arrival order
+        rows = all_to_all_autograd(y, send_splits, recv_splits, self.group)  # (T*K, H) in `sent`'s order
+        return combine_by_token(rows, top_k_weights, order, back, hidden.dtype)

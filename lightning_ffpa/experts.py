@@ -12,10 +12,11 @@ that whole stack though W is frozen. Unmerged, each projection is
     y = x @ W_e^T + s * (x @ A_e^T) @ B_e^T
 over the rows routed to expert e: two grouped GEMMs of rank r beside the base one, nothing the size of the stack,
 and no gradient for W. The parameters stay peft's (names, checkpoints, export and the rollout refresh read them as
-before). What ran is counted (`counters`, group "expert_lora": `grouped_mm` or `loop` forwards). Rows move to and
-from expert order by gathers in both directions (`_RouteRows`): no scatter with atomics in the backward.
+before). What ran is counted (`counters`, group "expert_lora": `grouped_mm` or `loop` forwards). Also owns the routing
+(`sort_by_expert`, `combine_by_token`): rows move to and from expert order by gathers in both directions, so the
+backward has no scatter with atomics, and each token's K rows are summed in a fixed order.
 Does not own which parameters are adapted (`lora.py`) nor expert parallelism (`parallel/expert_parallel.py`,
-which uses `expert_mlp` for its local experts and refuses expert LoRA).
+which uses `expert_mlp` and the routing for its local experts and refuses expert LoRA).
 """
 
 from __future__ import annotations
@@ -207,9 +208,10 @@ def sort_by_expert(hidden: torch.Tensor, top_k_index: torch.Tensor):
     """Each token's row once per routed expert, grouped by expert (stable within an expert).
     Returns (rows (T*K, H), experts of the rows, order, back): row i is token order[i] // K's copy for its
     (order[i] % K)-th expert, and back is order's inverse, which `combine_by_token` takes."""
+    top_k = top_k_index.shape[-1]
     experts_sorted, order = torch.sort(top_k_index.reshape(-1), stable=True)
     back = inverse_permutation(order)
-    return _RouteRows.apply(hidden, order // top_k_index.shape[-1], back, top_k_index.shape[-1]), experts_sorted, order, back
+    return _RouteRows.apply(hidden, order // top_k, back, top_k), experts_sorted, order, back
 
 
 def combine_by_token(rows: torch.Tensor, top_k_weights: torch.Tensor, order: torch.Tensor, back: torch.Tensor,
@@ -217,7 +219,7 @@ def combine_by_token(rows: torch.Tensor, top_k_weights: torch.Tensor, order: tor
     """The experts' rows (in `sort_by_expert`'s order) weighted by the router as HF weights them and summed per
     token over its K rows, in a fixed order (an index_add would add in `dtype` with atomics)."""
     top_k = top_k_weights.shape[-1]
-    weights = _RouteRows.apply(top_k_weights.reshape(-1, 1), order, back, 1)  # (T*K, 1) in expert order
+    weights = permute_rows(top_k_weights.reshape(-1, 1), order, back)  # (T*K, 1) in expert order
     per_token = permute_rows(rows * weights, back, order).view(-1, top_k, rows.shape[-1])
     return per_token.sum(dim=1).to(dtype)
 

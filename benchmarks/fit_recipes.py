@@ -50,6 +50,14 @@ def console_command() -> list[str]:
     return [script] if script else [sys.executable, "-m", "lightning_ffpa.cli"]
 
 
+def described(cmd: list[str]) -> dict[str, str]:
+    """A row's `entry_point` (the installed `lightning-ffpa`, or the module it runs where an image has no console
+    script) and its `command` after it."""
+    entry = console_command()
+    return {"entry_point": "lightning-ffpa" if len(entry) == 1 else "python -m lightning_ffpa.cli",
+            "command": " ".join(cmd[len(entry):])}
+
+
 def read_metrics(root: Path) -> dict[str, float]:
     """Last logged value of each metric in the CSV logger's file under `root`."""
     found = sorted(root.rglob("metrics.csv"))
@@ -89,8 +97,7 @@ def fit(name: str, logs: Path, timeout: float) -> dict:
     # ThroughputMonitor logs tokens as `items` (TokenThroughput's length_fn counts tokens)
     keep = {k: v for k, v in metrics.items() if any(s in k for s in ("loss", "per_sec", "mfu", "memory", "step",
                                                                      "attention/", "reward", "rollout/"))}
-    return {"row": name, "recipe": f"configs/{recipe}.yaml", "command": " ".join(cmd[len(console_command()):]),
-            "exit_code": rc, "wall_s": wall, "last_line": lines[-1] if lines else "", "metrics": keep}
+    return {"row": name, "recipe": f"configs/{recipe}.yaml", **described(cmd), "exit_code": rc, "wall_s": wall, "last_line": lines[-1] if lines else "", "metrics": keep}
 
 
 def main() -> None:

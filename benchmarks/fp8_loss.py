@@ -53,7 +53,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.fit_recipes import console_command  # noqa: E402
+from benchmarks.fit_recipes import console_command, described  # noqa: E402
 from benchmarks.report import results_io  # noqa: E402
 
 ROWS = ("bf16", "fp8")
@@ -231,7 +231,7 @@ def run_row(args: argparse.Namespace, row: str, logs: Path, launch: Launch = run
     log.write_text(" ".join(cmd) + "\n" + "\n".join(lines) + "\n")
     record = dict(row=row, fp8=args.fp8 if row == "fp8" else "none", exit_code=rc,
                   wall_s=round(time.monotonic() - t0, 1), log=log.name, last_line=lines[-1] if lines else "",
-                  command=" ".join(cmd[len(console_command()):]).replace(str(root), "<run dir>"),
+                  **{k: v.replace(str(root), "<run dir>") for k, v in described(cmd).items()},
                   skipped_updates=sum(SKIPPED in ln for ln in lines), **text, **read_curve(root))
     said = CONVERTED.findall(out)
     record["fp8_converted_layers"] = int(said[-1][1]) if said else 0

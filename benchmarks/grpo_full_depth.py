@@ -52,7 +52,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.fit_recipes import console_command  # noqa: E402
+from benchmarks.fit_recipes import console_command, described  # noqa: E402
 from benchmarks.report.results_io import read_result, write_result  # noqa: E402
 
 _NOISE = ("DEBUG", "V1201", "I1201")
@@ -140,7 +140,7 @@ def fit_row(length: int, args: argparse.Namespace) -> dict[str, Any]:
     log.write_text(" ".join(cmd) + "\n" + "\n".join(lines) + "\n")
     steps = read_steps(root)
     return {"name": f"ours_grpo_{length}", "completion_len": length, "prompt_len": args.prompt_len,
-            "base_dtype": args.base_dtype, "command": " ".join(cmd[len(console_command()):]), "exit_code": rc,
+            "base_dtype": args.base_dtype, **described(cmd), "exit_code": rc,
             "wall_s": wall, "last_line": lines[-1] if lines else "", "log": log.name, "steps": steps}
 
 

@@ -380,6 +380,7 @@ def test_two_files_of_one_day_without_calls_are_told_apart_by_when_the_writer_fi
     monkeypatch.setattr(sys, "argv", ["bench.py"])
     first = json.loads(results_io.write_result("b", [], {"ours_mfu_spec_16k": 0.45}, out=tmp_path / "z.json").read_text())
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", first["finished_at"])
+    first["tree"] = dict(first["tree"], differs_from_commit=False)  # as from a clean commit, whatever this tree is
     earlier = dict(first, commit="aaaaaaa", finished_at=f"{first['date']} 00:00:01", summary={"ours_mfu_spec_16k": 0.4})
     later = dict(first, commit="bbbbbbb", finished_at=f"{first['date']} 23:59:59")
     for order in ((earlier, later), (later, earlier)):  # "a.json" sorts first either way: the time decides

@@ -13,6 +13,9 @@ on the 3-D expert stacks `experts.gate_up_proj`, `experts.down_proj` through pef
                   seq), the CLI's pre-flight, then `trainer.fit`.
   ours_folded_experts  ours with `lora.expert_adapters: folded`: peft folds W + s B A into every expert stack on each
                   forward (ours runs the expert adapters unmerged in the grouped GEMMs, `lightning_ffpa/experts.py`).
+  ours_scatter_routing  ours with the routing's backward left to autograd's indexing (index_put into zeros, a scatter
+                  with atomics: the code before 654d28d) in place of ours' gathers by the inverse permutation;
+                  `moe_gather_vs_scatter_routing_tps_{8k,16k}`.
   ours_save_mm_every_other, ours_save_mm_all  ours with only `strategy.sac_save_mm` changed. The yaml's `high_k`
                   saves a matmul when K exceeds the width (2816): at these shapes only o_proj, so the experts'
                   grouped GEMMs run again in the backward (`benchmarks/sac_accounting.py --preset gemma4-26b-a4b`
@@ -91,6 +94,9 @@ ROWS = {
             "experts as transformers sets them)",
     "ours_folded_experts": "ours with lora.expert_adapters: folded (peft's fold of W + s B A into every expert "
                            "stack on each forward, instead of ours' unmerged adapters in the grouped GEMMs)",
+    "ours_scatter_routing": "ours with the routing's backward as autograd's indexing gives it (index_put into zeros: "
+                            "a scatter with atomics) instead of ours' gathers by the inverse permutation "
+                            "(experts._RouteRows), as before 654d28d",
     **{f"ours_save_mm_{rule}": (f"ours with strategy.sac_save_mm: {rule} (the yaml's high_k saves only o_proj at "
                                 f"26B-A4B's width: the experts' grouped GEMMs are recomputed in the backward)")
        for rule in ("every_other", "all")},
@@ -103,7 +109,8 @@ ROWS = {
     "hf_defaults": "hf_same_recipe with experts_implementation=eager, full AC, no compile, HF's loss (full fp32 "
                    "logits) and torch's default (foreach) AdamW",
 }
-OURS_ROWS = ("ours", "ours_folded_experts", "ours_save_mm_every_other", "ours_save_mm_all")  # through cli.build
+OURS_ROWS = ("ours", "ours_folded_experts", "ours_scatter_routing", "ours_save_mm_every_other",
+             "ours_save_mm_all")  # through cli.build
 SAVE_MM_ROWS = {"ours_save_mm_every_other": "every_other", "ours_save_mm_all": "all"}
 EXPERTS = {"hf_same_recipe": "grouped_mm", "hf_defaults": "eager"}
 _SEQ_TAGS = {8192: "8k", 16384: "16k"}
@@ -239,6 +246,10 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                     torch.cuda.reset_peak_memory_stats(device)
             self.last = time.perf_counter()
 
+    from lightning_ffpa import experts
+
+    if spec["row"] == "ours_scatter_routing":  # this row's process only: plain indexing, autograd's backward
+        experts._RouteRows.apply = lambda src, index, inverse, group: src[index]
     root = Path(tempfile.mkdtemp(prefix="moe_ours_"))
     words = cli_args(spec, root)
     clock = StepClock()
@@ -249,6 +260,8 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                attn_implementation=hf_compat.config_attn_implementation(model.config),
                lora=cli.model.hparams.lora, experts_implementation=experts_impls(model),
                expert_lora_paths=expert_lora_paths(),
+               # what this process ran: the Function's own apply (the gathers), or plain indexing put in its place
+               routing_backward="index_put (autograd)" if "apply" in vars(experts._RouteRows) else "gather",
                graph_breaks=sum(torch_compat.dynamo_counters()["graph_break"].values()),
                global_step=cli.trainer.global_step, losses=clock.losses, static_memory=static_memory(cli.model),
                strategy_settings=strategy_settings(cli.trainer.strategy, model))
@@ -376,6 +389,10 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
         put(f"moe_unmerged_vs_folded_expert_lora_tps_{tag}",
             ours["tokens_per_s"] / folded["tokens_per_s"] if ours and folded else None,
             "; ".join(filter(None, (why_ours, why_folded))))
+        scatter, why_scatter = row_at(rows, "ours_scatter_routing", seq)
+        put(f"moe_gather_vs_scatter_routing_tps_{tag}",
+            ours["tokens_per_s"] / scatter["tokens_per_s"] if ours and scatter else None,
+            "; ".join(filter(None, (why_ours, why_scatter))))
         for name, rule in SAVE_MM_ROWS.items():
             saving, why_saving = row_at(rows, name, seq)
             put(f"moe_save_mm_{rule}_vs_high_k_tps_{tag}",

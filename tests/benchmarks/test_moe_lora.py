@@ -16,7 +16,8 @@ from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 _KEYS = {f"moe_{k}_{t}" for t in ("8k", "16k") for k in (
     "ours_vs_hf_same_recipe_tps", "ours_vs_hf_defaults_tps", "ours_vs_unsloth_lora_tps", "unmerged_vs_folded_expert_lora_tps", "mfu_active_spec",
-    "full_depth_lora_peak_mem_gib", "save_mm_every_other_vs_high_k_tps", "save_mm_all_vs_high_k_tps")}
+    "full_depth_lora_peak_mem_gib", "save_mm_every_other_vs_high_k_tps", "save_mm_all_vs_high_k_tps",
+    "gather_vs_scatter_routing_tps")}
 # ours_save_mm_every_other: its option is checked without a run; unsloth_lora: no Unsloth on the CPU image
 _SMOKE_ROWS = sorted(set(moe_lora.ROWS) - {"ours_save_mm_every_other", "unsloth_lora"})
 
@@ -33,7 +34,7 @@ def smoke_run(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.slow  # five row processes, ~55 s on 2 cores
+@pytest.mark.slow  # six row processes, ~65 s on 2 cores
 @pytest.mark.timeout(300)
 def test_the_rows_run_in_their_own_processes_and_differ_where_their_labels_say(smoke_run):
     rows = {r["row"]: r for r in smoke_run["rows"]}
@@ -75,6 +76,12 @@ def test_the_rows_run_in_their_own_processes_and_differ_where_their_labels_say(s
     differ = {k for k in ours["strategy_settings"] if saving["strategy_settings"][k] != ours["strategy_settings"][k]}
     assert differ == {"sac_save_mm"} and saving["strategy_settings"]["sac_save_mm"] == "all"
     assert saving["losses"][:2] == pytest.approx(ours["losses"][:2], rel=1e-5)
+    # ours_scatter_routing: the same command; only the routing's backward differs (and says so), not the math
+    scatter = rows["ours_scatter_routing"]
+    assert moe_lora.cli_args({**spec, "row": "ours_scatter_routing"}, Path("r")) == moe_lora.cli_args(spec, Path("r"))
+    assert scatter["strategy_settings"] == ours["strategy_settings"]
+    assert (ours["routing_backward"], scatter["routing_backward"]) == ("gather", "index_put (autograd)")
+    assert scatter["losses"][:2] == pytest.approx(ours["losses"][:2], rel=1e-5)
     # the HF rows: SDPA, the experts each label names, on every MoE layer (2)
     assert ours["experts_implementation"] == same["experts_implementation"] == {"grouped_mm": 2}
     assert defaults["experts_implementation"] == {"eager": 2}

@@ -192,6 +192,14 @@ class _RouteRows(torch.autograd.Function):
         return g, None, None, None
 
 
+def _route(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, group: int) -> torch.Tensor:
+    """src[index] through `_RouteRows` where a backward will follow; plain indexing otherwise (rollouts' decode,
+    captured in CUDA graphs, runs without autograd)."""
+    if torch.is_grad_enabled() and src.requires_grad:
+        return _RouteRows.apply(src, index, inverse, group)
+    return src[index]
+
+
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     """inv with inv[perm[i]] = i."""
     inv = torch.empty_like(perm)
@@ -201,7 +209,7 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
 
 def permute_rows(x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """x[perm], whose backward gathers by `inv` (the inverse permutation) instead of scattering."""
-    return _RouteRows.apply(x, perm, inv, 1)
+    return _route(x, perm, inv, 1)
 
 
 def sort_by_expert(hidden: torch.Tensor, top_k_index: torch.Tensor):
@@ -211,7 +219,7 @@ def sort_by_expert(hidden: torch.Tensor, top_k_index: torch.Tensor):
     top_k = top_k_index.shape[-1]
     experts_sorted, order = torch.sort(top_k_index.reshape(-1), stable=True)
     back = inverse_permutation(order)
-    return _RouteRows.apply(hidden, order // top_k, back, top_k), experts_sorted, order, back
+    return _route(hidden, order // top_k, back, top_k), experts_sorted, order, back
 
 
 def combine_by_token(rows: torch.Tensor, top_k_weights: torch.Tensor, order: torch.Tensor, back: torch.Tensor,

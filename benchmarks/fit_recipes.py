@@ -97,7 +97,8 @@ def fit(name: str, logs: Path, timeout: float) -> dict:
     # ThroughputMonitor logs tokens as `items` (TokenThroughput's length_fn counts tokens)
     keep = {k: v for k, v in metrics.items() if any(s in k for s in ("loss", "per_sec", "mfu", "memory", "step",
                                                                      "attention/", "reward", "rollout/"))}
-    return {"row": name, "recipe": f"configs/{recipe}.yaml", **described(cmd), "exit_code": rc, "wall_s": wall, "last_line": lines[-1] if lines else "", "metrics": keep}
+    return {"row": name, "recipe": f"configs/{recipe}.yaml", **described(cmd), "exit_code": rc, "wall_s": wall,
+            "last_line": lines[-1] if lines else "", "metrics": keep}
 
 
 def main() -> None:

@@ -210,12 +210,11 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_ffpa import attention
+    from lightning_ffpa import attention, experts
     from lightning_ffpa._compat import torch as torch_compat
     from lightning_ffpa._compat import transformers as hf_compat
     from lightning_ffpa._compat.transformers import find_hf_model
     from lightning_ffpa.callbacks.throughput import train_flops_per_batch
-    from lightning_ffpa.experts import path_counts as expert_lora_paths
 
     class StepClock(Callback):
         """Wall time between consecutive batch ends (synchronised); dispatch counts and peaks from the warm-up's end;
@@ -246,8 +245,6 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                     torch.cuda.reset_peak_memory_stats(device)
             self.last = time.perf_counter()
 
-    from lightning_ffpa import experts
-
     if spec["row"] == "ours_scatter_routing":  # this row's process only: plain indexing, autograd's backward
         experts._RouteRows.apply = lambda src, index, inverse, group: src[index]
     root = Path(tempfile.mkdtemp(prefix="moe_ours_"))
@@ -259,7 +256,7 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
                callbacks=[type(c).__qualname__ for c in cli.trainer.callbacks], dispatch=clock.dispatch,
                attn_implementation=hf_compat.config_attn_implementation(model.config),
                lora=cli.model.hparams.lora, experts_implementation=experts_impls(model),
-               expert_lora_paths=expert_lora_paths(),
+               expert_lora_paths=experts.path_counts(),
                # what this process ran: the Function's own apply (the gathers), or plain indexing put in its place
                routing_backward="index_put (autograd)" if "apply" in vars(experts._RouteRows) else "gather",
                graph_breaks=sum(torch_compat.dynamo_counters()["graph_break"].values()),

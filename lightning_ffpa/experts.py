@@ -212,7 +212,8 @@ def permute_rows(x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torc
     return _route(x, perm, inv, 1)
 
 
-def sort_by_expert(hidden: torch.Tensor, top_k_index: torch.Tensor):
+def sort_by_expert(hidden: torch.Tensor,
+                   top_k_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each token's row once per routed expert, grouped by expert (stable within an expert).
     Returns (rows (T*K, H), experts of the rows, order, back): row i is token order[i] // K's copy for its
     (order[i] % K)-th expert, and back is order's inverse, which `combine_by_token` takes."""

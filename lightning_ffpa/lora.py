@@ -239,4 +239,3 @@ def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling:
 
     a_e, b_e = peft_stack_factors(a, b, base.shape[0])  # (E, r, in), (E, r, out)
     return torch.baddbmm(base, b_e.transpose(-2, -1), a_e, alpha=scaling, out=out)
-

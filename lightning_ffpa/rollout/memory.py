@@ -26,8 +26,8 @@ The two transients do not overlap (the log-probs' backward ends before the layer
 larger. Parameters, KV specs and stored bytes come from the model built on the meta device (no memory, exact
 shapes); `tests/rollout/test_memory.py` checks the per-token terms against the bytes autograd and the product's
 SAC policy save. MoE expert activations are counted by the same rules with a dense layer's coefficient (`caveats`
-says so); the shared engine's expert adapter buffers are counted (`expert_adapter_params`). It does not measure a run; `benchmarks/results/`
-holds measured peaks (`benchmarks/grpo_full_depth.py` records this estimate beside them). Reading a recipe and
+says so); the shared engine's expert adapter buffers are counted (`expert_adapter_params`). It does not measure a
+run; `benchmarks/results/` holds measured peaks (`benchmarks/grpo_full_depth.py` records this estimate beside them). Reading a recipe and
 console overrides into these arguments is `memory_recipe.py`'s.
 
     python -m lightning_ffpa.rollout.memory --preset gemma4-31b --num_hidden_layers 12 \

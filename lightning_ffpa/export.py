@@ -220,7 +220,7 @@ def adapted_parameters(meta: dict[str, Any]) -> dict[str, str]:
     adapts). Read from the checkpoint's module built on meta; empty without `target_parameters`."""
     if not ((meta.get("hyper_parameters") or {}).get("lora") or {}).get("target_parameters"):
         return {}
-    model = build_module(meta).build_model(device="meta")
+    model = build_module(meta).build_model(device="meta", announce=False)
     return {name: module.parameter_name for name, module in model.named_modules()
             if isinstance(getattr(module, "parameter_name", None), str) and hasattr(module, "lora_A")}
 

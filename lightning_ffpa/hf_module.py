@@ -219,8 +219,9 @@ class HFModule(L.LightningModule):
 
         return isinstance(self.trainer.strategy, FSDP2Strategy)
 
-    def build_model(self, device: torch.device | str | None = None) -> nn.Module:
-        """Create the HF model (weights loaded or randomly initialised) with the configured attention and LoRA."""
+    def build_model(self, device: torch.device | str | None = None, announce: bool = True) -> nn.Module:
+        """Create the HF model (weights loaded or randomly initialised) with the configured attention and LoRA.
+        `announce=False`: the meta models of checks and estimates, which must not repeat the trained model's lines."""
         hp = self.hparams
         dtype = resolve_dtype(hp.get("dtype", "auto"))
         cls = _MODEL_CLASSES[self.model_class_name]
@@ -240,7 +241,7 @@ class HFModule(L.LightningModule):
             register_ffpa()
             model.set_attn_implementation("ffpa")
         if hp.get("lora"):
-            model = apply_lora(model, hp.lora, announce=True)
+            model = apply_lora(model, hp.lora, announce=announce)
             if device != "meta":  # a meta build (FSDP2Strategy) is quantised once its weights are loaded
                 self._store_base_in_fp8(model)
         return model

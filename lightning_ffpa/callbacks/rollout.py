@@ -162,7 +162,7 @@ class RolloutCallback(L.Callback):
         if self.verify_no_drift and "lora" in hparams and not hparams["lora"]:
             raise ConfigError(f"{OPTION}.verify_no_drift", True, NO_LORA_TO_VERIFY)
         if self.engine_config.num_sliding_pages and isinstance(pl_module, HFModule):  # set by hand: one window fits
-            meta = unwrap_peft(pl_module.build_model("meta"))
+            meta = unwrap_peft(pl_module.build_model("meta", announce=False))
             self.engine_config.sliding_pages(DecoderWalker(meta).specs, f"{OPTION}.engine")
         if not pl_module.automatic_optimization:  # GRPOModule steps its optimizer itself (micro-batches, iterations)
             if trainer.gradient_clip_val:
@@ -212,7 +212,7 @@ class RolloutCallback(L.Callback):
         free = free_device_bytes(trainer.strategy.root_device)
         if free is None or not isinstance(pl_module, HFModule):
             return
-        meta = pl_module.build_model("meta")
+        meta = pl_module.build_model("meta", announce=False)
         policy_dtype = resolve_dtype(pl_module.hparams.get("dtype", "auto"))
         dtype = self.inference_dtype or getattr(trainer.strategy, "param_dtype", None) or policy_dtype
         if (pl_module.hparams.get("lora") or {}).get("base_dtype") == "fp8":  # the base as the fit will store it

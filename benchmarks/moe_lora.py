@@ -16,6 +16,9 @@ on the 3-D expert stacks `experts.gate_up_proj`, `experts.down_proj` through pef
   ours_scatter_routing  ours with the routing's backward left to autograd's indexing (index_put into zeros, a scatter
                   with atomics: the code before 654d28d) in place of ours' gathers by the inverse permutation;
                   `moe_gather_vs_scatter_routing_tps_{8k,16k}`.
+  ours_flex_sliding  ours with FFPAAttention's `sliding: flex` in place of the yaml's `auto` (FA4 on the sliding
+                  layers where flash-attn-4 is installed); `moe_sliding_auto_vs_flex_tps_{8k,16k}`, recorded only when
+                  ours' dispatch counts show FA4 ran.
   ours_save_mm_every_other, ours_save_mm_all  ours with only `strategy.sac_save_mm` changed. The yaml's `high_k`
                   saves a matmul when K exceeds the width (2816): at these shapes only o_proj, so the experts'
                   grouped GEMMs run again in the backward (`benchmarks/sac_accounting.py --preset gemma4-26b-a4b`
@@ -97,6 +100,8 @@ ROWS = {
     "ours_scatter_routing": "ours with the routing's backward as autograd's indexing gives it (index_put into zeros: "
                             "a scatter with atomics) instead of ours' gathers by the inverse permutation "
                             "(experts._RouteRows), as before 654d28d",
+    "ours_flex_sliding": "ours with FFPAAttention's sliding: flex (the sliding-window layers on Flex) instead of the "
+                         "yaml's sliding: auto (FA4 where flash-attn-4 is installed and a call can take it)",
     **{f"ours_save_mm_{rule}": (f"ours with strategy.sac_save_mm: {rule} (the yaml's high_k saves only o_proj at "
                                 f"26B-A4B's width: the experts' grouped GEMMs are recomputed in the backward)")
        for rule in ("every_other", "all")},
@@ -109,7 +114,7 @@ ROWS = {
     "hf_defaults": "hf_same_recipe with experts_implementation=eager, full AC, no compile, HF's loss (full fp32 "
                    "logits) and torch's default (foreach) AdamW",
 }
-OURS_ROWS = ("ours", "ours_folded_experts", "ours_scatter_routing", "ours_save_mm_every_other",
+OURS_ROWS = ("ours", "ours_folded_experts", "ours_scatter_routing", "ours_flex_sliding", "ours_save_mm_every_other",
              "ours_save_mm_all")  # through cli.build
 SAVE_MM_ROWS = {"ours_save_mm_every_other": "every_other", "ours_save_mm_all": "all"}
 EXPERTS = {"hf_same_recipe": "grouped_mm", "hf_defaults": "eager"}
@@ -177,6 +182,9 @@ def cli_args(spec: dict[str, Any], root: Path) -> list[str]:
     """`lightning-ffpa fit` words for ours: the shipped yaml plus one-GPU run overrides (no `fit`: run=False)."""
     listed = _recipe()["trainer"]["callbacks"]
     callbacks = [c for c in listed if not c["class_path"].endswith("ModelCheckpoint")]  # a save takes minutes
+    if spec["row"] == "ours_flex_sliding":
+        callbacks = [{**c, "init_args": {**c.get("init_args", {}), "sliding": "flex"}}
+                     if c["class_path"].endswith("FFPAAttention") else c for c in callbacks]
     seq = spec["seq"]
     args = ["--config", str(CONFIG), "--trainer.enable_checkpointing", "false",
             "--trainer.callbacks", json.dumps(callbacks), "--trainer.devices", "1",
@@ -390,6 +398,11 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
         put(f"moe_gather_vs_scatter_routing_tps_{tag}",
             ours["tokens_per_s"] / scatter["tokens_per_s"] if ours and scatter else None,
             "; ".join(filter(None, (why_ours, why_scatter))))
+        flex, why_flex = row_at(rows, "ours_flex_sliding", seq)
+        fa4_ran = bool(ours and sum(n for k, n in (ours.get("dispatch") or {}).items() if k.startswith("fa4")))
+        put(f"moe_sliding_auto_vs_flex_tps_{tag}",
+            ours["tokens_per_s"] / flex["tokens_per_s"] if ours and flex and fa4_ran else None,
+            "; ".join(filter(None, (why_ours, why_flex))) or "ours' sliding layers ran Flex too (auto found no FA4)")
         for name, rule in SAVE_MM_ROWS.items():
             saving, why_saving = row_at(rows, name, seq)
             put(f"moe_save_mm_{rule}_vs_high_k_tps_{tag}",

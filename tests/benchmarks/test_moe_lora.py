@@ -17,10 +17,12 @@ from lightning_ffpa.errors import ConfigError  # noqa: E402
 _KEYS = {f"moe_{k}_{t}" for t in ("8k", "16k") for k in (
     "ours_vs_hf_same_recipe_tps", "ours_vs_hf_defaults_tps", "ours_vs_unsloth_lora_tps", "unmerged_vs_folded_expert_lora_tps", "mfu_active_spec",
     "full_depth_lora_peak_mem_gib", "save_mm_every_other_vs_high_k_tps", "save_mm_all_vs_high_k_tps",
-    "gather_vs_scatter_routing_tps")}
+    "gather_vs_scatter_routing_tps", "sliding_auto_vs_flex_tps")}
 # ours_save_mm_every_other: its option and ours_save_mm_all's are checked without a run (SAC's rules have their own
-# tests); unsloth_lora: no Unsloth on the CPU image
-_SMOKE_ROWS = sorted(set(moe_lora.ROWS) - {"ours_save_mm_every_other", "ours_save_mm_all", "unsloth_lora"})
+# tests); ours_flex_sliding: its command is checked (CPU has no FA4 for `auto` to pick); unsloth_lora: no Unsloth on
+# the CPU image
+_SMOKE_ROWS = sorted(set(moe_lora.ROWS) - {"ours_save_mm_every_other", "ours_save_mm_all", "ours_flex_sliding",
+                                          "unsloth_lora"})
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +77,14 @@ def test_the_rows_run_in_their_own_processes_and_differ_where_their_labels_say(s
         assert moe_lora.cli_args({**spec, "row": name}, Path("r")) == moe_lora.cli_args(spec, Path("r")) + option
     assert moe_lora.strategy_init_args({**spec, "row": "ours_save_mm_all"}) == {
         **moe_lora.strategy_init_args(spec), "sac_save_mm": "all"}
+    # ours_flex_sliding: the yaml's FFPAAttention with sliding: flex, every other word the same
+    flex_words, ours_words = moe_lora.cli_args({**spec, "row": "ours_flex_sliding"}, Path("r")), moe_lora.cli_args(spec, Path("r"))
+    at = ours_words.index("--trainer.callbacks") + 1
+    flex_cbs, ours_cbs = json.loads(flex_words[at]), json.loads(ours_words[at])
+    assert flex_words[:at] + flex_words[at + 1:] == ours_words[:at] + ours_words[at + 1:]
+    assert [c["init_args"].get("sliding") for c in flex_cbs if c["class_path"].endswith("FFPAAttention")] == ["flex"]
+    assert [c for c in flex_cbs if not c["class_path"].endswith("FFPAAttention")] == [
+        c for c in ours_cbs if not c["class_path"].endswith("FFPAAttention")]
     # ours_scatter_routing: the same command; only the routing's backward differs (and says so), not the math
     scatter = rows["ours_scatter_routing"]
     assert moe_lora.cli_args({**spec, "row": "ours_scatter_routing"}, Path("r")) == moe_lora.cli_args(spec, Path("r"))
@@ -119,6 +129,12 @@ def test_summary_gives_ratios_mfu_memory_and_reasons():
     assert "no measurement: CUDA out of memory" in missing["moe_ours_vs_hf_defaults_tps_8k"]
     assert "row hf_same_recipe at seq 16384 is not in this result" in missing["moe_ours_vs_hf_same_recipe_tps_16k"]
     assert set(missing) == {k for k, v in summary.items() if v is None}
+    # auto against flex on the sliding layers: only when ours' dispatch shows FA4 ran
+    flex = dict(row="ours_flex_sliding", seq=8192, tokens_per_s=250.0)
+    summary, missing = moe_lora.summarize([*rows, flex])
+    assert "auto found no FA4" in missing["moe_sliding_auto_vs_flex_tps_8k"]
+    summary, _ = moe_lora.summarize([dict(rows[0], dispatch={"fa4-dense": 125, "flex": 0}), *rows[1:], flex])
+    assert summary["moe_sliding_auto_vs_flex_tps_8k"] == pytest.approx(1.2)
     rows[0] = dict(rows[0], error="timeout")  # ours failed: every 8k key null, the reason named
     summary, missing = moe_lora.summarize(rows)
     assert all(summary[k] is None for k in _KEYS if k.endswith("_8k"))

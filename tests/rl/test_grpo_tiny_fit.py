@@ -105,3 +105,30 @@ def test_routed_experts_are_logged_per_rollout():
     union = logged["rollout/moe_mean_union"].item()
     assert 2 <= union <= 4 and logged["rollout/routed_expert_fraction"].item() == pytest.approx(union / 4)
     assert rollout.engine.routing.steps == 0  # reset after each rollout's log
+
+
+@pytest.mark.timeout(240)
+def test_sampler_logprobs_are_the_policys_past_the_window_on_moe_with_expert_lora_and_ffpa():
+    """fp32 on the CPU: the engine's logprobs equal the update's on tiny-moe with LoRA on the expert stacks, the
+    update on FFPA (its CPU reference op) and Flex for the sliding layers, and sequences past the 16-token window, so
+    a gap a GPU run logs (`train/sampler_logprob_gap`) comes from its dtype, not from the plumbing."""
+    from lightning_ffpa.attention import kernels
+    from lightning_ffpa.callbacks import FFPAAttention
+
+    torch.manual_seed(0)
+    rollout = RolloutCallback([token_range_reward], num_generations=2, sampling=SamplingParams(max_new_tokens=24),
+                              engine=EngineConfig(page_size=8, num_pages=64, max_batch_size=4, max_seq_len=64,
+                                                  attention="flex"),
+                              eos_token_ids=[])
+    rewards = _Rewards()
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[rollout, rewards, FFPAAttention(sliding="flex")])
+    module = GRPOModule(preset="tiny-moe", learning_rate=1e-2, temperature=1.0,
+                        lora={"r": 2, "target_modules": ["q_proj", "o_proj"],
+                              "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]})
+    with kernels.force_kernel("reference"):
+        trainer.fit(module, datamodule=PromptDataModule(num_random_prompts=4, prompt_len=20, batch_size=2))
+    gaps = [*rewards.gaps, trainer.callback_metrics["train/sampler_logprob_gap"].item()]
+    assert len(gaps) == 2 and max(gaps) < 1e-4, gaps  # the second step's rollout read the refreshed adapters
+    assert module.model.config.sliding_window < 20 + 24

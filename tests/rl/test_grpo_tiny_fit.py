@@ -118,12 +118,10 @@ def test_sampler_logprobs_are_the_policys_past_the_window_on_moe_with_expert_lor
     torch.manual_seed(0)
     rollout = RolloutCallback([token_range_reward], num_generations=2, sampling=SamplingParams(max_new_tokens=24),
                               engine=EngineConfig(page_size=8, num_pages=64, max_batch_size=4, max_seq_len=64,
-                                                  attention="flex"),
-                              eos_token_ids=[])
+                                                  attention="flex"), eos_token_ids=[])
     rewards = _Rewards()
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[rollout, rewards, FFPAAttention(sliding="flex")])
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[rollout, rewards, FFPAAttention(sliding="flex")])
     module = GRPOModule(preset="tiny-moe", learning_rate=1e-2, temperature=1.0,
                         lora={"r": 2, "target_modules": ["q_proj", "o_proj"],
                               "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]})

@@ -12,10 +12,10 @@ Rows (`--rows`, one process each, launched by this driver; the result file is re
 `hf_generate_static_compiled` (HF's own CUDA default for static caches: compiled decoding forward; slow to
 compile at full depth, so it is left out of the default rows and is run in a call of its own), and
 `hf_continuous_batching`. An engine row at a `--compile-mode` other than the default, a `--page-size` other
-than 128, a `--kv-block-size`, with `--no-fuse-projections` or with `--no-fuse-kv-write` is named by it
-(`ours_paged_flex_page64`, `ours_paged_flex_block128`, `ours_paged_flex_unfused`, `ours_paged_flex_kvwrite_op`),
-and the summary divides it by the default row of the same batch
-(`<name>_vs_default_{compile,page,block,fuse,kvwrite}_bs*`).
+than 128, a `--kv-block-size`, with `--no-fuse-projections`, `--no-fuse-kv-write` or `--no-cuda-graphs` is named by
+it (`ours_paged_flex_page64`, `ours_paged_flex_block128`, `ours_paged_flex_unfused`, `ours_paged_flex_kvwrite_op`,
+`ours_paged_flex_nographs`), and the summary divides it by the default row of the same batch
+(`<name>_vs_default_{compile,page,block,fuse,kvwrite,graphs}_bs*`).
 A sampled row's name ends in `_sampled`. `vs_hf_generate_*` divides by the faster HF static-cache row
 measured; when no compiled row ran or it failed, `hf_baseline_*` and `depth_note` say "eager only".
 
@@ -62,9 +62,9 @@ DEFAULT_PAGE_SIZE = 128  # EngineConfig.page_size; a row at another size is name
 
 def label(kind: str, mode: str, compile_mode: str | None = None, page_size: int | None = None,
           fuse_projections: bool | None = None, kv_block_size: int | None = None,
-          fuse_kv_write: bool | None = None) -> str:
+          fuse_kv_write: bool | None = None, cuda_graphs: bool | None = None) -> str:
     """A row's name: its kind, then what differs from that kind's default row (compile mode, page size, KV block
-    set, fused projections off, K/V written by the custom op, sampling).
+    set, fused projections off, K/V written by the custom op, CUDA graphs off, sampling).
 
     Only the compiled engine row takes a compile mode or a K/V write; both engine kinds take a page size, a KV
     block and the fusion switch; HF rows ignore them all."""
@@ -75,18 +75,20 @@ def label(kind: str, mode: str, compile_mode: str | None = None, page_size: int 
     block = "" if not engine or kv_block_size is None else f"_block{kv_block_size}"
     unfused = "_unfused" if engine and fuse_projections is False else ""
     kv_op = "_kvwrite_op" if kind == "ours_paged_flex" and fuse_kv_write is False else ""
-    return kind + tuned + page + block + unfused + kv_op + ("_sampled" if mode == "sample" else "")
+    graphs = "_nographs" if engine and cuda_graphs is False else ""
+    return kind + tuned + page + block + unfused + kv_op + graphs + ("_sampled" if mode == "sample" else "")
 
 
 def _variant(row: dict) -> list[str]:
-    """What an engine row changes from its kind's default row: "compile", "page", "block", "fuse" and/or "kvwrite"
-    (empty: it is that row)."""
+    """What an engine row changes from its kind's default row: "compile", "page", "block", "fuse", "kvwrite" and/or
+    "graphs" (empty: it is that row)."""
     kind, mode, plain = row["kind"], row["mode"], label(row["kind"], row["mode"])
     return [what for what, name in (("compile", label(kind, mode, compile_mode=row.get("compile_mode"))),
                                     ("page", label(kind, mode, page_size=row.get("page_size"))),
                                     ("block", label(kind, mode, kv_block_size=row.get("kv_block_size"))),
                                     ("fuse", label(kind, mode, fuse_projections=row.get("fuse_projections"))),
-                                    ("kvwrite", label(kind, mode, fuse_kv_write=row.get("fuse_kv_write"))))
+                                    ("kvwrite", label(kind, mode, fuse_kv_write=row.get("fuse_kv_write"))),
+                                    ("graphs", label(kind, mode, cuda_graphs=row.get("cuda_graphs"))))
             if name != plain]
 
 
@@ -98,13 +100,13 @@ def build_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     only = {o for o in (args.only or "").split(",") if o}
     common = {k: getattr(args, k) for k in ("layers", "prompt_len", "new_tokens", "preset", "device", "page_size",
                                             "bandwidth_gb", "kernel_options", "compile_mode", "fuse_projections",
-                                            "kv_block_size", "fuse_kv_write", "dtype")}
+                                            "kv_block_size", "fuse_kv_write", "cuda_graphs", "dtype")}
     specs = []
     for bs in batches:
         for kind in kinds:
             for mode in modes:
                 name = label(kind, mode, args.compile_mode, args.page_size, args.fuse_projections,
-                             args.kv_block_size, args.fuse_kv_write)
+                             args.kv_block_size, args.fuse_kv_write, args.cuda_graphs)
                 if only and name not in only and f"{name}@{bs}" not in only:
                     continue
                 spec = {"name": name, "kind": kind, "mode": mode, "batch": bs, **common,
@@ -255,7 +257,8 @@ def merge(paths: list[str], out: str, history_note: str | None = None) -> None:
     for row in rows:  # runs before rows were named by compile mode: the name follows the row's own fields
         if row.get("kind") in KINDS and "mode" in row:
             name = label(row["kind"], row["mode"], row.get("compile_mode"), row.get("page_size"),
-                         row.get("fuse_projections"), row.get("kv_block_size"), row.get("fuse_kv_write"))
+                         row.get("fuse_projections"), row.get("kv_block_size"), row.get("fuse_kv_write"),
+                         row.get("cuda_graphs"))
             if name != row.get("name"):
                 row["name_at_run"], row["name"] = row.get("name"), name
     sources = [{"file": Path(p).name, "commit": r.get("commit"), "date": r.get("date"), "command": r.get("command")}
@@ -299,6 +302,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-fuse-kv-write", dest="fuse_kv_write", action="store_false",
                     help="the compiled engine row with EngineConfig.fuse_kv_write off (the ablation row "
                     "`*_kvwrite_op`)")
+    ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                    help="engine rows with EngineConfig.cuda_graphs off (the row `*_nographs`): a float32 MoE model "
+                    "cannot be captured (torch's grouped GEMM reads its offsets on the host below bf16)")
     ap.add_argument("--bandwidth-gb", type=float, default=4.0)
     ap.add_argument("--no-pipeline", action="store_true", help="read every decode step back before the next")
     ap.add_argument("--kernel-options", default=None,

@@ -138,7 +138,8 @@ def run_ours(model, prompts, new: int, bw: dict, wbytes: int, spec: dict, device
                         compile_decode=False if eager_step else None,
                         compile_mode=None if eager_step else spec.get("compile_mode"),
                         fuse_projections=spec.get("fuse_projections", True),
-                        kv_block_size=spec.get("kv_block_size"), fuse_kv_write=spec.get("fuse_kv_write", True))
+                        kv_block_size=spec.get("kv_block_size"), fuse_kv_write=spec.get("fuse_kv_write", True),
+                        cuda_graphs=spec.get("cuda_graphs", True))
     eng = RolloutEngine(model, ecfg)
     sampling = SamplingParams(temperature=0.0) if spec["mode"] == "greedy" else SamplingParams(temperature=1.0,
                                                                                                top_p=1.0, top_k=0)

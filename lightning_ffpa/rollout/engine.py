@@ -300,7 +300,7 @@ class RolloutEngine:
         self.device, self.dtype = param.device, param.dtype
         self.on_cuda = self.device.type == "cuda"
         compile_step = cfg.check_device(self.device, option)
-        check_capture(model, self.device, cfg.cuda_graphs, compile_step, option)
+        check_capture(model, self.device, cfg.cuda_graphs, option)
         self.eos_token_ids = set(eos_token_ids or ())
         if cfg.count_routed_experts and not moe_layers(model):
             raise ConfigError(f"{option}.count_routed_experts", True, "the model has no MoE layers to count")

@@ -272,3 +272,33 @@ def test_a_kv_write_op_row_is_named_by_it_and_compared_with_the_default_row(tmp_
     assert rollout.label("ours_paged_flex_eager_step", "greedy", fuse_kv_write=False) == "ours_paged_flex_eager_step"
     s = rollout.summarize(rows)
     assert s["ours_paged_flex_kvwrite_op_vs_default_kvwrite_bs64"] == pytest.approx(1980 / 2000)
+
+
+def test_a_row_without_cuda_graphs_is_named_by_it_and_reaches_the_engine(monkeypatch):
+    """`--no-cuda-graphs` (a float32 MoE model cannot be captured): the engine rows' name says so and their engine
+    gets `cuda_graphs=False`; HF rows are not renamed."""
+    args = rollout.parse_args(["--no-cuda-graphs", "--rows", "ours_paged_flex_eager_step,hf_generate_static",
+                               "--batches", "2", "--modes", "greedy", "--preset", "tiny", "--device", "cpu"])
+    specs = rollout.build_specs(args)
+    assert [s["name"] for s in specs] == ["ours_paged_flex_eager_step_nographs", "hf_generate_static"]
+    assert all(s["cuda_graphs"] is False for s in specs)
+    from benchmarks import rollout_rows
+    from lightning_ffpa.rollout import engine as engine_mod
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def capture_config(model, cfg, *a, **k):
+        seen.append(cfg.cuda_graphs)
+        raise Stop
+
+    monkeypatch.setattr(engine_mod, "RolloutEngine", capture_config)
+    with pytest.raises(Stop):
+        rollout_rows.run_ours(None, [[1, 2]], 2, {}, 0, specs[0], "cpu")
+    assert seen == [False]
+    base = {"kind": "ours_paged_flex", "mode": "greedy", "batch": 64, "roofline_fraction": 0.8}
+    s = rollout.summarize([dict(base, name="ours_paged_flex", tokens_per_s=2000.0),
+                           dict(base, name="ours_paged_flex_nographs", cuda_graphs=False, tokens_per_s=1000.0)])
+    assert s["ours_paged_flex_nographs_vs_default_graphs_bs64"] == pytest.approx(0.5)

@@ -191,6 +191,9 @@ HEADLINES: dict[str, tuple[str, str]] = {
                                                        "adapters unmerged in the grouped GEMMs vs peft's fold "
                                                        "(`lora.expert_adapters: folded`)", "{:.2f}x tokens/s")
        for k in ("8k", "16k")},
+    **{f"moe_sliding_auto_vs_flex_tps_{k}": (f"Gemma4-26B-A4B LoRA, {k} tokens, same run: the sliding layers on FA4 "
+                                            "(the Callback's `sliding: auto`) vs Flex (`sliding: flex`)",
+                                            "{:.3f}x tokens/s") for k in ("8k", "16k")},
     **{f"moe_mfu_active_spec_{k}": (f"Gemma4-26B-A4B LoRA, {k} tokens, ours: MFU on active parameters (6 x active "
                                     "params x tokens + attention) of the bf16 datasheet peak", "{:.1%}")
        for k in ("8k", "16k")},

@@ -183,8 +183,8 @@ def test_bad_input_fails_early_by_name_and_keeps_checkpoints(
         case, changes, extra, damage, expected, existing, tmp_path, monkeypatch, capsys, record_property):
     built, steps = [], []
     build = Gemma4LM.build_model
-    monkeypatch.setattr(Gemma4LM, "build_model", lambda self, device=None: (
-        built.append(str(device)), build(self, device))[1])
+    monkeypatch.setattr(Gemma4LM, "build_model", lambda self, device=None, **kw: (
+        built.append(str(device)), build(self, device, **kw))[1])
     step = Gemma4LM.training_step
     monkeypatch.setattr(Gemma4LM, "training_step", lambda self, *a: (steps.append(1), step(self, *a))[1])
 

@@ -183,23 +183,54 @@ def model_config(meta: dict[str, Any], config_dir: str | None = None):
 
 def rebuilt_base(meta: dict[str, Any], ckpt: str | Path) -> dict[str, torch.Tensor]:
     """The frozen base a checkpoint saved with `model.save_frozen_weights: false` was trained over, by Lightning
-    name: rebuilt as a resume rebuilds it (the checkpoint's module class from its hyper-parameters, then
-    `configure_model`, under the fit's seed) and refused in one line unless its digest is the checkpoint's."""
+    name: rebuilt on CPU under the fit's seed (the checkpoint's module class from its hyper-parameters), and refused
+    in one line unless its digest is the checkpoint's. A random base is drawn in two orders: as one process builds
+    the model (`configure_model`), or as FSDP2Strategy materialises it on meta, adapters interleaved; both are tried."""
     record = meta[FROZEN_BASE_KEY]
     hparams = meta.get("hyper_parameters") or {}
     if hparams.get("pretrained") is not None:
         rebuilt = f"the one export loaded from `model.pretrained={hparams['pretrained']!r}`"
         fix = "restore the weights the fit read there, or export a checkpoint saved with the base"
+        builds = (_whole_build,)
     else:
-        rebuilt = (f"the one export drew from `model.preset={hparams.get('preset')!r}` under the fit's "
-                   f"`seed_everything={record.get('seed')}`")
-        fix = ("export draws it on CPU, and a fit on GPU drew another; export a checkpoint saved with the base "
-               "(`model.save_frozen_weights: true`)")
+        rebuilt = (f"the ones export drew on CPU from `model.preset={hparams.get('preset')!r}` under the fit's "
+                   f"`seed_everything={record.get('seed')}` (as one process builds it, and as FSDP2Strategy "
+                   "materialises it)")
+        fix = "a fit on GPU draws another; export a checkpoint saved with the base (`model.save_frozen_weights: true`)"
+        builds = (_whole_build, _materialized_build)
+    *earlier, last = builds
+    for build in earlier:
+        with under_fit_seed(record):
+            module = build(meta)
+        try:
+            check_frozen_base(record, module, ckpt, "ckpt", rebuilt=rebuilt, fix=fix)
+            return module.frozen_base_state(record)
+        except ConfigError:
+            pass  # drawn in the other order: the next build
     with under_fit_seed(record):
-        module = build_module(meta)
-        module.configure_model()  # the whole model on CPU, as a single-device resume builds it
-        check_frozen_base(record, module, ckpt, "ckpt", rebuilt=rebuilt, fix=fix)
+        module = last(meta)
+    check_frozen_base(record, module, ckpt, "ckpt", rebuilt=rebuilt, fix=fix)  # the refusal names both builds
     return module.frozen_base_state(record)
+
+
+def _whole_build(meta: dict[str, Any]):
+    """The checkpoint's module with its whole model on CPU, as a single-device fit or resume builds it."""
+    module = build_module(meta)
+    module.model = module.build_model(announce=False)  # `configure_model`'s build, without the fit's log lines
+    return module
+
+
+def _materialized_build(meta: dict[str, Any]):
+    """The checkpoint's module with its model built on meta and materialised on CPU as FSDP2Strategy does (each
+    tensor drawn whole, in module order), which draws a random base in another order than `_whole_build`."""
+    from lightning_ffpa.parallel.strategy import materialize
+
+    module = build_module(meta)
+    module.model = module.build_model("meta", announce=False)
+    materialize(module.model, torch.device("cpu"))
+    module._needs_weight_init = True
+    module.load_sharded_weights()  # what the strategy runs next: the adapters reset, a float8 base stored
+    return module
 
 
 @dataclass

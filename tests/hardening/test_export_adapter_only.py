@@ -85,6 +85,26 @@ def test_sft_dcp_folder_over_a_pretrained_base_exports_and_a_changed_base_is_ref
 
 
 @pytest.mark.timeout(120)
+def test_fsdp2_fit_over_the_preset_exports_its_base_drawn_on_meta(one_process, tmp_path):
+    """FSDP2Strategy draws a preset's random base after building on meta, adapters among the base weights, which is
+    another order than a one-process build's: the export tries both orders (it once refused such a checkpoint, the
+    shipped 26B-A4B recipe's, as "drawn on GPU")."""
+    L.seed_everything(6)
+    strategy = FSDP2Strategy(param_dtype="fp32", reduce_dtype="fp32", activation_checkpointing="none",
+                             save_distributed_checkpoint=False)
+    trainer = L.Trainer(devices=1, strategy=strategy, limit_val_batches=0, default_root_dir=tmp_path, **QUIET)
+    lm = Gemma4LM(preset="tiny", config_overrides=TWO_LAYERS, dtype="float32", lora=LORA, save_frozen_weights=False,
+                  learning_rate=1e-2, warmup_steps=0)
+    trainer.fit(lm, MockDataModule(vocab_size=512, seq_length=16, num_samples=4, batch_size=2, seed=5))
+    ckpt = tmp_path / "fsdp2.ckpt"
+    trainer.save_checkpoint(ckpt)
+    with torch.no_grad():
+        want = lm.model.eval()(input_ids=_ids()).logits.detach().clone()
+    dist.destroy_process_group()
+    _exports_the_policy(ckpt, want, tmp_path)
+
+
+@pytest.mark.timeout(120)
 def test_grpo_ckpt_over_the_preset_exports_under_the_fits_seed(tmp_path):
     L.seed_everything(3)  # the preset base is drawn under it; the export draws it again under the recorded seed
     rollout = RolloutCallback([token_range_reward], num_generations=4, sampling=SamplingParams(max_new_tokens=4),

@@ -16,18 +16,24 @@ Rows (`--rows`, default all, in this order):
   has FP8, else `dequantize`; a CUDA GPU below capability 8.9 refuses the row). It records the conversion summary
   and `fp8_base.path_counts()` (forward calls per matmul path; a CUDA-graph replay runs no Python, so on CUDA these
   are the calls of eager runs and of the graphs' capture: which path the captured graphs hold).
+- `shared_no_expert_lora` (only with `--expert-lora`, a MoE preset): `shared` with LoRA on the linear targets only.
+`--expert-lora` puts LoRA on the expert stacks too (`target_parameters: experts.gate_up_proj, experts.down_proj`,
+through `lora.apply_lora`, so unmerged inside the grouped GEMMs as the GRPO recipe runs them) in every other row.
 Each row records `weight_bytes_per_step`: the bytes of every weight tensor the engine's model reads in a decode step
 (`aliased_bytes + engine_own_bytes`, each tensor at its stored size: float8 at one byte, with its scales).
 
 Summary: `unmerged_lora_decode_overhead` = shared decode step / merged decode step - 1 (the unmerged adapters' cost
 as a fraction of the merged decode time; the issue's target is <= 0.10), `fp8_base_decode_vs_shared_bf16` = shared
 decode step / shared_fp8 decode step (above 1: the float8 base decodes faster), each row's decode step in ms and peak
-memory, and how many greedy tokens agree (`greedy_token_agreement`: shared against merged, which must match;
+memory, `expert_lora_decode_overhead` = shared / shared_no_expert_lora decode step - 1 (what the expert adapters
+cost a decode step), and how many greedy tokens agree (`greedy_token_agreement`: shared against merged, which must match;
 `fp8_greedy_token_agreement`: shared_fp8 against shared, which drifts after a while: recorded, not checked). A key
 that cannot be computed is None, with the reason under `why_none`.
 
     python benchmarks/unmerged_lora.py --out $OUT/unmerged_lora.json
     python benchmarks/unmerged_lora.py --rows shared shared_fp8 --batch 16 --out $OUT/unmerged_lora_fp8_b16.json
+    python benchmarks/unmerged_lora.py --preset gemma4-26b-a4b --layers 30 --batch 16 --expert-lora \\
+        --rows shared shared_no_expert_lora --out $OUT/unmerged_lora_moe_b16.json
     python benchmarks/unmerged_lora.py --preset tiny --device cpu --layers 2 --batch 2 --prompt-len 8 \\
         --new-tokens 8 --steps 1 --out /tmp/u.json        # CPU smoke of the script
 """
@@ -45,17 +51,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.row_process import run_rows_into  # noqa: E402
 
-MODES = ("merged", "shared", "shared_fp8")  # row name; the rows' `weights` is shared or merged
+MODES = ("merged", "shared", "shared_fp8")  # the default rows; a row's `weights` is shared or merged
+NO_EXPERT_LORA = "shared_no_expert_lora"  # with --expert-lora only
+EXPERT_STACKS = ["experts.gate_up_proj", "experts.down_proj"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One row: build the policy, the engine's weights in `spec["weights"]`, and time greedy decode."""
-    from peft import LoraConfig, get_peft_model
-
     from benchmarks.rollout_hf import peaks, timed
     from benchmarks.rollout_rows import build_model, prompts_for
-    from lightning_ffpa import fp8_base
+    from lightning_ffpa import experts, fp8_base
+    from lightning_ffpa.lora import apply_lora
     from lightning_ffpa.rollout.engine import EngineConfig, RolloutEngine
     from lightning_ffpa.rollout.sampler import SamplingParams
     from lightning_ffpa.rollout.shared_weights import WeightsPlan
@@ -66,8 +73,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         fp8_matmul = fp8_base.matmul_path(torch.device(device))
     torch.manual_seed(0)  # every row's process draws the same weights and adapters
     model, cfg = build_model(spec["layers"], spec["preset"], device)
-    train = get_peft_model(model, LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"],
-                                             target_modules=LORA_TARGETS))
+    lora = {"r": spec["lora_r"], "lora_alpha": 2 * spec["lora_r"], "target_modules": LORA_TARGETS,
+            **({"target_parameters": EXPERT_STACKS} if spec.get("expert_lora") else {})}
+    train = apply_lora(model, lora, "unmerged_lora.lora")
     with torch.no_grad():
         for name, p in train.named_parameters():
             if "lora_B" in name:
@@ -105,6 +113,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "weight_bytes_per_step": plan.aliased_bytes + plan.own_bytes,
             "projection_path": eng.projection_path, "decode_path": eng.decode_path,
             "graph_replays": eng.stats["graph_replays"], "eager_decodes": eng.stats["eager_decodes"],
+            "lora": lora, "expert_lora_paths": experts.path_counts(),
             "outputs_head": [s.output[:32] for s in seqs[:8]], **peaks(device)}
 
 
@@ -152,6 +161,13 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             summary["fp8_greedy_token_agreement"] = _agreement(shared, fp8)
     if why is not None:
         why_none["fp8_base_decode_vs_shared_bf16"] = why_none["fp8_greedy_token_agreement"] = why
+    bare = by.get(NO_EXPERT_LORA)
+    if bare is not None or (shared or {}).get("lora", {}).get("target_parameters"):
+        summary["expert_lora_decode_overhead"] = None
+        if shared is None or bare is None:
+            why_none["expert_lora_decode_overhead"] = f"no measured {'shared' if shared is None else NO_EXPERT_LORA} row"
+        else:
+            summary["expert_lora_decode_overhead"] = shared["decode_step_ms"] / bare["decode_step_ms"] - 1
     if why_none:
         summary["why_none"] = why_none
     return summary
@@ -171,13 +187,23 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--steps", type=int, default=5, help="timed runs per row (median, min and max)")
     ap.add_argument("--budget-s", type=float, default=570.0, help="the whole call ends within this many seconds")
     ap.add_argument("--row-timeout-s", type=float, default=280.0, help="one row's process is killed after this")
-    ap.add_argument("--rows", nargs="+", default=list(MODES), choices=MODES,
-                    help="rows to run, in the order of MODES (merged, shared, shared_fp8)")
+    ap.add_argument("--rows", nargs="+", default=list(MODES), choices=[*MODES, NO_EXPERT_LORA],
+                    help="rows to run, in the order merged, shared, shared_fp8, shared_no_expert_lora")
+    ap.add_argument("--expert-lora", action="store_true",
+                    help="LoRA on the expert stacks too (a MoE preset), except in the shared_no_expert_lora row")
     args = ap.parse_args(argv)
+    from lightning_ffpa.presets import build_text_config
+
+    if args.expert_lora and not getattr(build_text_config(args.preset), "enable_moe_block", False):
+        ap.error(f"--expert-lora: `--preset {args.preset}` has no MoE layers (use gemma4-26b-a4b or tiny-moe)")
+    if NO_EXPERT_LORA in args.rows and not args.expert_lora:
+        ap.error(f"--rows {NO_EXPERT_LORA}: needs --expert-lora (it is the shared row without the expert adapters)")
     spec = {k: getattr(args, k) for k in ("layers", "preset", "device", "batch", "prompt_len", "new_tokens",
                                           "page_size", "lora_r", "steps")}
-    specs = [{**spec, "name": m, "weights": m.removesuffix("_fp8"), **({"base_dtype": "fp8"} if m.endswith("_fp8") else {})}
-             for m in MODES if m in args.rows]
+    specs = [{**spec, "name": m, "weights": "shared" if m == NO_EXPERT_LORA else m.removesuffix("_fp8"),
+              "expert_lora": args.expert_lora and m != NO_EXPERT_LORA,
+              **({"base_dtype": "fp8"} if m.endswith("_fp8") else {})}
+             for m in (*MODES, NO_EXPERT_LORA) if m in args.rows]
     out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / "unmerged_lora.json"
     return run_rows_into(Path(__file__).resolve(), "unmerged_lora", specs, out, summarize, args.row_timeout_s, args.budget_s)
 

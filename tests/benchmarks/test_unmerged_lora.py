@@ -113,3 +113,30 @@ def test_a_shared_row_that_read_no_policy_tensor_gives_no_overhead():
     row = {"decode_step_ms": 8.0, "outputs_head": [[1, 2]], "aliased_bytes": 0, "weights_path": "shared: 0.0 MiB read"}
     s = unmerged_lora.summarize([{**row, "name": "merged", "weights": "merged"}, {**row, "name": "shared", "weights": "shared"}])
     assert s["unmerged_lora_decode_overhead"] is None and "read no policy tensor" in s["invalid"]
+
+
+@pytest.mark.timeout(240)
+def test_expert_lora_rows_on_a_moe_preset(tmp_path):
+    """--expert-lora: the shared row's engine runs the expert adapters unmerged in its grouped GEMMs, the
+    shared_no_expert_lora row has none, and the summary gives what the expert adapters cost a decode step."""
+    out = tmp_path / "u.json"
+    unmerged_lora.main(["--preset", "tiny-moe", "--device", "cpu", "--layers", "2", "--batch", "2", "--prompt-len", "8",
+                        "--new-tokens", "6", "--page-size", "8", "--lora-r", "4", "--steps", "1", "--expert-lora",
+                        "--rows", "shared", "shared_no_expert_lora", "--out", str(out)])
+    record = json.loads(out.read_text())
+    shared, bare = record["rows"]
+    assert (shared["name"], bare["name"]) == ("shared", "shared_no_expert_lora")
+    assert shared["lora"]["target_parameters"] == unmerged_lora.EXPERT_STACKS and "target_parameters" not in bare["lora"]
+    assert "expert LoRA A and B buffers" in shared["weights_path"] and "expert" not in bare["weights_path"]
+    assert shared["expert_lora_paths"].get("grouped_mm", 0) + shared["expert_lora_paths"].get("loop", 0) > 0
+    assert bare["expert_lora_paths"] == {} and bare["weights"] == "shared"
+    assert record["summary"]["expert_lora_decode_overhead"] == pytest.approx(
+        shared["decode_step_ms"] / bare["decode_step_ms"] - 1)
+
+
+@pytest.mark.parametrize("argv, names", [(["--expert-lora", "--preset", "tiny"], "--expert-lora"),
+                                         (["--rows", "shared_no_expert_lora"], "--rows shared_no_expert_lora")])
+def test_expert_lora_options_are_refused_by_name(argv, names, capsys):
+    with pytest.raises(SystemExit):
+        unmerged_lora.main([*argv, "--device", "cpu"])
+    assert names in capsys.readouterr().err

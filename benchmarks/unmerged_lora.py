@@ -53,6 +53,7 @@ from benchmarks.row_process import run_rows_into  # noqa: E402
 
 MODES = ("merged", "shared", "shared_fp8")  # the default rows; a row's `weights` is shared or merged
 NO_EXPERT_LORA = "shared_no_expert_lora"  # with --expert-lora only
+ROWS = (*MODES, NO_EXPERT_LORA)  # every row name, in run order
 EXPERT_STACKS = ["experts.gate_up_proj", "experts.down_proj"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--steps", type=int, default=5, help="timed runs per row (median, min and max)")
     ap.add_argument("--budget-s", type=float, default=570.0, help="the whole call ends within this many seconds")
     ap.add_argument("--row-timeout-s", type=float, default=280.0, help="one row's process is killed after this")
-    ap.add_argument("--rows", nargs="+", default=list(MODES), choices=[*MODES, NO_EXPERT_LORA],
+    ap.add_argument("--rows", nargs="+", default=list(MODES), choices=ROWS,
                     help="rows to run, in the order merged, shared, shared_fp8, shared_no_expert_lora")
     ap.add_argument("--expert-lora", action="store_true",
                     help="LoRA on the expert stacks too (a MoE preset), except in the shared_no_expert_lora row")
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     specs = [{**spec, "name": m, "weights": "shared" if m == NO_EXPERT_LORA else m.removesuffix("_fp8"),
               "expert_lora": args.expert_lora and m != NO_EXPERT_LORA,
               **({"base_dtype": "fp8"} if m.endswith("_fp8") else {})}
-             for m in (*MODES, NO_EXPERT_LORA) if m in args.rows]
+             for m in ROWS if m in args.rows]
     out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / "unmerged_lora.json"
     return run_rows_into(Path(__file__).resolve(), "unmerged_lora", specs, out, summarize, args.row_timeout_s, args.budget_s)
 

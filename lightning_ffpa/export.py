@@ -206,7 +206,7 @@ def rebuilt_base(meta: dict[str, Any], ckpt: str | Path) -> dict[str, torch.Tens
             check_frozen_base(record, module, ckpt, "ckpt", rebuilt=rebuilt, fix=fix)
             return module.frozen_base_state(record)
         except ConfigError:
-            pass  # drawn in the other order: the next build
+            module = None  # drawn in the other order: freed before the next build (a whole base on CPU)
     with under_fit_seed(record):
         module = last(meta)
     check_frozen_base(record, module, ckpt, "ckpt", rebuilt=rebuilt, fix=fix)  # the refusal names both builds

@@ -185,7 +185,8 @@ def rebuilt_base(meta: dict[str, Any], ckpt: str | Path) -> dict[str, torch.Tens
     """The frozen base a checkpoint saved with `model.save_frozen_weights: false` was trained over, by Lightning
     name: rebuilt on CPU under the fit's seed (the checkpoint's module class from its hyper-parameters), and refused
     in one line unless its digest is the checkpoint's. A random base is drawn in two orders: as one process builds
-    the model (`configure_model`), or as FSDP2Strategy materialises it on meta, adapters interleaved; both are tried."""
+    the model (`_whole_build`), or as FSDP2Strategy materialises it on meta, adapters interleaved
+    (`_materialized_build`); both are tried, in that order."""
     record = meta[FROZEN_BASE_KEY]
     hparams = meta.get("hyper_parameters") or {}
     if hparams.get("pretrained") is not None:
@@ -228,7 +229,7 @@ def _materialized_build(meta: dict[str, Any]):
     module = build_module(meta)
     module.model = module.build_model("meta", announce=False)
     materialize(module.model, torch.device("cpu"))
-    module._needs_weight_init = True
+    module._needs_weight_init = True  # as `configure_model` sets it for a sharded build
     module.load_sharded_weights()  # what the strategy runs next: the adapters reset, a float8 base stored
     return module
 

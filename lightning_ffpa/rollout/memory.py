@@ -27,8 +27,8 @@ larger. Parameters, KV specs and stored bytes come from the model built on the m
 shapes); `tests/rollout/test_memory.py` checks the per-token terms against the bytes autograd and the product's
 SAC policy save. MoE expert activations are counted by the same rules with a dense layer's coefficient (`caveats`
 says so); the shared engine's expert adapter buffers are counted (`expert_adapter_params`). It does not measure a
-run; `benchmarks/results/` holds measured peaks (`benchmarks/grpo_full_depth.py` records this estimate beside them). Reading a recipe and
-console overrides into these arguments is `memory_recipe.py`'s.
+run; `benchmarks/results/` holds measured peaks (`benchmarks/grpo_full_depth.py` records this estimate beside
+them). Reading a recipe and console overrides into these arguments is `memory_recipe.py`'s.
 
     python -m lightning_ffpa.rollout.memory --preset gemma4-31b --num_hidden_layers 12 \
         --engine.page_size 128 --engine.num_pages 64 --train_tokens 5120 --max_tokens_per_microbatch 2560

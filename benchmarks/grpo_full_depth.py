@@ -29,7 +29,15 @@ recipe with the row's recorded command applied, `memory_recipe.recipe_estimate`)
 peak allocated, (estimate - measured) / measured; the summary has `grpo_full_depth_memory_estimate_gib_{L}` and
 `grpo_full_depth_memory_estimate_rel_err_{L}`. A recount fills them too.
 
+A row longer than one call (4096-token completions at full depth: a first step of capture and compile, then
+minutes a step) runs in segments: `--run-dir DIR` keeps each row's run under DIR/grpo_<L>, whose recipe checkpoint
+(`last.ckpt`, written as the fit ends) `--resume FILE` continues for `--steps` more through the console script's
+`--ckpt_path`, on the same machine. The row keeps every segment's steps, command, exit code and log; the first step
+of each segment (a fresh process captures and compiles again) is not timed.
+
     python benchmarks/grpo_full_depth.py --lengths 4096 --steps 3 --logs $OUT --out $OUT/grpo_full_depth.json
+    python benchmarks/grpo_full_depth.py --lengths 4096 --steps 2 --run-dir /tmp/grpo --out $OUT/a.json
+    python benchmarks/grpo_full_depth.py --lengths 4096 --steps 2 --run-dir /tmp/grpo --resume $OUT/a.json --out $OUT/b.json
     python benchmarks/grpo_full_depth.py --recount benchmarks/results/grpo_full_depth_fp8base_h100.json \
         --base-dtype fp8 --lengths 1024 --out /tmp/recount.json
 """
@@ -65,9 +73,10 @@ RECOUNT_REASON = ("decode_bytes counts the weights as the fit stores them: a flo
                   "fp32 rowwise scales, not every weight at two bytes")
 
 
-def read_steps(root: Path) -> list[dict[str, float]]:
-    """One dict per logged training step (the CSV logger's rows merged by `step`)."""
-    found = sorted(root.rglob("metrics.csv"))
+def read_steps(root: Path, newest_only: bool = False) -> list[dict[str, float]]:
+    """One dict per logged training step (the CSV logger's rows merged by `step`); `newest_only`: from the newest
+    logger version's file under `root` (a resumed fit's own steps), else from the last one by name."""
+    found = sorted(root.rglob("metrics.csv"), key=(lambda f: f.stat().st_mtime) if newest_only else None)
     steps: dict[int, dict[str, float]] = {}
     if not found:
         return []
@@ -115,16 +124,23 @@ def check_lora_r(lora: dict[str, Any] | None, lora_r: int, recipe: str) -> None:
                                               f"{LORA} overrides); pass --lora-r {lora.get('r')}")
 
 
-def fit_row(length: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Fit the recipe with completions of `length` tokens; the row's command, exit code, log and steps."""
-    root = Path(tempfile.mkdtemp(prefix=f"grpo_{length}_"))
+def fit_row(length: int, args: argparse.Namespace, prev: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fit the recipe with completions of `length` tokens; the row's command, exit code, log and steps. With `prev`
+    (a row of `--resume`), continue its run from its checkpoint for `--steps` more: one more segment of that row."""
+    if args.run_dir:
+        root = Path(args.run_dir) / f"grpo_{length}"
+        root.mkdir(parents=True, exist_ok=True)
+    else:
+        root = Path(tempfile.mkdtemp(prefix=f"grpo_{length}_"))
+    done = prev["max_steps"] if prev else 0
     max_seq = page_multiple(args.prompt_len + length, args.page_size)
     cmd = [*console_command(), "fit", "--config", str(REPO / "configs" / f"{args.recipe}.yaml"),
-           "--trainer.max_steps", str(args.steps), "--trainer.default_root_dir", str(root),
+           "--trainer.max_steps", str(done + args.steps), "--trainer.default_root_dir", str(root),
            "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(root),
            "--trainer.logger.flush_logs_every_n_steps", "1",  # a row cut short keeps the steps it finished
            f"{CB}sampling.max_new_tokens", str(length), f"{CB}engine.max_seq_len", str(max_seq),
-           *([f"{CB}engine.count_routed_experts", "true"] if args.count_routed else []), *fit_overrides(args)]
+           *([f"{CB}engine.count_routed_experts", "true"] if args.count_routed else []), *fit_overrides(args),
+           *(["--ckpt_path", prev["checkpoint"]] if prev else [])]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
@@ -135,13 +151,35 @@ def fit_row(length: int, args: argparse.Namespace) -> dict[str, Any]:
         out = (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
     wall = round(time.monotonic() - t0, 1)
     lines = [ln for ln in out.splitlines() if not ln.startswith(_NOISE)]
-    log = Path(args.logs) / f"grpo_full_depth_{length}.log"
+    part = len(prev["segments"]) + 1 if prev else 1
+    log = Path(args.logs) / (f"grpo_full_depth_{length}.log" if part == 1 else f"grpo_full_depth_{length}_{part}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(" ".join(cmd) + "\n" + "\n".join(lines) + "\n")
-    steps = read_steps(root)
+    steps = read_steps(root, newest_only=True)
+    segment = {**described(cmd), "exit_code": rc, "wall_s": wall, "last_line": lines[-1] if lines else "",
+               "log": log.name, "steps": len(steps)}
+    segments = [*(prev["segments"] if prev else []), segment]
     return {"name": f"ours_grpo_{length}", "completion_len": length, "prompt_len": args.prompt_len,
-            "base_dtype": args.base_dtype, **described(cmd), "exit_code": rc,
-            "wall_s": wall, "last_line": lines[-1] if lines else "", "log": log.name, "steps": steps}
+            "base_dtype": args.base_dtype, **{k: segment[k] for k in ("entry_point", "command", "exit_code")},
+            "wall_s": round(sum(g["wall_s"] for g in segments), 1), "last_line": segment["last_line"],
+            "log": segments[0]["log"], "max_steps": done + args.steps, "checkpoint": last_checkpoint(root, rc),
+            "segments": segments, "steps": [*(prev["steps"] if prev else []), *steps]}
+
+
+def last_checkpoint(root: Path, rc: Any) -> str | None:
+    """The recipe's `last.ckpt` a finished fit under `root` wrote (a fit cut short saves none to continue from)."""
+    found = sorted(root.rglob("last.ckpt"), key=lambda f: f.stat().st_mtime)
+    return str(found[-1]) if rc == 0 and found else None
+
+
+def timed_steps(row: dict[str, Any]) -> list[dict[str, float]]:
+    """The row's steps less the first of each segment (a fresh process captures the decode graphs and compiles)."""
+    counts = [g["steps"] for g in row.get("segments") or [{"steps": len(row["steps"])}]]
+    timed, at = [], 0
+    for n in counts:
+        timed += row["steps"][at + 1:at + n]
+        at += n
+    return timed
 
 
 def _stat(values: list[float]) -> dict[str, float] | None:
@@ -206,10 +244,10 @@ def memory_estimate(row: dict[str, Any], args: argparse.Namespace) -> dict[str, 
 
 
 def summarize(rows: list[dict[str, Any]], bandwidth: dict[str, Any] | None, args: argparse.Namespace) -> dict:
-    out: dict[str, Any] = {"complete": len(rows) == len(args.lengths)}
+    out: dict[str, Any] = {"complete": {r["completion_len"] for r in rows} >= set(args.lengths)}
     for r in rows:
         L = r["completion_len"]
-        timed = r["steps"][1:]  # the first step captures and compiles the decode graphs
+        timed = timed_steps(r)  # the first step of each call captures and compiles the decode graphs
         step_s = [s["rollout/refresh_s"] + s["rollout/generate_s"] + s["rollout/update_s"] for s in timed
                   if {"rollout/refresh_s", "rollout/generate_s", "rollout/update_s"} <= s.keys()]
         r["step_s"] = _stat(step_s)
@@ -228,6 +266,7 @@ def summarize(rows: list[dict[str, Any]], bandwidth: dict[str, Any] | None, args
             r["completion_tokens_per_s"] = statistics.median(t / s for t, s in zip(tokens, step_s))
         out[f"grpo_full_depth_fits_{L}"] = r["exit_code"] == 0
         out[f"grpo_full_depth_step_s_{L}"] = r["step_s"]["median"] if r["step_s"] else None
+        out[f"grpo_full_depth_timed_steps_{L}"] = len(step_s)
         out[f"grpo_full_depth_peak_mem_gib_{L}"] = r["peak_mem_gib"]
         out[f"grpo_full_depth_peak_reserved_gib_{L}"] = r["peak_reserved_gib"]
         decode = [s["rollout/generate_s"] / s["rollout/decode_steps"] for s in timed
@@ -282,6 +321,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--count-routed", action="store_true",
                    help="MoE preset: count the routed experts (engine.count_routed_experts) for the routed roofline")
     p.add_argument("--timeout", type=float, default=540)
+    p.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="keep each row's run under DIR/grpo_<L> (its checkpoint) for a later call's --resume")
+    p.add_argument("--resume", default=None, metavar="FILE",
+                   help="continue FILE's rows of --lengths from their checkpoints for --steps more (needs --run-dir)")
     p.add_argument("--logs", default=str(REPO / "benchmarks" / "results" / "logs"))
     p.add_argument("--out", default=None)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more console overrides, last")
@@ -299,11 +342,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return args
     args.lora = fit_lora(args.recipe, " ".join(fit_overrides(args)))
     check_lora_r(args.lora, args.lora_r, args.recipe)
-    if torch.cuda.is_available() and args.steps < MIN_TIMED_STEPS + 1:
+    if torch.cuda.is_available() and args.steps < MIN_TIMED_STEPS + 1 and not args.run_dir:
         raise ConfigError("--steps", args.steps, f"a GPU run times at least {MIN_TIMED_STEPS} steps per row after "
                                                  "the first (capture and compile), so it needs at least "
-                                                 f"{MIN_TIMED_STEPS + 1}")
+                                                 f"{MIN_TIMED_STEPS + 1} (or --run-dir, and --resume in later calls)")
+    args.continued = resumed_rows(args)
     return args
+
+
+def resumed_rows(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    """`--resume`'s rows by completion length, each checked continuable; refused before any fit runs."""
+    from lightning_ffpa.errors import ConfigError
+
+    if args.resume is None:
+        for length in args.lengths if args.run_dir else ():
+            kept = Path(args.run_dir) / f"grpo_{length}"
+            if kept.is_dir() and any(kept.iterdir()):
+                raise ConfigError("--run-dir", args.run_dir, f"already holds a run of {length}-token completions; "
+                                                             "--resume its result file, or name another directory")
+        return {}
+    if not args.run_dir:
+        raise ConfigError("--resume", args.resume, "continues runs kept under --run-dir; name it")
+    record = read_result(args.resume, "--resume")
+    if record["benchmark"] != "grpo_full_depth":
+        raise ConfigError("--resume", args.resume, f"holds {record['benchmark']!r} rows, not grpo_full_depth's")
+    rows = {r["completion_len"]: r for r in record["rows"]}
+    for length in args.lengths:
+        row = rows.get(length)
+        if row is None or not row.get("checkpoint") or not Path(row["checkpoint"]).is_file():
+            why = "has no row of them" if row is None else f"names no checkpoint left to continue ({row.get('checkpoint')})"
+            raise ConfigError("--resume", args.resume, f"{why} for {length}-token completions; run them without "
+                                                       "--resume first (with --run-dir), on this machine")
+    return rows
 
 
 ROOFLINE_ROW_KEYS = ("decode_bytes_per_step", "decode_s_per_step_upper", "decode_timed_samples",
@@ -383,9 +453,10 @@ def main(argv: list[str] | None = None) -> None:
 
         bandwidth = bandwidths("cuda", 4.0)
         torch.cuda.empty_cache()
-    rows: list[dict[str, Any]] = []
+    kept = [r for L, r in args.continued.items() if L not in args.lengths]  # --resume's other rows stay as were
+    rows: list[dict[str, Any]] = list(kept)
     for length in args.lengths:  # rewritten after every row: a call cut short keeps the rows it finished
-        rows.append(fit_row(length, args))
+        rows.append(fit_row(length, args, args.continued.get(length)))
         print(f"completions {length}: exit {rows[-1]['exit_code']} in {rows[-1]['wall_s']} s", flush=True)
         summary = summarize(rows, bandwidth, args)
         summary["bandwidth"] = bandwidth

@@ -38,6 +38,48 @@ def test_tiny_recipe_row_reads_every_step_and_times_all_but_the_first(tmp_path):
     assert first.split()[0].endswith("lightning-ffpa") and "fit --config" in first
 
 
+TINY = ["--recipe", "tiny_grpo", "--preset", "tiny", "--lengths", "6", "--prompt-len", "4", "--page-size", "8"]
+
+
+@pytest.mark.timeout(240)
+def test_a_row_continues_from_its_checkpoint_in_a_later_call_and_times_past_each_calls_first_step(tmp_path):
+    """A row longer than one device call: the second call resumes the first's checkpoint through `--ckpt_path`,
+    the steps carry on from where it stopped, and each call's first step (capture, compile) is left out."""
+    script = [sys.executable, str(ROOT / "benchmarks" / "grpo_full_depth.py"), *TINY, "--logs", str(tmp_path),
+              "--run-dir", str(tmp_path / "runs")]
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    proc = subprocess.run([*script, "--steps", "2", "--out", str(first)], capture_output=True, text=True,
+                          timeout=110, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(first.read_text())["rows"]
+    assert Path(row["checkpoint"]).is_file() and row["max_steps"] == 2
+    proc = subprocess.run([*script, "--steps", "2", "--resume", str(first), "--out", str(second)],
+                          capture_output=True, text=True, timeout=110, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(second.read_text())
+    (row,) = record["rows"]
+    assert [s["step"] for s in row["steps"]] == [0, 1, 2, 3]  # the resumed fit carried on from step 2
+    assert [g["steps"] for g in row["segments"]] == [2, 2] and row["max_steps"] == 4
+    assert "--ckpt_path" not in row["segments"][0]["command"] and "--ckpt_path" in row["command"]
+    assert row["segments"][1]["log"] == "grpo_full_depth_6_2.log" and (tmp_path / "grpo_full_depth_6_2.log").exists()
+    parts = [s["rollout/refresh_s"] + s["rollout/generate_s"] + s["rollout/update_s"] for s in row["steps"]]
+    assert row["step_s"]["n"] == 2 and row["step_s"]["median"] == pytest.approx((parts[1] + parts[3]) / 2)
+    assert record["summary"]["grpo_full_depth_timed_steps_6"] == 2
+
+
+def test_a_run_dir_already_used_or_a_resume_without_its_checkpoint_is_refused_by_name(tmp_path):
+    (tmp_path / "runs" / "grpo_6").mkdir(parents=True)
+    (tmp_path / "runs" / "grpo_6" / "old").write_text("")
+    with pytest.raises(Exception, match="--run-dir.*already holds a run of 6-token"):
+        grpo_full_depth.parse_args([*TINY, "--run-dir", str(tmp_path / "runs")])
+    with pytest.raises(Exception, match="--resume.*under --run-dir"):
+        grpo_full_depth.parse_args([*TINY, "--resume", str(tmp_path / "r.json")])
+    record = {"benchmark": "grpo_full_depth", "rows": [{"completion_len": 6, "checkpoint": None}], "summary": {}}
+    (tmp_path / "r.json").write_text(json.dumps(record))
+    with pytest.raises(Exception, match="--resume.*no checkpoint left to continue"):
+        grpo_full_depth.parse_args([*TINY, "--run-dir", str(tmp_path / "runs"), "--resume", str(tmp_path / "r.json")])
+
+
 LORA = {"r": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 
 

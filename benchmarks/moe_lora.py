@@ -412,6 +412,9 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
             why_ours or "row ours recorded no datasheet peak (not a CUDA device)")
         put(f"moe_full_depth_lora_peak_mem_gib_{tag}", ours and ours.get("peak_mem_allocated_gb"),
             why_ours or "row ours recorded no device memory")
+        oom = bool(why_ours and "out of memory" in why_ours.lower())  # ran and failed for memory: does not fit
+        put(f"moe_full_depth_lora_fits_{tag}", True if ours else False if oom else None,
+            why_ours or "row ours recorded no measurement")
     return summary, missing
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from benchmarks.report.tables import is_number
 
-__all__ = ["TARGETS", "render_targets", "target_status"]
+__all__ = ["FITS", "TARGETS", "render_targets", "target_status"]
 
 # (summary key, result file stem or None for any file, bar, strict, what is compared). "strict": the value must
 # exceed the bar (ahead of a peer), else reach it.
@@ -61,7 +61,13 @@ TARGETS: list[tuple[str, str | None, float, bool, str]] = [
      "26B-A4B, 30 layers, LoRA, 8k: ours vs HF + PEFT with SDPA and grouped experts, same recipe"),
     ("moe_mfu_active_spec_8k", None, 0.35, False,
      "26B-A4B LoRA, 8k: MFU on active parameters of the 989 TFLOP/s datasheet peak"),
+    ("grpo_full_depth_fits_4096", None, 1.0, False,
+     "GRPO, 31B at full depth in bf16 with LoRA, 4096-token completions: the recipe fits one H200 (exit 0)"),
+    ("moe_full_depth_lora_fits_16k", None, 1.0, False,
+     "26B-A4B, 30 layers, LoRA, 16k: the recipe's step fits one H200"),
 ]
+# Targets whose value is yes or no (a fit that ran to its end, or ran out of memory), not a number.
+FITS = {"grpo_full_depth_fits_4096", "moe_full_depth_lora_fits_16k"}
 # Targets whose value must stay at or under the bar.
 AT_MOST = {"unmerged_lora_decode_overhead", "fp8_full_ft_final_loss_rel_diff", "fp8_base_lora_peak_mem_ratio_8k"}
 _PERCENT = ("ours_mfu", "roofline", "moe_decode", "moe_mfu", "grpo_full_depth_decode", "unmerged_lora_decode",
@@ -86,7 +92,8 @@ TARGET_CARD = "H200"  # the card the issues set the bars on; another card's numb
 def _newest(results: list[tuple[Path, dict[str, Any]]], key: str, stem: str | None):
     """(path, record) of the newest file on the target card that recorded a number for `key` (any file, or only
     `stem`), else the newest on any card."""
-    found = [(p, r) for p, r in results if (stem is None or p.stem == stem) and is_number(r["summary"].get(key))]
+    recorded = (lambda v: isinstance(v, bool)) if key in FITS else is_number
+    found = [(p, r) for p, r in results if (stem is None or p.stem == stem) and recorded(r["summary"].get(key))]
     return max(found, key=lambda pr: (not other_card(pr[1]), measured_at(pr[1])), default=(None, None))
 
 
@@ -127,7 +134,7 @@ def render_targets(results: list[tuple[Path, dict[str, Any]]], link_from: Path, 
     """Markdown lines: one table row per target, with the value, its status and the file it came from; a value
     read from a file of `marked` (stem -> mark, e.g. one that predates the current code) carries its mark."""
     out = ["## Targets", "",
-           "Each target is a ratio or fraction measured in one run on one GPU; the value is the newest H200 file's "
+           "Each target is a ratio, a fraction or whether a recipe fits, measured in one run on one GPU; the value is the newest H200 file's "
            "(another card's, named beside the file, only where no H200 run has it). "
            "Why a target is missed is written up in [performance notes](performance.md).", "",
            "| target | bar | measured | status | file (commit) |", "|---|---|---|---|---|"]
@@ -137,6 +144,8 @@ def render_targets(results: list[tuple[Path, dict[str, Any]]], link_from: Path, 
         bar_fmt, value_fmt = (("{:.0%}", "{:.1%}") if key.startswith(_PERCENT) else ("{:.2f}x",) * 2)
         bar_text = f"{'<=' if key in AT_MOST else '>' if strict else '>='} {bar_fmt.format(bar)}"
         shown = "-" if value is None else value_fmt.format(value)
+        if key in FITS:
+            bar_text, shown = "fits", "-" if value is None else "fits" if value else "does not fit"
         status = target_status(value, bar, strict, key in AT_MOST)
         if rec:
             mem_shown, mem_missed = memory_status(rec["summary"], key)

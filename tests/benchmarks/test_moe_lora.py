@@ -17,7 +17,7 @@ from lightning_ffpa.errors import ConfigError  # noqa: E402
 _KEYS = {f"moe_{k}_{t}" for t in ("8k", "16k") for k in (
     "ours_vs_hf_same_recipe_tps", "ours_vs_hf_defaults_tps", "ours_vs_unsloth_lora_tps", "unmerged_vs_folded_expert_lora_tps", "mfu_active_spec",
     "full_depth_lora_peak_mem_gib", "save_mm_every_other_vs_high_k_tps", "save_mm_all_vs_high_k_tps",
-    "gather_vs_scatter_routing_tps", "sliding_auto_vs_flex_tps")}
+    "gather_vs_scatter_routing_tps", "sliding_auto_vs_flex_tps", "full_depth_lora_fits")}
 # ours_save_mm_every_other: its option and ours_save_mm_all's are checked without a run (SAC's rules have their own
 # tests); ours_flex_sliding: its command is checked (CPU has no FA4 for `auto` to pick); unsloth_lora: no Unsloth on
 # the CPU image
@@ -125,6 +125,7 @@ def test_summary_gives_ratios_mfu_memory_and_reasons():
         "moe_save_mm_every_other_vs_high_k_tps_8k"]
     assert summary["moe_ours_vs_hf_same_recipe_tps_8k"] == 1.5 and summary["moe_mfu_active_spec_8k"] == 0.4
     assert summary["moe_full_depth_lora_peak_mem_gib_16k"] == 120.0 and summary["moe_mfu_active_spec_16k"] == 0.38
+    assert summary["moe_full_depth_lora_fits_16k"] is True  # ours ran: the step fits
     assert summary["moe_ours_vs_hf_defaults_tps_8k"] is None
     assert "no measurement: CUDA out of memory" in missing["moe_ours_vs_hf_defaults_tps_8k"]
     assert "row hf_same_recipe at seq 16384 is not in this result" in missing["moe_ours_vs_hf_same_recipe_tps_16k"]
@@ -139,6 +140,9 @@ def test_summary_gives_ratios_mfu_memory_and_reasons():
     summary, missing = moe_lora.summarize(rows)
     assert all(summary[k] is None for k in _KEYS if k.endswith("_8k"))
     assert "row ours at seq 8192 has no measurement: timeout" in missing["moe_full_depth_lora_peak_mem_gib_8k"]
+    rows[0] = dict(rows[0], error="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    summary, missing = moe_lora.summarize(rows)  # ran out of memory: does not fit, a recorded answer
+    assert summary["moe_full_depth_lora_fits_8k"] is False and "moe_full_depth_lora_fits_8k" not in missing
 
 
 def test_a_gpu_run_without_cuda_is_refused_with_one_line_naming_cpu():

@@ -349,6 +349,21 @@ def test_targets_table_reads_the_newest_value_and_says_met_missed_or_not_measure
     assert targets.target_status(1.0, 1.0, strict=False) == "met"
 
 
+def test_a_fits_target_reads_yes_or_no_and_a_number_is_not_an_answer(tmp_path):
+    from benchmarks.report import targets
+
+    def row(value):
+        rec = dict(benchmark="b", commit="c" * 7, date="2026-12-02", rows=[], device="NVIDIA H200 x1",
+                   summary={"grpo_full_depth_fits_4096": value})
+        lines = targets.render_targets([(tmp_path / "f.json", rec)], tmp_path, lambda p, start: p.name)
+        return next(ln for ln in lines if "(`grpo_full_depth_fits_4096`)" in ln)
+
+    assert "| fits | fits | met |" in row(True)
+    assert "| fits | does not fit | missed |" in row(False)
+    assert "| fits | - | not measured | - |" in row(None)
+    assert "grpo_full_depth_fits_4096" in targets.FITS and "moe_full_depth_lora_fits_16k" in targets.FITS
+
+
 def test_a_target_with_a_memory_bar_is_missed_when_ours_holds_more_memory(tmp_path):
     from benchmarks.report import targets
 

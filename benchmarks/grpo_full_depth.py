@@ -73,10 +73,10 @@ RECOUNT_REASON = ("decode_bytes counts the weights as the fit stores them: a flo
                   "fp32 rowwise scales, not every weight at two bytes")
 
 
-def read_steps(root: Path, newest_only: bool = False) -> list[dict[str, float]]:
-    """One dict per logged training step (the CSV logger's rows merged by `step`); `newest_only`: from the newest
-    logger version's file under `root` (a resumed fit's own steps), else from the last one by name."""
-    found = sorted(root.rglob("metrics.csv"), key=(lambda f: f.stat().st_mtime) if newest_only else None)
+def read_steps(root: Path) -> list[dict[str, float]]:
+    """One dict per logged training step (the CSV logger's rows merged by `step`), from the newest logger version
+    under `root`: a resumed fit's own steps."""
+    found = sorted(root.rglob("metrics.csv"), key=lambda f: f.stat().st_mtime)
     steps: dict[int, dict[str, float]] = {}
     if not found:
         return []
@@ -155,7 +155,7 @@ def fit_row(length: int, args: argparse.Namespace, prev: dict[str, Any] | None =
     log = Path(args.logs) / (f"grpo_full_depth_{length}.log" if part == 1 else f"grpo_full_depth_{length}_{part}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(" ".join(cmd) + "\n" + "\n".join(lines) + "\n")
-    steps = read_steps(root, newest_only=True)
+    steps = read_steps(root)
     segment = {**described(cmd), "exit_code": rc, "wall_s": wall, "last_line": lines[-1] if lines else "",
                "log": log.name, "steps": len(steps)}
     segments = [*(prev["segments"] if prev else []), segment]
@@ -351,7 +351,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resumed_rows(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
-    """`--resume`'s rows by completion length, each checked continuable; refused before any fit runs."""
+    """`--resume`'s rows by completion length, each checked continuable; without `--resume`, a `--run-dir` that
+    already holds a row's run is refused (its checkpoint would be mixed in). Both before any fit runs."""
     from lightning_ffpa.errors import ConfigError
 
     if args.resume is None:

@@ -26,7 +26,7 @@ Summary: `fp8_full_ft_final_loss_rel_diff` = |fp8 - bf16| / bf16 of the final lo
 last 10 steps), `fp8_full_ft_loss_tolerance` (0.01) and whether it holds, the per-step curves' largest relative
 difference, and the first step's (same weights and batch: only the float8 casts differ).
 
-    python benchmarks/fp8_loss.py --fp8-from benchmarks/results/train_throughput_fp8.json --rows bf16 \
+    python benchmarks/fp8_loss.py --fp8-from benchmarks/results/train_throughput_fp8_h100.json --rows bf16 \
         --out $OUT/fp8_loss.json
     python benchmarks/fp8_loss.py --fp8-from ... --rows fp8 --resume fp8_loss.json --out $OUT/fp8_loss.json
 CPU smoke (configs/tiny_fsdp2.yaml, the tiny preset, fp32, torchao's emulated float8, seconds):

@@ -93,7 +93,7 @@ def test_measured_claims_cite_a_result_file(page):
         claim = CLAIM.search(prose)
         if claim is None:
             continue
-        cited = RESULT_LINK.findall(section)
+        cited = RESULT_LINK.findall(re.sub(r"```.*?```", "", section, flags=re.S))  # a command's path cites nothing
         heading = section.splitlines()[0]
         assert cited, f"{page.name} / {heading!r}: {claim.group(0)!r} needs a benchmarks/results/*.json link"
         for rel in cited:

@@ -422,6 +422,9 @@ def measure_row(name: str, seq: int, args, mesh, device, rank: int) -> dict:
             peak_mem_reserved_gb=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
             model_tflops_per_step=flops / 1e12,
             lm_head_flops_share=6 * model.lm_head.weight.numel() * seq / flops,
+            # what FP8 linear layers can speed up: the decoder layers' 2-D weights (a full fine-tune: 3x forward)
+            decoder_linear_flops_share=6 * seq * sum(p.numel() for p in model.model.layers.parameters()
+                                                     if p.dim() == 2) / flops,
             spec_bf16_peak_tflops=spec_peak and spec_peak / 1e12,
             measured_bf16_peak_tflops=measured_peak and measured_peak / 1e12,
             mfu_spec=flops / median / spec_peak if spec_peak else None,  # of the datasheet bf16 peak

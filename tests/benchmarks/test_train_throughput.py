@@ -46,6 +46,7 @@ def test_rows_run_in_their_own_processes_and_resume_keeps_them(tmp_path):
         assert r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms_max"]
         assert r["tokens_per_s_per_gpu"] == pytest.approx(128 / r["step_ms_median"] * 1e3)
         assert 0 < r["lm_head_flops_share"] < 1 and 0 < r["last_loss"] < 20
+        assert 0 < r["decoder_linear_flops_share"] < 1 - r["lm_head_flops_share"]  # attention takes the rest
         assert r["mfu_spec"] is None and r["mfu_measured_peak"] is None  # no peak on CPU: no number
         assert {"peak_mem_allocated_gb", "peak_mem_reserved_gb", "memory_phases", "label", "wall_s"} <= set(r)
         assert r["gpu_clocks"] == {"unavailable": "device cpu: no GPU clocks"}  # sampled on a GPU, else why not

@@ -118,6 +118,12 @@ class EngineConfig:
     """Token budget of one packed prefill."""
     cuda_graphs: bool = True
     """Capture decode per batch bucket (CUDA only)."""
+    decode_buckets: list[int] | None = None
+    """Batch sizes the decode step runs at: n sequences decode padded to the smallest bucket >= n. Each bucket is
+    captured (and, with `compile_decode`, compiled) on first use, which takes tens of seconds at real depth (logged,
+    and counted in `stats["capture_s"]`). None: powers of two below `max_batch_size`, and `max_batch_size`, which is
+    always a bucket. Fewer buckets start sooner, and decode reads every weight whatever the batch, so a padded tail
+    costs little (docs/rollout.md)."""
     compile_flex: bool = True
     """torch.compile flex_attention (CUDA only; CPU uses the eager path)."""
     attention: str = "flex"
@@ -172,6 +178,11 @@ class EngineConfig:
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError(f"{option}.compile_mode", self.compile_mode,
                               f"must be one of {list(COMPILE_MODES)} (the engine captures its own CUDA graphs)")
+        buckets = self.decode_buckets
+        if buckets is not None and (not isinstance(buckets, (list, tuple)) or any(
+                isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= self.max_batch_size for b in buckets)):
+            raise ConfigError(f"{option}.decode_buckets", buckets, "must be None or a list of ints from 1 to "
+                              f"`{option}.max_batch_size={self.max_batch_size}`")
         for name in ("fuse_projections", "fuse_kv_write", "count_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{option}.{name}", getattr(self, name), "must be a bool")
@@ -278,12 +289,11 @@ def check_pool_fits(cfg: EngineConfig, specs: list[LayerSpec], dtype: torch.dtyp
                       "`max_batch_size` or `max_seq_len`")
 
 
-def _buckets(max_batch: int) -> list[int]:
-    out, b = [], 1
-    while b < max_batch:
-        out.append(b)
-        b *= 2
-    return [*out, max_batch]
+def _buckets(max_batch: int, chosen: list[int] | None = None) -> list[int]:
+    """The decode batch buckets, ascending: `chosen` (default: the powers of two below `max_batch`) and `max_batch`."""
+    if chosen is None:
+        chosen = [2**i for i in range(max(max_batch - 1, 1).bit_length()) if 2**i < max_batch]
+    return sorted({*chosen, max_batch})
 
 
 class RolloutEngine:
@@ -333,7 +343,7 @@ class RolloutEngine:
             compile_fallbacks.prepare()
             self._step, self.decode_path = (torch.compile(self._decode_step, dynamic=False, mode=cfg.compile_mode),
                                             "compiled")
-        self.buckets = _buckets(cfg.max_batch_size)
+        self.buckets = _buckets(cfg.max_batch_size, cfg.decode_buckets)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._graph_pool = None
         self._sampling: SamplingParams | None = None

@@ -146,3 +146,40 @@ def test_decode_step_traces_as_one_graph_with_the_same_outputs(monkeypatch):
     monkeypatch.setattr(eng, "_step", torch.compile(eng._decode_step, backend=counts, dynamic=False))
     assert [s.output for s in eng.generate(prompts, 6)] == plain
     assert counts.frame_count == 1  # one bucket, one graph: no graph breaks, no recompiles across steps
+
+
+def _decode_batches(eng, monkeypatch) -> list[int]:
+    """Spy: the batch (bucket) of every decode step the engine runs."""
+    seen, step = [], eng._step
+    monkeypatch.setattr(eng, "_step", lambda pos, slots, *a: seen.append(len(pos)) or step(pos, slots, *a))
+    return seen
+
+
+@pytest.mark.parametrize("buckets, used", [(None, {1, 2, 4}), ([], {4}), ([2], {2, 4})])
+def test_decode_buckets_pad_a_shrinking_batch_to_the_chosen_sizes_with_the_same_tokens(gemma, monkeypatch,
+                                                                                         buckets, used):
+    """Rows finish at different steps (EOS), so the batch shrinks: each step runs at the smallest chosen bucket that
+    holds it (`max_batch_size` always one), and padding changes no token."""
+    prompts = _prompts(4, seed=2)
+    free, eos = _eos_from_free_run(gemma, prompts, 16)
+    eng = RolloutEngine(gemma, _cfg(decode_buckets=buckets), eos_token_ids=eos)
+    batches = _decode_batches(eng, monkeypatch)
+    seqs = eng.generate(prompts, 16)
+    assert set(batches) == used and batches == sorted(batches, reverse=True)
+    for s, f in zip(seqs, free):
+        want_tokens, want_lps, reason = _truncate(f, eos)
+        assert (s.output, s.finish_reason) == (want_tokens, reason)
+        torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(want_lps), atol=1e-5, rtol=1e-5)
+    captured = []
+    monkeypatch.setattr(eng, "on_cuda", True)  # capture_all is CUDA-only: it captures the chosen buckets alone
+    monkeypatch.setattr(eng, "_graph", lambda b, s: captured.append(b))
+    eng.capture_all(SamplingParams())
+    assert captured == eng.buckets == sorted(used)
+
+
+@pytest.mark.parametrize("bad", [[0], [5], "4", [True], [2.0]])
+def test_decode_buckets_out_of_range_is_one_error_naming_the_option(bad):
+    from lightning_ffpa.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"engine\.decode_buckets.*max_batch_size=4"):
+        _cfg(decode_buckets=bad).check()

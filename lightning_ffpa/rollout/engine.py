@@ -122,8 +122,8 @@ class EngineConfig:
     """Batch sizes the decode step runs at: n sequences decode padded to the smallest bucket >= n. Each bucket is
     captured (and, with `compile_decode`, compiled) on first use, which takes tens of seconds at real depth (logged,
     and counted in `stats["capture_s"]`). None: powers of two below `max_batch_size`, and `max_batch_size`, which is
-    always a bucket. Fewer buckets start sooner, and decode reads every weight whatever the batch, so a padded tail
-    costs little (docs/rollout.md)."""
+    always a bucket. Fewer buckets start sooner; a dense model's decode reads every weight whatever the batch, so
+    a padded tail costs little (a MoE model's padding rows route to experts too: docs/rollout.md)."""
     compile_flex: bool = True
     """torch.compile flex_attention (CUDA only; CPU uses the eager path)."""
     attention: str = "flex"

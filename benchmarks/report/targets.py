@@ -134,8 +134,8 @@ def render_targets(results: list[tuple[Path, dict[str, Any]]], link_from: Path, 
     """Markdown lines: one table row per target, with the value, its status and the file it came from; a value
     read from a file of `marked` (stem -> mark, e.g. one that predates the current code) carries its mark."""
     out = ["## Targets", "",
-           "Each target is a ratio, a fraction or whether a recipe fits, measured in one run on one GPU; the value is the newest H200 file's "
-           "(another card's, named beside the file, only where no H200 run has it). "
+           "Each target is a ratio, a fraction or whether a recipe fits, measured in one run on one GPU; the value is "
+           "the newest H200 file's (another card's, named beside the file, only where no H200 run has it). "
            "Why a target is missed is written up in [performance notes](performance.md).", "",
            "| target | bar | measured | status | file (commit) |", "|---|---|---|---|---|"]
     for key, stem, bar, strict, what in TARGETS:

@@ -292,7 +292,7 @@ def check_pool_fits(cfg: EngineConfig, specs: list[LayerSpec], dtype: torch.dtyp
 def _buckets(max_batch: int, chosen: list[int] | None = None) -> list[int]:
     """The decode batch buckets, ascending: `chosen` (default: the powers of two below `max_batch`) and `max_batch`."""
     if chosen is None:
-        chosen = [2**i for i in range(max(max_batch - 1, 1).bit_length()) if 2**i < max_batch]
+        chosen = [2**i for i in range(max_batch.bit_length()) if 2**i < max_batch]
     return sorted({*chosen, max_batch})
 
 

@@ -48,14 +48,17 @@ def main(argv: list[str] | None = None) -> dict:
                                                                 "gate_proj", "up_proj", "down_proj"]}
     policy = GRPOModule(preset="tiny", lora=lora, learning_rate=2e-2, clip_eps=0.2, beta=0.0, dtype="float32")
     prompts = PromptDataModule(num_random_prompts=16, prompt_len=4, vocab_size=512, batch_size=2)
+    # the engine sized for these options: 2 prompts x G sequences of 4 + max_new_tokens tokens in 8-token pages
+    batch, pages = max(16, 2 * args.num_generations), -(-(4 + args.max_new_tokens) // 8)
     rollout = RolloutCallback(
         reward_funcs=[even_token_reward],  # its signature is checked right here (TRL's keywords + **kwargs)
         num_generations=args.num_generations,
         sampling=SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens),
-        engine=EngineConfig(page_size=8, num_pages=64, max_batch_size=16, max_seq_len=32,
+        engine=EngineConfig(page_size=8, num_pages=max(64, batch * pages), max_batch_size=batch,
+                            max_seq_len=max(32, 8 * pages),
                             attention="dense" if args.accelerator == "cpu" else "flex"),  # CPU: SDPA, same masks
         eos_token_ids=[],
-        verify_no_drift=True,  # proves the in-place LoRA refresh is exact before training starts
+        verify_no_drift=lora is not None,  # proves the in-place LoRA refresh is exact before training starts
     )
     # the project's step progress bar: `step 2/2` (Lightning's reads `Epoch 0/-2` under max_steps, and a small
     # GRPO loss `-0.000`)

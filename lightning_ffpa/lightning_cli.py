@@ -424,8 +424,9 @@ def _terminated_line(trainer: L.Trainer, signal_name: str = "SIGTERM") -> str:
     last = ckpt.last_model_path if ckpt is not None else ""
     newest = lightning_compat.last_checkpoint_saved(ckpt) if ckpt is not None else ""
     stopped = f"stopped by {signal_name} at step {trainer.global_step}"
-    if last or not newest:
-        where = f"; last checkpoint {last}" if last else "; no checkpoint was written"
-        return f"{stopped}{where}; continue with the same command and --ckpt_path last"
+    if not last and not newest:  # `--ckpt_path last` would find nothing and start afresh anyway
+        return f"{stopped}; no checkpoint was written; the same command starts the run again from step 0"
+    if last:
+        return f"{stopped}; last checkpoint {last}; continue with the same command and --ckpt_path last"
     return (f"{stopped}; newest checkpoint {newest} (ModelCheckpoint's save_last is off); continue with the same "
             f"command and --ckpt_path {newest}")

@@ -28,7 +28,7 @@ from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa._compat.transformers import from_config, text_config
 from lightning_ffpa.attention.plan import plan_for
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_seed
-from lightning_ffpa.checkpoint.paths import root_checkpoint_dirs
+from lightning_ffpa.checkpoint.paths import root_checkpoint_dirs, saved_checkpoints
 from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.fp8_base import check_device as fp8_base_check_device
 from lightning_ffpa.hf_module import (  # noqa: F401 - ARCHITECTURE_HPARAMS, check_hparams_match re-exported
@@ -129,6 +129,20 @@ def check_no_dangling_last(trainer: Any, option: str = "ckpt_path") -> None:
                 hint = f"e.g. `--ckpt_path {complete[-1]}`" if complete else "no complete checkpoint is left"
                 raise CheckpointError(f"`{option}='last'`: {link} points to {os.readlink(link)!r}, a save that "
                                       f"did not complete; pass a complete checkpoint explicitly ({hint})")
+
+
+def check_fresh_run_writes_nothing_saved(trainer: Any) -> None:
+    """A fit from scratch into a checkpoint folder that holds an earlier run's checkpoints is refused: it would
+    replace `last.ckpt` (and files of the same step), and a later `--ckpt_path last` would find the new run."""
+    saved = saved_checkpoints(trainer)
+    if not saved:
+        return
+    folder = os.path.dirname(saved[0])
+    in_root = os.path.realpath(folder) == os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
+    option = ("trainer.default_root_dir", trainer.default_root_dir) if in_root else ("ModelCheckpoint.dirpath", folder)
+    raise CheckpointError(f"`{option[0]}={str(option[1])!r}` holds the checkpoints of an earlier run ({len(saved)} in "
+                          f"{folder}, newest {os.path.basename(saved[0])}); a fit from scratch would write over them. "
+                          "Continue that run with `--ckpt_path last`, or start a new one in another folder")
 
 
 def check_lora_targets(model: Any, option: str = "model.lora") -> None:
@@ -268,6 +282,8 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
     if resolved is None:
         if ckpt_path == "last":
             check_no_dangling_last(trainer)
+        elif ckpt_path is None:
+            check_fresh_run_writes_nothing_saved(trainer)
         return None
     check_strategy_loads(trainer, resolved)
     state = check_checkpoint(resolved, "ckpt_path")

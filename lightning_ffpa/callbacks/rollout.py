@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
+from lightning_ffpa.callbacks.rollout_tokens import check_token_ids, resolve_eos, resolve_tokenizer
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.hf_module import HFModule, resolve_dtype
@@ -60,7 +61,8 @@ class RolloutCallback(L.Callback):
             verify_no_drift: At fit start, check the base weights hash is unchanged over refreshes and the
                 inference copy is deterministic (raises otherwise). LoRA policies only.
             eos_token_ids: Tokens that end a completion (default: the model config's eos_token_id).
-            tokenizer: HF tokenizer to decode completions for reward functions (None: ids joined by spaces).
+            tokenizer: Tokenizer that decodes completions for the reward functions: "byte", or a local folder or
+                hub id for `AutoTokenizer` (None: the datamodule's tokenizer if it has one, else ids joined by spaces).
             model_attr: Attribute of the LightningModule holding the HF model.
             pad_token_id: Right-padding id of the GRPO batch.
             inference_dtype: Dtype of the inference copy; null = the strategy's compute dtype (its public
@@ -94,6 +96,7 @@ class RolloutCallback(L.Callback):
         self.drift_report: dict[str, str] | None = None
         self._resumed_seed: int | None = None  # the seed of the checkpoint this fit resumes, if any
         self.algorithm = GRPOAlgorithm()  # the module's, bound to this rollout in `setup`
+        self.tokenizer: Any = None  # resolved in `check_before_fit` (setup and the CLI's pre-flight)
 
     # ---- option checks: all before any model is built -------------------------------------------
     def _check_options(self, reward_funcs: list, num_generations: int, eos_token_ids: list[int] | None,
@@ -172,8 +175,28 @@ class RolloutCallback(L.Callback):
                 raise ConfigError("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches,
                                   f"{type(pl_module).__name__} optimizes manually; its micro-batches are "
                                   "`model.max_tokens_per_microbatch`")
-        self.resolve_algorithm(pl_module, datamodule)  # the micro-batch budget against the data's prompts
+        algo = self.resolve_algorithm(pl_module, datamodule)  # the micro-batch budget against the data's prompts
+        check_token_ids(OPTION, resolve_eos(self.eos_token_ids, getattr(pl_module, "config", None)),
+                        self.eos_token_ids is not None, self.pad_token_id, getattr(pl_module, "config", None),
+                        algo.mask_truncated_completions)
+        self._check_steps_count_updates(trainer, algo.num_iterations)
+        self.tokenizer = resolve_tokenizer(OPTION, self.tokenizer_name, datamodule)
         self._check_room_before_fit(trainer, pl_module)  # last: it builds the model on meta
+
+    @staticmethod
+    def _check_steps_count_updates(trainer: L.Trainer, num_iterations: int) -> None:
+        """Each rollout makes `num_iterations` optimizer steps at once, so `global_step` moves by that much: a
+        `max_steps` or a checkpoint interval between its multiples would overshoot or never be met."""
+        if num_iterations == 1:
+            return
+        why = (f"must be a multiple of `model.num_iterations={num_iterations}`: each rollout makes that many "
+               "optimizer steps, and the step count moves by all of them at once")
+        if trainer.max_steps > 0 and trainer.max_steps % num_iterations:
+            raise ConfigError("trainer.max_steps", trainer.max_steps, why)
+        for cb in trainer.checkpoint_callbacks:
+            every = getattr(cb, "_every_n_train_steps", 0)
+            if every and every % num_iterations:
+                raise ConfigError("ModelCheckpoint.every_n_train_steps", every, why)
 
     # ---- build ------------------------------------------------------------------------------------
     def _check_room(self, plan: WeightsPlan, dtype: torch.dtype, device: torch.device, free: int,
@@ -243,21 +266,13 @@ class RolloutCallback(L.Callback):
             if not self.sync.pairs:  # a module whose hparams do not say (a user's own)
                 raise ConfigError(f"{OPTION}.verify_no_drift", True, NO_LORA_TO_VERIFY)
             self.drift_report = self.sync.verify_no_drift()
-        eos = self.eos_token_ids
-        if eos is None:
-            e = getattr(base.config, "eos_token_id", None)
-            eos = [] if e is None else ([e] if isinstance(e, int) else list(e))
+        eos = resolve_eos(self.eos_token_ids, base.config)
         self.engine = RolloutEngine(inference, self.engine_config, set(eos), option=f"{OPTION}.engine")
         e = self.engine
         rank_zero_info(f"RolloutCallback: {dtype} engine weights {self.weights_path}; attention {e.attention_path} over "
                        f"{e.config.decode_block}-token KV blocks in {e.config.page_size}-token pages, decode step "
                        f"{e.decode_path} (K/V write {e.kv_write_path}), projections {e.projection_path}, CUDA graphs "
                        f"{'on' if e.on_cuda and e.config.cuda_graphs else 'off'}")
-        self.tokenizer = None
-        if self.tokenizer_name:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name)
         for m in self.metrics.values():
             m.to(device)
 

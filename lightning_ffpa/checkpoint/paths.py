@@ -1,7 +1,8 @@
 """Where a run's checkpoints go when the config does not say: `<trainer.default_root_dir>/checkpoints`.
 
 Owns filling in `ModelCheckpoint.dirpath` when it is unset, before `fit` resolves `--ckpt_path last`, so
-the shipped configs follow `--trainer.default_root_dir` and a resumed run finds its `last.ckpt`. Lightning
+the shipped configs follow `--trainer.default_root_dir` and a resumed run finds its `last.ckpt`; and listing
+the checkpoints a folder already holds, so a fresh fit does not write over an earlier run's. Lightning
 itself would put them under the first logger's versioned folder (`.../version_N/checkpoints`), which
 changes from run to run, so `last` would not be found on resume. Does not own the loggers' folders
 (with no explicit logger, Lightning's default logger writes under `default_root_dir`) or saving.
@@ -13,7 +14,7 @@ import os
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-__all__ = ["root_checkpoint_dirs"]
+__all__ = ["root_checkpoint_dirs", "saved_checkpoints"]
 
 
 def root_checkpoint_dirs(trainer) -> list[str]:
@@ -24,3 +25,14 @@ def root_checkpoint_dirs(trainer) -> list[str]:
             cb.dirpath = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
             set_now.append(cb.dirpath)
     return set_now
+
+
+def saved_checkpoints(trainer) -> list[str]:
+    """The checkpoints (`*.ckpt` files and links, DCP folders) already in the ModelCheckpoint folders, newest first."""
+    found = []
+    for cb in trainer.checkpoint_callbacks:
+        folder = getattr(cb, "dirpath", None)
+        if isinstance(cb, ModelCheckpoint) and folder and os.path.isdir(folder):
+            found += [e for e in os.scandir(folder) if e.name.endswith(".ckpt")]
+    found.sort(key=lambda e: e.stat(follow_symlinks=False).st_mtime, reverse=True)
+    return [e.path for e in found]

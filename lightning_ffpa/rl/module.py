@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from lightning_ffpa.dtypes import DtypeOrAuto
@@ -58,6 +59,7 @@ class GRPOModule(HFModule):
         overlong_penalty: float = 1.0,
         logprob_chunk_size: int = 4096,
         gradient_clip_val: float | None = None,
+        max_empty_batches: int = 8,
     ) -> None:
         """Build the module; the policy is created in `configure_model` by the same code as `Gemma4LM`'s model.
 
@@ -93,6 +95,7 @@ class GRPOModule(HFModule):
             overlong_penalty: The overlong punishment's largest penalty (>= 0).
             logprob_chunk_size: Tokens per chunk of the chunked log-probs through the lm_head (>= 1); memory O(chunk x vocab).
             gradient_clip_val: Clip the gradient norm to this before each update (null: no clipping); Trainer's gradient_clip_val does not apply to this manually optimized module.
+            max_empty_batches: Stop with an error after this many rollout batches in a row left no completion token in the loss (every group dropped by dynamic_sampling, or every completion masked by mask_truncated_completions): such a batch makes no update, so the step count would not move (>= 1).
         """
         super().__init__()
         lora = lora_hparam(lora)  # plain data in hparams and checkpoints
@@ -115,6 +118,8 @@ class GRPOModule(HFModule):
         check_range("model.logprob_chunk_size", logprob_chunk_size, ge=1)
         if gradient_clip_val is not None:
             check_range("model.gradient_clip_val", gradient_clip_val, gt=0)
+        check_range("model.max_empty_batches", max_empty_batches, ge=1)
+        self.empty_batches = 0  # rollout batches in a row with no loss token (the same count on every rank)
         self.algorithm = GRPOAlgorithm(  # checks its options: one ConfigError each
             loss_type=loss_type, scale_rewards=scale_rewards, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
             beta=beta, num_iterations=num_iterations, max_tokens_per_microbatch=max_tokens_per_microbatch,
@@ -148,7 +153,9 @@ class GRPOModule(HFModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         step = self.prepare_step(batch, batch_idx)
         if step is None:  # every completion dropped or masked: no update (decided on global counts: every rank)
+            self._no_update(batch_idx)
             return None
+        self.empty_batches = 0
         opt = self.optimizers()
         for it in range(self.algorithm.num_iterations):
             self.backward_pass(batch, step, it)
@@ -159,6 +166,24 @@ class GRPOModule(HFModule):
             opt.zero_grad()
         self._log_step(step)
         return torch.tensor(step.sums["loss"])
+
+    def _no_update(self, batch_idx: int) -> None:
+        """Count and say so: a batch with nothing to learn leaves `global_step` (and `max_steps`) where it was,
+        so a run where it keeps happening would never end."""
+        algo = self.algorithm
+        self.empty_batches += 1
+        why = ("every group's rewards tied and dynamic_sampling dropped them" if algo.dynamic_sampling else
+               "every completion was cut at max_new_tokens and mask_truncated_completions masked it")
+        if algo.dynamic_sampling and algo.mask_truncated_completions:
+            why = "every group was dropped (tied rewards) or its completions masked (cut at max_new_tokens)"
+        self.log("rollout/empty_batches", float(self.empty_batches), on_step=True, on_epoch=False, batch_size=1)
+        if self.empty_batches >= self.hparams.max_empty_batches:
+            option = "model.dynamic_sampling" if algo.dynamic_sampling else "model.mask_truncated_completions"
+            raise ConfigError(option, True, f"{self.empty_batches} rollout batches in a row had no completion token "
+                              f"in the loss ({why}), so no update has run since step {self.global_step}; check the "
+                              "reward functions' spread and the EOS ids, or raise `model.max_empty_batches`")
+        rank_zero_warn(f"GRPO batch {batch_idx}: no update, {why} ({self.empty_batches} in a row; the run stops "
+                       f"at {self.hparams.max_empty_batches})")
 
     def prepare_step(self, batch: dict, batch_idx: int = 0) -> _Step | None:
         """The step's micro-batches and loss weights from its whole batch (global counts under data

@@ -173,6 +173,15 @@ ROWS = [
     (f"{F} --config section.yaml", "`--config='section.yaml'`: section `trainer` names the file 'other.yaml', which"),
     ("lightning-ffpa fit --config binary.yaml", "`--config='binary.yaml'`: is not a text (UTF-8) YAML file"),
     (f"{F} --data.init_args.tokenizer stubtok", "`data.init_args.tokenizer='stubtok'`: has no vocabulary"),
+    # a fresh trial: a run that would write over an earlier one's checkpoints, and GRPO options that ran silently
+    (f"{F} --trainer.default_root_dir earlier", "`trainer.default_root_dir='earlier'` holds the checkpoints of an"),
+    (f"{G} --model.init_args.mask_truncated_completions true", "`model.mask_truncated_completions=True`: no token"),
+    (f"{G} --trainer.callbacks.init_args.pad_token_id 100000", "`RolloutCallback.pad_token_id=100000`"),
+    (f"{G} --trainer.callbacks.init_args.eos_token_ids [100000]", "`RolloutCallback.eos_token_ids=[100000]`"),
+    (f"{G} --trainer.callbacks.init_args.tokenizer /nonexistent/tok", "`RolloutCallback.tokenizer='/nonexistent/tok'`"),
+    (f"{G} --model.init_args.num_iterations 3", "`trainer.max_steps=20`: must be a multiple of `model.num_iterations=3`"),
+    (f"{G} --model.init_args.num_iterations 4 --trainer.max_steps 4", "`ModelCheckpoint.every_n_train_steps=10`"),
+    (f"{G} --model.init_args.max_empty_batches 0", "model.max_empty_batches"),
 ]
 
 
@@ -205,6 +214,9 @@ def template(tmp_path_factory) -> Path:
     (root / "emptydir").mkdir()
     (root / "nonempty").mkdir()
     (root / "nonempty" / "keep.txt").write_text("mine\n")
+    (root / "earlier" / "checkpoints").mkdir(parents=True)  # an earlier run's (the names are what counts)
+    for name in ("epoch=0-step=2.ckpt", "last.ckpt"):
+        (root / "earlier" / "checkpoints" / name).write_bytes(b"an earlier run's checkpoint\n")
     # the smallest checkpoint export reads: weights + the hyper-parameters that rebuild the config
     torch.save({"state_dict": {"model.lm_head.weight": torch.zeros(2, 2)}, "hyper_parameters": {"preset": "tiny"}},
                root / "fake.ckpt")

@@ -1,0 +1,104 @@
+"""GRPO options a fresh trial found silent: batches with nothing to learn (the step count stood still and the run
+never ended), completions handed to reward functions as id strings while prompts came as text, and checkpoint
+intervals that `num_iterations` steps over."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_ffpa.callbacks.rollout import RolloutCallback
+from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.rl.module import GRPOModule
+from lightning_ffpa.rl.prompts import PromptDataModule
+from lightning_ffpa.rollout.engine import EngineConfig
+from lightning_ffpa.rollout.sampler import SamplingParams
+
+
+def tied_reward(prompts, completions, completion_ids, **kwargs):
+    return [1.0] * len(completions)  # every group ties: dynamic sampling drops it
+
+
+SEEN: list[tuple] = []
+
+
+def recording_reward(prompts, completions, completion_ids, **kwargs):
+    SEEN.append((list(prompts), list(completions)))
+    return [float(sum(c) % 7) for c in completion_ids]  # spread within a group
+
+
+def _fit(reward, module_kw=None, data=None, max_steps=4, **callback_kw):
+    torch.manual_seed(0)
+    rollout = RolloutCallback([reward], num_generations=2, sampling=SamplingParams(max_new_tokens=4),
+                              engine=EngineConfig(page_size=8, num_pages=32, max_batch_size=8, max_seq_len=64,
+                                                  attention="dense"), **callback_kw)
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout])
+    module = GRPOModule(preset="tiny", **(module_kw or {}))
+    trainer.fit(module, datamodule=data or PromptDataModule(num_random_prompts=8, prompt_len=4, batch_size=2))
+    return trainer, module
+
+
+@pytest.mark.timeout(120)
+def test_batches_with_nothing_to_learn_warn_then_stop_the_run_naming_the_option():
+    with pytest.warns(UserWarning, match="no update, every group's rewards tied"), \
+            pytest.raises(ConfigError, match=r"`model.dynamic_sampling=True`: 2 rollout batches in a row") as err:
+        _fit(tied_reward, {"dynamic_sampling": True, "max_empty_batches": 2}, eos_token_ids=[])
+    assert "no update has run since step 0" in str(err.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_that_learns_resets_the_count():
+    trainer, module = _fit(recording_reward, {"dynamic_sampling": True, "max_empty_batches": 1}, max_steps=2,
+                           eos_token_ids=[])
+    assert trainer.global_step == 2 and module.empty_batches == 0
+
+
+def test_mask_truncated_completions_without_an_eos_is_refused_before_fit():
+    with pytest.raises(ConfigError, match=r"`model.mask_truncated_completions=True`: no token ends a completion"):
+        _fit(recording_reward, {"mask_truncated_completions": True}, eos_token_ids=[])
+
+
+@pytest.mark.parametrize("kw, option", [({"pad_token_id": 512}, "RolloutCallback.pad_token_id"),
+                                        ({"eos_token_ids": [600]}, "RolloutCallback.eos_token_ids")])
+def test_token_ids_past_the_vocabulary_are_refused_before_fit(kw, option):
+    with pytest.raises(ConfigError, match=f"`{option}="):
+        _fit(recording_reward, **kw)
+
+
+@pytest.mark.timeout(120)
+def test_completions_are_decoded_with_the_datas_tokenizer(tmp_path):
+    """Prompts reach the reward functions as text; completions must too, with the tokenizer that encoded them."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is {i}+{i}?"}) + "\n" for i in range(4)))
+    SEEN.clear()
+    _fit(recording_reward, data=PromptDataModule(path=str(path), tokenizer="byte", batch_size=2), max_steps=1,
+         eos_token_ids=[258])
+    prompts, completions = SEEN[0]
+    assert prompts[0].startswith("What is")
+    # the byte tokenizer's text, not "193 36 502 ..." (ids joined by spaces)
+    ids_joined = [c for c in completions if c and all(part.isdigit() for part in c.split(" "))]
+    assert not ids_joined, completions
+
+
+def test_an_unloadable_rollout_tokenizer_is_refused_before_fit(tmp_path):
+    with pytest.raises(ConfigError, match="`RolloutCallback.tokenizer="):
+        _fit(recording_reward, tokenizer=str(tmp_path / "no_such_tokenizer"))
+
+
+@pytest.mark.parametrize("max_steps, every, option", [(3, None, "trainer.max_steps"),
+                                                      (4, 3, "ModelCheckpoint.every_n_train_steps")])
+def test_step_counts_between_multiples_of_num_iterations_are_refused(tmp_path, max_steps, every, option):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    rollout = RolloutCallback([recording_reward], num_generations=2, sampling=SamplingParams(max_new_tokens=4),
+                              engine=EngineConfig(page_size=8, num_pages=32, max_batch_size=8, max_seq_len=64,
+                                                  attention="dense"))
+    callbacks = [rollout] + ([ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every)] if every else [])
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks, default_root_dir=tmp_path)
+    with pytest.raises(ConfigError, match=f"`{option}=.*multiple of `model.num_iterations=2`"):
+        trainer.fit(GRPOModule(preset="tiny", num_iterations=2),
+                    datamodule=PromptDataModule(num_random_prompts=8, prompt_len=4, batch_size=2))
+    assert not list(tmp_path.iterdir())  # refused before any checkpoint

@@ -6,8 +6,8 @@ Shifting labels and choosing which hidden states to feed belong to the Lightning
 
 Why the chunked path computes gradients inside forward: the lm_head matmul at V=262144 is a large
 share of a Gemma4 step. Computing d(loss)/d(logits) per chunk while the chunk's logits are live costs
-3 matmuls (logits, grad_hidden, grad_weight), the same as the plain loss, while a recompute-in-backward
-design costs 4. Memory stays O(chunk_size * V) for the logits plus one [V, H] gradient buffer. The
+3 matmuls (logits, grad_hidden, grad_weight; 2 when the head is frozen, as under LoRA), the same as the
+plain loss, while a recompute-in-backward design costs 4. Memory stays O(chunk_size * V) for the logits plus one [V, H] gradient buffer. The
 gradients are scaled by the incoming grad_output in backward, so they are exact for any upstream
 scalar multiplier (loss scaling, accumulation).
 """
@@ -79,17 +79,19 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, softcap, chunk_size, ignore_index, compile):
         n_valid = (labels != ignore_index).sum()
         scale = 1.0 / n_valid.clamp(min=1).to(torch.float32)
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # A frozen head (LoRA elsewhere) needs no weight gradient: no (V, H) buffer, no third matmul per chunk
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fn = _chunk_fn(compile)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need_grad else None
-        grad_w = torch.zeros_like(weight) if need_grad else None
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
         for start in range(0, hidden.shape[0], chunk_size):
             h = hidden[start:start + chunk_size]
             loss_sum, g = fn(h, weight, labels[start:start + chunk_size], scale, softcap, ignore_index)
             total += loss_sum
-            if need_grad:
+            if need_h:
                 torch.mm(g, weight, out=grad_h[start:start + chunk_size])  # (C, H)
+            if need_w:
                 grad_w.addmm_(g.t(), h)  # (V, H), accumulated in the weight dtype
             del loss_sum, g  # before the next chunk's logits: one chunk's buffers alive at a time
         ctx.save_for_backward(grad_h, grad_w)
@@ -98,8 +100,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_out.to(grad_h.dtype) if ctx.needs_input_grad[0] else None
-        gw = grad_w * grad_out.to(grad_w.dtype) if ctx.needs_input_grad[1] else None
+        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
+        gw = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
         return gh, gw, None, None, None, None, None
 
 

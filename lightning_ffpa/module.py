@@ -25,7 +25,7 @@ from lightning_ffpa.hf_module import (  # noqa: F401 - re-exported: `from lightn
     resolve_dtype,
     text_config,
 )
-from lightning_ffpa.hidden_states import causal_lm_hidden_states
+from lightning_ffpa.hidden_states import causal_lm_hidden_states, head_operands
 from lightning_ffpa.lora import LoraSpec, lora_hparam
 from lightning_ffpa.loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_ffpa.metrics import TokenPerplexity
@@ -177,8 +177,9 @@ class Gemma4LM(HFModule):
             )
         # Pass the module given to `parallelize` (the FSDP root), so its hooks gather lm_head too.
         hidden = causal_lm_hidden_states(self.model, use_cache=False, **inputs)
+        hidden, weight = head_operands(self.hf_model.get_output_embeddings(), hidden.flatten(0, 1))
         mean = linear_cross_entropy(
-            hidden.flatten(0, 1), self.hf_model.get_output_embeddings().weight, labels.flatten(),
+            hidden, weight, labels.flatten(),
             softcap=getattr(text_config(self.config), "final_logit_softcapping", None),
             chunk_size=self.hparams.loss_chunk_size, impl=self.hparams.loss_impl,
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_ffpa.hidden_states import causal_lm_hidden_states
+from lightning_ffpa.hidden_states import causal_lm_hidden_states, head_operands
 
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor, softcap: float | None, temperature: float,
@@ -114,7 +114,7 @@ def policy_token_logprobs(model: nn.Module, lm_head: nn.Module, batch: dict, sof
                                      attention_mask=batch["attention_mask"])[:, :-1]  # (N, L-1, H)
     mask = batch["completion_mask"][:, 1:].bool()  # (N, L-1)
     labels = batch["input_ids"][:, 1:][mask]  # (M,)
-    logp, entropy = chunked_token_logprobs(hidden[mask], lm_head.weight, labels, softcap=softcap,
+    logp, entropy = chunked_token_logprobs(*head_operands(lm_head, hidden[mask]), labels, softcap=softcap,
                                            temperature=temperature, chunk_size=chunk_size)
     out = hidden.new_zeros(mask.shape, dtype=torch.float32).masked_scatter(mask, logp)
     ent = hidden.new_zeros(mask.shape, dtype=torch.float32).masked_scatter(mask, entropy)

@@ -348,12 +348,12 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     """Write the checkpoint's model as an HF folder (and its LoRA adapter in PEFT format, unless merged)."""
     target = parse_dtype("--dtype", dtype, allow_auto=False, allow_none=True)  # checked before any file is written
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"`out={str(out)!r}` exists and is not empty; choose a new folder")
-    # the cheap option checks come before the checkpoint is read
+    # the cheap option checks come before the checkpoint is read; a file where the folder goes first
     blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise ConfigError("out", str(out), f"cannot be created: {str(blocking)!r} is a file, not a folder")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"`out={str(out)!r}` exists and is not empty; choose a new folder")
     if config_dir is not None and not (Path(config_dir) / "config.json").is_file():
         raise ConfigError("--config", config_dir, "is not a folder with a config.json (an HF config folder)")
     _split({}, max_shard_size, "--max_shard_size")

@@ -74,7 +74,9 @@ _ADAPTER_KEY = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector
 
 
 def _registered_attn() -> set[str]:
-    return set(KNOWN_ATTN) | attention_names()
+    """The names a model can train with: ours and transformers' registered ones, less the paged ones, which
+    serve generation from a KV cache (HF's `paged|*`, and the rollout engine's own)."""
+    return set(KNOWN_ATTN) | {n for n in attention_names() if "paged" not in n}
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:
@@ -442,7 +444,8 @@ def check_options_match_checkpoint(given: Any, saved: dict[str, Any] | None, ckp
         return
     given = given.as_dict() if hasattr(given, "as_dict") else dict(given)
     init_args = given.get("init_args") if "class_path" in given else given
-    fix = f"drop the option, or pass `--{switch} true` to take the checkpoint's model options"
+    fix = (f"set it to the checkpoint's value (a `--config` file may be where it comes from), or pass `--{switch} "
+           "true` to take the checkpoint's model options")
     saved_class, given_class = saved.get("_class_path"), given.get("class_path")
     if saved_class and given_class and saved_class != given_class:
         raise ConfigError("model.class_path", given_class, f"differs from `ckpt_path={ckpt_path}`, which was "

@@ -95,6 +95,8 @@ def copy(name: str, dest: str | os.PathLike, force: bool = False) -> Path:
     if src is None:
         raise ConfigError("recipe", name, f"is not a packaged recipe; choose one of {names()}")
     target = Path(dest)
+    if str(dest).endswith(("/", os.sep)) and not target.is_dir():  # Path drops the slash: "newdir/" is a folder
+        raise ConfigError("dest", str(dest), "names a folder (a trailing slash) that does not exist")
     if target.is_dir():
         target = target / src.name
     if target.exists() and not force:

@@ -120,6 +120,8 @@ class FFPAAttention(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         n = self.log_every_n_steps
+        if not self._counted():  # transformers' own implementation runs: zeros would say nothing ran
+            return
         # once per optimizer step: with gradient accumulation only the window's last micro-batch logs
         if n and trainer.global_step % n == 0 and not lightning_compat.accumulating(trainer):
             counts = attention.dispatch_counts()
@@ -127,8 +129,15 @@ class FFPAAttention(Callback):
                 pl_module.log_dict({f"attention/{k}": float(v) for k, v in counts.items()},
                                    on_step=True, on_epoch=False, rank_zero_only=True)
 
+    def _counted(self) -> bool:
+        """Whether the installed attention is ours (the FFPA backend or the ring), whose dispatches are counted."""
+        return self.plan is None or self.plan.ring or self.plan.attn_implementation == "ffpa"
+
     def summary(self) -> str:
         """One line: which attention kernels ran and how often (this rank)."""
+        if not self._counted():
+            return (f"FFPAAttention ({self.plan.describe()}): transformers' {self.plan.attn_implementation!r} ran "
+                    "every layer (its calls are not counted)")
         counts = dict(attention.dispatch_counts())
         counts.update({f"ring-{k}": v for k, v in (getattr(self.ring, "stats", None) or {}).items()})
         ran = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "no attention calls counted"

@@ -18,6 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_ffpa.data.resume import continue_after_fit_end, loaded_loops_state
@@ -154,7 +155,11 @@ class SeededDataModule(pl.LightningDataModule):
         return None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Refuse what `resume_conflict` names; skip the batches the checkpoint trained on."""
+        """Refuse what `resume_conflict` names; skip the batches the checkpoint trained on. Only `fit` resumes the
+        training data: `validate`, `test` and `predict` from a mid-epoch checkpoint read it at any batch size."""
+        fn = getattr(getattr(self.trainer, "state", None), "fn", None)
+        if fn is not None and fn != TrainerFn.FITTING:
+            return
         conflict = self.resume_conflict(state_dict, self._replicas()["num_replicas"])
         if conflict is not None:
             raise ConfigError(*conflict)

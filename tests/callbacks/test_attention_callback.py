@@ -85,6 +85,17 @@ def test_installs_ffpa_on_nested_model_and_logs_counts(fake_backend, capsys):
     assert "ffpa-dense=8" in callback.summary()
 
 
+def test_transformers_own_attention_logs_no_counts_that_read_as_nothing_ran(fake_backend):
+    """With `attn_implementation: sdpa` transformers' SDPA runs every layer, uncounted: logging `attention/sdpa=0`
+    every step said it never ran (a fresh trial's finding)."""
+    module = _Wrapper()
+    callback = FFPAAttention(log_every_n_steps=1, attn_implementation="sdpa")
+    trainer = _fit(module, [callback], steps=2)
+    assert module.net["lm"].config._attn_implementation == "sdpa"
+    assert not [k for k in trainer.callback_metrics if k.startswith("attention/")]
+    assert "transformers' 'sdpa' ran every layer" in callback.summary()
+
+
 def test_a_reused_callback_installs_again_on_the_next_fit(fake_backend):
     module = _Wrapper()
     callback = FFPAAttention(log_every_n_steps=0)

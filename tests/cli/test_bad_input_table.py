@@ -142,6 +142,8 @@ ROWS = [
     (f"{E} garbage.ckpt out", "ckpt"),
     (f"{E} fake.ckpt afile/sub", "out"),
     (f"{E} fake.ckpt nonempty", "`out='nonempty'`"),  # the argument's name
+    (f"{E} fake.ckpt afile", "`out='afile'`: cannot be created"),  # was torch's "[Errno 20] Not a directory"
+    ("lightning-ffpa cp tiny newdir/", "`dest='newdir/'`: names a folder (a trailing slash) that does not exist"),
     (f"{E} fake.ckpt out --dtype float64", "--dtype"),
     (f"{E} fake.ckpt out --max-shard-size lots", "--max_shard_size"),  # named as --help spells it
     (f"{E} fake.ckpt out --config /nonexistent", "--config"),
@@ -182,6 +184,11 @@ ROWS = [
     (f"{G} --model.init_args.num_iterations 3", "`trainer.max_steps=20`: must be a multiple of `model.num_iterations=3`"),
     (f"{G} --model.init_args.num_iterations 4 --trainer.max_steps 4", "`ModelCheckpoint.every_n_train_steps=10`"),
     (f"{G} --model.init_args.max_empty_batches 0", "model.max_empty_batches"),
+    (f"{F} --model.init_args.attn_implementation flash_attention_2 --data.init_args.pack false",
+     "`model.attn_implementation='flash_attention_2'`: "
+     "needs a CUDA GPU"),  # it passed, then failed mid-fit after the logger's files were written
+    (f"{F} --model.init_args.attn_implementation lightning_ffpa_paged", "`model.attn_implementation='lightning_ffpa_"
+     "paged'`: is unknown"),  # the rollout engine's, for its KV cache
 ]
 
 

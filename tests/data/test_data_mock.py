@@ -72,6 +72,21 @@ def test_mock_state_dict_refuses_other_seed():
     MockDataModule(seed=1, num_samples=1000).load_state_dict(state)  # at an epoch boundary it can
 
 
+def test_only_fit_resumes_the_training_data():
+    """`validate` from a mid-epoch checkpoint at another batch size was refused as if it resumed the epoch."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    state = {**MockDataModule(seed=1).state_dict(), "samples_done": 16}
+    for fn, refused in ((TrainerFn.FITTING, True), (TrainerFn.VALIDATING, False), (TrainerFn.TESTING, False)):
+        dm = MockDataModule(seed=1, batch_size=4)
+        dm.trainer = SimpleNamespace(state=SimpleNamespace(fn=fn), distributed_sampler_kwargs=None)
+        if refused:
+            with pytest.raises(ValueError, match=r"`data\.init_args\.batch_size=4`: the checkpoint stopped mid-epoch"):
+                dm.load_state_dict(state)
+        else:
+            dm.load_state_dict(state)
+
+
 def test_resumable_sampler_skips_once_and_only_its_epoch():
     sampler = ResumableSampler(list(range(10)), num_replicas=1, rank=0, seed=0)
     sampler.set_epoch(3)

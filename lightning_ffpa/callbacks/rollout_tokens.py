@@ -36,7 +36,7 @@ def check_token_ids(option: str, eos: list[int], eos_given: bool, pad_token_id: 
         if eos_given and any(t >= vocab for t in eos):
             raise ConfigError(f"{option}.eos_token_ids", eos, f"ids must be below the model's vocab_size={vocab}: "
                               "such a token can never be sampled, so it would never end a completion")
-    if mask_truncated and not eos:
+    if mask_truncated and not eos and (eos_given or config is not None):  # a config without an eos id: none
         raise ConfigError("model.mask_truncated_completions", True,
                           f"no token ends a completion (`{option}.eos_token_ids` is empty and so is the model "
                           "config's eos_token_id), so every completion is cut at max_new_tokens and all would be "

@@ -33,6 +33,7 @@ from lightning_ffpa.rl.batch import repeat_groups
 from lightning_ffpa.rl.rewards import check_reward_funcs, total_reward
 from lightning_ffpa.rollout.engine import GIB, EngineConfig, RolloutEngine, free_device_bytes
 from lightning_ffpa.rollout.lora_sync import LoraSync
+from lightning_ffpa.rollout.routing import moe_layers
 from lightning_ffpa.rollout.sampler import SamplingParams
 from lightning_ffpa.rollout.seed import rollout_seed, run_seed, seeded
 from lightning_ffpa.rollout.shared_weights import WEIGHTS_MODES, SharedWeights, WeightsMode, WeightsPlan
@@ -164,9 +165,13 @@ class RolloutCallback(L.Callback):
         hparams = getattr(pl_module, "hparams", {})
         if self.verify_no_drift and "lora" in hparams and not hparams["lora"]:
             raise ConfigError(f"{OPTION}.verify_no_drift", True, NO_LORA_TO_VERIFY)
-        if self.engine_config.num_sliding_pages and isinstance(pl_module, HFModule):  # set by hand: one window fits
+        cfg = self.engine_config
+        if (cfg.num_sliding_pages or cfg.count_routed_experts) and isinstance(pl_module, HFModule):
             meta = unwrap_peft(pl_module.build_model("meta", announce=False))
-            self.engine_config.sliding_pages(DecoderWalker(meta).specs, f"{OPTION}.engine")
+            if cfg.num_sliding_pages:  # set by hand: one window must fit
+                cfg.sliding_pages(DecoderWalker(meta).specs, f"{OPTION}.engine")
+            if cfg.count_routed_experts and not moe_layers(meta):  # the engine's own check comes after the build
+                raise ConfigError(f"{OPTION}.engine.count_routed_experts", True, "the model has no MoE layers to count")
         if not pl_module.automatic_optimization:  # GRPOModule steps its optimizer itself (micro-batches, iterations)
             if trainer.gradient_clip_val:
                 raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val,

@@ -184,6 +184,8 @@ ROWS = [
     (f"{G} --model.init_args.num_iterations 3", "`trainer.max_steps=20`: must be a multiple of `model.num_iterations=3`"),
     (f"{G} --model.init_args.num_iterations 4 --trainer.max_steps 4", "`ModelCheckpoint.every_n_train_steps=10`"),
     (f"{G} --model.init_args.max_empty_batches 0", "model.max_empty_batches"),
+    (f"{G} --trainer.callbacks.init_args.engine.count_routed_experts true",
+     "`RolloutCallback.engine.count_routed_experts=True`: the model has no MoE layers"),  # was after the logger's files
     (f"{F} --model.init_args.attn_implementation flash_attention_2 --data.init_args.pack false",
      "`model.attn_implementation='flash_attention_2'`: "
      "needs a CUDA GPU"),  # it passed, then failed mid-fit after the logger's files were written

@@ -7,7 +7,8 @@ Shifting labels and choosing which hidden states to feed belong to the Lightning
 Why the chunked path computes gradients inside forward: the lm_head matmul at V=262144 is a large
 share of a Gemma4 step. Computing d(loss)/d(logits) per chunk while the chunk's logits are live costs
 3 matmuls (logits, grad_hidden, grad_weight; 2 when the head is frozen, as under LoRA), the same as the
-plain loss, while a recompute-in-backward design costs 4. Memory stays O(chunk_size * V) for the logits plus one [V, H] gradient buffer. The
+plain loss, while a recompute-in-backward design costs 4. Memory stays O(chunk_size * V) for the logits
+plus one [V, H] gradient buffer (none for a frozen head). The
 gradients are scaled by the incoming grad_output in backward, so they are exact for any upstream
 scalar multiplier (loss scaling, accumulation).
 """

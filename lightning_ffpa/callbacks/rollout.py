@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
+from lightning_ffpa._compat.transformers import text_config
 from lightning_ffpa.callbacks.rollout_tokens import check_token_ids, resolve_eos, resolve_tokenizer
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.errors import ConfigError
@@ -33,7 +34,6 @@ from lightning_ffpa.rl.batch import repeat_groups
 from lightning_ffpa.rl.rewards import check_reward_funcs, total_reward
 from lightning_ffpa.rollout.engine import GIB, EngineConfig, RolloutEngine, free_device_bytes
 from lightning_ffpa.rollout.lora_sync import LoraSync
-from lightning_ffpa.rollout.routing import moe_layers
 from lightning_ffpa.rollout.sampler import SamplingParams
 from lightning_ffpa.rollout.seed import rollout_seed, run_seed, seeded
 from lightning_ffpa.rollout.shared_weights import WEIGHTS_MODES, SharedWeights, WeightsMode, WeightsPlan
@@ -165,13 +165,13 @@ class RolloutCallback(L.Callback):
         hparams = getattr(pl_module, "hparams", {})
         if self.verify_no_drift and "lora" in hparams and not hparams["lora"]:
             raise ConfigError(f"{OPTION}.verify_no_drift", True, NO_LORA_TO_VERIFY)
-        cfg = self.engine_config
-        if (cfg.num_sliding_pages or cfg.count_routed_experts) and isinstance(pl_module, HFModule):
+        if self.engine_config.num_sliding_pages and isinstance(pl_module, HFModule):  # set by hand: one window fits
             meta = unwrap_peft(pl_module.build_model("meta", announce=False))
-            if cfg.num_sliding_pages:  # set by hand: one window must fit
-                cfg.sliding_pages(DecoderWalker(meta).specs, f"{OPTION}.engine")
-            if cfg.count_routed_experts and not moe_layers(meta):  # the engine's own check comes after the build
-                raise ConfigError(f"{OPTION}.engine.count_routed_experts", True, "the model has no MoE layers to count")
+            self.engine_config.sliding_pages(DecoderWalker(meta).specs, f"{OPTION}.engine")
+        config = getattr(pl_module, "config", None)  # the engine's own check comes after the model is built
+        if self.engine_config.count_routed_experts and config is not None and not getattr(
+                text_config(config), "enable_moe_block", False):
+            raise ConfigError(f"{OPTION}.engine.count_routed_experts", True, "the model has no MoE layers to count")
         if not pl_module.automatic_optimization:  # GRPOModule steps its optimizer itself (micro-batches, iterations)
             if trainer.gradient_clip_val:
                 raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val,
@@ -181,9 +181,7 @@ class RolloutCallback(L.Callback):
                                   f"{type(pl_module).__name__} optimizes manually; its micro-batches are "
                                   "`model.max_tokens_per_microbatch`")
         algo = self.resolve_algorithm(pl_module, datamodule)  # the micro-batch budget against the data's prompts
-        check_token_ids(OPTION, resolve_eos(self.eos_token_ids, getattr(pl_module, "config", None)),
-                        self.eos_token_ids is not None, self.pad_token_id, getattr(pl_module, "config", None),
-                        algo.mask_truncated_completions)
+        check_token_ids(OPTION, self.eos_token_ids, self.pad_token_id, config, algo.mask_truncated_completions)
         self._check_steps_count_updates(trainer, algo.num_iterations)
         self.tokenizer = resolve_tokenizer(OPTION, self.tokenizer_name, datamodule)
         self._check_room_before_fit(trainer, pl_module)  # last: it builds the model on meta

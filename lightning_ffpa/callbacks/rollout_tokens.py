@@ -25,10 +25,11 @@ def resolve_eos(eos_token_ids: list[int] | None, config: Any) -> list[int]:
     return [] if e is None else ([e] if isinstance(e, int) else list(e))
 
 
-def check_token_ids(option: str, eos: list[int], eos_given: bool, pad_token_id: int, config: Any,
+def check_token_ids(option: str, eos_token_ids: list[int] | None, pad_token_id: int, config: Any,
                     mask_truncated: bool) -> None:
     """Ids past the embedding fail mid-step with an index error; with no id that ends a completion, every one
     runs to `max_new_tokens`, and `mask_truncated_completions` would leave no token to learn from."""
+    eos, eos_given = resolve_eos(eos_token_ids, config), eos_token_ids is not None
     vocab = getattr(text_config(config), "vocab_size", None) if config is not None else None
     if isinstance(vocab, int):
         if pad_token_id >= vocab:

@@ -172,10 +172,12 @@ class GRPOModule(HFModule):
         so a run where it keeps happening would never end."""
         algo = self.algorithm
         self.empty_batches += 1
-        why = ("every group's rewards tied and dynamic_sampling dropped them" if algo.dynamic_sampling else
-               "every completion was cut at max_new_tokens and mask_truncated_completions masked it")
         if algo.dynamic_sampling and algo.mask_truncated_completions:
             why = "every group was dropped (tied rewards) or its completions masked (cut at max_new_tokens)"
+        elif algo.dynamic_sampling:
+            why = "every group's rewards tied and dynamic_sampling dropped them"
+        else:
+            why = "every completion was cut at max_new_tokens and mask_truncated_completions masked it"
         self.log("rollout/empty_batches", float(self.empty_batches), on_step=True, on_epoch=False, batch_size=1)
         if self.empty_batches >= self.hparams.max_empty_batches:
             option = "model.dynamic_sampling" if algo.dynamic_sampling else "model.mask_truncated_completions"

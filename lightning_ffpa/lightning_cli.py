@@ -95,6 +95,25 @@ def check_trainer_options(options: dict[str, Any]) -> None:
                           "must be > 0 (a fraction of the epoch in (0, 1], or a number of batches)")
 
 
+# Trainer options that only steer the validation loop, which a GRPO run does not have (its prompts have no targets)
+_VALIDATION_OPTIONS = ("val_check_interval", "limit_val_batches", "num_sanity_val_steps")
+
+
+def check_validation_options(model: Any, options: dict[str, Any]) -> None:
+    """A GRPO model with a validation option set: Lightning would skip the loop without a word (ConfigError)."""
+    from lightning_ffpa.rl.module import GRPOModule
+
+    path = getattr(model, "class_path", None)
+    module, _, name = path.rpartition(".") if isinstance(path, str) else ("", "", "")
+    cls = getattr(importlib.import_module(module), name, None) if module else None
+    if not (isinstance(cls, type) and issubclass(cls, GRPOModule)):
+        return
+    for key in _VALIDATION_OPTIONS:
+        if options.get(key) is not None:
+            raise ConfigError(f"trainer.{key}", options[key], "a GRPO run has no validation loop, so this would do "
+                              "nothing: remove it (the mean reward is logged each step as rollout/reward)")
+
+
 def check_strategy_options(strategy: Any) -> None:
     """Build an FSDP2Strategy once from its `init_args`, so its constructor's ValueError (naming the option)
     is what the user reads: instantiated through the Trainer's `str | Strategy` type, it becomes "expected str"."""
@@ -231,6 +250,7 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         check_environment()
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_trainer_options(dict(config.get("trainer") or {}))
+        check_validation_options(config.get("model"), dict(config.get("trainer") or {}))
         check_strategy_options((config.get("trainer") or {}).get("strategy"))
 
     def instantiate_classes(self) -> None:  # noqa: D102

@@ -50,6 +50,8 @@ ROWS = [
     (f"{F} --trainer.precision fp8", "trainer.precision"),
     (f"{F} --trainer.accumulate_grad_batches 0", "trainer.accumulate_grad_batches"),
     (f"{F} --trainer.val_check_interval 0", "trainer.val_check_interval"),
+    (f"{G} --trainer.val_check_interval 5", "trainer.val_check_interval"),  # GRPO has no validation loop
+    (f"{G} --trainer.limit_val_batches 2", "trainer.limit_val_batches"),
     (f"{F} --trainer.max_steps -5", "max_steps"),
     (f"{F} --trainer.devices 0", "devices"),
     (f"{F} --trainer.accelerator nope", "`trainer.accelerator='nope'`: not an accelerator Lightning knows"),

@@ -228,10 +228,15 @@ def _documents_from_positions(position_ids: Tensor | None, batch: int) -> Packed
         return None
     # Every layer of one forward gets the same tensor: check it once (a host sync), keyed by a weak
     # reference so a new batch that reuses the same memory is checked again.
-    cached = _packed_cache.get("last")
+    # An inference tensor (validate/test/predict run under inference_mode) has no version counter to key by:
+    # it is checked on every call instead.
+    inference = position_ids.is_inference()
+    cached = None if inference else _packed_cache.get("last")
     if cached is None or cached[0]() is not position_ids or cached[1] != position_ids._version:
         packed = bool((position_ids.diff(dim=-1) != 1).any())
         docs = PackedDocuments.from_position_ids(position_ids.expand(batch, -1)) if packed else None
+        if inference:
+            return docs
         cached = (weakref.ref(position_ids), position_ids._version, docs)
         _packed_cache["last"] = cached
     return cached[2]

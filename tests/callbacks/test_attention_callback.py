@@ -173,6 +173,33 @@ def test_real_backend_reference_kernel_runs():
     assert "ffpa-dense=2" in callback.summary()
 
 
+class _Evaluated(_Wrapper):
+    def validation_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)
+
+    test_step = validation_step
+
+    def predict_step(self, batch, batch_idx):
+        return self.net["lm"](input_ids=batch[0], use_cache=False).logits
+
+
+def test_validate_test_and_predict_run_the_real_backend_under_inference_mode():
+    """Lightning evaluates under torch.inference_mode: its position ids are inference tensors (no version counter),
+    which the packed-document check used to read (RuntimeError on trainer.test/validate/predict)."""
+    module = _Evaluated()
+    data = DataLoader(TensorDataset(torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0))),
+                      batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, inference_mode=True, callbacks=[FFPAAttention()])
+    with attention.force_kernel("reference"):
+        trainer.validate(module, data)
+        trainer.test(module, data)
+        logits = trainer.predict(module, data)
+        counts = attention.dispatch_counts()
+    assert len(logits) == 2 and torch.isfinite(logits[0]).all()
+    assert counts.get("ffpa-dense", 0) > 0, counts
+
+
 def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatch):
     import sys
     import types

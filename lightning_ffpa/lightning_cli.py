@@ -48,7 +48,7 @@ from lightning_ffpa.errors import (
     release_stderr,
 )
 from lightning_ffpa.parallel import close_process_group
-from lightning_ffpa.validation import PreflightCLIMixin, check_strategy_loads
+from lightning_ffpa.validation import PreflightCLIMixin, check_evaluated_checkpoint, check_strategy_loads
 from lightning_ffpa.yaml_files import refuse_duplicate_keys
 
 # Trainer options Lightning accepts but fails on mid-run (e.g. accumulate_grad_batches=0 divides by zero at
@@ -352,8 +352,10 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         self._ready()
 
     def _check_ckpt_loads(self) -> None:
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         with _as_user_errors():
-            check_strategy_loads(self.trainer, self.config_init[self.subcommand].get("ckpt_path"))
+            check_strategy_loads(self.trainer, ckpt_path)
+            check_evaluated_checkpoint(self.trainer, ckpt_path, self.subcommand)
 
     def _require_loader(self, hook: str) -> None:
         """Refuse a subcommand whose data is missing before the model is built or sharded."""

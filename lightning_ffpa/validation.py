@@ -300,6 +300,24 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
     return str(resolved)
 
 
+def check_evaluated_checkpoint(trainer: Any, ckpt_path: str | None, subcommand: str) -> None:
+    """`validate` / `test` / `predict --ckpt_path last|hpc`: looked up in the run's checkpoint folder, as `fit`
+    does; one that finds nothing is refused (Lightning would warn and evaluate the untrained model, exit 0)."""
+    root_checkpoint_dirs(trainer)  # `last` is looked up in these folders
+    if ckpt_path not in ("last", "hpc"):
+        return
+    resolved = lightning_compat.resolve_ckpt_path(trainer, ckpt_path)
+    if resolved is None:
+        if ckpt_path == "last":
+            check_no_dangling_last(trainer)
+        folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+        raise CheckpointError(f"`ckpt_path={ckpt_path!r}`: no such checkpoint in {', '.join(folders) or 'any folder'}"
+                              f", so `{subcommand}` would run the untrained model; pass the run's "
+                              "`trainer.default_root_dir` or a checkpoint file")
+    check_strategy_loads(trainer, resolved)
+    check_checkpoint(resolved, "ckpt_path", resume=False)
+
+
 def check_data_resumes(trainer: Any, datamodule: Any, state: dict[str, Any]) -> None:
     """The data's own resume checks (seed; mid-epoch: data-parallel size, batch size), on the layout this run
     will have, so a mismatch is refused before processes start rather than by every rank after."""

@@ -74,6 +74,7 @@ ROWS = [
     (f"{F} --model.init_args.config_overrides '{{num_hidden_layers: two}}'", "model.config_overrides"),
     ("lightning-ffpa test --config fit.yaml", "test_dataloader"),
     ("lightning-ffpa validate --config fit.yaml", "trainer.limit_val_batches"),  # fit.yaml: limit_val_batches 0
+    ("lightning-ffpa validate --config fit.yaml --trainer.limit_val_batches 1 --ckpt_path last", "ckpt_path='last'"),
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.replicate_frozen often",
      "replicate_frozen"),
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.context_parallel_size 0",

@@ -168,6 +168,19 @@ def test_validate_reports_its_loss_and_refuses_empty_validation_data(tmp_path):
     assert errors == [errors[-1]] and "val_fraction" in errors[0] and empty.stderr.strip().endswith(errors[0])
 
 
+def test_validate_last_evaluates_the_runs_checkpoint(tmp_path):
+    """`validate --ckpt_path last` finds `<default_root_dir>/checkpoints/last.ckpt` as `fit` does (it used to warn,
+    evaluate the untrained model and exit 0): the trained loss, well under the untrained ln(512)."""
+    tiny = (f"--data.init_args.batch_size 2 --data.init_args.max_seq_length 32 --trainer.limit_val_batches 2 "
+            f"--trainer.default_root_dir {tmp_path / 'run'}")
+    fit = run(f"lightning-ffpa fit --config tiny {tiny} --trainer.max_steps 30", tmp_path)
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    last = run(f"lightning-ffpa validate --config tiny {tiny} --ckpt_path last", tmp_path)
+    assert last.returncode == 0, last.stderr[-2000:]
+    loss = float(re.search(r"val/loss\W+([0-9.]+)", last.stdout).group(1))
+    assert loss < 5.5, last.stdout[-2000:]  # untrained: ln(512) = 6.24
+
+
 @pytest.mark.timeout(400)
 def test_tiny_fits_over_an_fp8_lora_base_says_its_path_and_exports_merged(tmp_path):
     """`model.lora.base_dtype: fp8` through the console script: the start-up line names what was stored and the

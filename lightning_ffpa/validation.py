@@ -28,7 +28,7 @@ from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa._compat.transformers import from_config, text_config
 from lightning_ffpa.attention.plan import plan_for
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_seed
-from lightning_ffpa.checkpoint.paths import root_checkpoint_dirs, saved_checkpoints
+from lightning_ffpa.checkpoint.paths import newer_than_hpc, root_checkpoint_dirs, saved_checkpoints
 from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.fp8_base import check_device as fp8_base_check_device
 from lightning_ffpa.hf_module import (  # noqa: F401 - ARCHITECTURE_HPARAMS, check_hparams_match re-exported
@@ -274,7 +274,8 @@ def _check_replicate_frozen(strategy: Any, model: Any) -> None:
 
 
 def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str | None = None) -> str | None:
-    """Run every pre-flight check for `fit`; returns the checkpoint path `fit` will resume from (or None)."""
+    """Run every pre-flight check for `fit`; returns the checkpoint path `fit` will resume from (or None): under
+    SLURM, the newest save in the checkpoint folder where it is newer than the HPC checkpoint Lightning would take."""
     root_checkpoint_dirs(trainer)  # before `last` is resolved: it is looked up in these folders
     check_parallel_layout(trainer, model, datamodule)
     check_components(trainer, model, datamodule)
@@ -286,6 +287,11 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
         raise ConfigError("ckpt_path", "best", "there is no best checkpoint yet: `best` is the best one this process's "
                           "ModelCheckpoint saved, and it has saved none; pass a checkpoint file (or `last`)")
     resolved = lightning_compat.resolve_ckpt_path(trainer, ckpt_path)
+    if ckpt_path is None and (newer := newer_than_hpc(trainer, resolved)) is not None:
+        if trainer.is_global_zero:
+            print(f"resuming from {newer}: saved after the HPC checkpoint {resolved}, which is left as it is",
+                  flush=True)
+        resolved = newer
     if resolved is None:
         if ckpt_path == "last":
             check_no_dangling_last(trainer)
@@ -369,4 +375,7 @@ class PreflightCLIMixin:
 
     def before_fit(self) -> None:
         """Pre-flight checks (checkpoint, LoRA targets, vocab) before any model is built."""
-        preflight(self.trainer, self.model, self.datamodule, self.config_init[self.subcommand].get("ckpt_path"))
+        config = self.config_init[self.subcommand]
+        resolved = preflight(self.trainer, self.model, self.datamodule, config.get("ckpt_path"))
+        if config.get("ckpt_path") is None and resolved and not Path(resolved).name.startswith("hpc_ckpt_"):
+            config["ckpt_path"] = resolved  # a save newer than a stale HPC checkpoint (`newer_than_hpc`)

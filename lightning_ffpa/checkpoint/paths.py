@@ -14,7 +14,7 @@ import os
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-__all__ = ["root_checkpoint_dirs", "saved_checkpoints"]
+__all__ = ["newer_than_hpc", "root_checkpoint_dirs", "saved_checkpoints"]
 
 
 def root_checkpoint_dirs(trainer) -> list[str]:
@@ -36,3 +36,15 @@ def saved_checkpoints(trainer) -> list[str]:
             found += [e for e in os.scandir(folder) if e.name.endswith(".ckpt")]
     found.sort(key=lambda e: e.stat(follow_symlinks=False).st_mtime, reverse=True)
     return [e.path for e in found]
+
+
+def newer_than_hpc(trainer, resolved: str | os.PathLike | None) -> str | None:
+    """The newest saved checkpoint when `resolved` is an HPC checkpoint (`hpc_ckpt_N.ckpt`, which Lightning takes
+    first under SLURM) older than it, else None. Lightning never removes an HPC checkpoint, so a later job in the
+    same folder would go back to the step of an old requeue and train over the checkpoints saved since."""
+    if resolved is None or not os.path.basename(str(resolved)).startswith("hpc_ckpt_"):
+        return None
+    saved = saved_checkpoints(trainer)
+    if saved and os.stat(saved[0], follow_symlinks=False).st_mtime > os.stat(resolved).st_mtime:
+        return saved[0]
+    return None

@@ -82,6 +82,17 @@ def test_sigusr1_saves_requeues_and_the_requeued_job_resumes_bitwise(tmp_path, r
     record_property("data_lost", len(lost))
     assert not lost, f"steps whose (loss, batch) differ from the uninterrupted run: {lost}"
 
+    # A later job in the same folder (another job id, more steps): hpc_ckpt_1.ckpt (step 6) is still there, older
+    # than the saves since; Lightning would take it and train over them. It resumes from the newest save instead.
+    log3 = tmp_path / "later.log"
+    later = write_config(job / "later.yaml", tiny_config(job / "ckpt", max_steps=MAX_STEPS + 2,
+                                                          every_n_train_steps=EVERY, callbacks=[recorder(log3)]))
+    run3 = start_fit(later, env={**env, "SLURM_JOB_ID": "4343"})
+    wait_ok(run3)
+    newest = max(step for step in after if step % EVERY == 0)  # the newest save of the requeued job
+    assert sorted(read_steps(log3)) == list(range(newest + 1, MAX_STEPS + 3)), run3.log_path.read_text()[-2000:]
+    assert "resuming from " in run3.log_path.read_text() and hpc.is_file()
+
 
 def _srun(tmp_path, name: str, callbacks: list[dict], port: int) -> list:
     """The tiny FSDP2 fit as `srun --ntasks=2` starts it: one `lightning-ffpa fit` per task, SLURM's variables."""

@@ -49,7 +49,7 @@ from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.dtypes import choices as dtype_choices
 from lightning_ffpa.errors import CheckpointError, ConfigError, console_entry
 from lightning_ffpa.fp8_base import FP8_DTYPE, dequantize
-from lightning_ffpa.lora import PEFT_PREFIX, hf_name, merged_weight, peft_options
+from lightning_ffpa.lora import PEFT_PREFIX, hf_name, lora_spec, merged_weight, peft_options
 from lightning_ffpa.validation import check_checkpoint
 
 MODULE_PREFIX = "model."  # Gemma4LM keeps the HF model in `self.model`
@@ -250,7 +250,7 @@ def adapted_parameters(meta: dict[str, Any]) -> dict[str, str]:
     """peft module name -> the parameter its LoRA adapts, for the `target_parameters` adapters (peft's
     `ParamWrapper`s, nested one per parameter: their names in a checkpoint do not say which parameter each one
     adapts). Read from the checkpoint's module built on meta; empty without `target_parameters`."""
-    if not ((meta.get("hyper_parameters") or {}).get("lora") or {}).get("target_parameters"):
+    if not (lora_spec(meta.get("hyper_parameters") or {}) or {}).get("target_parameters"):
         return {}
     model = build_module(meta).build_model(device="meta", announce=False)
     return {name: module.parameter_name for name, module in model.named_modules()
@@ -359,9 +359,10 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     _split({}, max_shard_size, "--max_shard_size")
     source = _Source(Path(ckpt))
     hparams = source.hparams
-    lora = hparams.get("lora")
+    lora = lora_spec(hparams)
     if merge_lora and not lora:  # from the hyper-parameters alone: before the module class is resolved
-        raise ConfigError("--merge_lora", True, "the checkpoint was not trained with `model.lora`")
+        raise ConfigError("--merge_lora", True, "the checkpoint has no `model.lora` options (lightning-ffpa's "
+                          "LoRA hyper-parameter), so there is nothing to merge by")
     config = model_config(source.meta, config_dir)
     text = text_config(config)
     tied = bool(getattr(text, "tie_word_embeddings", False))
@@ -369,6 +370,10 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
         source.add(rebuilt_base(source.meta, ckpt))
     params = adapted_parameters(source.meta) if merge_lora else {}
     plan = _plan(sorted(source.specs), tied=tied, merge=merge_lora, params=params)
+    if plan.adapter and not lora:  # before anything is written: peft's adapter_config comes from these options
+        raise ConfigError("ckpt", str(ckpt), f"holds {len(plan.adapter)} LoRA tensors but no `model.lora` options "
+                          "(lightning-ffpa's LoRA hyper-parameter) to describe them; export a module of your own "
+                          "with peft's `save_pretrained`")
     scales = _float8_scales(plan)  # HF weight -> its rowwise scales' Lightning name (`lora.base_dtype: fp8`)
     # The model's own dtype (its norms and embeddings): what a float8 base weight is dequantised to.
     model_dtype = next(dt for src in plan.base.values() if (dt := source.specs[src[0]][1]) != FP8_DTYPE)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,7 +26,7 @@ from torch import nn
 
 from lightning_ffpa.errors import ConfigError
 
-__all__ = ["LoraSpec", "lora_hparam", "peft_options", "check_targets_given", "check_targets_match", "apply_lora",
+__all__ = ["LoraSpec", "lora_hparam", "lora_spec", "peft_options", "check_targets_given", "check_targets_match", "apply_lora",
            "unwrap_peft", "PEFT_PREFIX", "hf_name", "merged_weight"]
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> HF model
@@ -86,6 +87,14 @@ def _spec(value: LoraSpec | dict[str, Any], option: str) -> LoraSpec:
             hint = f"; did you mean `{close[0]}`?" if close else f"; known fields: {sorted(_FIELDS)}"
             raise ConfigError(f"{option}.{key}", value[key], f"is not a LoRA option{hint}")
     return LoraSpec(**value)
+
+
+def lora_spec(owner: Any) -> dict[str, Any] | None:
+    """The `lora` options of a module (its `hparams`) or of a checkpoint's hyper-parameters, or None. Only a
+    mapping counts: a module of the user's own may keep a `lora` hyper-parameter of its own meaning (`lora=True`)."""
+    hparams = owner if isinstance(owner, Mapping) else getattr(owner, "hparams", None)
+    spec = hparams.get("lora") if isinstance(hparams, Mapping) else None
+    return dict(spec) if isinstance(spec, Mapping) and spec else None
 
 
 def lora_hparam(value: LoraSpec | dict[str, Any] | None, option: str = "model.lora") -> dict[str, Any] | None:

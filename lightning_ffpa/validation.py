@@ -36,7 +36,7 @@ from lightning_ffpa.hf_module import (  # noqa: F401 - ARCHITECTURE_HPARAMS, che
     check_fp8_base_placement,
     check_hparams_match,
 )
-from lightning_ffpa.lora import check_targets_match
+from lightning_ffpa.lora import check_targets_match, lora_spec
 
 # LightningCLI option: take the model options from an explicit checkpoint file even where they differ.
 RESUME_SWITCH = "resume_model_from_checkpoint"
@@ -149,7 +149,7 @@ def check_lora_targets(model: Any, option: str = "model.lora") -> None:
     """Every LoRA `target_modules` / `target_parameters` entry must match the model (`lora.check_targets_match`
     over the model built on meta), and a float8 base (`lora.base_dtype: fp8`) must fit its targets, before fit
     writes any file."""
-    spec = (getattr(model, "hparams", None) or {}).get("lora")
+    spec = lora_spec(model)
     if not spec or not hasattr(model, "config"):
         return
     if spec.get("base_dtype") == "fp8":  # its refusals (an embedding or tied target) on the model built on meta
@@ -229,9 +229,9 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
         strategy.check_activation_offload()
     fp8 = getattr(strategy, "fp8_training", None)
     if fp8 is not None and hasattr(fp8, "check_device"):  # FSDP2Strategy's `fp8`: the device, and no LoRA
-        fp8.check_no_lora((getattr(model, "hparams", None) or {}).get("lora"))
+        fp8.check_no_lora(lora_spec(model))
         fp8.check_device(strategy.root_device)
-    lora = (getattr(model, "hparams", None) or {}).get("lora")
+    lora = lora_spec(model)
     fp8_base_check_device(lora, strategy.root_device)  # `model.lora.base_dtype: fp8`: FP8 tensor cores on CUDA
     check_fp8_base_placement(lora, strategy)
     cp = getattr(strategy, "context_parallel_size", 1)
@@ -265,7 +265,7 @@ def _check_replicate_frozen(strategy: Any, model: Any) -> None:
         return
     hp = getattr(model, "hparams", None) or {}
     want, dtype = getattr(strategy, "param_dtype", None), hp.get("dtype")
-    if not hp.get("lora") or want is None or not isinstance(dtype, str) or dtype == "auto":
+    if not lora_spec(hp) or want is None or not isinstance(dtype, str) or dtype == "auto":
         return
     if getattr(torch, dtype, None) != want:
         raise ValueError(f"`replicate_frozen=True` computes with the LoRA's frozen base as stored, in "

@@ -32,6 +32,7 @@ from lightning_ffpa.checkpoint.frozen import check_frozen_base, read_frozen_reco
 from lightning_ffpa.checkpoint.sharded import ShardedCheckpointWriter
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.lora import lora_spec
 from lightning_ffpa.parallel.activation_offload import ActivationOffload
 from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, check_ac_mode, sac_context_fn
 from lightning_ffpa.parallel.dims import ParallelDims, check_expert_parallel
@@ -311,7 +312,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         dims = ParallelDims.resolve(world_size, lightning_compat.requested_data_parallel_size(self),
                                     self._context_parallel_size, self._expert_parallel_size)
         if module is not None:
-            check_expert_parallel(dims.ep, model_text_config(module), (getattr(module, "hparams", None) or {}).get("lora"))
+            check_expert_parallel(dims.ep, model_text_config(module), lora_spec(module))
         return dims
 
     @override
@@ -377,7 +378,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         from lightning.pytorch.utilities import rank_zero_info
 
         frozen = [p for p in module.parameters() if not p.requires_grad]
-        lora = (getattr(self.lightning_module, "hparams", None) or {}).get("lora") or {}
+        lora = lora_spec(self.lightning_module) or {}
         on, why = plan_replicate_frozen(self.replicate_frozen, self.cpu_offload, self.device_mesh.size(), frozen,
                                         self.param_dtype, fp8_base=lora.get("base_dtype") == "fp8")
         gib = sum(p.numel() * p.element_size() for p in frozen) / 2**30

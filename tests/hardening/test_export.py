@@ -145,6 +145,21 @@ def test_export_bad_input_names_the_option(trained, tmp_path, kwargs, match):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("merge", [False, True])
+def test_lora_tensors_of_a_users_own_module_are_refused_before_writing(trained_lora, tmp_path, merge):
+    """A module of the user's own with peft adapters and a `lora` hyper-parameter of its own meaning (here
+    `lora=True`): one line naming what is missing (an AttributeError, and half an adapter folder, before)."""
+    lm, ckpt = trained_lora
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    state["hyper_parameters"] = {"lora": True, "lr": 1e-3}
+    own = tmp_path / "own.ckpt"
+    torch.save(state, own)
+    lm.config.save_pretrained(tmp_path / "cfg")
+    with pytest.raises(ConfigError, match="--merge_lora" if merge else "LoRA tensors but no `model.lora` options"):
+        export(own, tmp_path / "out", config_dir=str(tmp_path / "cfg"), merge_lora=merge)
+    assert not (tmp_path / "out").exists()
+
+
 def _flip_one_bit_in_a_weight(src: Path, dst: Path) -> None:
     raw = bytearray(src.read_bytes())
     with zipfile.ZipFile(src) as zf:

@@ -6,6 +6,7 @@ and two ranks under torchrun for `True`)."""
 import socket
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -159,3 +160,42 @@ def test_auto_keeps_an_fp8_base_whole_on_any_mesh():
     want = (True, "auto: model.lora.base_dtype fp8 keeps the float8 base whole")
     assert plan_replicate_frozen("auto", False, 8, frozen, torch.bfloat16, fp8_base=True) == want
     assert plan_replicate_frozen("auto", False, 8, frozen, torch.bfloat16)[0] is False
+
+
+class _OwnLoraModule(L.LightningModule):
+    """A user's module: peft LoRA of its own, and a `lora` hyper-parameter of its own meaning (a switch)."""
+
+    def __init__(self, lora: bool = True):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = None
+
+    def configure_model(self):
+        from peft import LoraConfig, get_peft_model
+
+        if self.net is None:
+            torch.manual_seed(0)
+            self.net = get_peft_model(Gemma4ForCausalLM(build_text_config("tiny")),
+                                      LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(input_ids=batch[0], labels=batch[0], use_cache=False).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+@pytest.mark.timeout(120)
+def test_a_users_own_lora_hyper_parameter_is_not_read_as_the_products(one_process, tmp_path):
+    """`FSDP2Strategy` read any `hparams["lora"]` as lightning-ffpa's options (`lora.get`): a module with
+    `lora=True` died on every rank with an AttributeError. Only a mapping of LoRA options counts."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = DataLoader(TensorDataset(torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0))),
+                      batch_size=2)
+    strategy = FSDP2Strategy(param_dtype="fp32", reduce_dtype="fp32", replicate_frozen="auto")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    trainer.fit(_OwnLoraModule(), data)
+    assert trainer.global_step == 2 and strategy.frozen_placement["params"] > 0

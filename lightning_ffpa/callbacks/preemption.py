@@ -27,8 +27,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_ffpa._compat import lightning as lightning_compat
+from lightning_ffpa.errors import EXIT_TERMINATED
 
 
 class _StepVote:
@@ -199,6 +201,11 @@ class StopOnSigterm(pl.Callback):
             lightning_compat.set_received_sigterm(trainer)  # the loop raises SIGTERMException after this hook
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException) and exception.code is None:
+            # Lightning's SystemExit(None) would end a script of the user's own with exit 0, and a scheduler would
+            # count the stopped run as finished: 128 + SIGTERM, as a shell reports it
+            exception.code = EXIT_TERMINATED
+            rank_zero_info(f"StopOnSigterm: stopped by SIGTERM at step {trainer.global_step} (exit {EXIT_TERMINATED})")
         step_vote(trainer).leave(self)
         self._trainer = None  # Lightning's teardown restores the handlers from before the Trainer
 

@@ -73,3 +73,26 @@ def test_one_callback_serves_a_second_fit_after_a_stopped_one():
     with pytest.raises(SIGTERMException):
         trainer.fit(BoringModel())
     assert trainer.global_step == 4 and signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_script_of_the_users_own_exits_143(tmp_path):
+    """Uncaught, Lightning's SIGTERMException is SystemExit(None): a script of the user's own exited 0 after the
+    stop, so a scheduler counted the run as finished. StopOnSigterm gives it 128 + SIGTERM."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "own.py"
+    script.write_text(
+        "import os, signal\n"
+        "import lightning as L\n"
+        "from lightning.pytorch.demos.boring_classes import BoringModel\n"
+        "from lightning_ffpa.callbacks import StopOnSigterm\n"
+        "class At2(L.Callback):\n"
+        "    def on_before_optimizer_step(self, trainer, *args):\n"
+        "        if trainer.global_step == 1: os.kill(os.getpid(), signal.SIGTERM)\n"
+        "L.Trainer(accelerator='cpu', max_steps=6, logger=False, enable_checkpointing=False,\n"
+        "          enable_progress_bar=False, callbacks=[StopOnSigterm(), At2()]).fit(BoringModel())\n"
+        "print('after fit')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 143, done.stderr[-2000:]
+    assert "stopped by SIGTERM at step 2" in done.stdout + done.stderr and "after fit" not in done.stdout

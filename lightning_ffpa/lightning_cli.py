@@ -258,10 +258,11 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs: Any):
-        """The Trainer, with `StopOnSigterm`, `CheckpointSpace`, and the step progress bar and parameter summary
+        """The Trainer, with `StopOnSigterm`, `CheckpointSpace`, `FinalCheckpoint`, and the step progress bar and parameter summary
         unless the config disables or sets them."""
         from lightning_ffpa.callbacks.preemption import StopOnSigterm
         from lightning_ffpa.callbacks.screen import ParameterSummary, default_callbacks
+        from lightning_ffpa.checkpoint.final import FinalCheckpoint
         from lightning_ffpa.checkpoint.space import CheckpointSpace
 
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
@@ -273,6 +274,8 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             extra.append(StopOnSigterm())  # every rank stops at the same step (exit 143)
         if not any(isinstance(c, CheckpointSpace) for c in callbacks):
             extra.append(CheckpointSpace())  # a checkpoint that will not fit: refused at fit start, not when due
+        if not any(isinstance(c, FinalCheckpoint) for c in callbacks):
+            extra.append(FinalCheckpoint())  # a fit that ends between two periodic saves saves its last step
         kwargs.setdefault("callbacks", callbacks + extra)
         if any(isinstance(c, ParameterSummary) for c in extra):
             kwargs.setdefault("enable_model_summary", False)  # ours replaces Lightning's default summary

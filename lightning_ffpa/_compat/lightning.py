@@ -233,6 +233,17 @@ def last_checkpoint_step(checkpoint_callback: Any) -> int | None:
     return step if isinstance(step, int) and step >= 0 else None
 
 
+def save_checkpoint_now(checkpoint_callback: Any, trainer: Any) -> bool:
+    """Have a ModelCheckpoint save the current step as its periodic save does (its top-k rule, then `last`);
+    False, saving nothing, where its monitored value is not logged at this point."""
+    candidates = checkpoint_callback._monitor_candidates(trainer)
+    if checkpoint_callback.monitor is not None and checkpoint_callback.monitor not in candidates:
+        return False
+    checkpoint_callback._save_topk_checkpoint(trainer, candidates)
+    checkpoint_callback._save_last_checkpoint(trainer, candidates)
+    return True
+
+
 def should_update_logs(trainer: Any) -> bool:
     """Whether the trainer logs at this step (`log_every_n_steps`)."""
     return trainer._logger_connector.should_update_logs

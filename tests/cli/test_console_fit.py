@@ -125,8 +125,9 @@ def test_one_process_fsdp2_fit_needs_no_port(tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("fit finished at step 2"), proc.stdout[-2000:]
 
 
-def test_closing_line_says_when_the_checkpoint_is_older_than_the_run(tmp_path):
-    """max_steps 10 with a save every 4 steps: `last` is step 8, and the line must not pass it off as step 10.
+def test_a_fit_ending_between_two_saves_saves_its_last_step(tmp_path):
+    """max_steps 10 with a save every 4 steps: Lightning kept step 8 as `last` (the closing line said "step 8: the
+    steps after it are not saved"); `FinalCheckpoint` saves step 10, and `last` links to it.
     (At the CPU size of `TINY`: the step count is what matters here, not the steps' size.)"""
     config = tmp_path / "c.yaml"
     config.write_text((ROOT / "configs" / "tiny.yaml").read_text().replace("every_n_train_steps: 100",
@@ -134,8 +135,10 @@ def test_closing_line_says_when_the_checkpoint_is_older_than_the_run(tmp_path):
     out = run(f"lightning-ffpa fit --config {config} --trainer.max_steps 10 {TINY['tiny']} "
               f"--trainer.default_root_dir {tmp_path / 'run'}", tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    last = out.stdout.strip().splitlines()[-1]
-    assert last.startswith("fit finished at step 10; checkpoint ") and "(step 8: the steps after it are not saved)" in last
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("fit finished at step 10; checkpoint ") and "not saved" not in line, line
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert last.resolve().name.endswith("step=10.ckpt"), sorted(p.name for p in last.parent.iterdir())
 
 
 def test_mid_epoch_resume_on_changed_data_is_refused_by_name(tmp_path):

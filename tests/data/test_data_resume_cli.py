@@ -22,7 +22,7 @@ REPO = HERE.parents[1]
 SCRIPT = Path(sys.executable).with_name("lightning-ffpa")
 
 
-def _config(root: Path, max_steps: int) -> Path:
+def _config(root: Path, max_steps: int, every: int = 1000) -> Path:
     cfg = {
         "seed_everything": 0,
         "model": {"class_path": "lightning_ffpa.module.Gemma4LM",
@@ -36,7 +36,7 @@ def _config(root: Path, max_steps: int) -> Path:
             "default_root_dir": str(root),
             "callbacks": [
                 {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                 "init_args": {"dirpath": str(root / "ckpt"), "save_last": True, "every_n_train_steps": 1000}},
+                 "init_args": {"dirpath": str(root / "ckpt"), "save_last": True, "every_n_train_steps": every}},
                 {"class_path": "data_steplog.StepLog", "init_args": {"path": str(root / "steps.log")}},
             ],
         },
@@ -46,11 +46,11 @@ def _config(root: Path, max_steps: int) -> Path:
     return path
 
 
-def _fit(root: Path, max_steps: int, *extra: str) -> None:
+def _fit(root: Path, max_steps: int, *extra: str, every: int = 1000) -> None:
     root.mkdir(exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), str(HERE), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([str(SCRIPT), "fit", "--config", str(_config(root, max_steps)), *extra],
+    proc = subprocess.run([str(SCRIPT), "fit", "--config", str(_config(root, max_steps, every)), *extra],
                           env=env, cwd=root, capture_output=True, text=True, timeout=240)
     lines = proc.stderr.strip().splitlines()
     # `main()` returning the CLI object makes the console script print it and exit 1; an exit code is 0
@@ -62,10 +62,12 @@ def _fit(root: Path, max_steps: int, *extra: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not SCRIPT.exists(), reason="the lightning-ffpa console script is not installed")
-def test_extended_run_repeats_the_straight_runs_batches_and_losses(tmp_path):
-    _fit(tmp_path / "a", 6)
-    _fit(tmp_path / "b", 3)
-    _fit(tmp_path / "b", 6, "--ckpt_path", "last")
+@pytest.mark.parametrize("every", [1000, 2])
+def test_extended_run_repeats_the_straight_runs_batches_and_losses(tmp_path, every):
+    """every=2: a periodic save at step 2 and the stop at 3, which `FinalCheckpoint` saves (Lightning kept step 2)."""
+    _fit(tmp_path / "a", 6, every=every)
+    _fit(tmp_path / "b", 3, every=every)
+    _fit(tmp_path / "b", 6, "--ckpt_path", "last", every=every)
     straight, extended = read(tmp_path / "a" / "steps.log"), read(tmp_path / "b" / "steps.log")
     assert [s for s, *_ in straight] == [s for s, *_ in extended] == [1, 2, 3, 4, 5, 6]
     assert extended == straight  # same epoch, same batch digests, bitwise equal losses

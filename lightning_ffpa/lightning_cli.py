@@ -258,8 +258,8 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs: Any):
-        """The Trainer, with `StopOnSigterm`, `CheckpointSpace`, `FinalCheckpoint`, and the step progress bar and parameter summary
-        unless the config disables or sets them."""
+        """The Trainer, with `StopOnSigterm`, `CheckpointSpace`, `FinalCheckpoint`, and the step progress bar and
+        parameter summary unless the config disables or sets them."""
         from lightning_ffpa.callbacks.preemption import StopOnSigterm
         from lightning_ffpa.callbacks.screen import ParameterSummary, default_callbacks
         from lightning_ffpa.checkpoint.final import FinalCheckpoint

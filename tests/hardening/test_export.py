@@ -146,7 +146,8 @@ def test_export_bad_input_names_the_option(trained, tmp_path, kwargs, match):
 
 
 @pytest.mark.parametrize("merge", [False, True])
-def test_lora_tensors_of_a_users_own_module_are_refused_before_writing(trained_lora, tmp_path, merge):
+def test_lora_tensors_of_a_users_own_module_are_refused_before_writing(trained_lora, tmp_path, merge,
+                                                                        record_property):
     """A module of the user's own with peft adapters and a `lora` hyper-parameter of its own meaning (here
     `lora=True`): one line naming what is missing (an AttributeError, and half an adapter folder, before)."""
     lm, ckpt = trained_lora
@@ -158,6 +159,8 @@ def test_lora_tensors_of_a_users_own_module_are_refused_before_writing(trained_l
     with pytest.raises(ConfigError, match="--merge_lora" if merge else "LoRA tensors but no `model.lora` options"):
         export(own, tmp_path / "out", config_dir=str(tmp_path / "cfg"), merge_lora=merge)
     assert not (tmp_path / "out").exists()
+    record_property("hardening", "export")
+    record_property("case", f"LoRA tensors of a module of the user's own (no `model.lora` options){', --merge_lora' if merge else ''}: refused before writing")
 
 
 def _flip_one_bit_in_a_weight(src: Path, dst: Path) -> None:

@@ -78,7 +78,8 @@ def test_sigusr1_saves_requeues_and_the_requeued_job_resumes_bitwise(tmp_path, r
     combined = {**before, **after}
     lost = [s for s in reference_steps if combined.get(s) != reference_steps[s]]
     record_property("hardening", "fault")
-    record_property("case", f"SLURM SIGUSR1 during step {SIGNAL_AT}: hpc checkpoint, requeue, auto-resume")
+    record_property("case", f"SLURM SIGUSR1 during step {SIGNAL_AT}: hpc checkpoint, requeue, auto-resume; a "
+                            "later job resumes from the newer save, not the stale hpc checkpoint")
     record_property("data_lost", len(lost))
     assert not lost, f"steps whose (loss, batch) differ from the uninterrupted run: {lost}"
 

@@ -9,8 +9,9 @@ its own autograd Function calls, taken here so the project's custom op can run t
 fa4-v4.0.0.beta27 to the main branch of 2026-12 (read from flash_attn/cute/interface.py).
 Facts (DESIGN.md, checked 2026-12): SM90/SM100, causal with ``window_size=(left, 0)``, GQA, varlen; no head_dim
 512. Head dims (``_validate_head_dims`` in the same file): SM90 takes 8-256, SM100 8-128 or exactly 256; all
-multiples of 8 at 16-bit. The backward runs with FA4's default ``deterministic=False`` (its fast path, as the
-issue's first measurement ran it). Does not own when FA4 runs (``lightning_ffpa.attention.fa4``).
+multiples of 8 at 16-bit. The backward runs FA4's fast path (``deterministic=False``, as the issue's first
+measurement ran it) unless torch's deterministic algorithms are on (``trainer.deterministic: true``), where it
+asks for FA4's deterministic backward. Does not own when FA4 runs (``lightning_ffpa.attention.fa4``).
 """
 
 from __future__ import annotations
@@ -80,5 +81,6 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     varlen = {} if cu_seqlens is None else dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                                 max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
     dq, dk, dv = interface._flash_attn_bwd(q, k, v, o, do, lse, scale, True, 0.0, window_size_left=window_left,
-                                           window_size_right=0, **varlen)[:3]
+                                           window_size_right=0,
+                                           deterministic=torch.are_deterministic_algorithms_enabled(), **varlen)[:3]
     return dq, dk, dv

@@ -1,6 +1,8 @@
 """The "fa4" sliding-window kernel on CPU: its op contract on the reference stand-in, the backend's dispatch to it
 (dense and packed), the counted fallback to Flex, the plan's refusals, SAC and FLOPs."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import transformers
@@ -257,3 +259,26 @@ def test_padded_rows_take_fa4_varlen_on_the_sliding_layers_and_match_flex(slidin
     for name, g in grads_flex.items():
         rel = ((grads_fa4[name] - g).norm() / g.norm().clamp_min(1e-12)).item()
         assert rel < 2e-4, (name, rel)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_backward_is_deterministic_when_torch_is_asked_to_be(monkeypatch, deterministic):
+    """`trainer.deterministic: true` (torch.use_deterministic_algorithms) reaches FA4's backward as its
+    `deterministic` flag; its default fast path otherwise (dQ accumulated with atomics)."""
+    from lightning_ffpa._compat import fa4 as fa4_compat
+
+    seen = {}
+
+    def fake_bwd(q, k, v, o, do, lse, *args, **kwargs):
+        seen.update(kwargs)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(fa4_compat, "_load", lambda: (None, SimpleNamespace(_flash_attn_bwd=fake_bwd), ""))
+    q = torch.zeros(1, 4, 2, 8)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        fa4_compat.backward(q, q, q, q, q, torch.zeros(1, 2, 4), 1.0, 3)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert seen["deterministic"] is deterministic

@@ -23,7 +23,8 @@ from lightning_ffpa.errors import ConfigError  # noqa: E402
 TORCHAO = importlib.util.find_spec("torchao") is not None
 KEYS = {"fp8_full_ft_loss_recipe", "fp8_full_ft_loss_tolerance", "fp8_full_ft_final_loss_bf16",
         "fp8_full_ft_final_loss_fp8", "fp8_full_ft_final_loss_rel_diff", "fp8_full_ft_first_loss_rel_diff",
-        "fp8_full_ft_curve_max_rel_diff", "fp8_full_ft_loss_within_tolerance"}
+        "fp8_full_ft_curve_max_rel_diff", "fp8_full_ft_loss_within_tolerance", "fp8_full_ft_runs_per_row",
+        "fp8_full_ft_bf16_spread_rel", "fp8_full_ft_fp8_within_bf16_range"}
 
 
 @pytest.fixture
@@ -73,7 +74,8 @@ def test_cpu_smoke_fits_both_rows_through_the_console_and_writes_the_keys(tmp_pa
     assert summary["fp8_full_ft_final_loss_rel_diff"] == pytest.approx(
         abs(fp8["final_loss"] - bf16["final_loss"]) / bf16["final_loss"])
     assert summary["fp8_full_ft_first_loss_rel_diff"] < 0.01  # the same weights and batch at step 0
-    assert summary["fp8_full_ft_loss_recipe"] == "rowwise" and not missing
+    assert summary["fp8_full_ft_loss_recipe"] == "rowwise" and set(missing) == {
+        "fp8_full_ft_bf16_spread_rel", "fp8_full_ft_fp8_within_bf16_range"}  # one run per row: no spread
     assert summary["fp8_full_ft_loss_within_tolerance"] == (summary["fp8_full_ft_final_loss_rel_diff"] <= 0.01)
 
 
@@ -88,11 +90,57 @@ def test_summary_compares_the_final_losses_against_the_tolerance():
     summary, missing = fp8_loss.summarize([bf16, fp8])
     assert summary["fp8_full_ft_final_loss_rel_diff"] == pytest.approx(0.015)
     assert summary["fp8_full_ft_loss_within_tolerance"] is False and summary["fp8_full_ft_loss_recipe"] == "tensorwise"
-    assert summary["fp8_full_ft_curve_max_rel_diff"] == pytest.approx(0.015) and not missing
+    assert summary["fp8_full_ft_curve_max_rel_diff"] == pytest.approx(0.015)
+    assert set(missing) == {"fp8_full_ft_bf16_spread_rel", "fp8_full_ft_fp8_within_bf16_range"}
     summary, missing = fp8_loss.summarize([bf16, _row("fp8", [5.0] * 15, error="fit exit timeout after 540 s")])
     assert summary["fp8_full_ft_final_loss_rel_diff"] is None and summary["fp8_full_ft_final_loss_bf16"] == 2.0
     assert missing["fp8_full_ft_final_loss_rel_diff"] == "row fp8: fit exit timeout after 540 s"
     assert "row fp8: not in this result" in fp8_loss.summarize([bf16])[1]["fp8_full_ft_loss_within_tolerance"]
+
+
+def test_repeated_runs_compare_the_means_and_measure_the_bf16_spread():
+    """--repeats: the final losses are each row's mean over its runs; the bf16 runs' spread is measured and the
+    fp8 mean judged against their range (two bf16 runs of one command differ on the GPU); a failed run is left out."""
+    runs = [_row("bf16", [5.0] * 5 + [2.0] * 10, repeat=0), _row("fp8", [5.0] * 5 + [2.05] * 10, repeat=0),
+            _row("bf16", [5.0] * 5 + [2.1] * 10, repeat=1), _row("fp8", [5.0] * 5 + [2.07] * 10, repeat=1),
+            _row("fp8", [5.0] * 15, repeat=2, error="fit exit timeout after 540 s")]
+    summary, missing = fp8_loss.summarize(runs)
+    assert summary["fp8_full_ft_final_loss_bf16"] == pytest.approx(2.05)
+    assert summary["fp8_full_ft_final_loss_fp8"] == pytest.approx(2.06)
+    assert summary["fp8_full_ft_final_loss_rel_diff"] == pytest.approx(0.01 / 2.05)
+    assert summary["fp8_full_ft_curve_max_rel_diff"] == pytest.approx(0.025)  # the first run of each row
+    assert summary["fp8_full_ft_bf16_spread_rel"] == pytest.approx(0.1 / 2.05)
+    assert summary["fp8_full_ft_fp8_within_bf16_range"] is True and summary["fp8_full_ft_runs_per_row"] == 2
+    assert not missing
+    outside = fp8_loss.summarize([*runs[:4], _row("fp8", [5.0] * 5 + [2.5] * 10, repeat=2)])[0]
+    assert outside["fp8_full_ft_fp8_within_bf16_range"] is False
+
+
+def test_repeats_alternate_the_rows_and_resume_keeps_finished_runs(tmp_path):
+    calls = []
+
+    def launch(cmd, timeout):  # a fit that logs a falling loss (and, for fp8, the strategy's line)
+        fp8 = "--trainer.strategy.init_args.fp8" in cmd
+        calls.append("fp8" if fp8 else "bf16")
+        csv_path = Path(cmd[cmd.index("--trainer.logger.save_dir") + 1]) / "lightning_logs" / "metrics.csv"
+        csv_path.parent.mkdir(parents=True)
+        csv_path.write_text("step,train/loss\n" + "".join(f"{i},{5 - 0.1 * i}\n" for i in range(10)))
+        return 0, "fp8 rowwise: 4 decoder Linear layers train in torchao float8\n" if fp8 else "done\n"
+
+    out = tmp_path / "r.json"
+    fp8_loss.main(["--cpu", "--fp8", "rowwise", "--repeats", "2", "--out", str(out)], launch=launch)
+    assert calls == ["bf16", "fp8", "bf16", "fp8"]
+    rows = json.loads(out.read_text())["rows"]
+    assert not any(r.get("error") for r in rows), rows
+    assert [(r["row"], r["repeat"]) for r in rows] == [("bf16", 0), ("fp8", 0), ("bf16", 1), ("fp8", 1)]
+    assert [r["log"] for r in rows] == ["fp8_loss_bf16.log", "fp8_loss_fp8.log", "fp8_loss_bf16_r1.log",
+                                        "fp8_loss_fp8_r1.log"]
+    calls.clear()
+    fp8_loss.main(["--cpu", "--fp8", "rowwise", "--repeats", "3", "--resume", str(out), "--out", str(out)],
+                  launch=launch)
+    assert calls == ["bf16", "fp8"]  # only the third run of each row
+    with pytest.raises(ConfigError, match="--repeats"):
+        fp8_loss.parse_args(["--cpu", "--fp8", "rowwise", "--repeats", "0"])
 
 
 def test_a_row_is_refused_where_its_log_does_not_show_the_fp8_it_was_asked_for():

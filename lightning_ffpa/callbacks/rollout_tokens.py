@@ -38,10 +38,13 @@ def check_token_ids(option: str, eos_token_ids: list[int] | None, pad_token_id: 
             raise ConfigError(f"{option}.eos_token_ids", eos, f"ids must be below the model's vocab_size={vocab}: "
                               "such a token can never be sampled, so it would never end a completion")
     if mask_truncated and not eos and (eos_given or config is not None):  # a config without an eos id: none
+        config_eos = resolve_eos(None, config) if config is not None else []
+        why = (f"`{option}.eos_token_ids: []` turns off the model config's eos_token_id {config_eos} (null keeps it)"
+               if eos_given and config_eos else f"`{option}.eos_token_ids` is empty and so is the model config's "
+               "eos_token_id")
         raise ConfigError("model.mask_truncated_completions", True,
-                          f"no token ends a completion (`{option}.eos_token_ids` is empty and so is the model "
-                          "config's eos_token_id), so every completion is cut at max_new_tokens and all would be "
-                          "masked: no step would ever update; give eos_token_ids or set it false")
+                          f"no token ends a completion ({why}), so every completion is cut at max_new_tokens and all "
+                          "would be masked: no step would ever update; give eos_token_ids or set it false")
 
 
 def resolve_tokenizer(option: str, name: str | None, datamodule: Any) -> Any:

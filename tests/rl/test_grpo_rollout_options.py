@@ -56,7 +56,10 @@ def test_a_batch_that_learns_resets_the_count():
 
 
 def test_mask_truncated_completions_without_an_eos_is_refused_before_fit():
-    with pytest.raises(ConfigError, match=r"`model.mask_truncated_completions=True`: no token ends a completion"):
+    # the tiny config has an eos_token_id: the message says that the explicit [] turned it off
+    with pytest.raises(ConfigError, match=r"`model.mask_truncated_completions=True`: no token ends a completion "
+                                          r"\(`RolloutCallback.eos_token_ids: \[\]` turns off the model config's "
+                                          r"eos_token_id \[1\] \(null keeps it\)\)"):
         _fit(recording_reward, {"mask_truncated_completions": True}, eos_token_ids=[])
 
 

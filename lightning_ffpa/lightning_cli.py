@@ -331,6 +331,9 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         print("; ".join(parts), flush=True)
 
     def before_validate(self) -> None:  # noqa: D102
+        if not self._model_has("validation_step"):
+            raise InputError(f"`model` ({type(self.model).__name__}) has no validation step, so `validate` has "
+                             "nothing to run (a GRPO run logs its rewards at each fit step, as rollout/reward)")
         if self.trainer.limit_val_batches == 0:
             raise InputError("`trainer.limit_val_batches` is 0, so `validate` has nothing to run")
         self._check_ckpt_loads()
@@ -360,14 +363,20 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             check_strategy_loads(self.trainer, ckpt_path)
             check_evaluated_checkpoint(self.trainer, ckpt_path, self.subcommand)
 
+    def _model_has(self, hook: str) -> bool:
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        return self.model is not None and is_overridden(hook, self.model)
+
     def _require_loader(self, hook: str) -> None:
         """Refuse a subcommand whose data is missing before the model is built or sharded."""
         from lightning.pytorch.utilities.model_helpers import is_overridden
 
         if not any(owner is not None and is_overridden(hook, owner) for owner in (self.datamodule, self.model)):
             data = type(self.datamodule).__name__ if self.datamodule is not None else "no datamodule"
-            raise InputError(f"`data` ({data}) has no `{hook}`, so `{self.subcommand}` has nothing to run on; "
-                             "for held-out loss and perplexity use `lightning-ffpa validate`")
+            hint = ("; for held-out loss and perplexity use `lightning-ffpa validate`"
+                    if self._model_has("validation_step") else "")
+            raise InputError(f"`data` ({data}) has no `{hook}`, so `{self.subcommand}` has nothing to run on{hint}")
 
 
 def _strict_yaml() -> None:

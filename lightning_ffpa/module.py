@@ -12,6 +12,7 @@ import importlib.util
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_ffpa.attention.documents import packed_inputs
@@ -30,6 +31,8 @@ from lightning_ffpa.lora import LoraSpec, lora_hparam
 from lightning_ffpa.loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_ffpa.metrics import TokenPerplexity
 from lightning_ffpa.parallel.dims import ParallelDims
+
+SCHEDULE_KEY = "lightning_ffpa_lr_schedule_steps"  # the horizon the run's cosine was built for
 
 
 def check_range(option: str, value: float, *, gt: float | None = None, ge: float | None = None,
@@ -214,7 +217,26 @@ class Gemma4LM(HFModule):
         hp = self.hparams
         opt = build_adamw(self.model, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
         total = max(int(self.trainer.estimated_stepping_batches), hp.warmup_steps + 1)
+        self._schedule_steps = total
         sched = get_cosine_with_min_lr_schedule_with_warmup(
             opt, num_warmup_steps=hp.warmup_steps, num_training_steps=total, min_lr_rate=hp.min_lr_ratio
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:  # noqa: D102
+        super().on_save_checkpoint(checkpoint)
+        checkpoint[SCHEDULE_KEY] = getattr(self, "_schedule_steps", None)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:  # noqa: D102
+        super().on_load_checkpoint(checkpoint)
+        self._resumed_schedule_steps = checkpoint.get(SCHEDULE_KEY)
+
+    def on_train_start(self) -> None:
+        """A resume whose schedule horizon differs from the checkpoint's (a larger `trainer.max_steps` to continue a
+        finished run): the cosine is rebuilt over the new horizon, so the learning rate jumps at the resume."""
+        old, new = getattr(self, "_resumed_schedule_steps", None), getattr(self, "_schedule_steps", None)
+        if old is not None and new is not None and old != new:
+            rank_zero_warn(f"the learning-rate schedule of the checkpoint's run spanned {old} steps and this run's "
+                           f"spans {new} (trainer.max_steps): the cosine continues over the new horizon from step "
+                           f"{self.trainer.global_step}, so the learning rate changes at the resume, not as one "
+                           f"run of {new} steps would have it")

@@ -336,6 +336,8 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
                              "nothing to run (a GRPO run logs its rewards at each fit step, as rollout/reward)")
         if self.trainer.limit_val_batches == 0:
             raise InputError("`trainer.limit_val_batches` is 0, so `validate` has nothing to run")
+        if getattr(self.datamodule, "num_val_samples", None) == 0:  # MockDataModule: no validation rows
+            raise InputError("`data.init_args.num_val_samples` is 0, so `validate` has nothing to run")
         self._check_ckpt_loads()
         self._ready()
 

@@ -76,6 +76,7 @@ ROWS = [
     ("lightning-ffpa validate --config fit.yaml", "trainer.limit_val_batches"),  # fit.yaml: limit_val_batches 0
     ("lightning-ffpa validate --config fit.yaml --trainer.limit_val_batches 1 --ckpt_path last", "ckpt_path='last'"),
     ("lightning-ffpa validate --config grpo.yaml", "(GRPOModule) has no validation step"),
+    ("lightning-ffpa validate --config tiny_fsdp2", "`data.init_args.num_val_samples` is 0"),
     ("lightning-ffpa test --config grpo.yaml", "has no `test_dataloader`, so `test` has nothing to run on"),
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.replicate_frozen often",
      "replicate_frozen"),

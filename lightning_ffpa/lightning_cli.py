@@ -99,14 +99,20 @@ def check_trainer_options(options: dict[str, Any]) -> None:
 _VALIDATION_OPTIONS = ("val_check_interval", "limit_val_batches", "num_sanity_val_steps")
 
 
+def _config_class(component: Any) -> type | None:
+    """The class a config entry's `class_path` names (the model, the strategy), or None."""
+    path = getattr(component, "class_path", None)
+    module, _, name = path.rpartition(".") if isinstance(path, str) else ("", "", "")
+    cls = getattr(importlib.import_module(module), name, None) if module else None
+    return cls if isinstance(cls, type) else None
+
+
 def check_validation_options(model: Any, options: dict[str, Any]) -> None:
     """A GRPO model with a validation option set: Lightning would skip the loop without a word (ConfigError)."""
     from lightning_ffpa.rl.module import GRPOModule
 
-    path = getattr(model, "class_path", None)
-    module, _, name = path.rpartition(".") if isinstance(path, str) else ("", "", "")
-    cls = getattr(importlib.import_module(module), name, None) if module else None
-    if not (isinstance(cls, type) and issubclass(cls, GRPOModule)):
+    cls = _config_class(model)
+    if cls is None or not issubclass(cls, GRPOModule):
         return
     for key in _VALIDATION_OPTIONS:
         if options.get(key) is not None:
@@ -119,12 +125,8 @@ def check_strategy_options(strategy: Any) -> None:
     is what the user reads: instantiated through the Trainer's `str | Strategy` type, it becomes "expected str"."""
     from lightning_ffpa.parallel import FSDP2Strategy
 
-    path = getattr(strategy, "class_path", None)
-    if not isinstance(path, str):
-        return
-    module, _, name = path.rpartition(".")
-    cls = getattr(importlib.import_module(module), name, None) if module else None
-    if isinstance(cls, type) and issubclass(cls, FSDP2Strategy):
+    cls = _config_class(strategy)
+    if cls is not None and issubclass(cls, FSDP2Strategy):
         try:
             cls(**dict(vars(strategy.get("init_args") or {})))
         except ValueError as err:
@@ -366,19 +368,22 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             check_evaluated_checkpoint(self.trainer, ckpt_path, self.subcommand)
 
     def _model_has(self, hook: str) -> bool:
-        from lightning.pytorch.utilities.model_helpers import is_overridden
-
-        return self.model is not None and is_overridden(hook, self.model)
+        return _overrides(self.model, hook)
 
     def _require_loader(self, hook: str) -> None:
         """Refuse a subcommand whose data is missing before the model is built or sharded."""
-        from lightning.pytorch.utilities.model_helpers import is_overridden
-
-        if not any(owner is not None and is_overridden(hook, owner) for owner in (self.datamodule, self.model)):
+        if not any(_overrides(owner, hook) for owner in (self.datamodule, self.model)):
             data = type(self.datamodule).__name__ if self.datamodule is not None else "no datamodule"
             hint = ("; for held-out loss and perplexity use `lightning-ffpa validate`"
                     if self._model_has("validation_step") else "")
             raise InputError(f"`data` ({data}) has no `{hook}`, so `{self.subcommand}` has nothing to run on{hint}")
+
+
+def _overrides(owner: Any, hook: str) -> bool:
+    """Whether a model or datamodule (None: no) defines Lightning hook `hook` itself."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return owner is not None and is_overridden(hook, owner)
 
 
 def _strict_yaml() -> None:

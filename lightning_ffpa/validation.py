@@ -28,7 +28,12 @@ from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa._compat.transformers import from_config, text_config
 from lightning_ffpa.attention.plan import plan_for
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_seed
-from lightning_ffpa.checkpoint.paths import newer_than_hpc, root_checkpoint_dirs, saved_checkpoints
+from lightning_ffpa.checkpoint.paths import (
+    HPC_PREFIX,
+    newer_than_hpc,
+    root_checkpoint_dirs,
+    saved_checkpoints,
+)
 from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.fp8_base import check_device as fp8_base_check_device
 from lightning_ffpa.hf_module import (  # noqa: F401 - ARCHITECTURE_HPARAMS, check_hparams_match re-exported
@@ -377,5 +382,5 @@ class PreflightCLIMixin:
         """Pre-flight checks (checkpoint, LoRA targets, vocab) before any model is built."""
         config = self.config_init[self.subcommand]
         resolved = preflight(self.trainer, self.model, self.datamodule, config.get("ckpt_path"))
-        if config.get("ckpt_path") is None and resolved and not Path(resolved).name.startswith("hpc_ckpt_"):
+        if config.get("ckpt_path") is None and resolved and not Path(resolved).name.startswith(HPC_PREFIX):
             config["ckpt_path"] = resolved  # a save newer than a stale HPC checkpoint (`newer_than_hpc`)

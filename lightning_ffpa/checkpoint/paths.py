@@ -14,7 +14,9 @@ import os
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-__all__ = ["newer_than_hpc", "root_checkpoint_dirs", "saved_checkpoints"]
+__all__ = ["HPC_PREFIX", "newer_than_hpc", "root_checkpoint_dirs", "saved_checkpoints"]
+
+HPC_PREFIX = "hpc_ckpt_"  # Lightning's SLURM checkpoints in default_root_dir: hpc_ckpt_N.ckpt
 
 
 def root_checkpoint_dirs(trainer) -> list[str]:
@@ -42,7 +44,7 @@ def newer_than_hpc(trainer, resolved: str | os.PathLike | None) -> str | None:
     """The newest saved checkpoint when `resolved` is an HPC checkpoint (`hpc_ckpt_N.ckpt`, which Lightning takes
     first under SLURM) older than it, else None. Lightning never removes an HPC checkpoint, so a later job in the
     same folder would go back to the step of an old requeue and train over the checkpoints saved since."""
-    if resolved is None or not os.path.basename(str(resolved)).startswith("hpc_ckpt_"):
+    if resolved is None or not os.path.basename(str(resolved)).startswith(HPC_PREFIX):
         return None
     saved = saved_checkpoints(trainer)
     if saved and os.stat(saved[0], follow_symlinks=False).st_mtime > os.stat(resolved).st_mtime:

@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa.attention.documents import packed_inputs
 from lightning_ffpa.cp import cp_group_info, cp_loss_reduce, shard_batch
 from lightning_ffpa.dtypes import DtypeOrAuto
@@ -31,6 +32,7 @@ from lightning_ffpa.lora import LoraSpec, lora_hparam
 from lightning_ffpa.loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_ffpa.metrics import TokenPerplexity
 from lightning_ffpa.parallel.dims import ParallelDims
+from lightning_ffpa.token_weights import TokenWeights
 
 SCHEDULE_KEY = "lightning_ffpa_lr_schedule_steps"  # the horizon the run's cosine was built for
 
@@ -131,6 +133,7 @@ class Gemma4LM(HFModule):
         self.check_seq_length(max_seq_length, "model.max_seq_length")
         self.train_ppl = TokenPerplexity()
         self.val_ppl = TokenPerplexity()
+        self._token_weights = TokenWeights()
 
     def setup(self, stage: str) -> None:
         self.check_data(getattr(self.trainer, "datamodule", None) if self._trainer is not None else None)
@@ -152,6 +155,11 @@ class Gemma4LM(HFModule):
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean next-token loss over labels != -100 (global over the CP group), and the local token count."""
+        loss, n_tokens, _ = self._loss_terms(batch)
+        return loss, n_tokens
+
+    def _loss_terms(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`compute_loss`'s two values and the local summed loss (this rank's tokens only)."""
         cp = self.context_parallel()
         if cp is not None:
             # Every CP rank holds the same full batch; each keeps its head-tail shard (the ring needs the layout).
@@ -169,8 +177,8 @@ class Gemma4LM(HFModule):
         n_tokens = (labels != IGNORE_INDEX).sum()
         nll_sum = self._nll_sum(inputs, labels, n_tokens)
         if cp is not None:
-            return cp_loss_reduce(nll_sum, n_tokens, group), n_tokens
-        return nll_sum / n_tokens.clamp(min=1), n_tokens
+            return cp_loss_reduce(nll_sum, n_tokens, group), n_tokens, nll_sum
+        return nll_sum / n_tokens.clamp(min=1), n_tokens, nll_sum
 
     def _nll_sum(self, inputs: dict[str, Any], labels: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
         if self.hparams.loss_impl == "plain":
@@ -189,11 +197,19 @@ class Gemma4LM(HFModule):
         return mean * n_tokens
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, n_tokens = self.compute_loss(batch)
+        loss, n_tokens, nll_sum = self._loss_terms(batch)
         self.train_ppl(loss.detach(), n_tokens)  # forward, not update: on_step logs the value forward returns
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         self.log("train/ppl", self.train_ppl, on_step=True, on_epoch=False)
-        return loss
+        self._token_weights.add(n_tokens)
+        return self._token_weights.loss(loss, nll_sum)
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Backward, then at the accumulation window's last micro-batch the gradients become the mean over the
+        step's labelled tokens on every rank (`TokenWeights`): every hook after this one sees the exact step."""
+        super().backward(loss, *args, **kwargs)
+        if self._trainer is not None and not lightning_compat.accumulating(self.trainer):
+            self._token_weights.scale_grads(self.trainer, self.parameters())
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, n_tokens = self.compute_loss(batch)
@@ -234,6 +250,7 @@ class Gemma4LM(HFModule):
     def on_train_start(self) -> None:
         """A resume whose schedule horizon differs from the checkpoint's (a larger `trainer.max_steps` to continue a
         finished run): the cosine is rebuilt over the new horizon, so the learning rate jumps at the resume."""
+        self._token_weights.reset()
         old, new = getattr(self, "_resumed_schedule_steps", None), getattr(self, "_schedule_steps", None)
         if old is not None and new is not None and old != new:
             rank_zero_warn(f"the learning-rate schedule of the checkpoint's run spanned {old} steps and this run's "

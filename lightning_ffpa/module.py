@@ -34,6 +34,7 @@ from lightning_ffpa.metrics import TokenPerplexity
 from lightning_ffpa.parallel.dims import ParallelDims
 from lightning_ffpa.token_weights import TokenWeights
 
+DEFAULT_LOSS_CHUNK = 4096
 SCHEDULE_KEY = "lightning_ffpa_lr_schedule_steps"  # the horizon the run's cosine was built for
 
 
@@ -87,7 +88,7 @@ class Gemma4LM(HFModule):
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
         loss_impl: Literal["plain", "chunked", "liger"] = "plain",
-        loss_chunk_size: int = 4096,
+        loss_chunk_size: int = DEFAULT_LOSS_CHUNK,
         max_seq_length: int | None = None,
     ) -> None:
         """Build the module; the HF model itself is created in `configure_model`.
@@ -126,6 +127,9 @@ class Gemma4LM(HFModule):
         if loss_impl == "liger" and importlib.util.find_spec("liger_kernel") is None:
             raise ConfigError("model.loss_impl", loss_impl, "needs liger-kernel, which is not installed: "
                               "`pip install lightning-ffpa[liger]`, or use 'chunked'")
+        if loss_impl != "chunked" and loss_chunk_size != DEFAULT_LOSS_CHUNK:
+            rank_zero_warn(f"`model.loss_chunk_size={loss_chunk_size}` has no effect with `model.loss_impl={loss_impl}` "
+                           "(only 'chunked' splits the loss into chunks)")
         if max_seq_length is not None:
             check_range("model.max_seq_length", max_seq_length, ge=1)
         self.save_hyperparameters()

@@ -263,3 +263,8 @@ def test_pretrained_refuses_overrides_that_reshape_its_weights(tmp_path):
     with pytest.raises(ConfigError, match=r"^`model\.config_overrides\.num_hidden_layers='two'`"):
         Gemma4LM(pretrained=str(tmp_path), config_overrides={"num_hidden_layers": "two"})
     assert Gemma4LM(pretrained=str(tmp_path), config_overrides={"hidden_size": 64}).config.hidden_size == 64
+
+
+def test_a_chunk_size_the_loss_does_not_use_is_said():
+    with pytest.warns(UserWarning, match=r"`model.loss_chunk_size=1024` has no effect with `model.loss_impl=plain`"):
+        Gemma4LM(preset="tiny", loss_impl="plain", loss_chunk_size=1024)

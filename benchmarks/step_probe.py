@@ -155,6 +155,8 @@ KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention: SDPA", ("sdpa", "fmha", "flash")),
     # torch's CUTLASS 3.x kernels: _grouped_mm (the experts) and the float8 rowwise _scaled_mm; cuBLAS is "nvjet"
     ("CUTLASS GEMM (grouped, scaled)", ("grouped", "group_gemm", "enable_3x_kernel_for_sm9x")),
+    # cuBLAS's float8 GEMMs: "q" for an e4m3 operand, "r" for e5m2 (torchao's gradients) in nvjet's names
+    ("matmul: float8", ("_qqtst", "_qrtst", "_rqtst")),
     ("matmul", ("nvjet", "gemm", "sm90_xmma")),
     ("fused elementwise (Triton)", ("triton_poi", "triton_red", "triton_per")),
     ("routing, gather and scatter", ("topk", "sort", "histc", "histogram", "bincount", "index", "gather", "scatter")),

@@ -412,6 +412,7 @@ def test_kernel_kinds_sum_the_top_list_by_kind_and_leave_profiler_ranges_out():
 
     profile = dict(cuda_kernel_total_ms=100.0, wall_ms=90.0, cuda_busy_ms=80.0, top_kernels=[
         dict(name="nvjet_sm90_tst_192x192", calls=3, total_ms=40.0),
+        dict(name="nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT", calls=2, total_ms=4.0),
         dict(name="kernel_cutlass_kernel_ffpa_attncute_dq_d512", calls=1, total_ms=10.0),
         dict(name="triton_tem_fused_flex_attention_backward", calls=5, total_ms=8.0),
         dict(name="fmha_cutlassB_bf16_aligned(PyTorchMemEffAttention::AttentionBackwardKernel", calls=1, total_ms=7.0),
@@ -427,9 +428,10 @@ def test_kernel_kinds_sum_the_top_list_by_kind_and_leave_profiler_ranges_out():
         dict(name="void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor>", calls=2,
              total_ms=0.5)])
     assert kernel_kinds(profile) == {"attention: FFPA": 10.0, "attention: Flex": 8.0, "attention: FA4": 0.25,
-                                     "attention: SDPA": 7.0, "CUTLASS GEMM (grouped, scaled)": 1.5, "matmul": 40.0, "fused elementwise (Triton)": 2.0,
+                                     "attention: SDPA": 7.0, "CUTLASS GEMM (grouped, scaled)": 1.5, "matmul: float8": 4.0, "matmul": 40.0,
+                                     "fused elementwise (Triton)": 2.0,
                                      "routing, gather and scatter": 1.0, "optimizer": 5.0, "copies and casts": 3.0,
-                                     "other": 0.5, "outside the top list": 11.75}
+                                     "other": 0.5, "outside the top list": 7.75}
 
 
 def test_a_rollout_ratio_says_when_its_hf_baseline_was_eager_only():

@@ -49,11 +49,13 @@ from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.dtypes import choices as dtype_choices
 from lightning_ffpa.errors import CheckpointError, ConfigError, console_entry
 from lightning_ffpa.fp8_base import FP8_DTYPE, dequantize
-from lightning_ffpa.lora import PEFT_PREFIX, hf_name, lora_spec, merged_weight, peft_options
+from lightning_ffpa.lora import PEFT_PREFIX, dora_weight, hf_name, lora_spec, merged_weight, peft_options
 from lightning_ffpa.validation import check_checkpoint
 
 MODULE_PREFIX = "model."  # Gemma4LM keeps the HF model in `self.model`
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
+# DoRA's per-row magnitude; PEFT's adapter file names it without the adapter name and without ".weight"
+_MAGNITUDE = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector\.(?P<adapter>[^.]+)\.weight$")
 
 
 @dataclass
@@ -268,9 +270,9 @@ def _plan(names: list[str], tied: bool, merge: bool, params: dict[str, str] | No
         if not name.startswith(MODULE_PREFIX):
             continue  # metrics or other module state, not model weights
         inner = name[len(MODULE_PREFIX):]
-        if "lora_embedding" in inner or "lora_magnitude" in inner:
-            raise CheckpointError(f"cannot export {inner}: export writes LoRA on Linear layers only (not DoRA, "
-                                  "not LoRA on the embedding)")
+        if "lora_embedding" in inner:
+            raise CheckpointError(f"cannot export {inner}: export writes LoRA on Linear layers only (not LoRA on "
+                                  "the embedding)")
         if ".original_module." in inner:
             continue  # the frozen original of a `modules_to_save` module: its trained copy is what ran
         if ".modules_to_save." in inner:
@@ -285,6 +287,11 @@ def _plan(names: list[str], tied: bool, merge: bool, params: dict[str, str] | No
                 loras.setdefault(module, {})[match["ab"]] = name
                 adapter[f"{match['module']}.lora_{match['ab']}.weight"] = name  # PEFT drops the adapter name
                 continue
+            match = _MAGNITUDE.match(inner)
+            if match:
+                loras.setdefault(match["module"].removeprefix(PEFT_PREFIX), {})["M"] = name
+                adapter[f"{match['module']}.lora_magnitude_vector"] = name
+                continue
             inner = hf_name(inner)
         elif "lora_" in inner:
             raise ValueError(f"unexpected LoRA tensor outside a PEFT model: {name}")
@@ -298,7 +305,7 @@ def _plan(names: list[str], tied: bool, merge: bool, params: dict[str, str] | No
         for module, ab in loras.items():
             wrapped = PEFT_PREFIX + module
             weight = hf_name(f"{wrapped}.{params[wrapped]}") if wrapped in params else f"{module}.weight"
-            base[weight] += [ab["A"], ab["B"]]
+            base[weight] += [ab["A"], ab["B"], *([ab["M"]] if "M" in ab else [])]  # M: DoRA's magnitude
         adapter = {}
     return _Plan(base, adapter, untie)
 
@@ -399,9 +406,11 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
             if hf in scales:  # a float8 base: W0 = q * scale, in fp32, then the model's dtype
                 weight, keep = dequantize(weight, loaded[scales[hf]], torch.float32), model_dtype
                 dequantized.append(hf)
-            if len(srcs) == 3:  # merge in fp32, then back to the weight's dtype
+            if len(srcs) >= 3:  # merge in fp32, then back to the weight's dtype
                 a, b = loaded[srcs[1]].float(), loaded[srcs[2]].float()
                 weight = merged_weight(weight.float(), a, b, scaling)
+                if len(srcs) == 4:
+                    weight = dora_weight(weight, loaded[srcs[3]].float())
                 merged.append(hf)
             weight = weight.to(keep)
             weight = weight.to(target) if target is not None else weight
@@ -453,8 +462,6 @@ def _lora_scaling(lora: dict[str, Any]) -> float:
         if lora.get(unsupported):
             raise ConfigError("--merge_lora", True, f"merging with `model.lora.{unsupported}` is not supported; "
                                                     "export the adapter instead")
-    if lora.get("use_dora"):
-        raise ConfigError("--merge_lora", True, "merging DoRA adapters is not supported; export the adapter instead")
     keep = ("r", "lora_alpha", "use_rslora")
     probe = get_peft_model(torch.nn.Sequential(torch.nn.Linear(1, 1, device="meta")),
                            LoraConfig(target_modules=["0"], **{k: lora[k] for k in keep if k in lora}))

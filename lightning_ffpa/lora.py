@@ -27,7 +27,7 @@ from torch import nn
 from lightning_ffpa.errors import ConfigError
 
 __all__ = ["LoraSpec", "lora_hparam", "lora_spec", "peft_options", "check_targets_given", "check_targets_match", "apply_lora",
-           "unwrap_peft", "PEFT_PREFIX", "hf_name", "merged_weight"]
+           "unwrap_peft", "PEFT_PREFIX", "hf_name", "merged_weight", "dora_weight"]
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> HF model
 # Levels peft puts inside a wrapped module: a LoRA layer's `base_layer`, a `modules_to_save` module's copies.
@@ -231,6 +231,12 @@ def hf_name(train_name: str) -> str:
     """The HF name of a peft-wrapped model's tensor: without `PEFT_PREFIX` and peft's levels (`.base_layer`, and
     `.original_module` / `.modules_to_save.<adapter>` of a `modules_to_save` module)."""
     return PEFT_LEVEL.sub("", train_name.removeprefix(PEFT_PREFIX))
+
+
+def dora_weight(merged: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """DoRA's merged Linear weight from W0 + scaling * B @ A (out, in) and its magnitude (out,): each output row
+    rescaled to the magnitude's length, as peft's merge does."""
+    return merged * (magnitude / torch.linalg.vector_norm(merged, dim=1)).unsqueeze(1)
 
 
 def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,

@@ -103,15 +103,22 @@ def test_dcp_folder_export_is_streamed_and_equals_ckpt_export(trained, tmp_path,
     assert torch.equal(hf(input_ids=ids).logits, lm.model(input_ids=ids).logits)
 
 
+@pytest.fixture(scope="module")
+def trained_dora(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("dora"), lora={**LORA, "use_dora": True})
+
+
 @torch.no_grad()
-def test_lora_adapter_in_peft_format_and_fp32_merge(trained_lora, tmp_path, record_property):
-    lm, ckpt = trained_lora
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_lora_adapter_in_peft_format_and_fp32_merge(kind, request, tmp_path, record_property):
+    lm, ckpt = request.getfixturevalue(f"trained_{kind}")
     ids = _ids()
     want = lm.model(input_ids=ids).logits
     adapter = export(ckpt, tmp_path / "adapter_run")
     base = Gemma4ForCausalLM.from_pretrained(tmp_path / "adapter_run")
     peft = PeftModel.from_pretrained(base, adapter.adapter_dir).eval()
     assert any(p.abs().sum() > 0 for n, p in peft.named_parameters() if "lora_B" in n)  # trained, not a no-op
+    assert peft.peft_config["default"].use_dora == (kind == "dora")
     torch.testing.assert_close(peft(input_ids=ids).logits, want, rtol=0, atol=1e-5)
 
     merged = export(ckpt, tmp_path / "merged", merge_lora=True)
@@ -123,7 +130,7 @@ def test_lora_adapter_in_peft_format_and_fp32_merge(trained_lora, tmp_path, reco
     for name in merged.merged:
         torch.testing.assert_close(got[name], ref[name], rtol=0, atol=1e-6)
     record_property("hardening", "export")
-    record_property("case", "LoRA -> PEFT adapter, and merged in fp32")
+    record_property("case", f"{'DoRA' if kind == 'dora' else 'LoRA'} -> PEFT adapter, and merged in fp32")
 
 
 def test_dtype_cast_writes_bf16(trained, tmp_path):

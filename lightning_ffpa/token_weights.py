@@ -4,8 +4,9 @@ Lightning divides each micro-batch's loss by `accumulate_grad_batches` and the s
 the ranks, so a per-micro-batch mean loss weighs every micro-batch equally, whatever its number of labelled
 tokens (padding, the tail of a packed bin, masked prompts). The step's true objective is the mean over all of
 its labelled tokens. `TokenWeights` gets it without knowing the window's token count in advance: each micro-batch
-backpropagates its summed loss, its local token count is kept, and once the window's last backward is done the
-gradients are multiplied by ``A * W / N`` (A micro-batches, W ranks, N labelled tokens summed over both).
+backpropagates its summed loss (times `SUM_SCALE`), its local token count is kept, and once the window's last
+backward is done the gradients are multiplied by ``A * W / (N * SUM_SCALE)`` (A micro-batches, W ranks, N labelled
+tokens summed over both). With one micro-batch on one rank the mean loss is already exact and none of this runs.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_ffpa._compat import torch as torch_compat
+
 # The summed loss is backpropagated times this constant (a power of two: exact), which the step's scale divides
 # out again; it keeps the gradients near a mean loss's size for fp16's loss scaler and float8's casts.
 SUM_SCALE = 2.0 ** -12
@@ -52,16 +54,8 @@ class TokenWeights:
         total = trainer.strategy.reduce(self._count.clone(), reduce_op="sum")
         self._count = None
         scale = float(trainer.accumulate_grad_batches * trainer.world_size / SUM_SCALE) / total.clamp(min=1.0)
-        grads = [_local(p.grad) for p in params if p.grad is not None]
-        for dtype in {g.dtype for g in grads}:
-            same = [g for g in grads if g.dtype == dtype]
-            torch._foreach_mul_(same, scale.to(same[0].device))
+        torch_compat.scale_local_grads_([p.grad for p in params if p.grad is not None], scale)
 
     def reset(self) -> None:
         """Forget a window that ended without its last backward (an interrupted fit)."""
         self._count = None
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """A DTensor gradient's local shard (scaled in place), else the gradient itself."""
-    return grad.to_local() if hasattr(grad, "to_local") else grad

@@ -44,6 +44,7 @@ __all__ = [
     "raise_recompile_limit",
     "read_dcp_metadata",
     "scaled_mm",
+    "scale_local_grads_",
     "without_dispatch_modes",
 ]
 
@@ -275,3 +276,12 @@ HAS_GROUPED_MM = _GROUPED_MM is not None
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x (N, K) with rows grouped by `offs` (G,) int32 group ends, group g through w[g] (G, K, M): (N, M)."""
     return _GROUPED_MM(x, w, offs=offs)
+
+
+def scale_local_grads_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply gradients in place by a 0-dim tensor (no host sync): a DTensor's local shard, one fused
+    `_foreach_mul_` per dtype."""
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    for dtype in {g.dtype for g in local}:
+        same = [g for g in local if g.dtype == dtype]
+        torch._foreach_mul_(same, scale.to(same[0].device))

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report.results_io import read_result, write_result  # noqa: E402
 from benchmarks.step_probe import kernel_kinds  # noqa: E402
+from lightning_ffpa.errors import ConfigError  # noqa: E402
 
 FLOAT8, BF16 = "matmul: float8", "matmul"
 
@@ -28,8 +29,6 @@ FLOAT8, BF16 = "matmul: float8", "matmul"
 def _row(record: dict, name: str, option: str) -> dict:
     rows = [r for r in record["rows"] if r.get("row") == name and r.get("profile")]
     if not rows:
-        from lightning_ffpa.errors import ConfigError
-
         raise ConfigError(option, name, "has no profiled row of that name in --source (run train_throughput.py "
                           "with --profile for it)")
     return rows[0]

@@ -1,4 +1,4 @@
-"""Shared test fixtures: the gpu marker gate, launch and seed variables and the SIGINT handler restored after
+"""Shared test fixtures: a saved tiny checkpoint (`pretrained`), the gpu marker gate, launch and seed variables and the SIGINT handler restored after
 every test, and the environment of a one-process gloo fit (`one_process`)."""
 
 import os
@@ -8,6 +8,9 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from transformers import Gemma4ForCausalLM
+
+from lightning_ffpa.presets import build_text_config
 
 # Set by Lightning's launcher in the process that fits (here: pytest itself, for in-process fits). Left behind,
 # LOCAL_RANK makes a later multi-rank fit started from this process believe its ranks were started outside
@@ -20,6 +23,16 @@ _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on two cores: one thread each
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # and so do the processes a test starts
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A random tiny Gemma4 saved with `save_pretrained` (seed 0): every fit of a test module starts from the
+    same weights. A module needing other shapes defines its own `pretrained`."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny") / "tiny"
+    Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(path)
+    return path
 
 
 @pytest.fixture(autouse=True)

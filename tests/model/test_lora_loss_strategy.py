@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from parallel._launch import torchrun_json  # tests/parallel (tests/ is on sys.path under pytest)
-from transformers import Gemma4ForCausalLM
 
 from lightning_ffpa.presets import build_text_config
 
@@ -35,14 +34,6 @@ STRATEGIES = {"none": (0, 1, 0), "fsdp2": (1, 1, 29731), "fsdp2_cp2": (2, 2, 297
 def _cases(gpu: bool) -> str:
     impls = ["plain", "chunked"] + (["liger"] if LIGER and torch.cuda.is_available() else [])
     return ",".join(f"{impl}:{lora}" for impl in impls for lora in (0, 1))
-
-
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny") / "tiny"
-    Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

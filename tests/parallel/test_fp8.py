@@ -135,14 +135,6 @@ def test_compiled_fp8_layers_match_eager_without_breaks_or_recompiles(aot_eager_
     assert any(_float8(m) for m in compiled.modules())
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny") / "tiny"
-    transformers.Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(path)
-    return path
-
-
 class _Record(L.Callback):
     """Per-step losses; at the end, the trained high-precision weights (plain tensors, HF names) and how the
     converted weights were held."""

@@ -20,14 +20,6 @@ from ._fit_replicated import seeded_weights
 from ._launch import torchrun_json
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny") / "tiny"
-    Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(path)
-    return path
-
-
 @pytest.mark.timeout(300)
 def test_auto_keeps_the_frozen_base_whole_and_tied_and_trains_as_the_sharded_base(one_process, pretrained, tmp_path):
     sharded, s_strategy = _fit(pretrained, tmp_path / "shard", False)

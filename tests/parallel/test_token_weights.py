@@ -10,10 +10,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader
-from transformers import Gemma4ForCausalLM
 
 from lightning_ffpa.module import Gemma4LM
-from lightning_ffpa.presets import build_text_config
 
 from ._launch import torchrun_json
 from ._token_rows import token_rows
@@ -47,19 +45,10 @@ def _step_grads(batch_size: int, accumulate: int, loss_impl: str = "plain", pret
     return grads.grads
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """One saved tiny checkpoint: every fit starts from the same weights."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny") / "tiny"
-    Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize("loss_impl", ["plain", "chunked"])
-def test_accumulated_gradient_equals_the_big_batch(loss_impl, tiny):
-    whole = _step_grads(8, 1, loss_impl, pretrained=tiny)
-    parts = _step_grads(4, 2, loss_impl, pretrained=tiny)
+def test_accumulated_gradient_equals_the_big_batch(loss_impl, pretrained):
+    whole = _step_grads(8, 1, loss_impl, pretrained=pretrained)
+    parts = _step_grads(4, 2, loss_impl, pretrained=pretrained)
     _assert_same(parts, whole)
 
 
@@ -67,12 +56,12 @@ def test_accumulated_gradient_equals_the_big_batch(loss_impl, tiny):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cp, loss_impl, port, rel", [(1, "plain", 29641, 1e-4), (2, "plain", 29652, 1e-3),
                                                      (2, "chunked", 29663, 1e-3)], ids=["dp2", "cp2", "cp2-chunked"])
-def test_two_ranks_accumulating_give_the_big_batch_gradient(tmp_path, tiny, cp, loss_impl, port, rel):
+def test_two_ranks_accumulating_give_the_big_batch_gradient(tmp_path, pretrained, cp, loss_impl, port, rel):
     """dp2: each rank accumulates two micro-batches of its own. cp2: both ranks read 4-row micro-batches and keep
     their shard of each (the ring's attention against eager's: up to ~1e-4 apart per tensor)."""
-    whole = _step_grads(8, 1, pretrained=tiny)
+    whole = _step_grads(8, 1, pretrained=pretrained)
     out = torchrun_json(Path(__file__).with_name("_fit_token_weights.py"), tmp_path / "out.json", 2, port,
-                        tiny, cp, loss_impl)
+                        pretrained, cp, loss_impl)
     saved = torch.load(out["grads"], weights_only=True)
     parts = {k.replace("_checkpoint_wrapped_module.", ""): g for k, g in saved.items()}  # FSDP2Strategy's AC wrapper
     _assert_same(parts, whole, rel)

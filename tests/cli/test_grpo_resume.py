@@ -1,7 +1,9 @@
 """GRPO resume through the `lightning-ffpa` console script (configs/tiny_grpo.yaml, CPU, fp32): a run stopped at
 step 3 and resumed to step 6, by `--ckpt_path last` and by the path of an uninterrupted run's step-3 checkpoint,
 repeats the uninterrupted run bit for bit: every step's logged loss, reward and sampler gap, and the final
-weights and optimizer state. 8 prompts in batches of 2: the 6 steps cross an epoch, the stop is mid-epoch.
+weights and optimizer state. 8 prompts in batches of 2: the 6 steps cross an epoch, the stop is mid-epoch. Ids
+0-39 end a completion, so batches shrink mid-decode (a full fine-tune with fused projections: a resume once left
+their sampler gaps apart).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import yaml
 from _console import ROOT, run
 
 STEPS, STOP = 6, 3
+EOS = "[" + ",".join(map(str, range(40))) + "]"  # ~8% of the 512 ids: about a third of the completions stop early
 SMALL = ["--trainer.callbacks.init_args.num_generations", "4", "--data.init_args.num_random_prompts", "8",
          "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-         "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", "logs"]
+         "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", "logs",
+         "--trainer.callbacks.init_args.eos_token_ids", EOS]
 LOGGED = ("train/loss", "rollout/reward", "rollout/completion_length", "train/sampler_logprob_gap")
 
 
@@ -70,6 +74,9 @@ def test_resumed_grpo_repeats_the_uninterrupted_run_bitwise(tmp_path):
 
     reference = _curve(straight)
     assert sorted(reference) == list(range(STEPS))
+    max_new = yaml.safe_load((ROOT / "configs" / "tiny_grpo.yaml").read_text())["trainer"]["callbacks"][-1][
+        "init_args"]["sampling"]["max_new_tokens"]
+    assert min(float(v[2]) for v in reference.values()) < max_new  # EOS stopped completions early
     resumed = {s: v for s, v in reference.items() if s >= STOP}  # from_path logs the resumed steps only
     for folder, expected_curve in ((stopped, reference), (from_path, resumed)):
         curve = _curve(folder)

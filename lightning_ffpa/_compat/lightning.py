@@ -233,10 +233,13 @@ def last_checkpoint_step(checkpoint_callback: Any) -> int | None:
     return step if isinstance(step, int) and step >= 0 else None
 
 
-def save_checkpoint_now(checkpoint_callback: Any, trainer: Any) -> bool:
+def save_checkpoint_now(checkpoint_callback: Any, trainer: Any, epoch: int | None = None) -> bool:
     """Have a ModelCheckpoint save the current step as its periodic save does (its top-k rule, then `last`);
-    False, saving nothing, where its monitored value is not logged at this point."""
+    False, saving nothing, where its monitored value is not logged at this point. `epoch`: the one its file name
+    carries, where it is not `trainer.current_epoch`."""
     candidates = checkpoint_callback._monitor_candidates(trainer)
+    if epoch is not None:
+        candidates["epoch"] = torch.tensor(epoch)
     if checkpoint_callback.monitor is not None and checkpoint_callback.monitor not in candidates:
         return False
     checkpoint_callback._save_topk_checkpoint(trainer, candidates)

@@ -23,6 +23,11 @@ class FinalCheckpoint(pl.Callback):
 
     def __init__(self) -> None:
         self._start_step: int | None = None
+        self._last_epoch: int | None = None  # the epoch of the last trained batch: the file's `epoch=`
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        # At the end of fit, an epoch that ran to its end has been counted: `current_epoch` is one past it.
+        self._last_epoch = trainer.current_epoch
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start_step = trainer.global_step  # a resume that trains no step has nothing new to save
@@ -33,4 +38,4 @@ class FinalCheckpoint(pl.Callback):
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and (
                     lightning_compat.last_checkpoint_step(callback) != trainer.global_step):
-                lightning_compat.save_checkpoint_now(callback, trainer)
+                lightning_compat.save_checkpoint_now(callback, trainer, epoch=self._last_epoch)

@@ -209,3 +209,19 @@ def test_a_resumed_recipe_keeps_writing_last_ckpt(tmp_path, recipe, record_prope
     step4 = [n for n in _names(folder) if n.endswith("-step=4.ckpt")]
     assert _names(folder) == sorted(["epoch=0-step=2.ckpt", *step4, "last.ckpt"]) and len(step4) == 1
     assert os.readlink(last) == step4[0] and torch.load(last, weights_only=True)["global_step"] == 4
+
+
+def test_the_final_save_of_an_epoch_that_ran_to_its_end_names_that_epoch(tmp_path, record_property):
+    """An epoch of 4 steps, saves every 3: `FinalCheckpoint` saves step 4 after the epoch's end, when Lightning
+    already counts the next epoch; its file is named for the epoch step 4 ran in (it said `epoch=1-step=4`)."""
+    from lightning_ffpa.checkpoint import FinalCheckpoint
+
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=4, limit_val_batches=0, accelerator="cpu", logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, plugins=[AtomicCheckpointIO()],
+                        callbacks=[ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1),
+                                   FinalCheckpoint()])
+    trainer.fit(BoringModel())
+    assert _names(tmp_path / "ckpt") == ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt"]
+    record_property("hardening", "checkpoint")
+    record_property("case", "the final save after an epoch's end is named for that epoch")
+    record_property("data_lost", 0)

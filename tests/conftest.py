@@ -1,5 +1,5 @@
-"""Shared test fixtures: a saved tiny checkpoint (`pretrained`), the gpu marker gate, launch and seed variables and the SIGINT handler restored after
-every test, and the environment of a one-process gloo fit (`one_process`)."""
+"""Shared test fixtures: a saved tiny checkpoint (`pretrained`), the gpu marker gate, launch and seed variables
+and the SIGINT handler restored after every test, and the environment of a one-process gloo fit (`one_process`)."""
 
 import os
 import signal

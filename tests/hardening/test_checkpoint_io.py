@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from lightning_ffpa.checkpoint import AtomicCheckpointIO
+from lightning_ffpa.checkpoint import AtomicCheckpointIO, FinalCheckpoint
 from lightning_ffpa.checkpoint import atomic as atomic_mod
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.validation import CheckpointError, check_no_dangling_last
@@ -214,8 +214,6 @@ def test_a_resumed_recipe_keeps_writing_last_ckpt(tmp_path, recipe, record_prope
 def test_the_final_save_of_an_epoch_that_ran_to_its_end_names_that_epoch(tmp_path, record_property):
     """An epoch of 4 steps, saves every 3: `FinalCheckpoint` saves step 4 after the epoch's end, when Lightning
     already counts the next epoch; its file is named for the epoch step 4 ran in (it said `epoch=1-step=4`)."""
-    from lightning_ffpa.checkpoint import FinalCheckpoint
-
     trainer = L.Trainer(max_epochs=1, limit_train_batches=4, limit_val_batches=0, accelerator="cpu", logger=False,
                         enable_progress_bar=False, enable_model_summary=False, plugins=[AtomicCheckpointIO()],
                         callbacks=[ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1),

@@ -46,7 +46,7 @@ class StepProgressBar(TQDMProgressBar):
         bar = self.train_progress_bar
         if trainer.max_steps > 0:
             bar.reset(total=trainer.max_steps)
-            bar.n = trainer.global_step
+            bar.n = bar.initial = trainer.global_step  # initial: steps of earlier epochs or runs are not in its rate
         bar.set_description(_description(trainer))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -57,9 +57,10 @@ class StepProgressBar(TQDMProgressBar):
         if self.is_enabled and (step % self.refresh_rate == 0 or step == trainer.max_steps):
             bar = self.train_progress_bar
             if bar.total != trainer.max_steps:  # a run resumed mid-epoch skips `on_train_epoch_start`
-                bar.total = trainer.max_steps
+                bar.reset(total=trainer.max_steps)
+                bar.n = bar.initial = step
                 bar.set_description(_description(trainer), refresh=False)
-            bar.n = step
+            bar.update(step - bar.n)  # through `update`: tqdm's rate counts the steps it is told of
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # also redraws
 
 
@@ -71,10 +72,20 @@ class RichStepProgressBar(RichProgressBar):
             self.progress.update(self.train_progress_bar_id, **fields)
             self.refresh()
 
+    def _restart_train_task(self, trainer: pl.Trainer) -> None:
+        """At `global_step` of `max_steps`, with rich's speed samples cleared: a jump to the step reached in earlier
+        epochs (or by the run a resume continues) is no step of this one, and read as one it shows ~100 it/s."""
+        if self.progress is not None and self.train_progress_bar_id is not None:
+            self.progress.reset(self.train_progress_bar_id, total=trainer.max_steps, completed=trainer.global_step,
+                                description=_description(trainer), visible=True)
+            self.refresh()
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_epoch_start(trainer, pl_module)
-        steps = {"total": trainer.max_steps, "completed": trainer.global_step} if trainer.max_steps > 0 else {}
-        self._set_train_task(trainer, description=_description(trainer), **steps)
+        if trainer.max_steps > 0:
+            self._restart_train_task(trainer)
+        else:
+            self._set_train_task(trainer, description=_description(trainer))
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """Lightning's, as text: rich formats every number `.3f` (`v_num: 1.000`, a loss of -2e-5 `-0.000`)."""
@@ -85,10 +96,17 @@ class RichStepProgressBar(RichProgressBar):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if trainer.max_steps > 0:  # total and description too: a run resumed mid-epoch skips the epoch-start hook
-            self._set_train_task(trainer, description=_description(trainer), total=trainer.max_steps,
-                                 completed=trainer.global_step)
+        if trainer.max_steps <= 0:
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        # Lightning's would set the task to `batch_idx + 1` first: each batch a jump down and back up to the step
+        if not self.is_disabled and self.train_progress_bar_id is None:  # a run resumed mid-epoch
+            self._initialize_train_progress_bar_id()
+        task = next((t for t in self.progress.tasks if t.id == self.train_progress_bar_id), None) if self.progress else None
+        if task is not None and task.total != trainer.max_steps:  # the epoch-start hook was skipped
+            self._restart_train_task(trainer)
+        self._set_train_task(trainer, completed=trainer.global_step)
+        self._update_metrics(trainer, pl_module)
+        self.refresh()
 
 
 class ParameterSummary(ModelSummary):

@@ -3,8 +3,11 @@ a small loss (GRPO's, near 0) in scientific notation, not `-0.000`."""
 
 from __future__ import annotations
 
+import time
+
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.loggers import CSVLogger
 
@@ -46,3 +49,56 @@ def test_rich_bar_shows_a_small_loss_in_scientific_notation(tmp_path, monkeypatc
     value = bar.get_metrics(trainer, pl.LightningModule())["train/loss"]
     shown = value if isinstance(value, str) else f"{value:{bar.theme.metrics_format}}"
     assert shown == "-2.30e-05"
+
+
+class _Sleepy(pl.LightningModule):
+    """One parameter, SLEEP seconds a step: the bar's rate can be no more than 1 / SLEEP steps a second."""
+
+    SLEEP = 0.05
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(self.SLEEP)
+        return (self.w - batch).pow(2).mean()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.ones(2, 1), batch_size=1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Rates(pl.Callback):
+    """The rate each bar shows after every batch (it runs after the bar: later in the callback list)."""
+
+    def __init__(self, bar) -> None:
+        self.bar, self.seen = bar, []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if isinstance(self.bar, RichStepProgressBar):
+            task = next(t for t in self.bar.progress.tasks if t.id == self.bar.train_progress_bar_id)
+            self.seen.append(task.speed or 0.0)
+        else:
+            shown = self.bar.train_progress_bar.format_dict  # tqdm shows (n - initial) / elapsed until it has a rate
+            self.seen.append(shown["rate"] or (shown["n"] - shown["initial"]) / max(shown["elapsed"], 1e-9))
+
+
+@pytest.mark.parametrize("kind", ["rich", "tqdm"])
+def test_the_rate_counts_only_the_steps_this_process_ran(tmp_path, kind):
+    """Two-batch epochs, then a resume: the bar starts each epoch (and the resumed run) at the step reached, and
+    that jump is no step of its own (it read as 100+ it/s for steps that take 50 ms)."""
+    if kind == "rich":
+        pytest.importorskip("rich")
+    ceiling = 1.2 / _Sleepy.SLEEP
+    for max_steps, ckpt in ((6, None), (10, str(tmp_path / "ckpt.ckpt"))):
+        bar = RichStepProgressBar() if kind == "rich" else StepProgressBar()
+        rates = _Rates(bar)
+        trainer = pl.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False,
+                             enable_model_summary=False, callbacks=[bar, rates])
+        trainer.fit(_Sleepy(), ckpt_path=ckpt)
+        trainer.save_checkpoint(tmp_path / "ckpt.ckpt")
+        assert trainer.global_step == max_steps and len(rates.seen) == (6 if ckpt is None else 4)
+        assert max(rates.seen) < ceiling, rates.seen

@@ -459,7 +459,9 @@ def check_options_match_checkpoint(given: Any, saved: dict[str, Any] | None, ckp
 
 
 def check_hparams_match(saved: dict[str, Any] | None, model: Any, option: str = "ckpt_path") -> None:
-    """Refuse to resume a checkpoint whose architecture hyper-parameters differ from this run's `model.*`."""
+    """Refuse to resume a checkpoint whose architecture hyper-parameters differ from this run's `model.*`
+    (CheckpointError), or whose optimizer options do (`model.RESUMED_FROM_OPTIMIZER`; ConfigError): the loaded
+    param groups would replace them."""
     current = getattr(model, "hparams", None)
     if not saved or current is None:
         return
@@ -468,3 +470,9 @@ def check_hparams_match(saved: dict[str, Any] | None, model: Any, option: str = 
             f"`{option}` was trained with `model.{key}={was!r}` but this run has "
             f"`model.{key}={now!r}`; the weights would not fit"
         )
+    # a resume loads the optimizer's param groups from the checkpoint: these options would be ignored silently
+    for key, was, now in differing_options(saved, dict(current), getattr(model, "RESUMED_FROM_OPTIMIZER", ()))[:1]:
+        raise ConfigError(f"model.{key}", now, f"differs from `{option}`, which has {was!r}: the resumed optimizer "
+                                               "keeps the checkpoint's value, so this one would be ignored; set it "
+                                               "back (a `--config` file may be where it comes from), or start a new "
+                                               "run from the exported weights to train with another")

@@ -93,6 +93,30 @@ def check_trainer_options(options: dict[str, Any]) -> None:
     if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
         raise ConfigError("trainer.val_check_interval", interval,
                           "must be > 0 (a fraction of the epoch in (0, 1], or a number of batches)")
+    if options.get("logger") is False and (needs := _callbacks_needing_a_logger(options.get("callbacks"))):
+        # Lightning refuses these only once the model is built and the run's config.yaml is written
+        raise ConfigError("trainer.logger", False, f"`trainer.callbacks` has {needs[0]}, which writes to the logger: "
+                          "keep a logger, or leave the callback out of a copy of the recipe (`lightning-ffpa cp`)")
+
+
+def _callbacks_needing_a_logger(callbacks: Any) -> list[str]:
+    """The class names in the config's callbacks that Lightning refuses to run without a logger."""
+    from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateMonitor
+
+    entries = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks] if callbacks else []
+    found = []
+    for entry in entries:
+        path = entry.get("class_path") if hasattr(entry, "get") else None
+        if not isinstance(path, str) or "." not in path:
+            continue
+        module, _, name = path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):  # jsonargparse has already named a class that does not import
+            continue
+        if isinstance(cls, type) and issubclass(cls, (LearningRateMonitor, DeviceStatsMonitor)):
+            found.append(name)
+    return found
 
 
 # Trainer options that only steer the validation loop, which a GRPO run does not have (its prompts have no targets)

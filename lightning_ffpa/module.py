@@ -72,6 +72,9 @@ def build_adamw(model: nn.Module, lr: float, weight_decay: float = 0.1,
 class Gemma4LM(HFModule):
     """Causal-LM training of Hugging Face Gemma4 (dense or MoE), from a checkpoint or a config preset."""
 
+    # options a resume takes from the checkpoint's optimizer state, not from this run (`check_hparams_match`)
+    RESUMED_FROM_OPTIMIZER = ("learning_rate", "weight_decay", "betas")
+
     def __init__(
         self,
         pretrained: str | None = None,

@@ -308,7 +308,18 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
     check_hparams_match(state.get("hyper_parameters"), model, "ckpt_path")
     check_frozen_seed(state.get(FROZEN_BASE_KEY), dict(getattr(model, "hparams", {})), resolved)
     check_data_resumes(trainer, datamodule, state)
+    check_steps_left(trainer, state, ckpt_path)
     return str(resolved)
+
+
+def check_steps_left(trainer: Any, state: dict[str, Any], ckpt_path: str | None) -> None:
+    """A resume the user asked for whose checkpoint has reached `trainer.max_steps` would train nothing and exit 0
+    (Lightning stops at once). A resume found on its own (a requeued job's HPC save) is left to end quietly."""
+    step, max_steps = state.get("global_step"), trainer.max_steps
+    if ckpt_path is None or not isinstance(step, int) or max_steps is None or max_steps < 0 or step < max_steps:
+        return
+    raise ConfigError("trainer.max_steps", max_steps, f"`ckpt_path={ckpt_path!r}` is at step {step} already, so the "
+                                                      f"fit would train nothing; set it above {step} to continue")
 
 
 def check_evaluated_checkpoint(trainer: Any, ckpt_path: str | None, subcommand: str) -> None:

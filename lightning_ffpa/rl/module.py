@@ -32,6 +32,8 @@ from lightning_ffpa.rl.logprobs import policy_token_logprobs
 class GRPOModule(HFModule):
     """GRPO policy: HF model in `self.model`, clipped-ratio loss, optional KL to the adapter-free base."""
 
+    RESUMED_FROM_OPTIMIZER = ("learning_rate",)  # a resume takes it from the checkpoint's optimizer state
+
     def __init__(
         self,
         pretrained: str | None = None,

@@ -197,6 +197,8 @@ ROWS = [
      "needs a CUDA GPU"),  # it passed, then failed mid-fit after the logger's files were written
     (f"{F} --model.init_args.attn_implementation lightning_ffpa_paged", "`model.attn_implementation='lightning_ffpa_"
      "paged'`: is unknown"),  # the rollout engine's, for its KV cache
+    # a later trial: Lightning refused this only after the model summary and the run's config.yaml
+    (f"{F} --trainer.logger false", "`trainer.logger=False`: `trainer.callbacks` has LearningRateMonitor"),
 ]
 
 

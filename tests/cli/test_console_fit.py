@@ -11,7 +11,7 @@ import re
 import shlex
 
 import pytest
-from _console import ROOT, env, run
+from _console import ROOT, env, run, snapshot
 
 CPU = "--trainer.accelerator cpu --trainer.devices 1 --trainer.num_nodes 1"
 FSDP2_CPU = ("--trainer.strategy.init_args.param_dtype fp32 --trainer.strategy.init_args.compile false "
@@ -141,9 +141,11 @@ def test_a_fit_ending_between_two_saves_saves_its_last_step(tmp_path):
     assert last.resolve().name.endswith("step=10.ckpt"), sorted(p.name for p in last.parent.iterdir())
 
 
-def test_mid_epoch_resume_on_changed_data_is_refused_by_name(tmp_path):
-    """A mid-epoch checkpoint resumed on data with another row count (here a longer max_seq_length) cannot
-    find the rest of its epoch: one `error:` line naming `data`, exit 2 (it trained on a shifted order)."""
+def test_a_resume_that_could_not_honour_its_options_is_refused_by_name(tmp_path):
+    """`--ckpt_path last` with what the resume would not do, each one `error:` line, exit 2, no file touched:
+    data with another row count (here a longer max_seq_length: the rest of a mid-epoch checkpoint's epoch cannot be
+    found; it trained on a shifted order), a new learning rate (the loaded optimizer keeps the saved one; it exited 0
+    with the new value in the run's hparams), a `max_steps` the checkpoint has reached (exit 0, nothing trained)."""
     config = tmp_path / "c.yaml"
     config.write_text((ROOT / "configs" / "tiny.yaml").read_text().replace("every_n_train_steps: 100",
                                                                           "every_n_train_steps: 2"))
@@ -151,11 +153,19 @@ def test_mid_epoch_resume_on_changed_data_is_refused_by_name(tmp_path):
             f"--trainer.default_root_dir {tmp_path / 'run'}"
     first = run(f"lightning-ffpa fit {small} --data.init_args.max_seq_length 32 --trainer.max_steps 2", tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
-    changed = run(f"lightning-ffpa fit {small} --data.init_args.max_seq_length 64 --trainer.max_steps 4 "
-                  "--ckpt_path last", tmp_path)
-    assert changed.returncode == 2, changed.stderr[-2000:]
-    assert changed.stderr.strip().splitlines() == [changed.stderr.strip()], changed.stderr[-2000:]
-    assert changed.stderr.startswith("error: `data`: the training set has "), changed.stderr
+    before = snapshot(tmp_path)
+    for extra, line in [
+        ("--data.init_args.max_seq_length 64 --trainer.max_steps 4", "error: `data`: the training set has "),
+        ("--data.init_args.max_seq_length 32 --trainer.max_steps 4 --model.init_args.learning_rate 0.5",
+         "error: `model.learning_rate=0.5`: differs from `ckpt_path`, which has 0.003: the resumed optimizer keeps"),
+        ("--data.init_args.max_seq_length 32 --trainer.max_steps 2",
+         "error: `trainer.max_steps=2`: `ckpt_path='last'` is at step 2 already, so the fit would train nothing"),
+    ]:
+        refused = run(f"lightning-ffpa fit {small} {extra} --ckpt_path last", tmp_path)
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert refused.stderr.strip().splitlines() == [refused.stderr.strip()], refused.stderr[-2000:]
+        assert refused.stderr.startswith(line), refused.stderr
+    assert snapshot(tmp_path) == before
 
 
 def test_validate_reports_its_loss_and_refuses_empty_validation_data(tmp_path):

@@ -98,3 +98,30 @@ def test_python_api_refuses_another_architecture_before_loading(fitted):
     with pytest.raises(CheckpointError, match=r"model\.lora="):
         trainer.fit(module, data, ckpt_path=str(ckpt))
     assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("option, value", [("learning_rate", 0.5), ("weight_decay", 0.5), ("betas", (0.8, 0.9))])
+def test_python_api_refuses_an_optimizer_option_the_resume_would_ignore(fitted, option, value):
+    """Lightning loads the optimizer's param groups from the checkpoint after the module is built: a new learning
+    rate, weight decay or betas would train with the saved ones, silently."""
+    _, ckpt = fitted
+    module = Gemma4LM(preset="tiny", dtype="float32", lora=LORA, config_overrides={"num_hidden_layers": 2},
+                      loss_impl="chunked", warmup_steps=0, **{option: value})
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    data = MockDataModule(vocab_size=512, seq_length=32, num_samples=4, batch_size=2)
+    with pytest.raises(ConfigError, match=rf"^`model\.{option}=.*the resumed optimizer keeps the checkpoint's value"):
+        trainer.fit(module, data, ckpt_path=str(ckpt))
+    assert trainer.global_step == 0
+
+
+def test_grpo_refuses_a_new_learning_rate_on_resume():
+    """The GRPO policy's optimizer is resumed the same way: its saved learning rate would win."""
+    from lightning_ffpa.hf_module import check_hparams_match
+    from lightning_ffpa.rl.module import GRPOModule
+
+    module = GRPOModule(preset="tiny", learning_rate=0.1)
+    saved = dict(module.hparams, learning_rate=0.02)
+    with pytest.raises(ConfigError, match=r"^`model\.learning_rate=0\.1`: differs from `ckpt_path`, which has 0\.02"):
+        check_hparams_match(saved, module)
+    check_hparams_match(dict(module.hparams), module)  # the same value: no error

@@ -27,6 +27,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from lightning_ffpa._compat import lightning as lightning_compat
@@ -204,6 +205,7 @@ class TokenThroughput(ThroughputMonitor):
         self._cp = 1
         self.peak_flops = peak_flops
         self.log_attention_dispatch = log_attention_dispatch
+        self._said_uncounted = False
         self._auto_flops = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -256,11 +258,26 @@ class TokenThroughput(ThroughputMonitor):
             metrics["device/peak_memory_gb"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device) / 2**30
             metrics["device/peak_reserved_gb"] = torch.cuda.max_memory_reserved(trainer.strategy.root_device) / 2**30
         if self.log_attention_dispatch:
-            from lightning_ffpa.attention import dispatch_counts
-
-            metrics.update({f"attention/{k}": float(v) for k, v in dispatch_counts().items()})
+            metrics.update(self._dispatch_metrics(pl_module))
         if metrics:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def _dispatch_metrics(self, pl_module: pl.LightningModule) -> dict[str, float]:
+        """The attention backend's counters, once any call went through it: a model on HF's own attention (`sdpa`
+        without the FFPA backend) counts nothing, and zeros would read as "no attention ran"; said once instead."""
+        from lightning_ffpa.attention import dispatch_counts
+
+        counts = dispatch_counts()
+        if any(counts.values()):
+            return {f"attention/{k}": float(v) for k, v in counts.items()}
+        if not self._said_uncounted:
+            self._said_uncounted = True
+            from lightning_ffpa._compat.transformers import find_hf_model
+
+            attn = getattr(getattr(find_hf_model(pl_module), "config", None), "_attn_implementation", None)
+            rank_zero_info(f"TokenThroughput: no attention call went through the FFPA backend (the model's attention "
+                           f"is {attn!r}, not the backend's), so no `attention/*` counter is logged")
+        return {}
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:

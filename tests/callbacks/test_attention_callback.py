@@ -96,6 +96,19 @@ def test_transformers_own_attention_logs_no_counts_that_read_as_nothing_ran(fake
     assert "transformers' 'sdpa' ran every layer" in callback.summary()
 
 
+def test_token_throughput_logs_counts_only_where_the_backend_counted(fake_backend, caplog):
+    """TokenThroughput alone on transformers' SDPA logged `attention/sdpa=0` (and every other path 0) each step
+    while SDPA ran every layer; it now says once that nothing went through the backend. Beside FFPAAttention
+    (which does not log here) it logs the backend's counts."""
+    with caplog.at_level("INFO"):
+        trainer = _fit(_Wrapper(), [TokenThroughput(window_size=2)], steps=2)
+    assert not [k for k in trainer.callback_metrics if k.startswith("attention/")]
+    said = [r.getMessage() for r in caplog.records if "no attention call went through" in r.getMessage()]
+    assert len(said) == 1 and "the model's attention is 'sdpa'" in said[0]
+    trainer = _fit(_Wrapper(), [FFPAAttention(log_every_n_steps=0), TokenThroughput(window_size=2)], steps=2)
+    assert trainer.callback_metrics["attention/ffpa-dense"] > 0
+
+
 def test_a_reused_callback_installs_again_on_the_next_fit(fake_backend):
     module = _Wrapper()
     callback = FFPAAttention(log_every_n_steps=0)

@@ -10,6 +10,7 @@ are reachable from this module too. Does not own parsing the training options (L
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -52,6 +53,13 @@ def _answer_without_lightning(argv: list[str]) -> int:
 
 
 def _run_lightning(argv: list[str]) -> int:
+    if not [a for a in argv if a != "--debug"]:  # jsonargparse's own line lists Lightning's subcommands only
+        raise InputError("give a subcommand: one of " + ", ".join([*LIGHTNING_COMMANDS, *COMMANDS])
+                         + " (`lightning-ffpa --help` says what each does)")
+    # a console script's sys.path lacks the folder it runs from (`python -m` has it): a user's reward function or
+    # module named by a dotted path (`my_rewards.score`) is found there, after every installed package
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     # imported here, inside `console_entry`'s held stderr: what the imports print (a library's notices) is
     # dropped with a rejected input, as the rest of its output is, and shown once the input is accepted
     from lightning.fabric.utilities.exceptions import MisconfigurationException

@@ -22,6 +22,7 @@ from typing import Any
 
 import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -104,19 +105,31 @@ def _callbacks_needing_a_logger(callbacks: Any) -> list[str]:
     from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateMonitor
 
     entries = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks] if callbacks else []
-    found = []
-    for entry in entries:
-        path = entry.get("class_path") if hasattr(entry, "get") else None
-        if not isinstance(path, str) or "." not in path:
-            continue
-        module, _, name = path.rpartition(".")
+    classes = [_config_class(entry) for entry in entries]
+    return [cls.__name__ for cls in classes if cls is not None and issubclass(cls, (LearningRateMonitor,
+                                                                                      DeviceStatsMonitor))]
+
+
+def strategy_class_path(value: Any) -> str | None:
+    """The import path of the Strategy class `trainer.strategy` names as a plain string (`FSDP2Strategy`,
+    `lightning_ffpa.parallel.FSDP2Strategy`), or None for anything else (`ddp`, `auto`: Lightning's names)."""
+    from lightning.pytorch import strategies
+
+    from lightning_ffpa import parallel
+
+    if not isinstance(value, str) or not value.isidentifier() and "." not in value:
+        return None
+    if "." in value:
+        module, _, name = value.rpartition(".")
         try:
-            cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):  # jsonargparse has already named a class that does not import
-            continue
-        if isinstance(cls, type) and issubclass(cls, (LearningRateMonitor, DeviceStatsMonitor)):
-            found.append(name)
-    return found
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            return None
+    else:
+        cls = getattr(parallel, value, None) or getattr(strategies, value, None)
+    if not (isinstance(cls, type) and issubclass(cls, strategies.Strategy)):
+        return None
+    return f"{cls.__module__}.{cls.__qualname__}" if "." not in value else value
 
 
 # Trainer options that only steer the validation loop, which a GRPO run does not have (its prompts have no targets)
@@ -152,7 +165,8 @@ def check_strategy_options(strategy: Any) -> None:
     cls = _config_class(strategy)
     if cls is not None and issubclass(cls, FSDP2Strategy):
         try:
-            cls(**dict(vars(strategy.get("init_args") or {})))
+            init_args = strategy.get("init_args")
+            cls(**(dict(vars(init_args)) if init_args is not None else {}))
         except ValueError as err:
             raise InputError(f"trainer.strategy: {err}") from None
 
@@ -275,6 +289,11 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
     def before_instantiate_classes(self) -> None:  # noqa: D102
         check_environment()
         config = self.config[self.subcommand] if self.subcommand else self.config
+        trainer = config.get("trainer")
+        if trainer is not None and (path := strategy_class_path(trainer.get("strategy"))) is not None:
+            # jsonargparse keeps a bare class name (or path) as Trainer's `str` choice, and Lightning lower-cases it
+            # and names no registered strategy: build the class the user named, with its defaults
+            trainer["strategy"] = Namespace(class_path=path, init_args=Namespace())
         check_trainer_options(dict(config.get("trainer") or {}))
         check_validation_options(config.get("model"), dict(config.get("trainer") or {}))
         check_strategy_options((config.get("trainer") or {}).get("strategy"))

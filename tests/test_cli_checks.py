@@ -45,3 +45,16 @@ def test_read_only_run_folder(tmp_path):
     ro.mkdir(mode=0o555)
     with pytest.raises(ConfigError, match=rf"would be created in {ro}, which is not writable"):
         check_folder_writable(ro / "run", "trainer.default_root_dir")
+
+
+@pytest.mark.parametrize("value, path", [
+    ("FSDP2Strategy", "lightning_ffpa.parallel.strategy.FSDP2Strategy"),
+    ("lightning_ffpa.parallel.FSDP2Strategy", "lightning_ffpa.parallel.FSDP2Strategy"),
+    ("FSDPStrategy", "lightning.pytorch.strategies.fsdp.FSDPStrategy"),  # Lightning's classes by name too
+    ("ddp", None), ("auto", None), ("fsdp", None),  # Lightning's registered names: left to Lightning
+    ("NoSuchStrategy", None), ("no.such.Strategy", None), ("lightning_ffpa.parallel.close_process_group", None),
+])
+def test_a_strategy_named_by_its_class_is_found_by_its_import_path(value, path):
+    from lightning_ffpa.lightning_cli import strategy_class_path
+
+    assert strategy_class_path(value) == path

@@ -199,6 +199,7 @@ ROWS = [
      "paged'`: is unknown"),  # the rollout engine's, for its KV cache
     # a later trial: Lightning refused this only after the model summary and the run's config.yaml
     (f"{F} --trainer.logger false", "`trainer.logger=False`: `trainer.callbacks` has LearningRateMonitor"),
+    ("lightning-ffpa", "give a subcommand: one of fit, validate, test, predict, recipes, cp"),  # listed Lightning's
 ]
 
 

@@ -215,3 +215,31 @@ def test_tiny_fits_over_an_fp8_lora_base_says_its_path_and_exports_merged(tmp_pa
     n = started.group(1)
     assert (f"dequantised {n} float8 base weights (model.lora.base_dtype fp8) to float32; merged LoRA into {n} "
             "weights") in exported.stdout, exported.stdout
+
+
+def test_a_reward_function_in_the_folder_it_runs_from_is_found(tmp_path):
+    """docs/rollout.md's `reward_funcs: [my_rewards.score]`, from the folder holding `my_rewards.py` and no
+    PYTHONPATH for it: exit 2 `No module named 'my_rewards'` before (a console script's sys.path lacks the
+    folder it runs from); now the fit runs and calls it."""
+    (tmp_path / "my_rewards.py").write_text(
+        "def score(prompts, completions, completion_ids, **kwargs):\n"
+        "    with open('called.txt', 'a') as f:\n"
+        "        f.write(f'{len(completion_ids)}\\n')\n"
+        "    return [float(len(ids)) for ids in completion_ids]\n")
+    proc = run("lightning-ffpa fit --config tiny_grpo --trainer.max_steps 1 --trainer.default_root_dir run "
+               "--trainer.callbacks.init_args.reward_funcs '[my_rewards.score]'", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "called.txt").read_text().split() == ["16"], "once, on 2 prompts x 8 completions"
+
+
+def test_a_strategy_named_by_its_class_alone_is_built(tmp_path):
+    """`--trainer.strategy FSDP2Strategy` with no init args: jsonargparse kept it as the Trainer's `str` choice and
+    Lightning refused `'fsdp2strategy'` as no registered name; it is now the class with its defaults, as
+    `{class_path: ...}` is (the model is fully sharded: `FSDPGemma4ForCausalLM`). Other spellings:
+    tests/test_cli_checks.py."""
+    proc = run(f"lightning-ffpa fit --config tiny --trainer.max_steps 1 {TINY['tiny']} --trainer.default_root_dir run "
+               "--trainer.strategy FSDP2Strategy", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FSDPGemma4ForCausalLM" in proc.stderr, proc.stderr[-3000:]  # the model summary
+    saved = (tmp_path / "run" / "lightning_logs" / "version_0" / "config.yaml").read_text()
+    assert "class_path: lightning_ffpa.parallel" in saved and "FSDP2Strategy" in saved

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from jsonargparse import Namespace
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 

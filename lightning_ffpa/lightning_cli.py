@@ -208,8 +208,8 @@ def accelerator_error(accelerator: Any, err: BaseException) -> ConfigError | Non
     if not any(words in text for words in _NO_ACCELERATOR):
         return None
     if "No supported gpu backend found" in text:
-        text = (f"no CUDA device found (Lightning: {text}); on a CPU machine use --trainer.accelerator cpu "
-                "(or a tiny recipe)")
+        text = (f"no CUDA device found (Lightning: {text}); on a CPU machine run a tiny recipe (`--config tiny`), "
+                "or `--trainer.accelerator cpu` for a model this machine's memory holds")
     return ConfigError("trainer.accelerator", accelerator, text)
 
 

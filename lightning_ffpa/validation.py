@@ -174,6 +174,40 @@ def _meta_model(model: Any) -> nn.Module:
         return from_config(_MODEL_CLASSES[getattr(model, "model_class_name", "causal_lm")], model.config)
 
 
+def available_host_bytes() -> int | None:
+    """Memory this machine can still give (Linux `MemAvailable`), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_fits_host_memory(trainer: Any, model: Any) -> None:
+    """A model trained on the CPU whose weights alone exceed this machine's available memory is refused: the
+    kernel would kill the fit minutes in (exit 137, nothing printed). The weights once, in the model's dtype, is a
+    lower bound (gradients and optimizer states come on top), so a model that fits is never refused."""
+    if getattr(trainer.strategy.root_device, "type", None) != "cpu" or getattr(model, "config", None) is None:
+        return
+    if (available := available_host_bytes()) is None:
+        return
+    from lightning_ffpa.hf_module import resolve_dtype
+
+    hp = dict(getattr(model, "hparams", {}))
+    dtype = resolve_dtype(hp.get("dtype") or "auto")
+    params = sum(p.numel() for p in _meta_model(model).parameters())
+    need = params * dtype.itemsize
+    if need > available:
+        option, value = ("model.pretrained", hp["pretrained"]) if hp.get("pretrained") else ("model.preset",
+                                                                                             hp.get("preset"))
+        raise ConfigError(option, value, f"builds {params / 1e9:.1f}B parameters: {need / 2**30:.1f} GiB of "
+                          f"{str(dtype).removeprefix('torch.')} weights alone, more than the {available / 2**30:.1f} "
+                          "GiB this machine has available for `trainer.accelerator='cpu'`; train it on GPUs, or "
+                          "pick a smaller model (the `tiny` recipe runs on a CPU)")
+
+
 def check_components(trainer: Any, model: Any, datamodule: Any) -> None:
     """The checks the components run in their `setup`, run here instead: Lightning calls `setup` after the
     logger and the config file are written. The model's option checks first (cheap), then the data (it reads
@@ -283,6 +317,7 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
     SLURM, the newest save in the checkpoint folder where it is newer than the HPC checkpoint Lightning would take."""
     root_checkpoint_dirs(trainer)  # before `last` is resolved: it is looked up in these folders
     check_parallel_layout(trainer, model, datamodule)
+    check_fits_host_memory(trainer, model)
     check_components(trainer, model, datamodule)
     check_data_fits_model(model, datamodule)
     check_attention_trains_here(trainer, model)

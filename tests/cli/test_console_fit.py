@@ -13,6 +13,8 @@ import shlex
 import pytest
 from _console import ROOT, env, run, snapshot
 
+from lightning_ffpa.validation import available_host_bytes
+
 CPU = "--trainer.accelerator cpu --trainer.devices 1 --trainer.num_nodes 1"
 FSDP2_CPU = ("--trainer.strategy.init_args.param_dtype fp32 --trainer.strategy.init_args.compile false "
              "--trainer.precision 32-true")
@@ -243,3 +245,15 @@ def test_a_strategy_named_by_its_class_alone_is_built(tmp_path):
     assert "FSDPGemma4ForCausalLM" in proc.stderr, proc.stderr[-3000:]  # the model summary
     saved = (tmp_path / "run" / "lightning_logs" / "version_0" / "config.yaml").read_text()
     assert "class_path: lightning_ffpa.parallel" in saved and "FSDP2Strategy" in saved
+
+
+@pytest.mark.skipif((available_host_bytes() or 0) > 50 * 2**30, reason="this machine holds the weights")
+def test_the_gpu_recipe_on_the_cpu_is_refused_through_the_console_script(tmp_path):
+    """The GPU recipes' hint on a CPU machine named `--trainer.accelerator cpu`: the 31B model was then built until
+    the kernel killed it (exit 137, nothing printed); the weights' size is checked first."""
+    proc = run("lightning-ffpa fit --config gemma4_grpo --trainer.accelerator cpu --trainer.devices 1 "
+               "--trainer.precision 32-true", tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: `model.preset='gemma4-31b'`: builds 30.7B parameters: ") and \
+        proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []

@@ -136,6 +136,16 @@ def check_no_dangling_last(trainer: Any, option: str = "ckpt_path") -> None:
                                       f"did not complete; pass a complete checkpoint explicitly ({hint})")
 
 
+def check_last_finds_the_saved_run(trainer: Any) -> None:
+    """`last` found no `last` file in a folder that holds checkpoints (ModelCheckpoint's `save_last` off): Lightning
+    would warn and train from scratch over them; the newest one is named instead."""
+    saved = saved_checkpoints(trainer)
+    if saved:
+        raise CheckpointError(f"`ckpt_path='last'`: {os.path.dirname(saved[0])} has no `last` checkpoint "
+                              f"(ModelCheckpoint's save_last is off) but holds {len(saved)} of an earlier run; "
+                              f"continue from the newest with `--ckpt_path {saved[0]}`")
+
+
 def check_fresh_run_writes_nothing_saved(trainer: Any) -> None:
     """A fit from scratch into a checkpoint folder that holds an earlier run's checkpoints is refused: it would
     replace `last.ckpt` (and files of the same step), and a later `--ckpt_path last` would find the new run."""
@@ -335,6 +345,7 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
     if resolved is None:
         if ckpt_path == "last":
             check_no_dangling_last(trainer)
+            check_last_finds_the_saved_run(trainer)
         elif ckpt_path is None:
             check_fresh_run_writes_nothing_saved(trainer)
         return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from collections import namedtuple
 from pathlib import Path
@@ -24,7 +25,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning_ffpa.checkpoint import AtomicCheckpointIO, FinalCheckpoint
 from lightning_ffpa.checkpoint import atomic as atomic_mod
 from lightning_ffpa.errors import ConfigError
-from lightning_ffpa.validation import CheckpointError, check_no_dangling_last
+from lightning_ffpa.validation import CheckpointError, check_no_dangling_last, preflight
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs"
 
@@ -157,6 +158,21 @@ def test_dangling_last_link_is_refused_by_name(tmp_path):
     trainer = type("T", (), {"checkpoint_callbacks": [ModelCheckpoint(dirpath=folder)]})()
     with pytest.raises(CheckpointError, match=r"last.ckpt points to 'epoch=0-step=3.ckpt'.*epoch=0-step=2.ckpt"):
         check_no_dangling_last(trainer)
+
+
+def test_last_without_a_last_file_names_the_newest_checkpoint(tmp_path, record_property):
+    """`--ckpt_path last` where ModelCheckpoint's save_last is off: Lightning warned and trained from scratch over
+    the earlier run's checkpoints (and the fresh-run refusal's advice was this very `last`); the pre-flight names
+    the newest file instead."""
+    trainer, _ = _trainer(tmp_path, max_steps=2)
+    trainer.fit(BoringModel())
+    newest = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    assert newest.exists() and not list((tmp_path / "ckpt").glob("last*"))
+    resumed, _ = _trainer(tmp_path, max_steps=4)
+    with pytest.raises(CheckpointError, match=rf"^`ckpt_path='last'`: .*has no `last` checkpoint .*save_last is off.*"
+                                              rf"`--ckpt_path {re.escape(str(newest))}`$"):
+        preflight(resumed, BoringModel(), None, "last")
+    record_property("case", "`--ckpt_path last` with save_last off and checkpoints saved: refused, newest named")
 
 
 def test_a_dcp_folder_needs_a_sharding_strategy(tmp_path):

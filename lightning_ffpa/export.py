@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa._compat.transformers import text_config
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base, under_fit_seed
+from lightning_ffpa.cli_checks import check_folder_writable
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.dtypes import choices as dtype_choices
 from lightning_ffpa.errors import CheckpointError, ConfigError, console_entry
@@ -359,6 +360,7 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise ConfigError("out", str(out), f"cannot be created: {str(blocking)!r} is a file, not a folder")
+    check_folder_writable(out, "out")  # read-only, or a place no folder can go (`/proc/x`): before the read
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"`out={str(out)!r}` exists and is not empty; choose a new folder")
     if config_dir is not None and not (Path(config_dir) / "config.json").is_file():

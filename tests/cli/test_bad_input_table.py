@@ -149,6 +149,7 @@ ROWS = [
     (f"{E} fake.ckpt afile/sub", "out"),
     (f"{E} fake.ckpt nonempty", "`out='nonempty'`"),  # the argument's name
     (f"{E} fake.ckpt afile", "`out='afile'`: cannot be created"),  # was torch's "[Errno 20] Not a directory"
+    (f"{E} fake.ckpt /proc/x6", "`out='/proc/x6'`: cannot be created in /proc"),  # was "[Errno 2] No such file"
     ("lightning-ffpa cp tiny newdir/", "`dest='newdir/'`: names a folder (a trailing slash) that does not exist"),
     (f"{E} fake.ckpt out --dtype float64", "--dtype"),
     (f"{E} fake.ckpt out --max-shard-size lots", "--max_shard_size"),  # named as --help spells it

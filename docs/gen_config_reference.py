@@ -157,7 +157,9 @@ def render_reference() -> str:
         "`lora.r: 0`, ...), before any model is built. With an explicit",
         "`--ckpt_path FILE`, LightningCLI takes the model options from the checkpoint, so a `model` option that",
         "differs from it is an error naming both values; `--resume_model_from_checkpoint true` takes the",
-        "checkpoint's.",
+        "checkpoint's. With `--ckpt_path last` the model is built from this run's options, but the optimizer",
+        "resumes its saved param groups: a `learning_rate`, `weight_decay` or `betas` that differs from the",
+        "checkpoint's is refused by name, since it would be ignored.",
         "",
         *COMMAND_LINE,
     ]

@@ -94,20 +94,22 @@ def check_trainer_options(options: dict[str, Any]) -> None:
     if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
         raise ConfigError("trainer.val_check_interval", interval,
                           "must be > 0 (a fraction of the epoch in (0, 1], or a number of batches)")
-    if options.get("logger") is False and (needs := _callbacks_needing_a_logger(options.get("callbacks"))):
-        # Lightning refuses these only once the model is built and the run's config.yaml is written
-        raise ConfigError("trainer.logger", False, f"`trainer.callbacks` has {needs[0]}, which writes to the logger: "
-                          "keep a logger, or leave the callback out of a copy of the recipe (`lightning-ffpa cp`)")
 
 
-def _callbacks_needing_a_logger(callbacks: Any) -> list[str]:
-    """The class names in the config's callbacks that Lightning refuses to run without a logger."""
+def check_fit_has_a_logger(options: dict[str, Any]) -> None:
+    """`trainer.logger: false` with a callback Lightning refuses to train without a logger: refused by name here,
+    where Lightning refuses it only once the model is built and the run's config.yaml is written."""
     from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateMonitor
 
+    if options.get("logger") is not False:
+        return
+    callbacks = options.get("callbacks")
     entries = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks] if callbacks else []
     classes = [_config_class(entry) for entry in entries]
-    return [cls.__name__ for cls in classes if cls is not None and issubclass(cls, (LearningRateMonitor,
-                                                                                      DeviceStatsMonitor))]
+    needs = [c.__name__ for c in classes if c is not None and issubclass(c, (LearningRateMonitor, DeviceStatsMonitor))]
+    if needs:
+        raise ConfigError("trainer.logger", False, f"`trainer.callbacks` has {needs[0]}, which writes to the logger: "
+                          "keep a logger, or leave the callback out of a copy of the recipe (`lightning-ffpa cp`)")
 
 
 def strategy_class_path(value: Any) -> str | None:
@@ -295,6 +297,8 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             # and names no registered strategy: build the class the user named, with its defaults
             trainer["strategy"] = Namespace(class_path=path, init_args=Namespace())
         check_trainer_options(dict(config.get("trainer") or {}))
+        if self.subcommand == "fit":  # the callbacks that need a logger log while training
+            check_fit_has_a_logger(dict(config.get("trainer") or {}))
         check_validation_options(config.get("model"), dict(config.get("trainer") or {}))
         check_strategy_options((config.get("trainer") or {}).get("strategy"))
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from lightning_ffpa.cli import build
+from lightning_ffpa.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -64,18 +65,22 @@ def _fit_tiny(tmp_path, *extra):
     ])
 
 
-def test_resuming_a_finished_run_names_the_step_its_checkpoint_holds(tmp_path, capsys):
-    """A resumed run that saves nothing (it had already reached max_steps) said "(step 0: the steps after it are
-    not saved)" of a last.ckpt holding its final step."""
+def test_resuming_a_finished_run_is_refused_naming_the_step_its_checkpoint_holds(tmp_path, capsys):
+    """A resume of a run that had already reached max_steps trained nothing and exited 0 (its closing line once said
+    "step 0: the steps after it are not saved" of a last.ckpt holding its final step): refused by
+    `trainer.max_steps`, naming the checkpoint's step, before anything is written."""
     args = ["fit", "--config", str(CONFIGS[0].parent / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
             "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
             "--trainer.enable_progress_bar=false", "--data.init_args.batch_size=2", "--data.init_args.max_seq_length=32"]
     last = tmp_path / "checkpoints" / "last.ckpt"
-    for extra in ([], ["--ckpt_path", "last"]):
-        build([*args, *extra])
-        line = capsys.readouterr().out.strip().splitlines()[-1]
-        named = re.match(r"fit finished at step 2; checkpoint (\S+); logs ", line)
-        assert named and Path(named.group(1)).resolve() == last.resolve(), line  # last.ckpt or the file it links
+    build(args)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    named = re.match(r"fit finished at step 2; checkpoint (\S+); logs ", line)
+    assert named and Path(named.group(1)).resolve() == last.resolve(), line  # last.ckpt or the file it links
+    files = sorted(tmp_path.rglob("*"))
+    with pytest.raises(ConfigError, match=r"^`trainer\.max_steps=2`: `ckpt_path='last'` is at step 2 already"):
+        build([*args, "--ckpt_path", "last"])
+    assert sorted(tmp_path.rglob("*")) == files
 
 
 GOLDEN = Path(__file__).parent / "assets" / "tiny_loss_curve.json"

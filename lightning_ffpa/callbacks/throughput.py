@@ -272,9 +272,10 @@ class TokenThroughput(ThroughputMonitor):
             return {f"attention/{k}": float(v) for k, v in counts.items()}
         if not self._said_uncounted:
             self._said_uncounted = True
-            from lightning_ffpa._compat.transformers import find_hf_model
+            from lightning_ffpa._compat.transformers import config_attn_implementation, find_hf_model
 
-            attn = getattr(getattr(find_hf_model(pl_module), "config", None), "_attn_implementation", None)
+            config = getattr(find_hf_model(pl_module), "config", None)
+            attn = config_attn_implementation(config) if config is not None else None
             rank_zero_info(f"TokenThroughput: no attention call went through the FFPA backend (the model's attention "
                            f"is {attn!r}, not the backend's), so no `attention/*` counter is logged")
         return {}

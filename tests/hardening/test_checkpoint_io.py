@@ -168,11 +168,14 @@ def test_last_without_a_last_file_names_the_newest_checkpoint(tmp_path, record_p
     trainer.fit(BoringModel())
     newest = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
     assert newest.exists() and not list((tmp_path / "ckpt").glob("last*"))
+    digest = _digest(newest)
     resumed, _ = _trainer(tmp_path, max_steps=4)
     with pytest.raises(CheckpointError, match=rf"^`ckpt_path='last'`: .*has no `last` checkpoint .*save_last is off.*"
                                               rf"`--ckpt_path {re.escape(str(newest))}`$"):
         preflight(resumed, BoringModel(), None, "last")
+    record_property("hardening", "checkpoint")
     record_property("case", "`--ckpt_path last` with save_last off and checkpoints saved: refused, newest named")
+    record_property("data_lost", int(_digest(newest) != digest))
 
 
 def test_a_dcp_folder_needs_a_sharding_strategy(tmp_path):

@@ -89,15 +89,20 @@ def test_the_switch_takes_the_checkpoints_options(fitted):
     assert init_args.config_overrides == {"num_hidden_layers": 2}
 
 
-def test_python_api_refuses_another_architecture_before_loading(fitted):
-    _, ckpt = fitted
-    module = Gemma4LM(preset="tiny", dtype="float32", lora={**LORA, "r": 2}, config_overrides={"num_hidden_layers": 2})
+def _resume_refused(module: Gemma4LM, ckpt: Path, error: type[Exception], match: str) -> None:
+    """`trainer.fit(module, ckpt_path=ckpt)` through the Python API raises `error` before any step runs."""
     trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     data = MockDataModule(vocab_size=512, seq_length=32, num_samples=4, batch_size=2)
-    with pytest.raises(CheckpointError, match=r"model\.lora="):
+    with pytest.raises(error, match=match):
         trainer.fit(module, data, ckpt_path=str(ckpt))
     assert trainer.global_step == 0
+
+
+def test_python_api_refuses_another_architecture_before_loading(fitted):
+    _, ckpt = fitted
+    module = Gemma4LM(preset="tiny", dtype="float32", lora={**LORA, "r": 2}, config_overrides={"num_hidden_layers": 2})
+    _resume_refused(module, ckpt, CheckpointError, r"model\.lora=")
 
 
 @pytest.mark.parametrize("option, value", [("learning_rate", 0.5), ("weight_decay", 0.5), ("betas", (0.8, 0.9))])
@@ -107,12 +112,7 @@ def test_python_api_refuses_an_optimizer_option_the_resume_would_ignore(fitted, 
     _, ckpt = fitted
     module = Gemma4LM(preset="tiny", dtype="float32", lora=LORA, config_overrides={"num_hidden_layers": 2},
                       loss_impl="chunked", warmup_steps=0, **{option: value})
-    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    data = MockDataModule(vocab_size=512, seq_length=32, num_samples=4, batch_size=2)
-    with pytest.raises(ConfigError, match=rf"^`model\.{option}=.*the resumed optimizer keeps the checkpoint's value"):
-        trainer.fit(module, data, ckpt_path=str(ckpt))
-    assert trainer.global_step == 0
+    _resume_refused(module, ckpt, ConfigError, rf"^`model\.{option}=.*the resumed optimizer keeps the checkpoint's value")
 
 
 def test_grpo_refuses_a_new_learning_rate_on_resume():

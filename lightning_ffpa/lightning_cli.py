@@ -296,11 +296,12 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             # jsonargparse keeps a bare class name (or path) as Trainer's `str` choice, and Lightning lower-cases it
             # and names no registered strategy: build the class the user named, with its defaults
             trainer["strategy"] = Namespace(class_path=path, init_args=Namespace())
-        check_trainer_options(dict(config.get("trainer") or {}))
+        options = dict(trainer or {})
+        check_trainer_options(options)
         if self.subcommand == "fit":  # the callbacks that need a logger log while training
-            check_fit_has_a_logger(dict(config.get("trainer") or {}))
-        check_validation_options(config.get("model"), dict(config.get("trainer") or {}))
-        check_strategy_options((config.get("trainer") or {}).get("strategy"))
+            check_fit_has_a_logger(options)
+        check_validation_options(config.get("model"), options)
+        check_strategy_options(options.get("strategy"))
 
     def instantiate_classes(self) -> None:  # noqa: D102
         with _as_user_errors():

@@ -301,7 +301,8 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         if self.subcommand == "fit":  # the callbacks that need a logger log while training
             check_fit_has_a_logger(options)
         check_validation_options(config.get("model"), options)
-        check_strategy_options(options.get("strategy"))
+        # from the Namespace: `dict()` of it flattens nested keys, so the dict holds no `strategy` Namespace
+        check_strategy_options(trainer.get("strategy") if trainer is not None else None)
 
     def instantiate_classes(self) -> None:  # noqa: D102
         with _as_user_errors():

@@ -30,7 +30,7 @@ def _docs():
 
 def _packed(docs):
     rows = pack_documents([Document(d, d) for d in docs], max_seq_length=48, pad_id=0)
-    assert len(rows) == 2
+    assert len(rows) == (2 if len(docs) == len(LENGTHS) else 1)
     return PackedCollate()(rows)
 
 
@@ -76,10 +76,11 @@ def _assert_grads_close(got, want):
 def test_every_user_attention_keeps_packed_documents_apart(attn):
     """ffpa splits rows by `documents=` (FFPA varlen); sdpa/eager/flex by position_ids resets (HF's masks).
 
-    torch's flex has no CPU backward, so flex_attention compares losses only here (grads: the GPU test).
+    torch's flex has no CPU backward, so flex_attention compares losses only here (grads: the GPU test), over
+    three documents in one row (one window-crossing): HF compiles flex once per sequence length, ~4 s each on CPU.
     """
-    module, docs = _module(attn), _docs()
     grad = attn != "flex_attention"
+    module, docs = _module(attn), _docs()[:None if grad else 3]
     backend.reset_dispatch_counts()
     with force_kernel("reference"):
         loss, grads, alone, alone_grads = _packed_vs_alone(module, docs, grad=grad)

@@ -54,6 +54,8 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 # (~1 s a row, most of a row's time).
 _PRELOADER = r"""
 import gc, json, os, runpy, sys, time
+if sys.path and sys.path[0] == "":  # `python -c` puts the folder it runs from first; a console script does not
+    sys.path.pop(0)
 import lightning_ffpa.cli, lightning_ffpa.export, lightning_ffpa.lightning_cli
 lightning_ffpa.lightning_cli.import_components()
 gc.collect()
@@ -71,6 +73,7 @@ for line in sys.stdin:
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
         sys.stdin.close()
         sys.argv = job["argv"]
+        sys.path.insert(0, os.path.dirname(job["argv"][0]))  # as Python starts a script: its folder first
         runpy.run_path(job["argv"][0], run_name="__main__")
         sys.exit(0)
     deadline = time.monotonic() + job["timeout"]
@@ -103,12 +106,12 @@ class Preloaded:
             assert ready.strip() == '{"ready": true}', (ready, (self.scratch / "import.err").read_text()[-3000:])
             self._ready = True
 
-    def run(self, command: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    def run(self, command: str | list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
         """Run `command` (its first word is the script name) in `cwd` in a child forked from the preloader."""
         import json
 
         self._wait_ready()
-        words = shlex.split(command)
+        words = shlex.split(command) if isinstance(command, str) else list(command)
         argv = [console_script(words[0]), *words[1:]]
         self._n += 1
         out, err = self.scratch / f"{self._n}.out", self.scratch / f"{self._n}.err"

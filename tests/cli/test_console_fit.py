@@ -3,6 +3,8 @@ overrides, in a folder of its own: exit code 0, the closing line, and an honest 
 same way (the SFT and GRPO recipes).
 
 `TINY` holds each recipe's overrides in one place: a recipe that changes its options changes its row here.
+The shipped recipes, the two-rank fits and the folder-on-sys.path check run fresh processes; the other single
+commands fork from one preloader (`_console.Preloaded`: the installed script, its imports done once).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import re
 import shlex
 
 import pytest
-from _console import ROOT, env, run, snapshot
+from _console import ROOT, Preloaded, env, run, snapshot
 
 from lightning_ffpa.validation import available_host_bytes
 
@@ -38,12 +40,21 @@ TINY: dict[str, str] = {
     "gemma4_26b_a4b_full": (f"{CPU} {FSDP2_CPU} --model.init_args.preset tiny-moe --model.init_args.max_seq_length 32 "
                             "--data.init_args.vocab_size 512 --data.init_args.seq_length 32 "
                             "--data.init_args.batch_size 2 --data.init_args.num_samples 8"),
-    "gemma4_grpo": (f"{CPU} --trainer.precision 32-true --model.init_args.preset tiny --model.init_args.dtype float32 "
+    # compile off: 26 s of CPU inductor per fit, covered by tests/parallel/test_compile.py
+    "gemma4_grpo": (f"{CPU} --trainer.strategy.init_args.compile false --trainer.precision 32-true --model.init_args.preset tiny --model.init_args.dtype float32 "
                     "--model.init_args.config_overrides '{num_hidden_layers: 2}' --model.init_args.learning_rate 1e-3 "
                     f"{ROLLOUT_CPU} --data.init_args.prompt_len 4 --data.init_args.vocab_size 512 "
                     "--data.init_args.batch_size 2 --data.init_args.num_random_prompts 8"),
 }
 SHIPPED = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def console(tmp_path_factory):
+    """Runs a console command as `run` does, in a child forked from one preloader for the file."""
+    preloader = Preloaded(tmp_path_factory.mktemp("preloader"))
+    yield preloader
+    preloader.close()
 
 
 def test_every_shipped_recipe_has_tiny_overrides():
@@ -127,14 +138,14 @@ def test_one_process_fsdp2_fit_needs_no_port(tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("fit finished at step 2"), proc.stdout[-2000:]
 
 
-def test_a_fit_ending_between_two_saves_saves_its_last_step(tmp_path):
+def test_a_fit_ending_between_two_saves_saves_its_last_step(console, tmp_path):
     """max_steps 10 with a save every 4 steps: Lightning kept step 8 as `last` (the closing line said "step 8: the
     steps after it are not saved"); `FinalCheckpoint` saves step 10, and `last` links to it.
     (At the CPU size of `TINY`: the step count is what matters here, not the steps' size.)"""
     config = tmp_path / "c.yaml"
     config.write_text((ROOT / "configs" / "tiny.yaml").read_text().replace("every_n_train_steps: 100",
                                                                           "every_n_train_steps: 4"))
-    out = run(f"lightning-ffpa fit --config {config} --trainer.max_steps 10 {TINY['tiny']} "
+    out = console.run(f"lightning-ffpa fit --config {config} --trainer.max_steps 10 {TINY['tiny']} "
               f"--trainer.default_root_dir {tmp_path / 'run'}", tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     line = out.stdout.strip().splitlines()[-1]
@@ -143,7 +154,7 @@ def test_a_fit_ending_between_two_saves_saves_its_last_step(tmp_path):
     assert last.resolve().name.endswith("step=10.ckpt"), sorted(p.name for p in last.parent.iterdir())
 
 
-def test_a_resume_that_could_not_honour_its_options_is_refused_by_name(tmp_path):
+def test_a_resume_that_could_not_honour_its_options_is_refused_by_name(console, tmp_path):
     """`--ckpt_path last` with what the resume would not do, each one `error:` line, exit 2, no file touched:
     data with another row count (here a longer max_seq_length: the rest of a mid-epoch checkpoint's epoch cannot be
     found; it trained on a shifted order), a new learning rate (the loaded optimizer keeps the saved one; it exited 0
@@ -153,7 +164,7 @@ def test_a_resume_that_could_not_honour_its_options_is_refused_by_name(tmp_path)
                                                                           "every_n_train_steps: 2"))
     small = f"--config {config} --data.init_args.batch_size 2 --trainer.limit_val_batches 0 " \
             f"--trainer.default_root_dir {tmp_path / 'run'}"
-    first = run(f"lightning-ffpa fit {small} --data.init_args.max_seq_length 32 --trainer.max_steps 2", tmp_path)
+    first = console.run(f"lightning-ffpa fit {small} --data.init_args.max_seq_length 32 --trainer.max_steps 2", tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     before = snapshot(tmp_path)
     for extra, line in [
@@ -163,45 +174,45 @@ def test_a_resume_that_could_not_honour_its_options_is_refused_by_name(tmp_path)
         ("--data.init_args.max_seq_length 32 --trainer.max_steps 2",
          "error: `trainer.max_steps=2`: `ckpt_path='last'` is at step 2 already, so the fit would train nothing"),
     ]:
-        refused = run(f"lightning-ffpa fit {small} {extra} --ckpt_path last", tmp_path)
+        refused = console.run(f"lightning-ffpa fit {small} {extra} --ckpt_path last", tmp_path)
         assert refused.returncode == 2, refused.stderr[-2000:]
         assert refused.stderr.strip().splitlines() == [refused.stderr.strip()], refused.stderr[-2000:]
         assert refused.stderr.startswith(line), refused.stderr
     assert snapshot(tmp_path) == before
 
 
-def test_validate_reports_its_loss_and_refuses_empty_validation_data(tmp_path):
+def test_validate_reports_its_loss_and_refuses_empty_validation_data(console, tmp_path):
     """`validate` on the tiny recipe prints val/loss and exits 0; with no validation rows it exits 2 with one
     `error:` line naming the options (a validation of nothing exited 0 with no metric)."""
     tiny = "--data.init_args.batch_size 2 --data.init_args.max_seq_length 32 --trainer.limit_val_batches 2"
-    ok = run(f"lightning-ffpa validate --config tiny {tiny}", tmp_path)
+    ok = console.run(f"lightning-ffpa validate --config tiny {tiny}", tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "val/loss" in ok.stdout, ok.stdout[-2000:]
-    empty = run(f"lightning-ffpa validate --config tiny {tiny} --data.init_args.val_fraction 0", tmp_path)
+    empty = console.run(f"lightning-ffpa validate --config tiny {tiny} --data.init_args.val_fraction 0", tmp_path)
     assert empty.returncode == 2, empty.stderr[-2000:]
     errors = [line for line in empty.stderr.splitlines() if line.startswith("error:")]
     assert errors == [errors[-1]] and "val_fraction" in errors[0] and empty.stderr.strip().endswith(errors[0])
 
 
-def test_validate_last_evaluates_the_runs_checkpoint(tmp_path):
+def test_validate_last_evaluates_the_runs_checkpoint(console, tmp_path):
     """`validate --ckpt_path last` finds `<default_root_dir>/checkpoints/last.ckpt` as `fit` does (it used to warn,
     evaluate the untrained model and exit 0): the trained loss, well under the untrained ln(512)."""
     tiny = (f"--data.init_args.batch_size 2 --data.init_args.max_seq_length 32 --trainer.limit_val_batches 2 "
             f"--trainer.default_root_dir {tmp_path / 'run'}")
-    fit = run(f"lightning-ffpa fit --config tiny {tiny} --trainer.max_steps 30", tmp_path)
+    fit = console.run(f"lightning-ffpa fit --config tiny {tiny} --trainer.max_steps 30", tmp_path)
     assert fit.returncode == 0, fit.stderr[-2000:]
-    last = run(f"lightning-ffpa validate --config tiny {tiny} --ckpt_path last", tmp_path)
+    last = console.run(f"lightning-ffpa validate --config tiny {tiny} --ckpt_path last", tmp_path)
     assert last.returncode == 0, last.stderr[-2000:]
     loss = float(re.search(r"val/loss\W+([0-9.]+)", last.stdout).group(1))
     assert loss < 5.5, last.stdout[-2000:]  # untrained: ln(512) = 6.24
 
 
 @pytest.mark.timeout(400)
-def test_tiny_fits_over_an_fp8_lora_base_says_its_path_and_exports_merged(tmp_path):
+def test_tiny_fits_over_an_fp8_lora_base_says_its_path_and_exports_merged(console, tmp_path):
     """`model.lora.base_dtype: fp8` through the console script: the start-up line names what was stored and the
     matmul path (CPU: dequantize), the fit ends, and the export dequantises the base, merges and says so."""
     lora = "{r: 4, lora_alpha: 8, target_modules: all-linear, base_dtype: fp8}"
-    proc = run(["lightning-ffpa", "fit", "--config", "tiny", "--trainer.max_steps", "2", *shlex.split(TINY["tiny"]),
+    proc = console.run(["lightning-ffpa", "fit", "--config", "tiny", "--trainer.max_steps", "2", *shlex.split(TINY["tiny"]),
                 "--model.init_args.lora", lora], tmp_path, timeout=360)
     assert proc.returncode == 0, proc.stderr[-4000:]
     screen = proc.stdout + proc.stderr
@@ -212,7 +223,7 @@ def test_tiny_fits_over_an_fp8_lora_base_says_its_path_and_exports_merged(tmp_pa
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("fit finished at step 2"), proc.stdout[-2000:]
     ckpt = re.search(r"\bcheckpoint ([^;]+)", last).group(1)
-    exported = run(["lightning-ffpa-export", ckpt, "hf", "--merge_lora"], tmp_path, timeout=240)
+    exported = console.run(["lightning-ffpa-export", ckpt, "hf", "--merge_lora"], tmp_path, timeout=240)
     assert exported.returncode == 0, exported.stderr[-3000:]
     n = started.group(1)
     assert (f"dequantised {n} float8 base weights (model.lora.base_dtype fp8) to float32; merged LoRA into {n} "
@@ -234,12 +245,12 @@ def test_a_reward_function_in_the_folder_it_runs_from_is_found(tmp_path):
     assert (tmp_path / "called.txt").read_text().split() == ["16"], "once, on 2 prompts x 8 completions"
 
 
-def test_a_strategy_named_by_its_class_alone_is_built(tmp_path):
+def test_a_strategy_named_by_its_class_alone_is_built(console, tmp_path):
     """`--trainer.strategy FSDP2Strategy` with no init args: jsonargparse kept it as the Trainer's `str` choice and
     Lightning refused `'fsdp2strategy'` as no registered name; it is now the class with its defaults, as
     `{class_path: ...}` is (the model is fully sharded: `FSDPGemma4ForCausalLM`). Other spellings:
     tests/test_cli_checks.py."""
-    proc = run(f"lightning-ffpa fit --config tiny --trainer.max_steps 1 {TINY['tiny']} --trainer.default_root_dir run "
+    proc = console.run(f"lightning-ffpa fit --config tiny --trainer.max_steps 1 {TINY['tiny']} --trainer.default_root_dir run "
                "--trainer.strategy FSDP2Strategy", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FSDPGemma4ForCausalLM" in proc.stderr, proc.stderr[-3000:]  # the model summary
@@ -248,10 +259,10 @@ def test_a_strategy_named_by_its_class_alone_is_built(tmp_path):
 
 
 @pytest.mark.skipif((available_host_bytes() or 0) > 50 * 2**30, reason="this machine holds the weights")
-def test_the_gpu_recipe_on_the_cpu_is_refused_through_the_console_script(tmp_path):
+def test_the_gpu_recipe_on_the_cpu_is_refused_through_the_console_script(console, tmp_path):
     """The GPU recipes' hint on a CPU machine named `--trainer.accelerator cpu`: the 31B model was then built until
     the kernel killed it (exit 137, nothing printed); the weights' size is checked first."""
-    proc = run("lightning-ffpa fit --config gemma4_grpo --trainer.accelerator cpu --trainer.devices 1 "
+    proc = console.run("lightning-ffpa fit --config gemma4_grpo --trainer.accelerator cpu --trainer.devices 1 "
                "--trainer.precision 32-true", tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.startswith("error: `model.preset='gemma4-31b'`: builds 30.7B parameters: ") and \

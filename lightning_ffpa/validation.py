@@ -346,6 +346,10 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
         if ckpt_path == "last":
             check_no_dangling_last(trainer)
             check_last_finds_the_saved_run(trainer)
+            if trainer.is_global_zero:  # resume-or-start is a job script's idiom; a mistyped folder shows here
+                folders = ", ".join(sorted({str(cb.dirpath) for cb in trainer.checkpoint_callbacks if cb.dirpath}))
+                print(f"`ckpt_path='last'`: no checkpoint in {folders or 'the run folder'} yet, so this fit starts "
+                      "from step 0 (the same command resumes once one is saved)", flush=True)
         elif ckpt_path is None:
             check_fresh_run_writes_nothing_saved(trainer)
         return None
@@ -441,3 +445,5 @@ class PreflightCLIMixin:
         resolved = preflight(self.trainer, self.model, self.datamodule, config.get("ckpt_path"))
         if config.get("ckpt_path") is None and resolved and not Path(resolved).name.startswith(HPC_PREFIX):
             config["ckpt_path"] = resolved  # a save newer than a stale HPC checkpoint (`newer_than_hpc`)
+        elif config.get("ckpt_path") == "last" and resolved is None:
+            config["ckpt_path"] = None  # said above; Lightning's warning would blame `save_last`, which is on

@@ -257,7 +257,9 @@ def resolve_ckpt_path(trainer: Any, ckpt_path: str | None) -> str | None:
     from lightning.pytorch.trainer.states import TrainerFn
 
     connector = trainer._checkpoint_connector
-    return connector._parse_ckpt_path(TrainerFn.FITTING, ckpt_path, model_provided=True, model_connected=False)
+    with warnings.catch_warnings():  # `preflight` says it instead: the hint blames `save_last` even where it is on
+        warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
+        return connector._parse_ckpt_path(TrainerFn.FITTING, ckpt_path, model_provided=True, model_connected=False)
 
 
 def lightning_dcp_meta_filename() -> str:

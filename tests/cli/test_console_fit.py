@@ -268,3 +268,20 @@ def test_the_gpu_recipe_on_the_cpu_is_refused_through_the_console_script(console
     assert proc.stderr.startswith("error: `model.preset='gemma4-31b'`: builds 30.7B parameters: ") and \
         proc.stderr.count("\n") == 1, proc.stderr[-3000:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_last_with_nothing_saved_says_it_starts_from_step_0_and_the_same_command_resumes(console, tmp_path):
+    """`--ckpt_path last` in a job script that runs again (resume-or-start): the first run said only Lightning's
+    hint to set `save_last=True` (on in the recipe) and trained from step 0; it now says so in one line naming the
+    folder it looked in (a mistyped one shows there), and the same command with more steps resumes."""
+    tiny = f"{TINY['tiny']} --trainer.default_root_dir {tmp_path / 'run'} --ckpt_path last"
+    first = console.run(f"lightning-ffpa fit --config tiny --trainer.max_steps 2 {tiny}", tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    notice = (f"`ckpt_path='last'`: no checkpoint in {tmp_path / 'run' / 'checkpoints'} yet, so this fit starts from "
+              "step 0 (the same command resumes once one is saved)")
+    assert notice in first.stdout.splitlines(), first.stdout[-2000:]
+    assert "save_last=True" not in first.stderr, first.stderr[-2000:]
+    again = console.run(f"lightning-ffpa fit --config tiny --trainer.max_steps 4 {tiny}", tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "starts from step 0" not in again.stdout
+    assert again.stdout.strip().splitlines()[-1].startswith("fit finished at step 4"), again.stdout[-2000:]

@@ -24,7 +24,7 @@ import contextlib
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
-from transformers import AutoModelForCausalLM, Gemma4ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Gemma4ForCausalLM
 
 from lightning_ffpa.attention import dispatch_counts, force_kernel, kernel_counts
 from lightning_ffpa.callbacks import FFPAAttention  # lightning-ffpa
@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
                         callbacks=[attention, *default_callbacks({"enable_model_summary": False}, [attention])],
                         logger=False, enable_checkpointing=False,
                         enable_model_summary=False, log_every_n_steps=1)
-    vocab = 512 if not args.pretrained else 262144  # RandomTokens only; real projects bring their data
+    # RandomTokens only (real projects bring their data): ids below the model's own vocabulary
+    config = AutoConfig.from_pretrained(args.pretrained) if args.pretrained else build_text_config(args.preset)
+    vocab = config.get_text_config().vocab_size
     data = DataLoader(RandomTokens(vocab, args.seq_len, args.batch_size * args.max_steps * 2),
                       batch_size=args.batch_size)
     kernel = args.kernel or ("reference" if args.accelerator == "cpu" else "auto")

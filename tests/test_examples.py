@@ -41,6 +41,22 @@ def test_drop_in_callback_routes_full_layers_to_ffpa(tmp_path, monkeypatch):
     assert report["loss"] == report["loss"] and report["loss"] < 10
 
 
+@pytest.mark.timeout(120)
+def test_drop_in_callback_from_a_saved_checkpoint_draws_ids_in_its_vocabulary(tmp_path, monkeypatch):
+    """`--pretrained DIR` of a model whose vocabulary is not the 31B's 262,144 (a tiny one saved here): the random
+    ids came from 262,144 and the embedding raised IndexError; they now come from the checkpoint's config."""
+    from transformers import Gemma4ForCausalLM
+
+    from lightning_ffpa.presets import build_text_config
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(tmp_path / "tiny")
+    report = _load("drop_in_callback").main(["--pretrained", str(tmp_path / "tiny"), "--max-steps", "2",
+                                             "--seq-len", "32"])
+    assert report["dispatch"]["ffpa-dense"] == 4 and report["loss"] < 10, report
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_drop_in_callback_runs_cutedsl_on_gpu(tmp_path, monkeypatch):

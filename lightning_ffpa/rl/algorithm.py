@@ -63,6 +63,9 @@ class GRPOAlgorithm:
                               "must be >= 1 token, or null for no overlong shaping")
         if self.overlong_penalty < 0:
             raise ConfigError(f"{OPTION}.overlong_penalty", self.overlong_penalty, "must be >= 0")
+        if self.overlong_penalty != 1.0 and self.overlong_buffer is None:
+            raise ConfigError(f"{OPTION}.overlong_penalty", self.overlong_penalty,
+                              "scales the overlong shaping, which is off; set `model.overlong_buffer` (tokens)")
 
     @property
     def sequence_ratio(self) -> bool:

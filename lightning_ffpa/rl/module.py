@@ -94,7 +94,7 @@ class GRPOModule(HFModule):
             dynamic_sampling: DAPO's dynamic sampling: groups whose rewards all equal are dropped from the step (counted in rollout/dropped_groups).
             refill_rounds: With dynamic_sampling, redraw the dropped groups' completions (same prompts, fresh noise) up to this many times before dropping them (>= 0).
             overlong_buffer: DAPO's soft overlong punishment: the last this-many tokens before max_new_tokens ramp the reward down to -overlong_penalty (null: off).
-            overlong_penalty: The overlong punishment's largest penalty (>= 0).
+            overlong_penalty: The overlong punishment's largest penalty (>= 0; needs overlong_buffer).
             logprob_chunk_size: Tokens per chunk of the chunked log-probs through the lm_head (>= 1); memory O(chunk x vocab).
             gradient_clip_val: Clip the gradient norm to this before each update (null: no clipping); Trainer's gradient_clip_val does not apply to this manually optimized module.
             max_empty_batches: Stop with an error after this many rollout batches in a row left no completion token in the loss (every group dropped by dynamic_sampling, or every completion masked by mask_truncated_completions): such a batch makes no update, so the step count would not move (>= 1).

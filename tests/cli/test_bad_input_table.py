@@ -139,6 +139,7 @@ ROWS = [
     (f"{G} --model.init_args.loss_type ppo", "model.init_args.loss_type"),
     (f"{G} --model.init_args.num_iterations 0", "model.num_iterations"),
     (f"{G} --model.init_args.max_tokens_per_microbatch 9", "model.max_tokens_per_microbatch"),  # < 4 + 6 tokens
+    (f"{G} --model.init_args.overlong_penalty 2.0", "model.overlong_penalty"),  # shaping off: it scaled nothing
     (f"{G} --trainer.gradient_clip_val 1.0", "trainer.gradient_clip_val"),  # the module clips: its own option
     (f"{G} --data.init_args.batch_size 0", "data.init_args.batch_size"),
     (f"{G} --data.init_args.prompt_len 0", "data.init_args.prompt_len"),

@@ -90,6 +90,7 @@ def test_a_batch_that_is_not_whole_groups_is_one_config_error():
     ({"max_tokens_per_microbatch": 0}, "model.max_tokens_per_microbatch"),
     ({"overlong_buffer": 0}, "model.overlong_buffer"),
     ({"overlong_penalty": -1.0}, "model.overlong_penalty"),
+    ({"overlong_penalty": 2.0}, "model.overlong_penalty"),  # no overlong_buffer: it would scale nothing
     ({"logprob_chunk_size": 0}, "model.logprob_chunk_size"),
     ({"gradient_clip_val": 0.0}, "model.gradient_clip_val"),
 ])

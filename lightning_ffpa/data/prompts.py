@@ -16,7 +16,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_ffpa.data.base import SeededDataModule, option, require_at_least
-from lightning_ffpa.data.sources import check_file, check_split, load_rows, record_of, require_datasets
+from lightning_ffpa.data.sources import (
+    check_dataset_config,
+    check_file,
+    check_split,
+    load_rows,
+    record_of,
+    require_datasets,
+)
 from lightning_ffpa.data.tokenizer import format_plain_chat, load_tokenizer
 from lightning_ffpa.errors import ConfigError
 
@@ -93,7 +100,7 @@ class PromptDataModule(SeededDataModule):
         Args:
             path: Local prompts file (.jsonl, or .json/.parquet/.arrow through `datasets`); unset with no `dataset`: random token prompts.
             dataset: A Hugging Face hub dataset name, or a local folder of data files, for `datasets.load_dataset`.
-            dataset_config: The `dataset`'s configuration name, if it has several.
+            dataset_config: The `dataset`'s configuration name, if it has several (not with a local file).
             split: The split of `dataset` (or of a `datasets`-read file) to read; slices like `train[:512]` work.
             tokenizer: "byte", or a local folder or hub id for `AutoTokenizer`; required with `path` or `dataset`.
             prompt_field: Field of a row holding the prompt text.
@@ -116,6 +123,7 @@ class PromptDataModule(SeededDataModule):
                 raise ConfigError(option("path"), path, "prompts need rows with fields: .jsonl, .json, .parquet or .arrow")
         if dataset is not None:
             require_datasets(option("dataset"), dataset)
+        check_dataset_config(dataset, dataset_config, option("dataset_config"))
         source = path if path is not None else dataset
         if source is not None and tokenizer is None:
             raise ConfigError(option("tokenizer"), None, "is needed to turn the prompts into ids")

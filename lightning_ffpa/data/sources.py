@@ -44,6 +44,12 @@ def check_file(path: str, option: str) -> None:
         require_datasets(option, path)
 
 
+def check_dataset_config(dataset: str | None, config: str | None, option: str) -> None:
+    """A configuration name applies to a `dataset` only: with a local file it would be ignored."""
+    if config is not None and dataset is None:
+        raise ConfigError(option, config, "names a configuration of `dataset`; a local file has none")
+
+
 def check_split(path: str | None, split: str, option: str) -> None:
     """A split other than "train" needs `datasets`: the built-in .txt/.jsonl readers read the whole file."""
     if path is not None and split != "train" and os.path.splitext(path)[1].lower() in BUILTIN_EXTENSIONS:

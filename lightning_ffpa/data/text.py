@@ -20,10 +20,17 @@ from lightning_ffpa.data.base import SeededDataModule, option, require_at_least
 from lightning_ffpa.data.collate import PackedCollate, PadCollate
 from lightning_ffpa.data.documents import Document, TokenizeStats, tokenize_records
 from lightning_ffpa.data.packing import pack_documents
-from lightning_ffpa.data.sources import check_file, check_split, read_records, require_datasets
+from lightning_ffpa.data.sources import (
+    check_dataset_config,
+    check_file,
+    check_split,
+    read_records,
+    require_datasets,
+)
 from lightning_ffpa.data.tokenizer import load_tokenizer, pad_id_of
 from lightning_ffpa.errors import ConfigError
 
+VAL_FRACTION = 0.05  # the default hold-out; another value beside a validation source would be ignored
 SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "shakespeare.txt")
 
 
@@ -73,7 +80,7 @@ class TextDataModule(SeededDataModule):
         val_split: str | None = None,
         text_field: str = "text",
         messages_field: str = "messages",
-        val_fraction: float = 0.05,
+        val_fraction: float = VAL_FRACTION,
         tokenizer: str = "byte",
         max_seq_length: int = 256,
         batch_size: int = 8,
@@ -88,12 +95,12 @@ class TextDataModule(SeededDataModule):
                 (through `datasets`); unset with no `dataset`: the shipped Shakespeare sample.
             val_file: Local validation file; if unset (and no `val_split`), `val_fraction` of the training documents.
             dataset: A Hugging Face hub dataset name, or a local folder of data files, for `datasets.load_dataset`.
-            dataset_config: The `dataset`'s configuration name, if it has several.
+            dataset_config: The `dataset`'s configuration name, if it has several (not with a local file).
             train_split: The split of `dataset` (or of a `datasets`-read file) to train on; slices like `train[:1000]` work.
             val_split: The split of `dataset` to validate on; unset holds out `val_fraction` of the training documents.
             text_field: Field of a row holding plain text.
             messages_field: Field of a row holding a chat (a list of {role, content}), rendered by the tokenizer's chat template.
-            val_fraction: Share of training documents held out whole for validation when there is no val file or split (0: none).
+            val_fraction: Share of training documents held out whole for validation when there is no val file or split (0: none; refused beside either).
             tokenizer: "byte" for the byte-level tokenizer, or a local folder or hub id for `AutoTokenizer`.
             max_seq_length: Longest row in tokens; longer documents are cut into windows of this length.
             batch_size: Rows per batch on each data-parallel rank.
@@ -121,8 +128,13 @@ class TextDataModule(SeededDataModule):
             raise ConfigError(option("val_split"), val_split, "needs `dataset` (a local file has one split)")
         if val_split is not None and val_file is not None:
             raise ConfigError(option("val_split"), val_split, "give either `val_split` or `val_file`, not both")
+        check_dataset_config(dataset, dataset_config, option("dataset_config"))
         if not 0.0 <= val_fraction < 1.0:
             raise ConfigError(option("val_fraction"), val_fraction, "must be in [0, 1)")
+        if val_fraction != VAL_FRACTION and (val_file is not None or val_split is not None):
+            given = "val_file" if val_file is not None else "val_split"
+            raise ConfigError(option("val_fraction"), val_fraction, f"holds out training documents only without a "
+                              f"validation source; `{given}` gives the validation rows here; leave `val_fraction` unset")
         require_at_least(2, max_seq_length=max_seq_length)
         require_at_least(1, pad_to_multiple_of=pad_to_multiple_of)
         self.train_file, self.val_file, self.val_fraction = train_file, val_file, val_fraction

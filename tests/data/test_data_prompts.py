@@ -96,6 +96,8 @@ def test_random_prompts_are_seeded_token_ids():
         ({"path": "/nonexistent/p.jsonl", "tokenizer": "byte"}, r"`data\.init_args\.path='/nonexistent/p\.jsonl'`"),
         ({"path": "PROMPTS", "dataset": "org/name", "tokenizer": "byte"}, r"`data\.init_args\.dataset='org/name'`"),
         ({"vocab_size": 2}, r"`data\.init_args\.vocab_size=2`"),
+        ({"path": "PROMPTS", "dataset_config": "x", "tokenizer": "byte"},
+         r"`data\.init_args\.dataset_config='x'`: names a configuration of `dataset`"),  # was ignored
     ],
 )
 def test_bad_options_name_the_option(write, kwargs, pattern):

@@ -10,6 +10,7 @@ import torch
 
 from lightning_ffpa.data import IGNORE_INDEX, TextDataModule
 from lightning_ffpa.data import sources as sources_module
+from lightning_ffpa.data.text import SHAKESPEARE_PATH
 from lightning_ffpa.errors import ConfigError
 
 datasets = pytest.importorskip("datasets")
@@ -101,6 +102,10 @@ def test_a_missing_val_split_names_the_split(tmp_path):
         ({"val_split": "test"}, r"`data\.init_args\.val_split='test'`: needs `dataset`"),
         ({"train_file": "/nonexistent/rows.parquet"}, r"`data\.init_args\.train_file='/nonexistent/rows\.parquet'`"),
         ({"train_split": "train[:10]"}, r"`data\.init_args\.train_split='train\[:10\]'`: applies to `dataset`"),
+        # accepted and ignored before: a local file has no configurations; a validation source holds nothing out
+        ({"dataset_config": "foo"}, r"`data\.init_args\.dataset_config='foo'`: names a configuration of `dataset`"),
+        ({"val_file": SHAKESPEARE_PATH, "val_fraction": 0.3},
+         r"`data\.init_args\.val_fraction=0\.3`: holds out training documents only without .*`val_file`"),
     ],
 )
 def test_bad_source_options_fail_at_construction(kwargs, pattern):

@@ -78,9 +78,12 @@ def _debug_requested(argv: list[str]) -> bool:
 
 
 def one_line(err: BaseException) -> str:
-    """The error's message folded to one line (multi-line messages keep their first non-empty line)."""
+    """The error's message folded to one line: a multi-line message keeps its first non-empty line, or all of
+    its lines joined where the first ends in ":" (it introduces the rest: cut there, it would say nothing)."""
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    return lines[0] if lines else type(err).__name__
+    if not lines:
+        return type(err).__name__
+    return " ".join(lines) if lines[0].endswith(":") else lines[0]
 
 
 def causes(err: BaseException | None) -> Iterator[BaseException]:

@@ -78,6 +78,10 @@ class ByteTokenizer:
         return self.encode(text) if tokenize else text
 
 
+# what a tokenizer's `save_pretrained` writes (one at least): fast, config, sentencepiece, BPE vocab
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _looks_like_path(spec: str) -> bool:
     return spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1 or os.sep != "/" and os.sep in spec
 
@@ -95,6 +99,9 @@ def load_tokenizer(spec: str, option: str = "data.init_args.tokenizer") -> Any:
             option, spec, f"is not a tokenizer folder (give a folder written by `save_pretrained`, a hub id, "
             f"or {BYTE_TOKENIZER!r} for the byte-level tokenizer)"
         )
+    if os.path.isdir(spec) and not any(os.path.exists(os.path.join(spec, f)) for f in TOKENIZER_FILES):
+        raise ConfigError(option, spec, f"holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); give the "
+                          "folder `save_pretrained` wrote the tokenizer to, a hub id, or 'byte'")
     from transformers import AutoTokenizer
 
     where = "the local folder" if os.path.isdir(spec) else "the Hugging Face hub (or its local cache)"

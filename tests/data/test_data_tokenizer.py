@@ -47,9 +47,10 @@ def test_bad_tokenizer_path_names_option(tmp_path, write):
     train = write("train.txt", "hello world\n")
     with pytest.raises(ConfigError, match=r"`data\.init_args\.tokenizer=.*no_such_tokenizer"):
         TextDataModule(train_file=train, tokenizer=missing)
-    # a directory that is not a tokenizer: still one error naming the option, on one line
+    # a directory that is not a tokenizer: one line naming what it lacks (it ended at transformers' "one of:")
     (tmp_path / "empty_dir").mkdir()
-    with pytest.raises(ConfigError, match=r"`data\.init_args\.tokenizer=.*empty_dir'`: AutoTokenizer could not load") as info:
+    with pytest.raises(ConfigError, match=r"`data\.init_args\.tokenizer=.*empty_dir'`: holds no tokenizer files "
+                                          r"\(none of tokenizer\.json, tokenizer_config\.json") as info:
         load_tokenizer(str(tmp_path / "empty_dir"))
     assert "\n" not in str(info.value)
 
@@ -75,3 +76,16 @@ def test_unreachable_hub_id_is_one_config_error(offline):
                        r"could not load it from the Hugging Face hub \(or its local cache\): ") as info:
         load_tokenizer("no-such-org/no-such-tok")
     assert "\n" not in str(info.value)
+
+
+def test_a_message_that_introduces_its_lines_keeps_them_on_one_line():
+    """transformers' "Couldn't instantiate the backend tokenizer from one of:" ended the user's error line there."""
+    from lightning_ffpa.errors import one_line
+
+    err = ValueError("Couldn't instantiate the backend tokenizer from one of: \n(1) a `tokenizers` library "
+                     "serialization file, \n(2) a slow tokenizer instance to convert or \n(3) an equivalent slow "
+                     "tokenizer class to instantiate and convert. \nYou need to have sentencepiece installed")
+    assert one_line(err) == ("Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers` library "
+                             "serialization file, (2) a slow tokenizer instance to convert or (3) an equivalent slow "
+                             "tokenizer class to instantiate and convert. You need to have sentencepiece installed")
+    assert one_line(ValueError("first line\nsecond")) == "first line"

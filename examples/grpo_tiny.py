@@ -8,7 +8,7 @@ signature, so TRL reward functions plug in unchanged; in YAML it is a dotted imp
 
     python examples/grpo_tiny.py                    # tiny random Gemma4, CPU, LoRA rank 8
     python examples/grpo_tiny.py --steps 30         # longer; at this size its reward stays noisy
-The same run from YAML: `lightning-ffpa fit --config configs/tiny_grpo.yaml` (GPU: configs/gemma4_grpo.yaml).
+The same run from YAML: `lightning-ffpa fit --config tiny_grpo` (GPU: `--config gemma4_grpo`), from any folder.
 """
 
 from __future__ import annotations

@@ -98,6 +98,7 @@ class RolloutCallback(L.Callback):
         self._resumed_seed: int | None = None  # the seed of the checkpoint this fit resumes, if any
         self.algorithm = GRPOAlgorithm()  # the module's, bound to this rollout in `setup`
         self.tokenizer: Any = None  # resolved in `check_before_fit` (setup and the CLI's pre-flight)
+        self._tokenizer_for: Any = ...  # the datamodule it was resolved for (None is a valid one)
 
     # ---- option checks: all before any model is built -------------------------------------------
     def _check_options(self, reward_funcs: list, num_generations: int, eos_token_ids: list[int] | None,
@@ -183,7 +184,8 @@ class RolloutCallback(L.Callback):
         algo = self.resolve_algorithm(pl_module, datamodule)  # the micro-batch budget against the data's prompts
         check_token_ids(OPTION, self.eos_token_ids, self.pad_token_id, config, algo.mask_truncated_completions)
         self._check_steps_count_updates(trainer, algo.num_iterations)
-        self.tokenizer = resolve_tokenizer(OPTION, self.tokenizer_name, datamodule)
+        if self._tokenizer_for is not datamodule:  # once per datamodule: the pre-flight and setup both get here
+            self.tokenizer, self._tokenizer_for = resolve_tokenizer(OPTION, self.tokenizer_name, datamodule), datamodule
         self._check_room_before_fit(trainer, pl_module)  # last: it builds the model on meta
 
     @staticmethod

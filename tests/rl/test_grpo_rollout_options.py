@@ -3,6 +3,7 @@ never ended), completions handed to reward functions as id strings while prompts
 intervals that `num_iterations` steps over."""
 
 import json
+import logging
 
 import lightning as L
 import pytest
@@ -28,7 +29,7 @@ def recording_reward(prompts, completions, completion_ids, **kwargs):
     return [float(sum(c) % 7) for c in completion_ids]  # spread within a group
 
 
-def _fit(reward, module_kw=None, data=None, max_steps=4, **callback_kw):
+def _fit(reward, module_kw=None, data=None, max_steps=4, preflight=False, **callback_kw):
     torch.manual_seed(0)
     rollout = RolloutCallback([reward], num_generations=2, sampling=SamplingParams(max_new_tokens=4),
                               engine=EngineConfig(page_size=8, num_pages=32, max_batch_size=8, max_seq_len=64,
@@ -36,7 +37,12 @@ def _fit(reward, module_kw=None, data=None, max_steps=4, **callback_kw):
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout])
     module = GRPOModule(preset="tiny", **(module_kw or {}))
-    trainer.fit(module, datamodule=data or PromptDataModule(num_random_prompts=8, prompt_len=4, batch_size=2))
+    data = data or PromptDataModule(num_random_prompts=8, prompt_len=4, batch_size=2)
+    if preflight:  # as the CLI runs it before fit (`validation.preflight`)
+        from lightning_ffpa.validation import preflight as run_preflight
+
+        run_preflight(trainer, module, data)
+    trainer.fit(module, datamodule=data)
     return trainer, module
 
 
@@ -72,13 +78,16 @@ def test_token_ids_past_the_vocabulary_are_refused_before_fit(kw, option):
 
 
 @pytest.mark.timeout(120)
-def test_completions_are_decoded_with_the_datas_tokenizer(tmp_path):
-    """Prompts reach the reward functions as text; completions must too, with the tokenizer that encoded them."""
+def test_completions_are_decoded_with_the_datas_tokenizer(tmp_path, caplog):
+    """Prompts reach the reward functions as text; completions must too, with the tokenizer that encoded them.
+    Which tokenizer is said once, though the CLI's pre-flight and setup both check the options (it was said twice)."""
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"What is {i}+{i}?"}) + "\n" for i in range(4)))
     SEEN.clear()
-    _fit(recording_reward, data=PromptDataModule(path=str(path), tokenizer="byte", batch_size=2), max_steps=1,
-         eos_token_ids=[258])
+    with caplog.at_level(logging.INFO):
+        _fit(recording_reward, data=PromptDataModule(path=str(path), tokenizer="byte", batch_size=2), max_steps=1,
+             eos_token_ids=[258], preflight=True)
+    assert caplog.text.count("completions are decoded for the reward functions") == 1, caplog.text
     prompts, completions = SEEN[0]
     assert prompts[0].startswith("What is")
     # the byte tokenizer's text, not "193 36 502 ..." (ids joined by spaces)

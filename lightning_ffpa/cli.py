@@ -32,7 +32,7 @@ def top_level_parser() -> argparse.ArgumentParser:
     parser.add_argument("-c", "--config", help="Path to a configuration file in json or yaml format.")
     parser.add_argument("--print_config", nargs="?", metavar="=flags",
                         help="Print the configuration after applying all other arguments and exit.")
-    sub = parser.add_subparsers(title="subcommands", metavar="{" + ",".join(LIGHTNING_COMMANDS) + "}",
+    sub = parser.add_subparsers(title="subcommands", metavar="{" + ",".join([*LIGHTNING_COMMANDS, *COMMANDS]) + "}",
                                 description="For more details of each subcommand, add it as an argument "
                                             "followed by --help.")
     for name, text in {**LIGHTNING_COMMANDS, **COMMANDS}.items():
@@ -53,9 +53,13 @@ def _answer_without_lightning(argv: list[str]) -> int:
 
 
 def _run_lightning(argv: list[str]) -> int:
-    if not [a for a in argv if a != "--debug"]:  # jsonargparse's own line lists Lightning's subcommands only
-        raise InputError("give a subcommand: one of " + ", ".join([*LIGHTNING_COMMANDS, *COMMANDS])
-                         + " (`lightning-ffpa --help` says what each does)")
+    words = [a for a in argv if a != "--debug"]
+    subcommands = ", ".join([*LIGHTNING_COMMANDS, *COMMANDS])
+    if not words:  # jsonargparse's own line lists Lightning's subcommands only
+        raise InputError(f"give a subcommand: one of {subcommands} (`lightning-ffpa --help` says what each does)")
+    if not words[0].startswith("-") and words[0] not in LIGHTNING_COMMANDS:
+        raise InputError(f"`{words[0]}`: not a subcommand; one of {subcommands} (`lightning-ffpa --help` says what "
+                         "each does)")
     # a console script's sys.path lacks the folder it runs from (`python -m` has it): a user's reward function or
     # module named by a dotted path (`my_rewards.score`) is found there, after every installed package
     if "" not in sys.path and os.getcwd() not in sys.path:

@@ -202,6 +202,7 @@ ROWS = [
     # a later trial: Lightning refused this only after the model summary and the run's config.yaml
     (f"{F} --trainer.logger false", "`trainer.logger=False`: `trainer.callbacks` has LearningRateMonitor"),
     ("lightning-ffpa", "give a subcommand: one of fit, validate, test, predict, recipes, cp"),  # listed Lightning's
+    ("lightning-ffpa recipe", "`recipe`: not a subcommand; one of fit, validate, test, predict, recipes, cp"),  # same
 ]
 
 

@@ -39,6 +39,8 @@ def test_top_level_help_lists_the_commands_beside_lightnings(capfd, monkeypatch)
     assert {"fit", "validate", "test", "predict", *cli.COMMANDS} <= {row[0] for row in rows if row}
     for name, text in cli.COMMANDS.items():
         assert [name, text] in rows  # one line each, in the subcommand list
+    usage = _help(capfd, "--help").split("\n\n")[0]  # the usage line named Lightning's four alone
+    assert "{fit,validate,test,predict,recipes,cp}" in usage, usage
 
 
 def test_top_level_help_matches_lightningclis(capfd, monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,43 @@ def check_negative_values(args: list[str]) -> None:
                 and not _ARGPARSE_NEGATIVE.match(value):
             raise ConfigError(option, NOT_GIVEN, f"its value {value} starts with `-`, so it is read as an option; "
                                                  f"write `{option}={value}`")
+
+
+def check_flow_values(args: list[str]) -> None:
+    """`--opt '{r:4}'`: YAML reads `r:4` as one key (a flow mapping needs a space after its colons), and
+    jsonargparse then says only "Expected a path"; name the option and the spacing that works."""
+    import yaml
+
+    for i, option in enumerate(args):
+        if not option.startswith("--"):
+            continue
+        if "=" in option:
+            option, _, value = option.partition("=")
+        elif i + 1 < len(args):
+            value = args[i + 1]
+        else:
+            continue
+        if not value.lstrip().startswith(("{", "[")) or not re.search(r":\S", value):
+            continue
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            continue  # jsonargparse says what is wrong with it
+        if any(":" in key for key in _mapping_keys(parsed)):
+            spaced = re.sub(r"(?<=[\w\]}'\"]):(?=[^\s/])", ": ", value)
+            raise ConfigError(option, value, f"a YAML flow mapping needs a space after each colon: write {spaced!r}")
+
+
+def _mapping_keys(value: Any) -> Iterator[str]:
+    """Every string key of the mappings in `value`, nested ones included."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                yield key
+            yield from _mapping_keys(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _mapping_keys(item)
 
 
 def check_folder_writable(folder: str | os.PathLike, option: str) -> None:

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_ffpa import recipes
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa.cli_checks import (
+    check_flow_values,
     check_folder_writable,
     check_negative_values,
     check_precision_runs_here,
@@ -281,6 +282,7 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
 
     def parse_arguments(self, parser, args) -> None:  # noqa: D102
         check_negative_values(list(args or []))
+        check_flow_values(list(args or []))
         with _as_user_errors(), warnings.catch_warnings():
             # `main` passes the console's argv explicitly (recipe names resolved); that is not a mistake
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")

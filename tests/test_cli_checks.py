@@ -8,7 +8,12 @@ import re
 
 import pytest
 
-from lightning_ffpa.cli_checks import check_folder_writable, check_negative_values, check_seed
+from lightning_ffpa.cli_checks import (
+    check_flow_values,
+    check_folder_writable,
+    check_negative_values,
+    check_seed,
+)
 from lightning_ffpa.errors import ConfigError
 
 
@@ -19,6 +24,18 @@ def test_negative_values_in_the_space_form():
     for value in ("-3e-3", "-1.", "-2E+5"):
         with pytest.raises(ConfigError, match=re.escape(f"write `--model.init_args.learning_rate={value}`")):
             check_negative_values(["fit", "--model.init_args.learning_rate", value])
+
+
+def test_flow_mappings_without_spaces_after_colons():
+    """`{r:4}` is YAML's one key `r:4`: jsonargparse said only "Expected a path"."""
+    for fine in (["--model.init_args.lora", "{r: 4, target_modules: [q_proj]}"], ["--a", "[q_proj, v_proj]"],
+                 ["--data.init_args.tokenizer", "{url: http://host:80/x}"], ["--a={b: 1}"], ["fit", "{r:4}"],
+                 ["--a", "{unclosed:"]):
+        check_flow_values(fine)
+    for args in (["fit", "--model.init_args.lora", "{r:4,target_modules:[q_proj]}"],
+                 ["--model.init_args.lora={r: 4, lora_alpha:8}"], ["--a", "[{r:4}]"]):
+        with pytest.raises(ConfigError, match=r"a YAML flow mapping needs a space after each colon: write '.*: "):
+            check_flow_values(args)
 
 
 def test_seed_range():

@@ -202,6 +202,8 @@ ROWS = [
     # a later trial: Lightning refused this only after the model summary and the run's config.yaml
     (f"{F} --trainer.logger false", "`trainer.logger=False`: `trainer.callbacks` has LearningRateMonitor"),
     ("lightning-ffpa", "give a subcommand: one of fit, validate, test, predict, recipes, cp"),  # listed Lightning's
+    (f"{F} --model.init_args.lora '{{r:4,target_modules:[q_proj]}}'", "`--model.init_args.lora='{r:4,target_modules:"
+     "[q_proj]}'`: a YAML flow mapping needs a space after each colon"),  # jsonargparse: "Expected a path"
     ("lightning-ffpa recipe", "`recipe`: not a subcommand; one of fit, validate, test, predict, recipes, cp"),  # same
 ]
 

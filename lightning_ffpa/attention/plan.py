@@ -114,11 +114,11 @@ def resolve_plan(model_attn: str | None, cp_size: int = 1, callback: Any = None,
     attn = callback.attn_implementation if callback is not None else model_attn
     # without the Callback nothing installs a sliding kernel: the "ffpa" backend runs its own default, Flex
     sliding = getattr(callback, "sliding", DEFAULT_SLIDING) if callback is not None else "flex"
+    if callback is not None and sliding != DEFAULT_SLIDING and cp_size == 1 and attn != "ffpa":  # else ignored
+        raise ConfigError(SLIDING_OPTION, sliding, f"applies to the 'ffpa' backend or the ring (context_parallel_size "
+                          f"> 1), and this run has attn_implementation={attn!r}, which runs every layer itself; "
+                          "leave it unset")
     if sliding == "fa4":
-        if cp_size == 1 and attn != "ffpa":
-            raise ConfigError(SLIDING_OPTION, sliding, f"applies to the 'ffpa' backend or the ring "
-                              f"(context_parallel_size > 1), and this run has attn_implementation={attn!r}; use "
-                              "'flex' or 'auto'")
         why = _fa4_refusal(device, sliding_head_dim)
         if why:
             raise ConfigError(SLIDING_OPTION, sliding, f"flash-attn-4 cannot run here ({why}); use 'auto' (FA4 where "

@@ -65,7 +65,7 @@ class NonFiniteGuard(pl.Callback):
         Args:
             action: `stop` raises TrainingDiverged (a FloatingPointError; `lightning-ffpa` exits 3) before the
                 update; `skip` drops that step's update.
-            max_consecutive_skips: with `skip`, stop after this many non-finite steps in a row (diverged).
+            max_consecutive_skips: with `skip`, skip at most this many non-finite steps in a row; the next one in a row stops the run (diverged).
             check_grads: also check every gradient before the optimizer step (catches inf grads of a finite loss).
         """
         if action not in ("stop", "skip"):

@@ -50,6 +50,9 @@ class Float8Training:
     def __post_init__(self) -> None:
         if self.recipe not in FP8_RECIPES:
             raise ConfigError(OPTION, self.recipe, f"is not one of {', '.join(map(repr, FP8_RECIPES))}")
+        if self.emulate and self.recipe == "none":  # it would emulate nothing
+            raise ConfigError(f"{OPTION}_emulate", True, f"emulates the float8 matmuls of `{OPTION}`, which is "
+                              "'none'; set `fp8: rowwise` or `tensorwise` with it, or drop it")
 
     @property
     def enabled(self) -> bool:

@@ -157,8 +157,11 @@ def test_plan_refuses_an_explicit_fa4_that_cannot_run():
         assert ring.ring_sliding_backend == "fa4" and ring.describe() == "ring CP=2, sliding=fa4"
         assert resolve_plan("sdpa", 2, FFPAAttention(), cpu, 256).ring_sliding_backend == "auto"  # the default
         assert resolve_plan("sdpa", 2, FFPAAttention(sliding="flex"), cpu, 256).ring_sliding_backend is None
-        with pytest.raises(ConfigError, match="attn_implementation='sdpa'"):
-            resolve_plan("sdpa", 1, FFPAAttention(attn_implementation="sdpa", sliding="fa4"), cpu, 256)
+        for explicit in ("fa4", "flex"):  # `flex` beside sdpa ran nothing of its own, exit 0
+            with pytest.raises(ConfigError, match=rf"^`FFPAAttention.sliding='{explicit}'`: applies to the 'ffpa' "
+                                                  r"backend .*attn_implementation='sdpa'"):
+                resolve_plan("sdpa", 1, FFPAAttention(attn_implementation="sdpa", sliding=explicit), cpu, 256)
+        assert resolve_plan("sdpa", 1, FFPAAttention(attn_implementation="sdpa"), cpu, 256).sliding == "auto"
     plan = resolve_plan("ffpa", 1, FFPAAttention(sliding="auto"), cpu, 512)  # auto: never an error, Flex counted
     assert plan.sliding_kernel == "fa4" and plan.describe() == "attn_implementation=ffpa"  # the default, unnamed
     assert resolve_plan("ffpa", 1, FFPAAttention(sliding="flex"), cpu, 256).describe() == \

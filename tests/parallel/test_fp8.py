@@ -295,6 +295,13 @@ def test_lora_is_refused_in_preflight_and_in_parallelize():
     assert not any(_float8(m) for m in peft.modules())
 
 
+def test_emulate_without_a_recipe_is_refused_by_name():
+    """`fp8_emulate: true` with `fp8: none` emulated nothing, exit 0."""
+    with pytest.raises(ConfigError, match=r"^`fp8_emulate=True`: emulates the float8 matmuls of `fp8`, which is 'none'"):
+        FSDP2Strategy(fp8="none", fp8_emulate=True)
+    assert Float8Training("rowwise", emulate=True).enabled
+
+
 def test_missing_torchao_is_one_line_before_any_work(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # `import torchao.float8` raises ImportError
     message = r"^`fp8='rowwise'`: needs torchao: pip install 'lightning-ffpa\[fp8\]'$"

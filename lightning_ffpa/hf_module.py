@@ -32,13 +32,17 @@ from transformers import (
 from lightning_ffpa._compat.torch import without_wrapper_levels
 from lightning_ffpa._compat.transformers import (  # noqa: F401 - text_config re-exported
     CONFIG_VALUE_ERRORS,
-    attention_names,
     config_error_text,
     disable_kv_cache,
     from_config,
     text_config,
 )
-from lightning_ffpa.attention.plan import AttentionPlan, plan_for, resolve_plan
+from lightning_ffpa.attention.plan import (
+    AttentionPlan,
+    plan_for,
+    registered_attention,
+    resolve_plan,
+)
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base, frozen_names, frozen_record
 from lightning_ffpa.checkpoint.frozen import OPTION as FROZEN_OPTION
 from lightning_ffpa.dtypes import parse_dtype
@@ -54,7 +58,6 @@ from lightning_ffpa.presets import (
 )
 
 # HF names plus ours; anything else registered in transformers' AttentionInterface is accepted too.
-KNOWN_ATTN = ("sdpa", "eager", "flex_attention", "ffpa")
 # Hyper-parameters that define the architecture: a checkpoint trained with other values cannot be resumed.
 ARCHITECTURE_HPARAMS = ("pretrained", "preset", "config_overrides", "model_class", "lora")
 # Text-config fields that size a checkpoint's weights: a `pretrained` run cannot override them.
@@ -71,12 +74,6 @@ _MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemm
 # peft's adapter weights (its infixes on base weights: `lora.PEFT_LEVEL`).
 # torch.compile and activation checkpointing wrap each decoder layer (`parallelize`).
 _ADAPTER_KEY = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
-
-
-def _registered_attn() -> set[str]:
-    """The names a model can train with: ours and transformers' registered ones, less the paged ones, which
-    serve generation from a KV cache (HF's `paged|*`, and the rollout engine's own)."""
-    return set(KNOWN_ATTN) | {n for n in attention_names() if "paged" not in n}
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:
@@ -123,8 +120,8 @@ class HFModule(L.LightningModule):
         hp = self.hparams
         hp["lora"] = lora_hparam(hp.get("lora"))  # checked, and plain data for hparams/checkpoints
         attn = hp.get("attn_implementation", "sdpa")
-        if attn not in _registered_attn():
-            raise ConfigError("model.attn_implementation", attn, f"is unknown; choose one of {sorted(_registered_attn())}")
+        if attn not in registered_attention():
+            raise ConfigError("model.attn_implementation", attn, f"is unknown; choose one of {sorted(registered_attention())}")
         parse_dtype("model.dtype", hp.get("dtype", "auto"))
         if self.model_class_name not in _MODEL_CLASSES:
             raise ConfigError("model.model_class", self.model_class_name, f"must be one of {sorted(_MODEL_CLASSES)}")

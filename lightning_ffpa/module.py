@@ -22,7 +22,6 @@ from lightning_ffpa.dtypes import DtypeOrAuto
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.hf_module import (  # noqa: F401 - re-exported: `from lightning_ffpa.module import resolve_dtype`
     _MODEL_CLASSES,
-    KNOWN_ATTN,
     HFModule,
     resolve_dtype,
     text_config,

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lightning_ffpa._compat.transformers import text_config
+from lightning_ffpa._compat.transformers import attention_names, text_config
 from lightning_ffpa.attention import fa4, registry
 from lightning_ffpa.attention.documents import check_packing
 from lightning_ffpa.errors import ConfigError
@@ -98,6 +98,15 @@ def _fa4_refusal(device: torch.device | None, head_dim: int | None) -> str:
     return ""
 
 
+KNOWN_ATTN = ("sdpa", "eager", "flex_attention", "ffpa")
+
+
+def registered_attention() -> set[str]:
+    """The names a model can train with: ours and transformers' registered ones, less the paged ones, which
+    serve generation from a KV cache (HF's `paged|*`, and the rollout engine's own)."""
+    return set(KNOWN_ATTN) | {n for n in attention_names() if "paged" not in n}
+
+
 def resolve_plan(model_attn: str | None, cp_size: int = 1, callback: Any = None, device: torch.device | None = None,
                  sliding_head_dim: int | None = None) -> AttentionPlan:
     """The plan for a model option, a CP size and the FFPAAttention callback (None: not in the run) on `device`
@@ -112,6 +121,9 @@ def resolve_plan(model_attn: str | None, cp_size: int = 1, callback: Any = None,
         raise ValueError(f"`context_parallel_size={cp_size}` needs the `{CALLBACK}` callback in trainer.callbacks: "
                          "it installs the ring that attends across the ranks' chunks")
     attn = callback.attn_implementation if callback is not None else model_attn
+    if callback is not None and attn not in registered_attention():  # HF raised it after the model was built
+        raise ConfigError("FFPAAttention.attn_implementation", attn,
+                          f"is unknown; choose one of {sorted(registered_attention())}")
     # without the Callback nothing installs a sliding kernel: the "ffpa" backend runs its own default, Flex
     sliding = getattr(callback, "sliding", DEFAULT_SLIDING) if callback is not None else "flex"
     if callback is not None and sliding != DEFAULT_SLIDING and cp_size == 1 and attn != "ffpa":  # else ignored

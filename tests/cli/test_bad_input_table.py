@@ -204,6 +204,9 @@ ROWS = [
     ("lightning-ffpa", "give a subcommand: one of fit, validate, test, predict, recipes, cp"),  # listed Lightning's
     (f"{F} --model.init_args.lora '{{r:4,target_modules:[q_proj]}}'", "`--model.init_args.lora='{r:4,target_modules:"
      "[q_proj]}'`: a YAML flow mapping needs a space after each colon"),  # jsonargparse: "Expected a path"
+    (f"{F} --trainer.callbacks+=lightning_ffpa.callbacks.FFPAAttention "
+     "--trainer.callbacks.init_args.attn_implementation bogus", "`FFPAAttention.attn_implementation='bogus'`: is "
+     "unknown"),  # HF's ValueError after the model was built, exit 1
     ("lightning-ffpa recipe", "`recipe`: not a subcommand; one of fit, validate, test, predict, recipes, cp"),  # same
 ]
 

@@ -56,21 +56,28 @@ def _fsync_dir(directory: Path) -> None:
 def publish(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
     """Rename the complete `tmp` to `final`, replacing an older checkpoint of that name.
 
-    A file is replaced in one `os.replace`. A folder cannot replace a non-empty folder, so the old one is
-    first moved aside to `.NAME.old`; a crash between the two renames leaves the old checkpoint there.
+    A file replaces a file (or link) in one `os.replace`. Any other pair (a folder over anything, a file over a
+    folder: a resume that changed `save_distributed_checkpoint`) cannot, so the old one is first moved aside to
+    `.NAME.old`; a crash between the two renames leaves the old checkpoint there.
     """
     tmp, final = Path(tmp), Path(final)
-    if tmp.is_dir() and (final.is_dir() and not final.is_symlink()):
+    if os.path.lexists(final) and (tmp.is_dir() or (final.is_dir() and not final.is_symlink())):
         old = final.parent / f".{final.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
         os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     else:
-        if final.is_dir() and not final.is_symlink():
-            shutil.rmtree(final)  # a DCP folder replaced by a plain file of the same name
         os.replace(tmp, final)
     _fsync_dir(final.parent)
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, a link (not what it points to) or a folder, if there."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def discard(tmp: str | os.PathLike) -> None:

@@ -97,6 +97,34 @@ def test_replacing_a_file_is_atomic_and_leaves_no_partial(tmp_path):
     assert _names(path.parent) == ["last.ckpt"]
 
 
+@pytest.mark.parametrize("old_kind", ["file", "link", "folder"])
+@pytest.mark.parametrize("new_kind", ["file", "folder"])
+def test_publish_replaces_a_checkpoint_of_the_other_layout(tmp_path, old_kind, new_kind):
+    """A resume that changed `save_distributed_checkpoint` publishes a DCP folder over `last.ckpt` the file (or its
+    link), or the reverse: `os.replace(folder, file)` failed after training (exit 2), leaving `last` on the old step
+    and the partial folder behind."""
+    final, target = tmp_path / "last.ckpt", tmp_path / "epoch=0-step=2.ckpt"
+    target.write_bytes(b"step 2")
+    if old_kind == "file":
+        final.write_bytes(b"step 2")
+    elif old_kind == "link":
+        final.symlink_to(target.name)
+    else:
+        final.mkdir()
+        (final / "shard").write_bytes(b"step 2")
+    tmp = tmp_path / ".last.ckpt.partial"
+    if new_kind == "file":
+        tmp.write_bytes(b"step 4")
+    else:
+        tmp.mkdir()
+        (tmp / "shard").write_bytes(b"step 4")
+    atomic_mod.publish(tmp, final)
+    assert not final.is_symlink() and (final.read_bytes() if new_kind == "file" else (final / "shard").read_bytes()) \
+        == b"step 4"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]  # nothing left aside
+    assert target.read_bytes() == b"step 2"  # a link's target is not touched
+
+
 def test_disk_preflight_refuses_before_writing(tmp_path, monkeypatch, record_property):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2**20, 2**20 - 100, 100))

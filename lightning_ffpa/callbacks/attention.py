@@ -122,12 +122,13 @@ class FFPAAttention(Callback):
         n = self.log_every_n_steps
         if not self._counted():  # transformers' own implementation runs: zeros would say nothing ran
             return
-        # once per optimizer step: with gradient accumulation only the window's last micro-batch logs
-        if n and trainer.global_step % n == 0 and not lightning_compat.accumulating(trainer):
+        # once per optimizer step: with gradient accumulation only the window's last micro-batch logs. Straight to
+        # the loggers: `pl_module.log` values are written again at every later logging step (stale counts between)
+        if n and trainer.global_step % n == 0 and not lightning_compat.accumulating(trainer) and trainer.is_global_zero:
             counts = attention.dispatch_counts()
             if counts:
-                pl_module.log_dict({f"attention/{k}": float(v) for k, v in counts.items()},
-                                   on_step=True, on_epoch=False, rank_zero_only=True)
+                for logger in trainer.loggers:
+                    logger.log_metrics({f"attention/{k}": float(v) for k, v in counts.items()}, step=trainer.global_step)
 
     def _counted(self) -> bool:
         """Whether the installed attention is ours (the FFPA backend or the ring), whose dispatches are counted."""

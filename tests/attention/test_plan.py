@@ -33,8 +33,14 @@ def test_resolution_rules():
 def test_packing_is_checked_against_what_runs():
     resolve_plan("sdpa", 2, FFPAAttention()).check_packing(True)  # the ring carries documents in its layout
     resolve_plan(None).check_packing(True)  # a model without the option: nothing to check
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("plain_plan_test", sdpa_attention_forward)  # known to HF, keeps no documents apart
     with pytest.raises(ConfigError, match="data.pack"):
-        resolve_plan("ffpa", 1, SimpleNamespace(attn_implementation="no_such_attention")).check_packing(True)
+        resolve_plan("ffpa", 1, SimpleNamespace(attn_implementation="plain_plan_test")).check_packing(True)
+    with pytest.raises(ConfigError, match="FFPAAttention.attn_implementation='no_such_attention'`: is unknown"):
+        resolve_plan("ffpa", 1, SimpleNamespace(attn_implementation="no_such_attention"))
 
 
 def test_one_plan_for_preflight_callback_and_module():

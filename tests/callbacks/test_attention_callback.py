@@ -7,6 +7,7 @@ import lightning as L
 import pytest
 import torch
 import transformers
+from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -63,9 +64,29 @@ def fake_backend(monkeypatch):
         real_register()  # leave transformers' registry with the real "ffpa" for later tests
 
 
-def _fit(module, callbacks, steps=4):
+class _Recorder(Logger):
+    """Every `log_metrics` call, as (step, metrics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[tuple[int, dict]] = []
+
+    name, version = "recorder", 0
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+
+def _attention_rows(recorder: _Recorder) -> list[tuple[int, float]]:
+    return [(step, m["attention/ffpa-dense"]) for step, m in recorder.rows if "attention/ffpa-dense" in m]
+
+
+def _fit(module, callbacks, steps=4, logger=False):
     data = TensorDataset(torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(0)))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=logger, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
                         callbacks=callbacks)
     trainer.fit(module, DataLoader(data, batch_size=2))
@@ -74,15 +95,23 @@ def _fit(module, callbacks, steps=4):
 
 def test_installs_ffpa_on_nested_model_and_logs_counts(fake_backend, capsys):
     module = _Wrapper()
-    callback = FFPAAttention(log_every_n_steps=1)
-    trainer = _fit(module, [callback])
+    callback, recorder = FFPAAttention(log_every_n_steps=1), _Recorder()
+    _fit(module, [callback], logger=recorder)
     lm = module.net["lm"]
     assert find_hf_model(module) is lm
     assert lm.config._attn_implementation == "ffpa"
     # 4 steps x 2 full layers at head_dim 512, and 2 sliding layers
     assert fake_backend["ffpa-dense"] == 8 and fake_backend["sdpa"] == 8
-    assert trainer.callback_metrics["attention/ffpa-dense"] > 0
+    assert _attention_rows(recorder) == [(1, 2.0), (2, 4.0), (3, 6.0), (4, 8.0)]
     assert "ffpa-dense=8" in callback.summary()
+
+
+def test_counts_are_logged_at_their_own_interval_and_nowhere_between(fake_backend):
+    """`log_every_n_steps: 3` with the trainer logging every step: through `pl_module.log` the step-3 value was
+    written again at steps 4 and 5 (stale counts); now only steps 3 and 6 have one, each the count then."""
+    recorder = _Recorder()
+    _fit(_Wrapper(), [FFPAAttention(log_every_n_steps=3)], steps=6, logger=recorder)
+    assert _attention_rows(recorder) == [(3, 6.0), (6, 12.0)]
 
 
 def test_transformers_own_attention_logs_no_counts_that_read_as_nothing_ran(fake_backend):
@@ -124,15 +153,12 @@ def test_a_reused_callback_installs_again_on_the_next_fit(fake_backend):
 def test_counts_are_logged_once_per_optimizer_step(fake_backend):
     module = _Wrapper()
     data = TensorDataset(torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(0)))
-    callback = FFPAAttention(log_every_n_steps=1)
-    calls = []
-    real_log_dict = module.log_dict
-    module.log_dict = lambda metrics, **kw: (calls.append(dict(metrics)), real_log_dict(metrics, **kw))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+    recorder = _Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=recorder, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-                        accumulate_grad_batches=2, callbacks=[callback])
+                        accumulate_grad_batches=2, callbacks=[FFPAAttention(log_every_n_steps=1)])
     trainer.fit(module, DataLoader(data, batch_size=2))
-    assert len(calls) == 2  # 4 micro-batches, 2 optimizer steps
+    assert _attention_rows(recorder) == [(1, 4.0), (2, 8.0)]  # 4 micro-batches, 2 optimizer steps
 
 
 def test_cp_size_from_strategy_or_mesh():

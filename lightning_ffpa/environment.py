@@ -44,9 +44,10 @@ def check_world_matches_launcher(trainer: Any) -> None:
     if not (dist.is_available() and dist.is_torchelastic_launched()):
         return
     world = os.environ.get("WORLD_SIZE", "")
-    if world.isdigit() and int(world) != trainer.world_size:
+    wanted = trainer.num_devices * trainer.num_nodes  # not `trainer.world_size`: that reads WORLD_SIZE itself here
+    if world.isdigit() and int(world) != wanted:
         per_node = os.environ.get("LOCAL_WORLD_SIZE", "?")
         raise ConfigError("trainer.devices", trainer.num_devices,
                           f"torchrun started {world} processes (WORLD_SIZE; {per_node} per node), but trainer.devices "
-                          f"x trainer.num_nodes = {trainer.world_size}: set --trainer.devices {per_node} (or start "
+                          f"x trainer.num_nodes = {wanted}: set --trainer.devices {per_node} (or start "
                           "torchrun with as many processes as devices)")

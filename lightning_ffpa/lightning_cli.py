@@ -221,10 +221,15 @@ def check_cluster_layout(trainer: L.Trainer) -> None:
     Lightning's subprocess launcher makes at launch, made before the run starts: there it is a traceback."""
     launcher = getattr(trainer.strategy, "launcher", None)
     env = getattr(launcher, "cluster_environment", None)  # launchers that check the layout carry it
-    if env is None:
-        return
+    if env is not None:
+        devices, nodes = launcher.num_processes, launcher.num_nodes
+    else:  # no launcher where the cluster starts the processes (FSDP2Strategy under srun or torchrun): nothing checks
+        env = getattr(trainer.strategy, "cluster_environment", None)
+        if env is None or not env.creates_processes_externally:
+            return
+        devices, nodes = trainer.num_devices, trainer.num_nodes
     try:
-        env.validate_settings(num_devices=launcher.num_processes, num_nodes=launcher.num_nodes)
+        env.validate_settings(num_devices=devices, num_nodes=nodes)
     except ValueError as err:
         option = "trainer.num_nodes" if "num_nodes" in str(err) else "trainer.devices"
         raise ConfigError(option, NOT_GIVEN, one_line(err)) from None

@@ -15,10 +15,20 @@ TORCHRUN_2 = {"TORCHELASTIC_RUN_ID": "t46", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE
               "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29546"}  # rank 1 of torchrun -nproc 2
 SLURM_NTASKS_ONLY = {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "46", "SLURM_NODELIST": "n1",
                      "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+SLURM_2 = {**SLURM_NTASKS_ONLY, "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1"}  # srun --ntasks-per-node 2
+FSDP2_4 = "--trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.devices 4"
+# name: (environment, the one line's start, extra options)
 CASES = {
-    "master_port": ({"MASTER_PORT": "abc"}, "error: `MASTER_PORT='abc'`: must be a TCP port number"),
-    "slurm_ntasks": (SLURM_NTASKS_ONLY, "error: `SLURM_NTASKS='2'`: the job sets `--ntasks=2` without `--ntasks-per-node`"),
-    "torchrun_world": (TORCHRUN_2, "error: `trainer.devices=1`: torchrun started 2 processes (WORLD_SIZE; 2 per node)"),
+    "master_port": ({"MASTER_PORT": "abc"}, "error: `MASTER_PORT='abc'`: must be a TCP port number", ""),
+    "slurm_ntasks": (SLURM_NTASKS_ONLY, "error: `SLURM_NTASKS='2'`: the job sets `--ntasks=2` without `--ntasks-per-node`",
+                     ""),
+    "torchrun_world": (TORCHRUN_2, "error: `trainer.devices=1`: torchrun started 2 processes (WORLD_SIZE; 2 per node)",
+                       ""),
+    # FSDP2Strategy has no launcher under either, so nothing compared: a traceback at the mesh ("Mesh should not be
+    # bigger than default world size 2, but found 4 ranks"), exit 1
+    "torchrun_world_fsdp2": (TORCHRUN_2, "error: `trainer.devices=4`: torchrun started 2 processes", FSDP2_4),
+    "slurm_tasks_fsdp2": (SLURM_2, "error: `trainer.devices`: You set `devices=4` in Lightning, but the number of "
+                                   "tasks per node configured in SLURM `--ntasks-per-node=2` does not match", FSDP2_4),
 }
 
 
@@ -32,7 +42,8 @@ def results(tmp_path_factory) -> dict:
         cwd = tmp_path_factory.mktemp(name)
         (cwd / "fit.yaml").write_text(yaml.safe_dump(cfg))
         before = snapshot(cwd)
-        proc = run("lightning-ffpa fit --config fit.yaml", cwd, timeout=240, env={**env(), **CASES[name][0]})
+        proc = run(f"lightning-ffpa fit --config fit.yaml {CASES[name][2]}", cwd, timeout=240,
+                   env={**env(), **CASES[name][0]})
         return name, (proc, before, snapshot(cwd))
 
     with ThreadPoolExecutor(max_workers=2) as pool:

@@ -57,7 +57,6 @@ from lightning_ffpa.presets import (
     config_fields,
 )
 
-# HF names plus ours; anything else registered in transformers' AttentionInterface is accepted too.
 # Hyper-parameters that define the architecture: a checkpoint trained with other values cannot be resumed.
 ARCHITECTURE_HPARAMS = ("pretrained", "preset", "config_overrides", "model_class", "lora")
 # Text-config fields that size a checkpoint's weights: a `pretrained` run cannot override them.
@@ -120,8 +119,8 @@ class HFModule(L.LightningModule):
         hp = self.hparams
         hp["lora"] = lora_hparam(hp.get("lora"))  # checked, and plain data for hparams/checkpoints
         attn = hp.get("attn_implementation", "sdpa")
-        if attn not in registered_attention():
-            raise ConfigError("model.attn_implementation", attn, f"is unknown; choose one of {sorted(registered_attention())}")
+        if attn not in (known := registered_attention()):
+            raise ConfigError("model.attn_implementation", attn, f"is unknown; choose one of {sorted(known)}")
         parse_dtype("model.dtype", hp.get("dtype", "auto"))
         if self.model_class_name not in _MODEL_CLASSES:
             raise ConfigError("model.model_class", self.model_class_name, f"must be one of {sorted(_MODEL_CLASSES)}")

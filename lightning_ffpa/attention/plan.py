@@ -98,6 +98,7 @@ def _fa4_refusal(device: torch.device | None, head_dim: int | None) -> str:
     return ""
 
 
+# HF names plus ours; anything else registered in transformers' AttentionInterface is accepted too.
 KNOWN_ATTN = ("sdpa", "eager", "flex_attention", "ffpa")
 
 
@@ -121,9 +122,8 @@ def resolve_plan(model_attn: str | None, cp_size: int = 1, callback: Any = None,
         raise ValueError(f"`context_parallel_size={cp_size}` needs the `{CALLBACK}` callback in trainer.callbacks: "
                          "it installs the ring that attends across the ranks' chunks")
     attn = callback.attn_implementation if callback is not None else model_attn
-    if callback is not None and attn not in registered_attention():  # HF raised it after the model was built
-        raise ConfigError("FFPAAttention.attn_implementation", attn,
-                          f"is unknown; choose one of {sorted(registered_attention())}")
+    if callback is not None and attn not in (known := registered_attention()):  # HF raised it after the build
+        raise ConfigError("FFPAAttention.attn_implementation", attn, f"is unknown; choose one of {sorted(known)}")
     # without the Callback nothing installs a sliding kernel: the "ffpa" backend runs its own default, Flex
     sliding = getattr(callback, "sliding", DEFAULT_SLIDING) if callback is not None else "flex"
     if callback is not None and sliding != DEFAULT_SLIDING and cp_size == 1 and attn != "ffpa":  # else ignored

@@ -63,27 +63,20 @@ def publish(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
     tmp, final = Path(tmp), Path(final)
     if os.path.lexists(final) and (tmp.is_dir() or (final.is_dir() and not final.is_symlink())):
         old = final.parent / f".{final.name}.old"
-        _remove(old)
+        discard(old)
         os.replace(final, old)
         os.replace(tmp, final)
-        _remove(old)
+        discard(old)
     else:
         os.replace(tmp, final)
     _fsync_dir(final.parent)
 
 
-def _remove(path: Path) -> None:
-    """Delete a file, a link (not what it points to) or a folder, if there."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def discard(tmp: str | os.PathLike) -> None:
-    """Delete a partial checkpoint after a failed save (best effort: the save's own error is what matters)."""
+    """Delete a partial or replaced checkpoint: a file, a link (not what it points to) or a folder, if there (best
+    effort after a failed save: the save's own error is what matters)."""
     tmp = Path(tmp)
-    if tmp.is_dir():
+    if tmp.is_dir() and not tmp.is_symlink():
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         tmp.unlink(missing_ok=True)

@@ -432,7 +432,8 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     adapter_dir = None
     if plan.adapter:
         adapter_dir = out / "adapter"
-        _export_adapter(source, plan.adapter, lora, adapter_dir, base=str(out))
+        # absolute: peft resolves the base from wherever the adapter is loaded, a relative path from the cwd
+        _export_adapter(source, plan.adapter, lora, adapter_dir, base=str(out.resolve()))
     return ExportResult(out, len(weight_map), names, adapter_dir, merged, dequantized, save_dtype)
 
 

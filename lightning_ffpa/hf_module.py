@@ -35,6 +35,8 @@ from lightning_ffpa._compat.transformers import (  # noqa: F401 - text_config re
     config_error_text,
     disable_kv_cache,
     from_config,
+    per_layer_overrides,
+    per_layer_overrides_follow_types,
     text_config,
 )
 from lightning_ffpa.attention.plan import (
@@ -160,6 +162,7 @@ class HFModule(L.LightningModule):
         # silently and would put text fields on a multimodal config's top level).
         text = text_config(cfg)
         check_overrides(overrides, config_fields(text), type(text).__name__)
+        layers_before, types_before = per_layer_overrides(text), list(getattr(text, "layer_types", None) or [])
         if "num_hidden_layers" in overrides and "layer_types" not in overrides:
             # the checkpoint's pattern, cut (the usual case: its first N layers) or repeated to the new depth
             types = list(getattr(text, "layer_types", None) or [])
@@ -174,6 +177,12 @@ class HFModule(L.LightningModule):
                 setattr(text, key, value)
             except CONFIG_VALUE_ERRORS as err:
                 raise ConfigError(f"model.config_overrides.{key}", value, config_error_text(err)) from err
+        if layers_before and list(text.layer_types) != types_before:
+            option = "num_hidden_layers" if "layer_types" not in overrides else "layer_types"
+            try:
+                per_layer_overrides_follow_types(text, layers_before, types_before)
+            except ValueError as err:
+                raise ConfigError(f"model.config_overrides.{option}", overrides[option], str(err)) from err
         try:
             text.validate()
         except CONFIG_VALUE_ERRORS as err:

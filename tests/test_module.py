@@ -163,6 +163,21 @@ def test_pretrained_config_overrides_reach_the_text_config(tmp_path):
     assert lm.config.num_hidden_layers == 2 and lm.config.sliding_window == 8
 
 
+@pytest.mark.parametrize("layers", [3, 6])
+def test_pretrained_depth_override_gives_each_layer_its_types_shapes(layers, tmp_path):
+    """A checkpoint's depth cut or grown: transformers' per-layer config (the full layers' head_dim 512) stayed
+    on the checkpoint's indices, and building the grown model failed in transformers ("not homogeneous")."""
+    from lightning_ffpa.validation import _meta_model
+
+    Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(tmp_path)
+    lm = Gemma4LM(pretrained=str(tmp_path), config_overrides={"num_hidden_layers": layers})
+    layer_types = lm.config.layer_types
+    assert len(layer_types) == layers
+    model = _meta_model(lm)
+    for kind, layer in zip(layer_types, model.model.layers, strict=True):
+        assert layer.self_attn.head_dim == (512 if kind == "full_attention" else 32), kind
+
+
 def test_lora_with_the_chunked_loss_matches_plain():
     """Under peft, `model.model` is the whole CausalLM: the chunked loss must find the decoder beneath it."""
     losses, grads = {}, {}

@@ -38,6 +38,8 @@ __all__ = [
     "find_hf_model",
     "from_config",
     "init_weights_fn",
+    "per_layer_overrides",
+    "per_layer_overrides_follow_types",
     "pad",
     "prepare_padding_mask",
     "register_attention",
@@ -205,24 +207,70 @@ def _unwrapped(layer: nn.Module) -> nn.Module:
         layer = inner
 
 
-def _hf_models(module: nn.Module) -> Iterator[PreTrainedModel]:
-    """PreTrainedModel submodules of `module`, outermost first (pre-order)."""
-    return (m for m in module.modules() if isinstance(m, PreTrainedModel))
+def _outermost(module: nn.Module, qualifies: Callable[[nn.Module], bool]) -> list[tuple[str, nn.Module]]:
+    """(name, submodule) for each PreTrainedModel in `module` that `qualifies` and lies inside no other one."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, m in module.named_modules():
+        if isinstance(m, PreTrainedModel) and qualifies(m) and not any(name.startswith(f"{n}.") for n, _ in found):
+            found.append((name, m))
+    return found
 
 
-def find_hf_model(module: nn.Module, *, with_decoder_layers: bool = False) -> nn.Module | None:
-    """The HF model inside `module` (a LightningModule, or any wrapper): `module.model` when it qualifies,
-    else the outermost PreTrainedModel submodule that does; None if none does.
+def _pick(found: list[tuple[str, nn.Module]], strict: bool) -> nn.Module | None:
+    """The one model of `found` to configure: the only one, else the only one with trainable parameters."""
+    if len(found) <= 1:
+        return found[0][1] if found else None
+    trained = [(n, m) for n, m in found if any(p.requires_grad for p in m.parameters())]
+    if len(trained) == 1:
+        return trained[0][1]
+    if not strict:
+        return (trained or found)[0][1]
+    from lightning_ffpa.errors import InputError
+
+    names = ", ".join(f"`{n}`" for n, _ in (trained or found))
+    raise InputError(f"{len(trained or found)} HF models {'with trainable parameters ' if trained else ''}in the "
+                     f"LightningModule ({names}), so which one to train is ambiguous: set the trained one as "
+                     "`self.model`, or freeze the others (`requires_grad_(False)`)")
+
+
+def find_hf_model(module: nn.Module, *, with_decoder_layers: bool = False, strict: bool = True) -> nn.Module | None:
+    """The HF model inside `module` (a LightningModule, or any wrapper): `module.model` when it qualifies, else
+    the outermost PreTrainedModel submodule that does (of several, the only one with trainable parameters: a
+    frozen reference beside a trained policy); None if none does.
 
     Qualifies: a PreTrainedModel. With `with_decoder_layers` (what FSDP shards): any `module.model` whose
     decoder layers `find_decoder_layers` finds (so a PEFT wrapper is sharded at its own root), or a
-    PreTrainedModel submodule with decoder layers.
+    PreTrainedModel submodule with decoder layers. `strict`: several candidates none of which is the only
+    trained one raise `InputError`; otherwise the first trained (or first) is returned.
     """
     inner = getattr(module, "model", None)
     if with_decoder_layers:
         if isinstance(inner, nn.Module) and find_decoder_layers(inner) is not None:
             return inner
-        return next((m for m in _hf_models(module) if find_decoder_layers(m) is not None), None)
+        return _pick(_outermost(module, lambda m: find_decoder_layers(m) is not None), strict)
     if isinstance(inner, PreTrainedModel):
         return inner
-    return next(_hf_models(module), None)
+    return _pick(_outermost(module, lambda m: True), strict)
+
+
+def per_layer_overrides(config: PretrainedConfig) -> dict[int, dict[str, Any]]:
+    """The config's per-layer overrides by layer index (transformers >= 5.2x: Gemma4's full-attention layers carry
+    their own `head_dim`); {} where there are none or transformers has no such notion."""
+    if not getattr(config, "is_heterogeneous", False):
+        return {}
+    return {int(k): dict(v) for k, v in (config.to_dict().get("per_layer_config") or {}).items()}
+
+
+def per_layer_overrides_follow_types(config: PretrainedConfig, before: dict[int, dict[str, Any]],
+                                     types_before: list[str]) -> None:
+    """After the depth or `layer_types` changed, give each layer its type's overrides (as Gemma4's config derives
+    them from `layer_types` when it is built). ValueError where a type's layers differed, or a type is new."""
+    by_type: dict[str, dict[str, Any]] = {}
+    for i, kind in enumerate(types_before):
+        if by_type.setdefault(kind, before.get(i, {})) != before.get(i, {}):
+            raise ValueError(f"the checkpoint's `{kind}` layers differ in their per-layer config, so the new layers' "
+                             "shapes are unknown")
+    new = set(config.layer_types) - set(by_type)
+    if new:
+        raise ValueError(f"the checkpoint has no {sorted(new)} layers to take their per-layer config from")
+    config.per_layer_config = {i: dict(by_type[k]) for i, k in enumerate(config.layer_types) if by_type[k]}

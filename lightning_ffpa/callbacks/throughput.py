@@ -237,7 +237,7 @@ class TokenThroughput(ThroughputMonitor):
             return
         from lightning_ffpa._compat.transformers import find_hf_model
 
-        model = find_hf_model(pl_module) or pl_module
+        model = find_hf_model(pl_module, strict=False) or pl_module
         count = train_flops_per_batch if backward else forward_flops_per_batch
         pl_module.flops_per_batch = count(model, *_batch_shape(batch)) / self._cp
         try:
@@ -274,7 +274,7 @@ class TokenThroughput(ThroughputMonitor):
             self._said_uncounted = True
             from lightning_ffpa._compat.transformers import config_attn_implementation, find_hf_model
 
-            config = getattr(find_hf_model(pl_module), "config", None)
+            config = getattr(find_hf_model(pl_module, strict=False), "config", None)
             attn = config_attn_implementation(config) if config is not None else None
             rank_zero_info(f"TokenThroughput: no attention call went through the FFPA backend (the model's attention "
                            f"is {attn!r}, not the backend's), so no `attention/*` counter is logged")

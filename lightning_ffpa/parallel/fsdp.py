@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     fully_shard,
     register_fsdp_forward_method,
@@ -155,3 +156,31 @@ def frozen_params(model: nn.Module, param_dtype: torch.dtype | None, cpu_offload
                          f"`param_dtype` is {param_dtype}: build the model in that dtype (`model.dtype`), or leave "
                          "`replicate_frozen` off")
     return frozen
+
+
+def shard_trainable_rest(root: nn.Module, mesh: ParallelDims, mp_policy: MixedPrecisionPolicy | None = None,
+                         cpu_offload: bool = False) -> list[str]:
+    """`fully_shard` each child of `root` that holds trainable parameters no FSDP2 unit holds (a value head beside
+    the HF model, a second trained model); returns their names.
+
+    Left plain, such parameters would train on each rank alone: no gradient is averaged, and the ranks part.
+    A trainable parameter of `root` itself cannot be sharded apart from the rest and is refused by name.
+    """
+    from lightning_ffpa.errors import InputError
+
+    covered = {id(p) for m in root.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    rest = [name for name, p in root.named_parameters() if p.requires_grad and id(p) not in covered]
+    if not rest:
+        return []
+    direct = [n for n in rest if "." not in n]
+    if direct:
+        raise InputError(f"FSDP2Strategy cannot shard trainable parameters set on the LightningModule itself "
+                         f"({', '.join(direct)}): put them in a submodule (an nn.Linear, an nn.ParameterDict) so FSDP2 "
+                         "shards them and averages their gradients across ranks")
+    kwargs: dict = dict(mesh=mesh.fsdp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    children = dict.fromkeys(n.split(".", 1)[0] for n in rest)
+    for child in children:
+        fully_shard(root.get_submodule(child), **kwargs)
+    return list(children)

@@ -38,7 +38,7 @@ from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, check_ac_mode,
 from lightning_ffpa.parallel.dims import ParallelDims, check_expert_parallel
 from lightning_ffpa.parallel.expert_parallel import clip_grad_norm_by_mesh
 from lightning_ffpa.parallel.fp8 import Float8Training, FP8Recipe
-from lightning_ffpa.parallel.fsdp import REPLICATE_WITH_OFFLOAD, dtypes_cast, parallelize
+from lightning_ffpa.parallel.fsdp import REPLICATE_WITH_OFFLOAD, dtypes_cast, parallelize, shard_trainable_rest
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -407,6 +407,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         target = _find_parallelize_target(self.lightning_module, required=not already_sharded)
         if not already_sharded:
             self.parallelize_module(target)
+        rest = shard_trainable_rest(self.lightning_module, self.parallel_dims, self.mp_policy(), self.cpu_offload)
+        if rest:
+            from lightning.pytorch.utilities import rank_zero_info
+
+            rank_zero_info(f"FSDP2 also shards {', '.join(rest)}: trainable, outside the HF model it parallelizes")
         if target is not None:  # a module loading its weights (`pretrained`) needs no exact random draws
             materialize(target, self.root_device, not getattr(self.lightning_module, "loads_pretrained", False))
         lightning_compat.materialize_distributed_module(self.model, self.root_device)  # anything else still on meta

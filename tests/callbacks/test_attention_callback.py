@@ -106,6 +106,38 @@ def test_installs_ffpa_on_nested_model_and_logs_counts(fake_backend, capsys):
     assert "ffpa-dense=8" in callback.summary()
 
 
+class _PolicyAndReference(L.LightningModule):
+    """A frozen reference built before the trained policy, neither named `model`."""
+
+    def __init__(self, freeze_ref: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.ref = transformers.Gemma4ForCausalLM(build_text_config("tiny")).requires_grad_(not freeze_ref)
+        self.policy = transformers.Gemma4ForCausalLM(build_text_config("tiny"))
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.policy(input_ids=ids, labels=ids, use_cache=False).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+def test_installs_on_the_trained_model_beside_a_frozen_one(fake_backend):
+    """The first HF model found was configured (the frozen reference), and the counts of its no-grad calls
+    read as the policy's; the only trained model is chosen now."""
+    module = _PolicyAndReference()
+    _fit(module, [FFPAAttention()], steps=1)
+    assert find_hf_model(module) is module.policy
+    assert module.policy.config._attn_implementation == "ffpa"
+    assert fake_backend["ffpa-dense"] == 2
+
+
+def test_two_trained_models_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"2 HF models with trainable parameters .*`ref`, `policy`.*`self.model`"):
+        find_hf_model(_PolicyAndReference(freeze_ref=False))
+
+
 def test_counts_are_logged_at_their_own_interval_and_nowhere_between(fake_backend):
     """`log_every_n_steps: 3` with the trainer logging every step: through `pl_module.log` the step-3 value was
     written again at steps 4 and 5 (stale counts); now only steps 3 and 6 have one, each the count then."""

@@ -133,6 +133,22 @@ def test_lora_adapter_in_peft_format_and_fp32_merge(kind, request, tmp_path, rec
     record_property("case", f"{'DoRA' if kind == 'dora' else 'LoRA'} -> PEFT adapter, and merged in fp32")
 
 
+@torch.no_grad()
+def test_adapter_exported_to_a_relative_folder_loads_from_anywhere(trained_lora, tmp_path, monkeypatch):
+    """The adapter's `base_model_name_or_path` was the output folder as typed: a relative path that peft then
+    looked up on the Hub from any other working directory."""
+    from peft import AutoPeftModelForCausalLM
+
+    lm, ckpt = trained_lora
+    monkeypatch.chdir(tmp_path)
+    adapter = export(ckpt, "rel_out").adapter_dir.resolve()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    peft = AutoPeftModelForCausalLM.from_pretrained(adapter).eval()
+    ids = _ids()
+    torch.testing.assert_close(peft(input_ids=ids).logits, lm.model(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
 def test_dtype_cast_writes_bf16(trained, tmp_path):
     _, ckpt = trained
     export(ckpt, tmp_path / "bf16", dtype="bfloat16")

@@ -140,3 +140,18 @@ def test_decoder_layers_reshard_after_forward_except_the_last(tmp_path):
             assert all(isinstance(p, DTensor) for p in model.parameters())  # all resharded after backward
     finally:
         dist.destroy_process_group()
+
+
+_HEADS_SCRIPT = Path(__file__).with_name("_fit_heads.py")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_trained_model_and_head_beside_a_frozen_one_stay_equal_on_every_rank(tmp_path):
+    """A frozen reference built before the policy, and a value head beside it: FSDP2Strategy shards the trained
+    model and the head, so the ranks, each on its own rows, end with the same weights."""
+    ranks = torchrun_json(_HEADS_SCRIPT, tmp_path / "heads.json", 2, 29795, timeout=180)
+    assert [r["policy_sharded"] for r in ranks] == [True, True]
+    assert [r["ref_sharded"] for r in ranks] == [False, False]
+    assert ranks[0]["policy_q"] == pytest.approx(ranks[1]["policy_q"], rel=1e-6)
+    assert ranks[0]["value_head"] == pytest.approx(ranks[1]["value_head"], rel=1e-6)

@@ -176,6 +176,12 @@ def _class_alternative(text: str, keys: list[str]) -> ConfigError | None:
             return None  # a class inside the class: the cause chain reaches that Union on its own
         if rest.startswith(_UNION):
             reason, value = _union_reason(rest)
+            if value == "None" and re.search(r"^\s*Given value type: <class 'str'>", rest, re.M):
+                # jsonargparse hands a nested field's `null` on to the dataclass as the text 'None'
+                parent, field = ".".join(prefix), key.group(1)
+                return ConfigError(f"{parent}.{field}", None, f"a null for one field of `{parent}` is read as the "
+                                   f"text 'None' on the command line: give it with its parent, `--{parent} "
+                                   f"'{{{field}: null}}'` (the other fields keep their values)")
         else:
             got = _GOT.search(rest)
             reason = _readable(rest[: got.start()] if got else rest.splitlines()[0])

@@ -89,6 +89,8 @@ ROWS = [
      "`fp8='rowwise'`: needs a CUDA GPU with FP8"),  # CPU, no fp8_emulate
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.fp8 fp4", "fp8"),
     (f"{F} --model.init_args.lora '{{r: 2, target_modules: [q_proj], base_dtype: fp16}}'", "base_dtype"),
+    (f"{F} --model.init_args.lora '{{r: 2, target_modules: [q_proj], modules_to_save: [lm_head]}}' "
+     "--model.init_args.lora.modules_to_save null", "`--model.init_args.lora '{modules_to_save: null}'`"),
     (f"{F} --model.init_args.lora '{{r: 2, target_modules: [q_proj], base_dtype: fp8, use_dora: true}}'",
      "`model.lora.base_dtype='fp8'`: does not work with `use_dora`"),
     (f"{F} --model.init_args.lora '{{r: 2, target_modules: [q_proj, lm_head], base_dtype: fp8}}'",

@@ -48,7 +48,7 @@ from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base,
 from lightning_ffpa.cli_checks import check_folder_writable
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.dtypes import choices as dtype_choices
-from lightning_ffpa.errors import CheckpointError, ConfigError, console_entry
+from lightning_ffpa.errors import NOT_GIVEN, CheckpointError, ConfigError, InputError, console_entry
 from lightning_ffpa.fp8_base import FP8_DTYPE, dequantize
 from lightning_ffpa.lora import PEFT_PREFIX, dora_weight, hf_name, lora_spec, merged_weight, peft_options
 from lightning_ffpa.validation import check_checkpoint
@@ -317,9 +317,12 @@ def _split(names: dict[str, tuple[tuple[int, ...], torch.dtype]], max_shard_size
 
     meta = {n: torch.empty(shape, dtype=dtype, device="meta") for n, (shape, dtype) in names.items()}
     try:
-        return split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size)
+        split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size)
     except ValueError as err:
         raise ConfigError(option, max_shard_size, f"must look like 500MB or 5GB ({err})") from err
+    if str(max_shard_size).lstrip().startswith(("-", "0")):  # huggingface_hub reads these as sizes <= 0
+        raise ConfigError(option, max_shard_size, "must be a size above zero, like 500MB or 5GB")
+    return split
 
 
 def model_class(hparams: dict[str, Any]) -> str:
@@ -581,7 +584,11 @@ def run(argv: list[str]) -> ExportResult:
         if key:  # jsonargparse's type errors run over many lines; name the option and its allowed values
             hint = f"must be one of {dtype_choices(allow_auto=False)}" if key[1] == "dtype" else f"is not a valid {key[1]}"
             raise ConfigError(f"--{key[1]}", _value(argv, f"--{key[1]}"), hint) from err
-        raise ConfigError("lightning-ffpa-export", " ".join(argv), str(err).splitlines()[0]) from err
+        first = str(err).splitlines()[0]
+        if opt := re.match(r"argument (--\w+): (.*)", first):  # argparse's own words, e.g. "expected one argument"
+            dash = " (a value starting with `-` needs the `=` form)" if "expected one argument" in first else ""
+            raise ConfigError(opt[1], NOT_GIVEN, f"{opt[2]}{dash}") from err
+        raise InputError(f"lightning-ffpa-export: {first}") from err
     return command(**{k: args[k] for k in ("ckpt", "out", "merge_lora", "dtype", "max_shard_size", "config")})
 
 

@@ -54,6 +54,7 @@ from lightning_ffpa.lora import PEFT_LEVEL, apply_lora, check_targets_given, lor
 from lightning_ffpa.presets import (
     build_text_config,
     check_experts,
+    check_heads,
     check_overrides,
     check_preset_overrides,
     config_fields,
@@ -187,6 +188,7 @@ class HFModule(L.LightningModule):
             text.validate()
         except CONFIG_VALUE_ERRORS as err:
             raise ConfigError("model.config_overrides", overrides, config_error_text(err)) from err
+        check_heads(text)
         check_experts(text)
         return cfg
 

@@ -13,8 +13,13 @@ from typing import Any
 
 from transformers import Gemma4TextConfig, PretrainedConfig
 
-from lightning_ffpa._compat.transformers import CONFIG_VALUE_ERRORS, config_error_text
+from lightning_ffpa._compat.transformers import CONFIG_VALUE_ERRORS, config_error_text, kv_head_counts
 from lightning_ffpa.errors import ConfigError
+
+# Config fields that count something (layers, heads, widths): 0 builds a model whose first forward fails.
+COUNT_FIELDS = frozenset({"num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                          "num_key_value_heads", "num_global_key_value_heads", "head_dim", "global_head_dim",
+                          "vocab_size", "num_experts", "top_k_experts", "moe_intermediate_size"})
 
 # Real shapes, from the public Gemma4 config.json files (random weights are used for benchmarks).
 _GEMMA4_31B: dict[str, Any] = dict(
@@ -101,6 +106,8 @@ def check_overrides(overrides: dict[str, Any], valid: set[str], config_name: str
             close = difflib.get_close_matches(key, sorted(valid), n=1)
             hint = f"; did you mean `{close[0]}`?" if close else ""
             raise ConfigError(f"{option}.{key}", value, f"is not a {config_name} field{hint}")
+        if key in COUNT_FIELDS and isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ConfigError(f"{option}.{key}", value, "must be >= 1")
 
 
 def check_preset_overrides(preset: str, overrides: dict[str, Any], option: str = "model.config_overrides") -> None:
@@ -123,8 +130,18 @@ def build_text_config(preset: str = "tiny", **overrides: Any) -> Gemma4TextConfi
         config = Gemma4TextConfig(**kwargs)
     except CONFIG_VALUE_ERRORS as err:
         raise ConfigError("model.config_overrides", overrides, config_error_text(err)) from err
+    check_heads(config)
     check_experts(config)
     return config
+
+
+def check_heads(config: Any, option: str = "model.config_overrides") -> None:
+    """Every layer's key/value heads must divide its query heads (else the first attention call fails)."""
+    heads = getattr(config, "num_attention_heads", None)
+    for kv in kv_head_counts(config):
+        if heads and kv and heads % kv:
+            raise ConfigError(f"{option}.num_attention_heads", heads, f"must be a multiple of every layer's key/value "
+                              f"heads ({kv} on some layers)")
 
 
 def check_experts(config: Any, option: str = "model.config_overrides") -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "find_hf_model",
     "from_config",
     "init_weights_fn",
+    "kv_head_counts",
     "per_layer_overrides",
     "per_layer_overrides_follow_types",
     "pad",
@@ -274,3 +275,12 @@ def per_layer_overrides_follow_types(config: PretrainedConfig, before: dict[int,
     if new:
         raise ValueError(f"the checkpoint has no {sorted(new)} layers to take their per-layer config from")
     config.per_layer_config = {i: dict(by_type[k]) for i, k in enumerate(config.layer_types) if by_type[k]}
+
+
+def kv_head_counts(config: PretrainedConfig) -> set[int]:
+    """The key/value head counts the config's layers use: transformers' per-layer configs where it has them
+    (>= 5.2x), else the global count and the full layers' `num_global_key_value_heads`."""
+    if getattr(config, "is_heterogeneous", False):
+        layers = config.per_layer_config
+        return {c.num_key_value_heads for c in (layers[i] for i in range(len(layers)))} - {None}
+    return {getattr(config, k, None) for k in ("num_key_value_heads", "num_global_key_value_heads")} - {None}

@@ -21,7 +21,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 from torchmetrics import MeanMetric
+from transformers import PreTrainedModel
 
 from lightning_ffpa._compat.transformers import text_config
 from lightning_ffpa.callbacks.rollout_tokens import check_token_ids, resolve_eos, resolve_tokenizer
@@ -151,6 +153,11 @@ class RolloutCallback(L.Callback):
         """Options against the data's prompts and the module (also run by the CLI's pre-flight, before fit
         writes any file)."""
         self.engine_config.check_device(trainer.strategy.root_device, f"{OPTION}.engine")
+        if not hasattr(pl_module, self.model_attr):  # built in configure_model: the attribute exists, as None
+            raise ConfigError(f"{OPTION}.model_attr", self.model_attr, f"{type(pl_module).__name__} has no such "
+                              "attribute; name the one holding the HF model (`model` in lightning-ffpa's modules)")
+        if getattr(pl_module, self.model_attr) is not None:
+            self._hf_model(pl_module)
         longest = _longest_prompt(datamodule)
         if longest is None:
             rank_zero_info("RolloutCallback: the datamodule has no `max_prompt_length()`; prompt lengths "
@@ -201,7 +208,9 @@ class RolloutCallback(L.Callback):
         for cb in trainer.checkpoint_callbacks:
             every = getattr(cb, "_every_n_train_steps", 0)
             if every and every % num_iterations:
-                raise ConfigError("ModelCheckpoint.every_n_train_steps", every, why)
+                raise ConfigError("ModelCheckpoint.every_n_train_steps", every, f"{why}; set it in a copy of the "
+                                  "config (`lightning-ffpa cp RECIPE my.yaml`): on the command line, "
+                                  "`--trainer.callbacks.init_args.*` reaches only the last callback")
 
     # ---- build ------------------------------------------------------------------------------------
     def _check_room(self, plan: WeightsPlan, dtype: torch.dtype, device: torch.device, free: int,
@@ -254,9 +263,17 @@ class RolloutCallback(L.Callback):
         plan = WeightsPlan(meta, self.weights, dtype, None, self.engine_config.fuse_projections)
         self._check_room(plan, dtype, trainer.strategy.root_device, free, policy)
 
+    def _hf_model(self, pl_module: L.LightningModule) -> tuple[nn.Module, PreTrainedModel]:
+        """The module at `model_attr` and the HF model inside it (peft unwrapped), or one line naming the option."""
+        train = getattr(pl_module, self.model_attr, None)
+        base = unwrap_peft(train) if isinstance(train, nn.Module) else train
+        if not isinstance(base, PreTrainedModel):
+            raise ConfigError(f"{OPTION}.model_attr", self.model_attr, f"is {type(train).__name__}, not an HF model "
+                              "(plain or peft-wrapped)")
+        return train, base
+
     def _build(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        train = getattr(pl_module, self.model_attr)
-        base = unwrap_peft(train)
+        train, base = self._hf_model(pl_module)
         compute = getattr(trainer.strategy, "param_dtype", None)
         dtype = self.inference_dtype or compute or next(base.parameters()).dtype
         device = pl_module.device

@@ -89,6 +89,13 @@ ROWS = [
      "`fp8='rowwise'`: needs a CUDA GPU with FP8"),  # CPU, no fp8_emulate
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.fp8 fp4", "fp8"),
     (f"{F} --model.init_args.lora '{{r: 2, target_modules: [q_proj], base_dtype: fp16}}'", "base_dtype"),
+    (f"{G} --model.init_args.config_overrides '{{num_hidden_layers: 0}}'",
+     "`model.config_overrides.num_hidden_layers=0`: must be >= 1"),
+    (f"{G} --model.init_args.config_overrides '{{hidden_size: 0}}'", "`model.config_overrides.hidden_size=0`"),
+    (f"{G} --model.init_args.config_overrides '{{num_attention_heads: 3}}'",
+     "`model.config_overrides.num_attention_heads=3`: must be a multiple"),
+    (f"{G} --trainer.callbacks.init_args.model_attr foo", "`RolloutCallback.model_attr='foo'`: GRPOModule has no"),
+    (f"{G} --trainer.callbacks.init_args.model_attr entropy", "`RolloutCallback.model_attr='entropy'`: is MeanMetric"),
     (f"{F} --model.init_args.lora '{{r: 2, target_modules: [q_proj], modules_to_save: [lm_head]}}' "
      "--model.init_args.lora.modules_to_save null", "`--model.init_args.lora '{modules_to_save: null}'`"),
     (f"{F} --model.init_args.lora '{{r: 2, target_modules: [q_proj], base_dtype: fp8, use_dora: true}}'",
@@ -156,6 +163,9 @@ ROWS = [
     ("lightning-ffpa cp tiny newdir/", "`dest='newdir/'`: names a folder (a trailing slash) that does not exist"),
     (f"{E} fake.ckpt out --dtype float64", "--dtype"),
     (f"{E} fake.ckpt out --max-shard-size lots", "--max_shard_size"),  # named as --help spells it
+    (f"{E} fake.ckpt out --max_shard_size 0MB", "`--max_shard_size='0MB'`: must be a size above zero"),
+    (f"{E} fake.ckpt out --max_shard_size=-5GB", "`--max_shard_size='-5GB'`: must be a size above zero"),
+    (f"{E} fake.ckpt out --max_shard_size -5GB", "`--max_shard_size`: expected one argument"),  # not the whole line
     (f"{E} fake.ckpt out --config /nonexistent", "--config"),
     (f"{E} fake.ckpt out --config afile", "--config"),
     (f"{E} fake.ckpt out --merge-lora", "--merge_lora"),

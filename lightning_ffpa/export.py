@@ -46,6 +46,7 @@ from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa._compat.transformers import text_config
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base, under_fit_seed
 from lightning_ffpa.cli_checks import check_folder_writable
+from lightning_ffpa.data.tokenizer import TOKENIZER_FILES
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.dtypes import choices as dtype_choices
 from lightning_ffpa.errors import NOT_GIVEN, CheckpointError, ConfigError, InputError, console_entry
@@ -70,6 +71,7 @@ class ExportResult:
     merged: list[str] = field(default_factory=list)
     dequantized: list[str] = field(default_factory=list)  # float8 base weights (`model.lora.base_dtype: fp8`)
     dtype: torch.dtype | None = None  # of the weights written
+    tokenizer_from: Path | None = None  # the local folder whose tokenizer files were copied in, if any
 
 
 class _Source:
@@ -432,12 +434,36 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     config.architectures = [model_class(hparams)]  # what AutoModel* and pipelines build
     config.save_pretrained(out)
 
+    tokenizer_from = _copy_tokenizer(source.meta, hparams, config_dir, out)
     adapter_dir = None
     if plan.adapter:
         adapter_dir = out / "adapter"
         # absolute: peft resolves the base from wherever the adapter is loaded, a relative path from the cwd
         _export_adapter(source, plan.adapter, lora, adapter_dir, base=str(out.resolve()))
-    return ExportResult(out, len(weight_map), names, adapter_dir, merged, dequantized, save_dtype)
+    return ExportResult(out, len(weight_map), names, adapter_dir, merged, dequantized, save_dtype, tokenizer_from)
+
+
+# What `AutoTokenizer.from_pretrained` and `generate` read from a model folder beside the weights.
+TOKENIZER_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                        "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                        "generation_config.json")
+
+
+def _copy_tokenizer(meta: dict[str, Any], hparams: dict[str, Any], config_dir: str | None, out: Path) -> Path | None:
+    """Copy the tokenizer (and generation config) into `out` from the first local folder holding one: `--config`,
+    the fit's `data.tokenizer`, then `model.pretrained`; None when none does (a hub id is not fetched)."""
+    import shutil
+
+    data = dict(meta.get("datamodule_hyper_parameters") or {})
+    for where in (config_dir, data.get("tokenizer"), hparams.get("pretrained")):
+        folder = Path(where).expanduser() if isinstance(where, str) else None
+        if folder is None or not folder.is_dir() or not any((folder / f).is_file() for f in TOKENIZER_FILES):
+            continue
+        for name in TOKENIZER_SIDE_FILES:
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, out / name)
+        return folder
+    return None
 
 
 def _float8_scales(plan: _Plan) -> dict[str, str]:
@@ -540,7 +566,9 @@ def command(ckpt: str, out: str, merge_lora: bool = False,
           + (f"; adapter in {result.adapter_dir}" if result.adapter_dir else "")
           + (f"; dequantised {len(result.dequantized)} float8 base weights (model.lora.base_dtype fp8) to "
              f"{str(result.dtype).removeprefix('torch.')}" if result.dequantized else "")
-          + (f"; merged LoRA into {len(result.merged)} weights" if result.merged else ""))
+          + (f"; merged LoRA into {len(result.merged)} weights" if result.merged else "")
+          + (f"; tokenizer from {result.tokenizer_from}" if result.tokenizer_from else "; no tokenizer: neither "
+             "--config, the fit's data.tokenizer nor model.pretrained is a local folder holding one"))
     return result
 
 
@@ -588,6 +616,8 @@ def run(argv: list[str]) -> ExportResult:
         if opt := re.match(r"argument (--\w+): (.*)", first):  # argparse's own words, e.g. "expected one argument"
             dash = " (a value starting with `-` needs the `=` form)" if "expected one argument" in first else ""
             raise ConfigError(opt[1], NOT_GIVEN, f"{opt[2]}{dash}") from err
+        if missing := re.match(r"the following arguments are required: (\w+)", first):
+            raise ConfigError(missing[1], NOT_GIVEN, "is required (`lightning-ffpa-export CKPT OUT`)") from err
         raise InputError(f"lightning-ffpa-export: {first}") from err
     return command(**{k: args[k] for k in ("ckpt", "out", "merge_lora", "dtype", "max_shard_size", "config")})
 

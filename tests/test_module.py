@@ -262,7 +262,7 @@ def test_liger_loss_without_liger_kernel_is_refused_at_construction(monkeypatch)
 
 @pytest.mark.parametrize("overrides, option, message", [
     ({"num_hidden_layers": "two"}, "model.config_overrides", "expected int"),
-    ({"num_hidden_layers": -1}, "model.config_overrides", "validate_architecture"),
+    ({"num_hidden_layers": -1}, "model.config_overrides.num_hidden_layers", "must be >= 1"),  # was HF's jargon
     ({"top_k_experts": 8}, "model.config_overrides.top_k_experts", "between 1 and num_experts=4"),
 ])
 def test_bad_override_values_are_one_error_before_any_model(overrides, option, message):

@@ -10,7 +10,7 @@ names so an upgrade breaks only this file.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import transformers

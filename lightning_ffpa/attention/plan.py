@@ -108,6 +108,12 @@ def registered_attention() -> set[str]:
     return set(KNOWN_ATTN) | {n for n in attention_names() if "paged" not in n}
 
 
+def check_attn_name(attn: str) -> None:
+    """`FFPAAttention.attn_implementation` must name a registered attention (HF raised it after the build)."""
+    if attn not in (known := registered_attention()):
+        raise ConfigError("FFPAAttention.attn_implementation", attn, f"is unknown; choose one of {sorted(known)}")
+
+
 def resolve_plan(model_attn: str | None, cp_size: int = 1, callback: Any = None, device: torch.device | None = None,
                  sliding_head_dim: int | None = None) -> AttentionPlan:
     """The plan for a model option, a CP size and the FFPAAttention callback (None: not in the run) on `device`
@@ -122,8 +128,8 @@ def resolve_plan(model_attn: str | None, cp_size: int = 1, callback: Any = None,
         raise ValueError(f"`context_parallel_size={cp_size}` needs the `{CALLBACK}` callback in trainer.callbacks: "
                          "it installs the ring that attends across the ranks' chunks")
     attn = callback.attn_implementation if callback is not None else model_attn
-    if callback is not None and attn not in (known := registered_attention()):  # HF raised it after the build
-        raise ConfigError("FFPAAttention.attn_implementation", attn, f"is unknown; choose one of {sorted(known)}")
+    if callback is not None:
+        check_attn_name(attn)
     # without the Callback nothing installs a sliding kernel: the "ffpa" backend runs its own default, Flex
     sliding = getattr(callback, "sliding", DEFAULT_SLIDING) if callback is not None else "flex"
     if callback is not None and sliding != DEFAULT_SLIDING and cp_size == 1 and attn != "ffpa":  # else ignored

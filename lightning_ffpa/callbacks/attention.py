@@ -25,7 +25,14 @@ from lightning_ffpa import attention, saved_ops
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat.transformers import find_hf_model, set_attn_implementation
 from lightning_ffpa.attention import kernels, registry
-from lightning_ffpa.attention.plan import DEFAULT_SLIDING, SLIDING, SLIDING_OPTION, AttentionPlan, plan_for
+from lightning_ffpa.attention.plan import (
+    DEFAULT_SLIDING,
+    SLIDING,
+    SLIDING_OPTION,
+    AttentionPlan,
+    check_attn_name,
+    plan_for,
+)
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.parallel.dims import context_parallel_size  # re-exported: the callback's CP size
 
@@ -52,6 +59,7 @@ class FFPAAttention(Callback):
             raise ValueError(f"`log_every_n_steps={log_every_n_steps}` must be >= 0")
         if sliding not in SLIDING:
             raise ConfigError(SLIDING_OPTION, sliding, f"must be one of {list(SLIDING)}")
+        check_attn_name(attn_implementation)  # here too: a Callback built in Python fails where it is built
         self.sliding = sliding
         self.log_every_n_steps = log_every_n_steps
         self.attn_implementation = attn_implementation
@@ -143,7 +151,8 @@ class FFPAAttention(Callback):
         counts.update({f"ring-{k}": v for k, v in (getattr(self.ring, "stats", None) or {}).items()})
         ran = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "no attention calls counted"
         mode = self.plan.describe() if self.plan is not None else f"attn_implementation={self.attn_implementation}"
-        return f"FFPAAttention ({mode}): {ran}"
+        why = ", ".join(f"{k}={v}" for k, v in sorted(attention.fallback_counts().items()) if v)
+        return f"FFPAAttention ({mode}): {ran}" + (f" (fallbacks by reason: {why})" if why else "")
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         rank_zero_info(self.summary())

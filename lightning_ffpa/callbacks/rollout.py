@@ -153,17 +153,17 @@ class RolloutCallback(L.Callback):
         """Options against the data's prompts and the module (also run by the CLI's pre-flight, before fit
         writes any file)."""
         self.engine_config.check_device(trainer.strategy.root_device, f"{OPTION}.engine")
-        if not hasattr(pl_module, self.model_attr):  # built in configure_model: the attribute exists, as None
-            raise ConfigError(f"{OPTION}.model_attr", self.model_attr, f"{type(pl_module).__name__} has no such "
-                              "attribute; name the one holding the HF model (`model` in lightning-ffpa's modules)")
-        if getattr(pl_module, self.model_attr) is not None:
-            self._hf_model(pl_module)
         longest = _longest_prompt(datamodule)
         if longest is None:
             rank_zero_info("RolloutCallback: the datamodule has no `max_prompt_length()`; prompt lengths "
                            "against `engine.max_seq_len` are checked per batch instead")
         else:
             self.check_lengths(longest, " (the longest prompt of the datamodule)")
+        if not hasattr(pl_module, self.model_attr):  # built in configure_model: the attribute exists, as None
+            raise ConfigError(f"{OPTION}.model_attr", self.model_attr, f"{type(pl_module).__name__} has no such "
+                              "attribute; name the one holding the HF model (`model` in lightning-ffpa's modules)")
+        if getattr(pl_module, self.model_attr) is not None:
+            self._hf_model(pl_module)
         temperature = getattr(pl_module, "hparams", {}).get("temperature")
         if temperature is not None and temperature != self.sampling.temperature:
             # The ratio exp(logp - old_logp) compares distributions at two temperatures otherwise.

@@ -32,13 +32,19 @@ from lightning_ffpa.checkpoint.frozen import check_frozen_base, read_frozen_reco
 from lightning_ffpa.checkpoint.sharded import ShardedCheckpointWriter
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.experts import EXPERT_STACKS
 from lightning_ffpa.lora import lora_spec
 from lightning_ffpa.parallel.activation_offload import ActivationOffload
 from lightning_ffpa.parallel.checkpointing import ACMode, SaveMM, check_ac_mode, sac_context_fn
 from lightning_ffpa.parallel.dims import ParallelDims, check_expert_parallel
-from lightning_ffpa.parallel.expert_parallel import clip_grad_norm_by_mesh
+from lightning_ffpa.parallel.expert_parallel import clip_grad_norm_by_mesh, find_experts
 from lightning_ffpa.parallel.fp8 import Float8Training, FP8Recipe
-from lightning_ffpa.parallel.fsdp import REPLICATE_WITH_OFFLOAD, dtypes_cast, parallelize, shard_trainable_rest
+from lightning_ffpa.parallel.fsdp import (
+    REPLICATE_WITH_OFFLOAD,
+    dtypes_cast,
+    parallelize,
+    shard_trainable_rest,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -382,6 +388,14 @@ class FSDP2Strategy(ModelParallelStrategy):
         lora = lora_spec(self.lightning_module) or {}
         on, why = plan_replicate_frozen(self.replicate_frozen, self.cpu_offload, self.device_mesh.size(), frozen,
                                         self.param_dtype, fp8_base=lora.get("base_dtype") == "fp8")
+        apart = ""
+        if self.parallel_dims.ep > 1:  # expert parallelism splits the expert stacks itself, outside FSDP2
+            stacks = {id(getattr(m, n)) for m in find_experts([module]) for n in EXPERT_STACKS}
+            if split := [p for p in frozen if id(p) in stacks]:
+                frozen = [p for p in frozen if id(p) not in stacks]
+                split_gib = sum(p.numel() * p.element_size() for p in split) / 2**30
+                apart = (f"; {len(split)} frozen expert stacks ({split_gib:.2f} GiB) are split over "
+                         f"expert_parallel_size={self.parallel_dims.ep} instead")
         gib = sum(p.numel() * p.element_size() for p in frozen) / 2**30
         self.frozen_placement = dict(replicated=on, params=len(frozen), gib=round(gib, 3), reason=why)
         if frozen:
@@ -389,7 +403,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             size = f"{gib:.2f} GiB" + (" before the LoRA targets are stored in float8" if lora.get("base_dtype") == "fp8"
                                        else "")
             rank_zero_info(f"frozen base: {len(frozen)} parameters ({size}) "
-                           f"{'kept whole, out of FSDP2' if on else 'sharded by FSDP2'} ({why})")
+                           f"{'kept whole, out of FSDP2' if on else 'sharded by FSDP2'} ({why}){apart}")
         return on
 
     @override

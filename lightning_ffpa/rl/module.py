@@ -104,7 +104,8 @@ class GRPOModule(HFModule):
         check_range("model.learning_rate", learning_rate, gt=0)
         check_range("model.clip_eps", clip_eps, gt=0)
         if clip_eps_high is not None:
-            check_range("model.clip_eps_high", clip_eps_high, ge=clip_eps)
+            if clip_eps_high < clip_eps:  # clip-higher widens the upper bound only
+                raise ConfigError("model.clip_eps_high", clip_eps_high, f"must be >= `model.clip_eps={clip_eps}`")
         check_range("model.beta", beta, ge=0)
         check_range("model.temperature", temperature, gt=0)
         if old_logprobs not in ("policy", "engine"):

@@ -10,7 +10,9 @@ Does not own prompts, generation or advantages.
 from __future__ import annotations
 
 import inspect
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,7 +60,9 @@ def total_reward(funcs: Sequence[RewardFn], prompts: list[Any], completions: lis
             r = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs))
             values = torch.tensor([0.0 if x is None else float(x) for x in r])  # None: not applicable (TRL)
         except Exception as err:
-            raise InputError(f"{where} raised {type(err).__name__}: {one_line(err)}") from err
+            frame = traceback.extract_tb(err.__traceback__)[-1]  # where in the user's code (or what it called)
+            raise InputError(f"{where} raised {type(err).__name__}: {one_line(err)} (at {Path(frame.filename).name}:"
+                             f"{frame.lineno}; `--debug` prints the traceback)") from err
         if len(r) != len(completion_ids):
             raise InputError(f"{where} returned {len(r)} values for {len(completion_ids)} completions")
         if not torch.isfinite(values).all():  # a NaN would be trained on as 0 (or poison the advantages)

@@ -164,7 +164,10 @@ def test_plan_refuses_an_explicit_fa4_that_cannot_run():
         assert resolve_plan("sdpa", 1, FFPAAttention(attn_implementation="sdpa"), cpu, 256).sliding == "auto"
     # HF raised it from `on_fit_start`, after the model was built: a traceback, exit 1
     with pytest.raises(ConfigError, match=r"^`FFPAAttention.attn_implementation='bogus'`: is unknown; choose one of"):
-        resolve_plan("sdpa", 1, FFPAAttention(attn_implementation="bogus"), cpu, 256)
+        resolve_plan("sdpa", 1, SimpleNamespace(attn_implementation="bogus", sliding="auto"), cpu, 256)
+    # a Callback built in Python (the drop-in way) fails where it is built, not when the fit starts
+    with pytest.raises(ConfigError, match=r"^`FFPAAttention.attn_implementation='bogus'`: is unknown; choose one of"):
+        FFPAAttention(attn_implementation="bogus")
     plan = resolve_plan("ffpa", 1, FFPAAttention(sliding="auto"), cpu, 512)  # auto: never an error, Flex counted
     assert plan.sliding_kernel == "fa4" and plan.describe() == "attn_implementation=ffpa"  # the default, unnamed
     assert resolve_plan("ffpa", 1, FFPAAttention(sliding="flex"), cpu, 256).describe() == \

@@ -138,6 +138,20 @@ def test_two_trained_models_are_refused_by_name():
         find_hf_model(_PolicyAndReference(freeze_ref=False))
 
 
+def test_summary_names_the_fallbacks_and_their_reasons():
+    """The end-of-fit line said `sdpa=4` and no more: a full layer whose head_dim FFPA does not take ran SDPA, and
+    only the warnings said why. The real backend, on the CPU."""
+    class _OddHeadDim(_PolicyAndReference):
+        def __init__(self):
+            L.LightningModule.__init__(self)
+            torch.manual_seed(0)
+            self.policy = transformers.Gemma4ForCausalLM(build_text_config("tiny", global_head_dim=48))
+
+    callback = FFPAAttention()
+    _fit(_OddHeadDim(), [callback], steps=1)
+    assert "(fallbacks by reason: " in callback.summary() and "head_dim=2" in callback.summary()
+
+
 def test_counts_are_logged_at_their_own_interval_and_nowhere_between(fake_backend):
     """`log_every_n_steps: 3` with the trainer logging every step: through `pl_module.log` the step-3 value was
     written again at steps 4 and 5 (stale counts); now only steps 3 and 6 have one, each the count then."""

@@ -140,7 +140,7 @@ ROWS = [
     (f"{G} --model.init_args.lora_rank -1", "model.init_args.lora_rank"),  # the old option is gone: `lora`
     (f"{G} --model.init_args.learning_rate 0", "model.learning_rate"),
     (f"{G} --model.init_args.clip_eps 0", "model.clip_eps"),
-    (f"{G} --model.init_args.clip_eps_high 0.1", "model.clip_eps_high"),
+    (f"{G} --model.init_args.clip_eps_high 0.1", "`model.clip_eps_high=0.1`: must be >= `model.clip_eps=0.2`"),
     (f"{G} --model.init_args.old_logprobs sampler", "model.init_args.old_logprobs"),
     (f"{G} --model.init_args.sampler_is_cap 0.5", "model.sampler_is_cap"),
     (f"{G} --model.init_args.old_logprobs engine", "model.sampler_is_cap"),  # the engine ratio needs no weight

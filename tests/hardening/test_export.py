@@ -149,6 +149,26 @@ def test_adapter_exported_to_a_relative_folder_loads_from_anywhere(trained_lora,
     torch.testing.assert_close(peft(input_ids=ids).logits, lm.model(input_ids=ids).logits, rtol=0, atol=1e-5)
 
 
+def test_the_tokenizer_is_copied_from_a_local_source(trained_lora, tmp_path):
+    """The export held weights and config.json only: `AutoTokenizer.from_pretrained(OUT)` failed. The first
+    local folder holding a tokenizer (here `--config`) gives its files; a run with none says so."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from tests.data.conftest import PLAIN_TEMPLATE, save_tokenizer
+
+    lm, ckpt = trained_lora
+    assert export(ckpt, tmp_path / "bare").tokenizer_from is None
+    source = tmp_path / "hf_folder"
+    lm.config.save_pretrained(source)
+    save_tokenizer(source, PLAIN_TEMPLATE)
+    GenerationConfig(eos_token_id=3).save_pretrained(source)
+    result = export(ckpt, tmp_path / "with_tok", config_dir=str(source))
+    assert result.tokenizer_from == source
+    tok = AutoTokenizer.from_pretrained(tmp_path / "with_tok")
+    assert tok("the cat sat").input_ids == AutoTokenizer.from_pretrained(source)("the cat sat").input_ids
+    assert GenerationConfig.from_pretrained(tmp_path / "with_tok").eos_token_id == 3
+
+
 def test_dtype_cast_writes_bf16(trained, tmp_path):
     _, ckpt = trained
     export(ckpt, tmp_path / "bf16", dtype="bfloat16")
@@ -257,11 +277,11 @@ def test_export_command_exit_codes(trained, tmp_path, monkeypatch, capsys, recor
     assert (tmp_path / "ok" / "model.safetensors.index.json").is_file()
     for args, option in [((str(ckpt), str(tmp_path / "a"), "--merge-lora"), "--merge_lora"),
                          ((str(tmp_path / "missing.ckpt"), str(tmp_path / "c")), "ckpt"),
-                         ((str(ckpt),), "lightning-ffpa-export")]:
+                         ((str(ckpt),), "out")]:  # named: it was the whole command line as an option
         monkeypatch.setattr(sys, "argv", ["lightning-ffpa-export", *args])
         assert main() == 2, args
         lines = capsys.readouterr().err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"error: `{option}="), lines
+        assert len(lines) == 1 and lines[0].startswith(f"error: `{option}"), lines
     bad = _cli(str(ckpt), str(tmp_path / "b"), "--dtype", "float64")  # the real process: exit status 2
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: `--dtype="), bad.stderr

@@ -153,3 +153,26 @@ def test_ep2_trains_like_ep1(tmp_path, nproc, port, experts, accelerator):
         assert len(one["losses"]) == len(two["losses"]) == 2  # steps 3 and 4: weights, then AdamW's moments
         assert one["losses"] == pytest.approx(two["losses"], abs=1e-5)
         assert two["losses"][0] != pytest.approx(runs["2"]["losses"][0], abs=1e-3)  # trained weights were loaded
+
+
+def test_frozen_base_line_counts_the_expert_stacks_apart(caplog):
+    """Under expert parallelism with LoRA on attention, the start-up line said every frozen parameter was
+    "sharded by FSDP2", expert stacks included, which expert parallelism splits itself."""
+    import logging
+
+    import transformers
+
+    from lightning_ffpa.lora import apply_lora
+
+    model = apply_lora(transformers.Gemma4ForCausalLM(build_text_config("tiny-moe")),
+                       {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]})
+    strategy = FSDP2Strategy(expert_parallel_size=2)
+    strategy._parallel_dims = SimpleNamespace(ep=2)
+    strategy._device_mesh = SimpleNamespace(size=lambda: 2)
+    strategy._lightning_module = SimpleNamespace(hparams={})
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    with caplog.at_level(logging.INFO):
+        strategy.place_frozen(model)
+    stacks = 2 * sum(1 for m in model.modules() if type(m).__name__.endswith("Experts"))
+    assert stacks and strategy.frozen_placement["params"] == len(frozen) - stacks
+    assert f"; {stacks} frozen expert stacks (" in caplog.text and "expert_parallel_size=2 instead" in caplog.text

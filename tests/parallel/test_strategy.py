@@ -155,3 +155,19 @@ def test_trained_model_and_head_beside_a_frozen_one_stay_equal_on_every_rank(tmp
     assert [r["ref_sharded"] for r in ranks] == [False, False]
     assert ranks[0]["policy_q"] == pytest.approx(ranks[1]["policy_q"], rel=1e-6)
     assert ranks[0]["value_head"] == pytest.approx(ranks[1]["value_head"], rel=1e-6)
+
+
+def test_a_trainable_parameter_on_the_module_itself_is_refused_by_name():
+    """FSDP2 shards modules: a bare parameter of the LightningModule would train per rank, unsynchronised."""
+    import torch
+
+    from lightning_ffpa.errors import InputError
+    from lightning_ffpa.parallel.fsdp import shard_trainable_rest
+
+    root = torch.nn.Module()
+    root.temperature = torch.nn.Parameter(torch.ones(()))
+    root.frozen = torch.nn.Parameter(torch.ones(()), requires_grad=False)  # never synced, never needs to be
+    with pytest.raises(InputError, match=r"set on the LightningModule itself \(temperature\): put them in a submodule"):
+        shard_trainable_rest(root, mesh=None)
+    root.temperature.requires_grad_(False)
+    assert shard_trainable_rest(root, mesh=None) == []

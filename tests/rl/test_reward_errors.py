@@ -43,8 +43,14 @@ def text_reward(prompts, completions, completion_ids, **kw):
 def test_a_bad_reward_function_is_one_line_naming_it(fn, why):
     with pytest.raises(InputError) as err:
         total_reward([none_reward, fn], ["p", "p"], ["a", "b"], IDS)
-    assert str(err.value) == f"{OPTION}{__name__}.{fn.__name__} {why}"
+    text = str(err.value)
+    if "raised" in why:  # the user's own code failed: where, and how to see the traceback
+        assert text.startswith(f"{OPTION}{__name__}.{fn.__name__} {why} (at ")
+        assert text.endswith("; `--debug` prints the traceback)")
+    else:
+        assert text == f"{OPTION}{__name__}.{fn.__name__} {why}"
     if fn is failing_reward:
+        assert "(at test_reward_errors.py:" in text
         assert isinstance(err.value.__cause__, KeyError)  # --debug prints it
 
 

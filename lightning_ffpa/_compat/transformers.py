@@ -23,6 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface, prepare_padding_m
 from transformers.modeling_flash_attention_utils import _pad_input, _unpad_input, _upad_input
 
 __all__ = [
+    "AmbiguousModelError",
     "CONFIG_VALUE_ERRORS",
     "config_error_text",
     "MIN_TRANSFORMERS",
@@ -217,6 +218,11 @@ def _outermost(module: nn.Module, qualifies: Callable[[nn.Module], bool]) -> lis
     return found
 
 
+class AmbiguousModelError(ValueError):
+    """Several HF models in a LightningModule, and nothing says which one is trained (callers re-raise it as the
+    project's one-line input error; this floor imports nothing of the project)."""
+
+
 def _pick(found: list[tuple[str, nn.Module]], strict: bool) -> nn.Module | None:
     """The one model of `found` to configure: the only one, else the only one with trainable parameters."""
     if len(found) <= 1:
@@ -226,10 +232,8 @@ def _pick(found: list[tuple[str, nn.Module]], strict: bool) -> nn.Module | None:
         return trained[0][1]
     if not strict:
         return (trained or found)[0][1]
-    from lightning_ffpa.errors import InputError
-
     names = ", ".join(f"`{n}`" for n, _ in (trained or found))
-    raise InputError(f"{len(trained or found)} HF models {'with trainable parameters ' if trained else ''}in the "
+    raise AmbiguousModelError(f"{len(trained or found)} HF models {'with trainable parameters ' if trained else ''}in the "
                      f"LightningModule ({names}), so which one to train is ambiguous: set the trained one as "
                      "`self.model`, or freeze the others (`requires_grad_(False)`)")
 
@@ -242,7 +246,7 @@ def find_hf_model(module: nn.Module, *, with_decoder_layers: bool = False, stric
     Qualifies: a PreTrainedModel. With `with_decoder_layers` (what FSDP shards): any `module.model` whose
     decoder layers `find_decoder_layers` finds (so a PEFT wrapper is sharded at its own root), or a
     PreTrainedModel submodule with decoder layers. `strict`: several candidates none of which is the only
-    trained one raise `InputError`; otherwise the first trained (or first) is returned.
+    trained one raise `AmbiguousModelError`; otherwise the first trained (or first) is returned.
     """
     inner = getattr(module, "model", None)
     if with_decoder_layers:

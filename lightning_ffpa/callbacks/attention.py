@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_ffpa import attention, saved_ops
 from lightning_ffpa._compat import lightning as lightning_compat
-from lightning_ffpa._compat.transformers import find_hf_model, set_attn_implementation
+from lightning_ffpa._compat.transformers import AmbiguousModelError, find_hf_model, set_attn_implementation
 from lightning_ffpa.attention import kernels, registry
 from lightning_ffpa.attention.plan import (
     DEFAULT_SLIDING,
@@ -33,7 +33,7 @@ from lightning_ffpa.attention.plan import (
     check_attn_name,
     plan_for,
 )
-from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.errors import ConfigError, InputError
 from lightning_ffpa.parallel.dims import context_parallel_size  # re-exported: the callback's CP size
 
 __all__ = ["FFPAAttention", "context_parallel_size"]
@@ -87,7 +87,10 @@ class FFPAAttention(Callback):
         self._install(trainer, pl_module, required=False)
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, required: bool) -> None:
-        model = find_hf_model(pl_module)
+        try:
+            model = find_hf_model(pl_module)
+        except AmbiguousModelError as err:
+            raise InputError(str(err)) from None
         if model is None:
             if required:
                 raise TypeError(f"FFPAAttention found no transformers PreTrainedModel in {type(pl_module).__name__}")

@@ -31,7 +31,7 @@ from lightning_ffpa.checkpoint.atomic import AtomicCheckpointIO
 from lightning_ffpa.checkpoint.frozen import check_frozen_base, read_frozen_record
 from lightning_ffpa.checkpoint.sharded import ShardedCheckpointWriter
 from lightning_ffpa.dtypes import parse_dtype
-from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.errors import ConfigError, InputError
 from lightning_ffpa.experts import EXPERT_STACKS
 from lightning_ffpa.lora import lora_spec
 from lightning_ffpa.parallel.activation_offload import ActivationOffload
@@ -76,7 +76,10 @@ def model_text_config(module: Any) -> Any:
 
 def _find_parallelize_target(module: nn.Module, required: bool = True) -> nn.Module | None:
     """The HF model inside a LightningModule that `parallelize` shards (see `find_hf_model`)."""
-    target = hf_compat.find_hf_model(module, with_decoder_layers=True)
+    try:
+        target = hf_compat.find_hf_model(module, with_decoder_layers=True)
+    except hf_compat.AmbiguousModelError as err:
+        raise InputError(str(err)) from None
     if target is not None or not required:
         return target
     raise TypeError(

@@ -119,8 +119,8 @@ class Gemma4LM(HFModule):
         lora = lora_hparam(lora)  # plain data in hparams and checkpoints
         check_range("model.learning_rate", learning_rate, gt=0)
         check_range("model.weight_decay", weight_decay, ge=0)
-        for beta in betas:
-            check_range("model.betas", beta, ge=0, le=1)
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):  # AdamW's own rule, raised after the build
+            raise ConfigError("model.betas", list(betas), "must be two numbers in [0, 1), e.g. [0.9, 0.95]")
         check_range("model.warmup_steps", warmup_steps, ge=0)
         check_range("model.min_lr_ratio", min_lr_ratio, ge=0, le=1)
         check_range("model.loss_chunk_size", loss_chunk_size, ge=1)

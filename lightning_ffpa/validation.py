@@ -249,16 +249,20 @@ def check_data_fits_model(model: Any, datamodule: Any) -> None:
 def check_attention_trains_here(trainer: Any, model: Any) -> None:
     """Attention that cannot train on the CPU is refused there: torch's FlexAttention has no CPU backward, and
     the flash-attn kernels no CPU path at all (transformers would try the hub, then fail mid-fit)."""
-    hparams = getattr(model, "hparams", None) or {}
-    attn = hparams.get("attn_implementation")
-    if trainer.strategy.root_device.type != "cpu" or not isinstance(attn, str):
+    if trainer.strategy.root_device.type != "cpu":
+        return
+    from lightning_ffpa.parallel.dims import context_parallel_size
+
+    plan = plan_for(trainer, model, context_parallel_size(trainer, model))  # the model option, or the Callback's
+    attn = plan.attn_implementation
+    if plan.ring or not isinstance(attn, str):
         return
     if attn == "flex_attention":
-        raise ConfigError("model.attn_implementation", attn, "cannot train on CPU (torch's FlexAttention has no CPU "
-                          "backward); use 'sdpa', 'eager' or 'ffpa'")
+        raise ConfigError(plan.option, attn, "cannot train on CPU (torch's FlexAttention has no CPU backward); use "
+                          "'sdpa', 'eager' or 'ffpa'")
     if attn.startswith("flash_attention"):
-        raise ConfigError("model.attn_implementation", attn, "needs a CUDA GPU (the flash-attn kernels have no CPU "
-                          "path); use 'sdpa', 'eager' or 'ffpa'")
+        raise ConfigError(plan.option, attn, "needs a CUDA GPU (the flash-attn kernels have no CPU path); use 'sdpa', "
+                          "'eager' or 'ffpa'")
 
 
 def _data_option(datamodule: Any, *names: str) -> str:

@@ -95,10 +95,11 @@ class PackedDocuments:
             self._masks[key] = build(self.mask_mod(window), b, s, s, device)
         return self._masks[key]
 
-def check_packing(attn_implementation: str, pack: bool) -> None:
-    """Raise ConfigError when packed rows meet an attention that would let their documents see each other."""
+def check_packing(attn_implementation: str, pack: bool, option: str = "model.attn_implementation") -> None:
+    """Raise ConfigError (naming `option`, the one that chose the attention) when packed rows meet an attention that
+    would let their documents see each other."""
     if pack and attn_implementation not in HONOURING:
-        raise ConfigError("model.attn_implementation", attn_implementation,
+        raise ConfigError(option, attn_implementation,
                           f"cannot keep packed documents apart (`data.pack=true`); use one of {list(HONOURING)} "
                           "or set `data.pack=false`")
 

@@ -57,6 +57,11 @@ class AttentionPlan:
     """Whether the FFPAAttention Callback is in the run (it installs the plan on the model)."""
 
     @property
+    def option(self) -> str:
+        """The option that chose `attn_implementation`, as errors name it."""
+        return "FFPAAttention.attn_implementation" if self.from_callback else "model.attn_implementation"
+
+    @property
     def ring(self) -> bool:
         """Whether attention runs over the context-parallel ring."""
         return self.cp_size > 1
@@ -74,7 +79,7 @@ class AttentionPlan:
     def check_packing(self, pack: bool) -> None:
         """Packed rows need an attention that keeps documents apart (the ring carries them in its layout)."""
         if not self.ring and self.attn_implementation is not None:
-            check_packing(self.attn_implementation, pack)
+            check_packing(self.attn_implementation, pack, self.option)
 
     def describe(self) -> str:
         """One line: the route and its kernels."""

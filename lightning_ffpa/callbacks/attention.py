@@ -74,6 +74,11 @@ class FFPAAttention(Callback):
         """Resolve the attention plan and register its backend; configure the model if it already exists."""
         self.plan = plan_for(trainer, pl_module, context_parallel_size(trainer, pl_module), callback=self)
         self.cp_size = self.plan.cp_size
+        asked = (getattr(pl_module, "hparams", None) or {}).get("attn_implementation")
+        if asked not in (None, "sdpa", self.plan.attn_implementation) and not self.plan.ring:
+            # sdpa is the modules' default; any other model choice is replaced here, and the user should see it
+            rank_zero_info(f"FFPAAttention installs attn_implementation={self.plan.attn_implementation!r} in place "
+                           f"of `model.attn_implementation={asked!r}`")
         if not self.plan.ring and self.plan.attn_implementation == "ffpa":
             self._sliding_before = attention.backend.config().sliding  # given back at teardown
             attention.register_ffpa(sliding=self.plan.sliding_kernel)

@@ -152,6 +152,17 @@ def test_summary_names_the_fallbacks_and_their_reasons():
     assert "(fallbacks by reason: " in callback.summary() and "head_dim=2" in callback.summary()
 
 
+def test_a_model_attention_the_callback_replaces_is_said(fake_backend, caplog):
+    """`model.attn_implementation: eager` beside the Callback ran ffpa, and nothing said the choice was dropped."""
+    import logging
+
+    module = _Wrapper()
+    module.hparams.update(attn_implementation="eager")
+    with caplog.at_level(logging.INFO):
+        _fit(module, [FFPAAttention()], steps=1)
+    assert "installs attn_implementation='ffpa' in place of `model.attn_implementation='eager'`" in caplog.text
+
+
 def test_counts_are_logged_at_their_own_interval_and_nowhere_between(fake_backend):
     """`log_every_n_steps: 3` with the trainer logging every step: through `pl_module.log` the step-3 value was
     written again at steps 4 and 5 (stale counts); now only steps 3 and 6 have one, each the count then."""

@@ -94,6 +94,14 @@ ROWS = [
     (f"{G} --model.init_args.config_overrides '{{hidden_size: 0}}'", "`model.config_overrides.hidden_size=0`"),
     (f"{G} --model.init_args.config_overrides '{{num_attention_heads: 3}}'",
      "`model.config_overrides.num_attention_heads=3`: must be a multiple"),
+    # the Callback's attention is the one that runs: its option is checked and named (model's, before)
+    (f"{F} --trainer.callbacks+=lightning_ffpa.callbacks.FFPAAttention --trainer.callbacks.attn_implementation "
+     "flex_attention", "`FFPAAttention.attn_implementation='flex_attention'`: cannot train on CPU"),
+    (f"{F} --data.init_args.pack false --trainer.callbacks+=lightning_ffpa.callbacks.FFPAAttention "
+     "--trainer.callbacks.attn_implementation flash_attention_2", "`FFPAAttention.attn_implementation='flash_att"),
+    (f"{F} --trainer.callbacks+=lightning_ffpa.callbacks.FFPAAttention --trainer.callbacks.attn_implementation "
+     "flash_attention_2", "`FFPAAttention.attn_implementation='flash_attention_2'`: cannot keep packed documents"),
+    (f"{F} --model.init_args.betas '[0.9, 1.0]'", "`model.betas=[0.9, 1.0]`: must be two numbers in [0, 1)"),
     (f"{G} --trainer.callbacks.init_args.model_attr foo", "`RolloutCallback.model_attr='foo'`: GRPOModule has no"),
     (f"{G} --trainer.callbacks.init_args.model_attr entropy", "`RolloutCallback.model_attr='entropy'`: is MeanMetric"),
     (f"{F} --model.init_args.lora '{{r: 2, target_modules: [q_proj], modules_to_save: [lm_head]}}' "

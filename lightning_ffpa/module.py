@@ -146,7 +146,12 @@ class Gemma4LM(HFModule):
 
     def check_data(self, datamodule: Any) -> None:
         """The data options this model must accept (the CLI's pre-flight runs this before `fit`, then `setup`)."""
-        self.check_seq_length(getattr(datamodule, "max_seq_length", None), "data.max_seq_length")
+        data_len = getattr(datamodule, "max_seq_length", None)
+        self.check_seq_length(data_len, "data.max_seq_length")
+        declared = self.hparams.get("max_seq_length")
+        if isinstance(declared, int) and isinstance(data_len, int) and data_len > declared:
+            raise ConfigError("model.max_seq_length", declared, f"is shorter than the data's rows "
+                              f"(`data.max_seq_length={data_len}`); raise it, or leave it unset")
         self.attention_plan.check_packing(bool(getattr(datamodule, "pack", False)))
 
     # ---- forward and loss -----------------------------------------------------------------------------

@@ -101,6 +101,7 @@ ROWS = [
      "--trainer.callbacks.attn_implementation flash_attention_2", "`FFPAAttention.attn_implementation='flash_att"),
     (f"{F} --trainer.callbacks+=lightning_ffpa.callbacks.FFPAAttention --trainer.callbacks.attn_implementation "
      "flash_attention_2", "`FFPAAttention.attn_implementation='flash_attention_2'`: cannot keep packed documents"),
+    (f"{F} --model.init_args.max_seq_length 8", "`model.max_seq_length=8`: is shorter than the data's rows"),
     (f"{F} --model.init_args.betas '[0.9, 1.0]'", "`model.betas=[0.9, 1.0]`: must be two numbers in [0, 1)"),
     (f"{G} --trainer.callbacks.init_args.model_attr foo", "`RolloutCallback.model_attr='foo'`: GRPOModule has no"),
     (f"{G} --trainer.callbacks.init_args.model_attr entropy", "`RolloutCallback.model_attr='entropy'`: is MeanMetric"),

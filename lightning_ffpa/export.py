@@ -322,7 +322,8 @@ def _split(names: dict[str, tuple[tuple[int, ...], torch.dtype]], max_shard_size
         split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size)
     except ValueError as err:
         raise ConfigError(option, max_shard_size, f"must look like 500MB or 5GB ({err})") from err
-    if str(max_shard_size).lstrip().startswith(("-", "0")):  # huggingface_hub reads these as sizes <= 0
+    number = re.match(r"\s*(-?\d+(?:\.\d+)?)", str(max_shard_size))
+    if number and float(number[1]) <= 0:  # huggingface_hub splits these one tensor per file
         raise ConfigError(option, max_shard_size, "must be a size above zero, like 500MB or 5GB")
     return split
 

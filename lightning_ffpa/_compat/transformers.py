@@ -285,6 +285,5 @@ def kv_head_counts(config: PretrainedConfig) -> set[int]:
     """The key/value head counts the config's layers use: transformers' per-layer configs where it has them
     (>= 5.2x), else the global count and the full layers' `num_global_key_value_heads`."""
     if getattr(config, "is_heterogeneous", False):
-        layers = config.per_layer_config
-        return {c.num_key_value_heads for c in (layers[i] for i in range(len(layers)))} - {None}
+        return {c.num_key_value_heads for c in config.per_layer_config} - {None}
     return {getattr(config, k, None) for k in ("num_key_value_heads", "num_global_key_value_heads")} - {None}

@@ -396,6 +396,9 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             raise InputError("`trainer.limit_val_batches` is 0, so `validate` has nothing to run")
         if getattr(self.datamodule, "num_val_samples", None) == 0:  # MockDataModule: no validation rows
             raise InputError("`data.init_args.num_val_samples` is 0, so `validate` has nothing to run")
+        if _holds_out_nothing(self.datamodule):  # checked before the checkpoint loads, not after an empty loop
+            raise InputError("`data.init_args.val_fraction` is 0 and no `val_file` or `val_split` is set, so "
+                             "`validate` has no rows to run on")
         self._check_ckpt_loads()
         self._ready()
 
@@ -433,6 +436,12 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             hint = ("; for held-out loss and perplexity use `lightning-ffpa validate`"
                     if self._model_has("validation_step") else "")
             raise InputError(f"`data` ({data}) has no `{hook}`, so `{self.subcommand}` has nothing to run on{hint}")
+
+
+def _holds_out_nothing(datamodule: Any) -> bool:
+    """A text datamodule (`val_fraction`) with no validation source of its own and nothing held out."""
+    return (getattr(datamodule, "val_fraction", None) == 0 and getattr(datamodule, "val_file", None) is None
+            and getattr(datamodule, "val_split", None) is None)
 
 
 def _overrides(owner: Any, hook: str) -> bool:

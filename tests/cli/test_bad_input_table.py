@@ -75,6 +75,8 @@ ROWS = [
     ("lightning-ffpa test --config fit.yaml", "test_dataloader"),
     ("lightning-ffpa validate --config fit.yaml", "trainer.limit_val_batches"),  # fit.yaml: limit_val_batches 0
     ("lightning-ffpa validate --config fit.yaml --trainer.limit_val_batches 1 --ckpt_path last", "ckpt_path='last'"),
+    ("lightning-ffpa validate --config fit.yaml --trainer.limit_val_batches 1 --data.init_args.val_fraction 0",
+     "`data.init_args.val_fraction` is 0"),
     ("lightning-ffpa validate --config grpo.yaml", "(GRPOModule) has no validation step"),
     ("lightning-ffpa validate --config tiny_fsdp2", "`data.init_args.num_val_samples` is 0"),
     ("lightning-ffpa test --config grpo.yaml", "has no `test_dataloader`, so `test` has nothing to run on"),

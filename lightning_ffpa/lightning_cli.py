@@ -22,6 +22,7 @@ from typing import Any
 
 import lightning as L
 from jsonargparse import Namespace
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -225,6 +226,8 @@ def check_cluster_layout(trainer: L.Trainer) -> None:
         devices, nodes = launcher.num_processes, launcher.num_nodes
     else:  # no launcher where the cluster starts the processes (FSDP2Strategy under srun or torchrun): nothing checks
         env = getattr(trainer.strategy, "cluster_environment", None)
+        if env is None and SLURMEnvironment.detect():  # one device, N srun tasks: N fits of their own into one folder
+            env = SLURMEnvironment()
         if env is None or not env.creates_processes_externally:
             return
         devices, nodes = trainer.num_devices, trainer.num_nodes
@@ -356,7 +359,10 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
 
     def before_fit(self) -> None:
         """Pre-flight checks (checkpoint, LoRA targets, vocab, layout) before any model is built."""
-        check_world_matches_launcher(self.trainer)  # before the run-dir lock: a sibling rank is not "another fit"
+        # the launch layout first: before the run-dir lock (a sibling rank is not "another fit") and before the
+        # strategy's root device is read (a rank beyond `trainer.devices` has none)
+        check_world_matches_launcher(self.trainer)
+        check_cluster_layout(self.trainer)
         with _as_user_errors():
             super().before_fit()
         check_run_dir_free(self.trainer)

@@ -27,6 +27,13 @@ CASES = {
     # FSDP2Strategy has no launcher under either, so nothing compared: a traceback at the mesh ("Mesh should not be
     # bigger than default world size 2, but found 4 ranks"), exit 1
     "torchrun_world_fsdp2": (TORCHRUN_2, "error: `trainer.devices=4`: torchrun started 2 processes", FSDP2_4),
+    # one device: each srun task ran a fit of its own into the same folder, every one exiting 0
+    "slurm_tasks_one_device": (SLURM_2, "error: `trainer.devices`: You set `devices=1` in Lightning, but the number "
+                                        "of tasks per node configured in SLURM `--ntasks-per-node=2`", ""),
+    # the second task has no device of its own: an IndexError traceback at the strategy's root device
+    "slurm_tasks_fsdp2_rank1": ({**SLURM_2, "SLURM_PROCID": "1", "SLURM_LOCALID": "1"},
+                                "error: `trainer.devices`: You set `devices=1` in Lightning",
+                                "--trainer.strategy lightning_ffpa.parallel.FSDP2Strategy"),
     "slurm_tasks_fsdp2": (SLURM_2, "error: `trainer.devices`: You set `devices=4` in Lightning, but the number of "
                                    "tasks per node configured in SLURM `--ntasks-per-node=2` does not match", FSDP2_4),
 }

@@ -133,6 +133,11 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
                                         kv_length, device)
     # Remember that a padding mask exists: HF only treats position_ids resets as packing without one.
     block_mask._ffpa_padded = padding is not None
+    # A whole-model torch.compile called without attention_mask: while tracing HF cannot tell packed rows from plain
+    # ones by their position_ids, so it builds a packing mask for every batch (counted as `traced_positions`).
+    block_mask._ffpa_traced_positions = (
+        attention_mask is None and not allow_is_causal_skip and not kwargs.get("use_vmap", False)
+        and q_offset == 0 and kv_offset == 0 and q_length == kv_length and torch.compiler.is_compiling())
     # HF sets use_vmap when a model adds its own or/and mask (e.g. bidirectional image tokens): packed
     # documents would replace that mask, so such a call is refused rather than silently changed.
     block_mask._ffpa_overlay = bool(kwargs.get("use_vmap", False))
@@ -200,6 +205,10 @@ _REASON_TEXT = {
     "fa4_head_dim": "FA4 has no kernel at this head_dim here (SM90: 8-256; SM100: 8-128 or 256) -> flex",
     "fa4_dtype": "dtype is not fp16/bf16 (FA4) -> flex",
     "fa4_unavailable": "flash-attn-4 cannot run here -> flex",
+    "traced_positions": "the whole model is compiled and called without attention_mask: while tracing, transformers "
+                        "cannot tell packed rows from plain ones by position_ids and masks every batch as packed -> "
+                        "flex; pass attention_mask (all ones where nothing is padded), or compile per decoder layer "
+                        "(FSDP2Strategy's compile)",
     "fa4_mask": "the sliding mask is more than a causal window over each row's tokens (an overlay, a cache offset "
                 "or padding between tokens) -> flex",
 }
@@ -284,6 +293,10 @@ def ffpa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
         return _documents_forward(module, query, key, value, documents, dropout, scaling, sliding_window, softcap,
                                   causal), None
     if isinstance(attention_mask, BlockMask):
+        if getattr(attention_mask, "_ffpa_traced_positions", False):
+            _note_fallback("traced_positions", query)  # the full layers leave FFPA, the sliding ones a windowed kernel
+            return _block_mask_forward(module, query, key, value, attention_mask, dropout, scaling, softcap,
+                                       None), None
         # The mask's window, where the layer says it is a sliding layer with that window (HF also passes a
         # chunk size as `local_size`).
         window = getattr(attention_mask, "_ffpa_plain_window", None)

@@ -127,3 +127,29 @@ def test_packed_position_ids_alone_split_documents_through_varlen(model):
         for sl in (slice(0, 20), slice(20, 44)):
             alone = model(input_ids=ids[:, sl]).logits[0]
             torch.testing.assert_close(packed[sl], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_whole_model_compile_without_a_mask_is_counted_not_silent(model):
+    """Traced, transformers masks every mask-less batch as packed: the full layers leave FFPA under a named reason
+    (it was a plain `sdpa`/`flex` count with no warning); an all-ones mask keeps them on FFPA."""
+    import warnings
+
+    ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    model.set_attn_implementation("ffpa")
+    compiled = torch.compile(model, backend="eager", dynamic=False)
+    torch.compiler.reset()
+    try:
+        with force_kernel("reference"), torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            backend.reset_dispatch_counts()
+            traced = compiled(input_ids=ids, use_cache=False).logits  # a training call: no cache
+            assert backend.fallback_counts().get("traced_positions") == 4  # 2 full + 2 sliding layers
+            assert backend.dispatch_counts()["ffpa-dense"] == 0
+            assert any("called without attention_mask" in str(w.message) for w in seen)
+            backend.reset_dispatch_counts()
+            masked = compiled(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+            assert backend.dispatch_counts()["ffpa-dense"] == 2 and "traced_positions" not in backend.fallback_counts()
+            torch.testing.assert_close(traced, model(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(masked, traced, atol=1e-4, rtol=1e-4)
+    finally:
+        torch.compiler.reset()

@@ -79,7 +79,7 @@ class _Source:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.meta = check_checkpoint(path, "ckpt", resume=False, verify_checksums=True)
+        self.meta = resolve_fit_paths(check_checkpoint(path, "ckpt", resume=False, verify_checksums=True))
         if path.is_dir():
             md = torch_compat.read_dcp_metadata(str(path))
             self._dcp_keys = {k.removeprefix("state_dict."): k for k in md.state_dict_metadata
@@ -113,6 +113,28 @@ class _Source:
         loaded = torch_compat.load_dcp_keys(str(self.path), {self._dcp_keys[k] for k in keys}) if keys else {}
         flat = dict(_flatten(loaded))
         return {**out, **{k: flat[self._dcp_keys[k]] for k in keys}}
+
+
+def resolve_fit_paths(meta: dict[str, Any]) -> dict[str, Any]:
+    """`meta` with the fit's relative `model.pretrained` and `data.tokenizer` made absolute against the folder the fit
+    ran in (the checkpoint's `fit_sources`), where that path exists: an export run elsewhere reads the same files,
+    instead of asking the Hub for a name like `exp1`."""
+    from lightning_ffpa.hf_module import SOURCES_KEY
+
+    sources = dict(meta.get(SOURCES_KEY) or {})
+    cwd = sources.get("cwd")
+
+    def resolved(value: Any) -> Any:
+        if not isinstance(cwd, str) or not isinstance(value, str) or Path(value).expanduser().is_absolute():
+            return value
+        there = Path(cwd) / value
+        return str(there) if there.exists() else value
+
+    hparams = dict(meta.get("hyper_parameters") or {})
+    if "pretrained" in hparams:
+        hparams["pretrained"] = resolved(hparams["pretrained"])
+    sources["data.tokenizer"] = resolved(sources.get("data.tokenizer"))
+    return {**meta, "hyper_parameters": hparams, SOURCES_KEY: sources}
 
 
 def _flatten(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -455,8 +477,10 @@ def _copy_tokenizer(meta: dict[str, Any], hparams: dict[str, Any], config_dir: s
     the fit's `data.tokenizer`, then `model.pretrained`; None when none does (a hub id is not fetched)."""
     import shutil
 
-    data = dict(meta.get("datamodule_hyper_parameters") or {})
-    for where in (config_dir, data.get("tokenizer"), hparams.get("pretrained")):
+    from lightning_ffpa.hf_module import SOURCES_KEY
+
+    data_tokenizer = (meta.get(SOURCES_KEY) or {}).get("data.tokenizer")
+    for where in (config_dir, data_tokenizer, hparams.get("pretrained")):
         folder = Path(where).expanduser() if isinstance(where, str) else None
         if folder is None or not folder.is_dir() or not any((folder / f).is_file() for f in TOKENIZER_FILES):
             continue

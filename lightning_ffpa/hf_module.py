@@ -70,6 +70,9 @@ SHAPE_FIELDS = frozenset({"hidden_size", "intermediate_size", "vocab_size", "num
 # The checkpoint key naming the module class (`pkg.module.Class`), so an export can rebuild the model's config
 # from a checkpoint saved outside LightningCLI (which saves it as the `_class_path` hyper-parameter).
 MODULE_CLASS_KEY = "module_class"
+# Where the fit read its inputs: its working folder (relative `model.pretrained` / `data.tokenizer` paths resolve
+# against it) and the data's tokenizer spec (datamodules save no hyper-parameters), for `lightning-ffpa-export`.
+SOURCES_KEY = "fit_sources"
 _MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemma4ForConditionalGeneration}
 
 
@@ -393,6 +396,8 @@ class HFModule(L.LightningModule):
         the state dict it gathered; the plain strategies' state dict holds references, dropped here.
         """
         checkpoint[MODULE_CLASS_KEY] = f"{type(self).__module__}.{type(self).__qualname__}"
+        datamodule = getattr(self._trainer, "datamodule", None)
+        checkpoint[SOURCES_KEY] = {"cwd": os.getcwd(), "data.tokenizer": getattr(datamodule, "tokenizer_spec", None)}
         if self.saves_frozen_weights:
             return
         frozen = frozen_names(self)

@@ -144,6 +144,7 @@ class TextDataModule(SeededDataModule):
         self.max_seq_length = max_seq_length
         self.pack = pack
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.tokenizer_spec = tokenizer  # what the checkpoint records for the export's tokenizer files
         self.tokenizer = load_tokenizer(tokenizer)
         self.vocab_size = len(self.tokenizer)
         self.pad_id = pad_id_of(self.tokenizer)

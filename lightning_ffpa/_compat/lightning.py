@@ -225,6 +225,23 @@ def last_checkpoint_saved(checkpoint_callback: Any) -> str:
     return getattr(checkpoint_callback, "_last_checkpoint_saved", "") or ""
 
 
+def hold_last_save(trainer: Any) -> list[tuple[Any, Any]]:
+    """Keep each ModelCheckpoint's `on_train_end` from saving `last` (it does where it saved nothing yet in this
+    process); returns what `release_last_save` puts back."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    held = [(c, c.save_last) for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.save_last]
+    for callback, _ in held:
+        callback.save_last = False
+    return held
+
+
+def release_last_save(held: list[tuple[Any, Any]]) -> None:
+    """Put back the `save_last` values `hold_last_save` took."""
+    for callback, save_last in held:
+        callback.save_last = save_last
+
+
 def last_checkpoint_step(checkpoint_callback: Any) -> int | None:
     """The global step of a ModelCheckpoint's newest save in this run, or None if it saved nothing."""
     if not last_checkpoint_saved(checkpoint_callback):  # `_last_global_step_saved` starts at 0, not "none"

@@ -93,6 +93,7 @@ class DeferredRequeue(pl.Callback):
         self._pending = False
         self.num_deferred = 0  # signals handled at a step boundary
         self.requeued: tuple[int, str] | None = None  # (step, HPC checkpoint) where it stopped the fit, for the CLI
+        self._held_last: list = []  # ModelCheckpoints whose end-of-train `last` save a requeue holds back
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.requeued = None
@@ -138,6 +139,10 @@ class DeferredRequeue(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step_vote(trainer).leave(self)
+        if self.requeued:
+            # The HPC checkpoint holds this step: a ModelCheckpoint that saved nothing yet in this process would
+            # write a second full `last` inside the signal's margin (checkpoint callbacks run their hooks last)
+            self._held_last = lightning_compat.hold_last_save(trainer)
         if self._lightning_handler is not None:
             # Lightning's handler would requeue a finished run; its teardown then puts back the default
             # action, which ends the process with 138 (on_fit_end installs this handler again after that).
@@ -145,6 +150,8 @@ class DeferredRequeue(pl.Callback):
             self._lightning_handler = None
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        lightning_compat.release_last_save(self._held_last)
+        self._held_last = []
         if self._signum is not None:  # under SLURM auto-requeue: the signal can still come before exit
             signal.signal(self._signum, self._after_training)
 

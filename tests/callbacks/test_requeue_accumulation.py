@@ -90,3 +90,19 @@ def test_a_signal_after_fit_neither_requeues_nor_kills(tmp_path, monkeypatch):
     finally:
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     assert not (tmp_path / "scontrol.log").exists() and not list(tmp_path.glob("hpc_ckpt_*.ckpt"))
+
+
+def test_a_requeue_writes_no_second_checkpoint_beside_the_hpc_one(tmp_path, monkeypatch):
+    """A ModelCheckpoint with `save_last` that had saved nothing yet wrote a full `last.ckpt` right after the HPC
+    checkpoint, inside the signal's margin; its `save_last` is back after the fit."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _fake_slurm(tmp_path, monkeypatch)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=100)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=MAX_STEPS, default_root_dir=tmp_path,
+                        callbacks=[DeferredRequeue(), _Probe(3), saver], logger=False,
+                        enable_model_summary=False, enable_progress_bar=False)
+    trainer.fit(_Linear(), DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=2))
+    assert (tmp_path / "hpc_ckpt_1.ckpt").is_file()
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
+    assert saver.save_last is True

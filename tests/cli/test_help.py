@@ -100,3 +100,20 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
                           cwd=tmp_path, env=env(), text=True, timeout=120)
     os.close(write)
     assert (proc.returncode, proc.stderr) == (141, "")
+
+
+def test_python_dash_m_is_the_command(tmp_path):
+    """`python -m lightning_ffpa` (what `torchrun -m` starts) is the console command: its output and exit codes."""
+    import subprocess
+    import sys
+
+    from _console import env
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "lightning_ffpa", *argv], cwd=tmp_path, env=env(),
+                              capture_output=True, text=True, timeout=120)
+
+    listed = run("recipes")
+    assert listed.returncode == 0 and "gemma4_ffpa" in listed.stdout
+    bad = run("fit", "--config", "nope")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: `--config='nope'`") and len(bad.stderr.splitlines()) == 1

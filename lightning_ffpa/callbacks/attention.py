@@ -74,11 +74,6 @@ class FFPAAttention(Callback):
         """Resolve the attention plan and register its backend; configure the model if it already exists."""
         self.plan = plan_for(trainer, pl_module, context_parallel_size(trainer, pl_module), callback=self)
         self.cp_size = self.plan.cp_size
-        asked = (getattr(pl_module, "hparams", None) or {}).get("attn_implementation")
-        if asked not in (None, "sdpa", self.plan.attn_implementation) and not self.plan.ring:
-            # sdpa is the modules' default; any other model choice is replaced here, and the user should see it
-            rank_zero_info(f"FFPAAttention installs attn_implementation={self.plan.attn_implementation!r} in place "
-                           f"of `model.attn_implementation={asked!r}`")
         if not self.plan.ring and self.plan.attn_implementation == "ffpa":
             self._sliding_before = attention.backend.config().sliding  # given back at teardown
             attention.register_ffpa(sliding=self.plan.sliding_kernel)
@@ -111,8 +106,21 @@ class FFPAAttention(Callback):
             self.ring = install_ring(model, trainer.strategy.parallel_dims.cp_mesh,
                                      sliding_backend=self.plan.ring_sliding_backend)
         else:
+            self._say_replaced(pl_module, model)
             set_attn_implementation(model, self.plan.attn_implementation)
         self._installed_on = weakref.ref(model)
+
+    def _say_replaced(self, pl_module: pl.LightningModule, model: Any) -> None:
+        """sdpa is the default; any other attention the model was built with is replaced, and the user sees it
+        (named as the module's option where it came from one, as the model's own setting otherwise)."""
+        current = getattr(model.config, "_attn_implementation", None)
+        if current in (None, "sdpa", self.plan.attn_implementation):
+            return
+        asked = (getattr(pl_module, "hparams", None) or {}).get("attn_implementation")
+        where = (f"`model.attn_implementation={asked!r}`" if asked == current
+                 else f"the model's attn_implementation={current!r}")
+        rank_zero_info(f"FFPAAttention installs attn_implementation={self.plan.attn_implementation!r} in place of "
+                       f"{where}")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._installed_on = None  # the next stage installs again: the model's attention may have changed since

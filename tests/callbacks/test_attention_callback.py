@@ -158,9 +158,23 @@ def test_a_model_attention_the_callback_replaces_is_said(fake_backend, caplog):
 
     module = _Wrapper()
     module.hparams.update(attn_implementation="eager")
+    module.configure_model()
+    module.net["lm"].config._attn_implementation = "eager"  # as the module's option built it
     with caplog.at_level(logging.INFO):
         _fit(module, [FFPAAttention()], steps=1)
     assert "installs attn_implementation='ffpa' in place of `model.attn_implementation='eager'`" in caplog.text
+
+
+def test_an_attention_the_users_model_was_built_with_is_said_when_replaced(fake_backend, caplog):
+    """A model of the user's own built with eager attention (no module option) was switched to ffpa silently."""
+    import logging
+
+    module = _Wrapper()
+    module.configure_model()
+    module.net["lm"].config._attn_implementation = "eager"
+    with caplog.at_level(logging.INFO):
+        _fit(module, [FFPAAttention()], steps=1)
+    assert "installs attn_implementation='ffpa' in place of the model's attn_implementation='eager'" in caplog.text
 
 
 def test_counts_are_logged_at_their_own_interval_and_nowhere_between(fake_backend):

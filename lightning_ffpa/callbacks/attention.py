@@ -23,7 +23,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_ffpa import attention, saved_ops
 from lightning_ffpa._compat import lightning as lightning_compat
-from lightning_ffpa._compat.transformers import AmbiguousModelError, find_hf_model, set_attn_implementation
+from lightning_ffpa._compat.transformers import (
+    AmbiguousModelError,
+    config_attn_implementation,
+    find_hf_model,
+    set_attn_implementation,
+)
 from lightning_ffpa.attention import kernels, registry
 from lightning_ffpa.attention.plan import (
     DEFAULT_SLIDING,
@@ -113,7 +118,7 @@ class FFPAAttention(Callback):
     def _say_replaced(self, pl_module: pl.LightningModule, model: Any) -> None:
         """sdpa is the default; any other attention the model was built with is replaced, and the user sees it
         (named as the module's option where it came from one, as the model's own setting otherwise)."""
-        current = getattr(model.config, "_attn_implementation", None)
+        current = config_attn_implementation(model.config)
         if current in (None, "sdpa", self.plan.attn_implementation):
             return
         asked = (getattr(pl_module, "hparams", None) or {}).get("attn_implementation")

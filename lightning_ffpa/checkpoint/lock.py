@@ -60,6 +60,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _slurm_restart() -> str:
+    """Which attempt of the SLURM job this is: a requeued job starts with the count one higher."""
+    return os.environ.get("SLURM_RESTART_COUNT", "0")
+
+
 def _read(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
@@ -82,7 +87,7 @@ class RunLock(pl.Callback):
 
     def _me(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-                "token": self._token}
+                "slurm_restart": _slurm_restart(), "token": self._token}
 
     def _acquire(self, root: Path) -> str | None:
         """Take the lock; returns the reason it is held by another fit, or None."""
@@ -118,7 +123,11 @@ class RunLock(pl.Callback):
             return None  # unreadable or half-written by a killed process: stale
         pid, host, job = held.get("pid"), held.get("host"), held.get("slurm_job_id")
         if job is not None and job == os.environ.get("SLURM_JOB_ID"):
-            return None  # an earlier attempt of this SLURM job (requeued): it is no longer running
+            if held.get("slurm_restart") != _slurm_restart() or pid == os.getpid() or not isinstance(pid, int) or (
+                    host == socket.gethostname() and not _alive(pid)):
+                return None  # an earlier attempt of this SLURM job (requeued): it is no longer running
+            return (f"another task of this SLURM job (pid {pid} on host {host}) is writing into it: each task runs a "
+                    "fit of its own where `trainer.devices` x `trainer.num_nodes` is not the job's task count")
         if host == socket.gethostname():
             if pid == os.getpid() or not isinstance(pid, int) or not _alive(pid):
                 return None

@@ -102,6 +102,23 @@ def test_requeued_slurm_job_takes_over_its_own_lock(tmp_path, monkeypatch):
     assert not (tmp_path / LOCK_NAME).exists()
 
 
+def test_a_running_task_of_the_same_slurm_attempt_keeps_its_lock(tmp_path, monkeypatch):
+    """Any lock of the same job was taken over as a requeue's leftover, also a sibling task's still running (srun
+    tasks outnumbering `trainer.devices`: each ran a fit of its own into one folder). The attempt count tells them
+    apart: the next attempt takes over, the same attempt's live task keeps it."""
+    sibling = subprocess.Popen(["sleep", "60"])
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", "4242")
+        held = {"pid": sibling.pid, "host": socket.gethostname(), "slurm_job_id": "4242", "slurm_restart": "0"}
+        (tmp_path / LOCK_NAME).write_text(json.dumps(held))
+        with pytest.raises(ConfigError, match=r"another task of this SLURM job \(pid \d+"):
+            RunLock().check_free(tmp_path)
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the requeued attempt
+        RunLock().check_free(tmp_path)
+    finally:
+        sibling.kill()
+
+
 def test_partial_checkpoints_of_a_killed_save_are_swept_once_locked(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -33,7 +33,7 @@ from lightning_ffpa.hf_module import HFModule, resolve_dtype
 from lightning_ffpa.lora import unwrap_peft
 from lightning_ffpa.rl.algorithm import GRPOAlgorithm
 from lightning_ffpa.rl.batch import repeat_groups
-from lightning_ffpa.rl.rewards import check_reward_funcs, total_reward
+from lightning_ffpa.rl.rewards import check_reward_funcs, reward_names, rewards_by_function
 from lightning_ffpa.rollout.engine import GIB, EngineConfig, RolloutEngine, free_device_bytes
 from lightning_ffpa.rollout.lora_sync import LoraSync
 from lightning_ffpa.rollout.sampler import SamplingParams
@@ -358,10 +358,11 @@ class RolloutCallback(L.Callback):
 
         def score(rows: list[int]) -> torch.Tensor:
             ids = [seqs[i].output for i in rows]
-            return total_reward(self.reward_funcs, [prompts[i] for i in rows], [self._decode(c) for c in ids], ids,
-                                **{k: [v[i] for i in rows] for k, v in extra.items()})
+            return rewards_by_function(self.reward_funcs, [prompts[i] for i in rows], [self._decode(c) for c in ids],
+                                       ids, **{k: [v[i] for i in rows] for k, v in extra.items()})
 
-        total = score(list(range(len(seqs))))
+        by_function = score(list(range(len(seqs))))
+        total = by_function.sum(-1)
         refilled = 0
         # DAPO's dynamic sampling: groups whose rewards all equal are redrawn (fresh noise, same prompts) up to
         # `refill_rounds` times; what still ties is dropped by `rollout_batch`.
@@ -373,7 +374,8 @@ class RolloutCallback(L.Callback):
             with seeded(pl_module.device, (seed + r) % 2**63):
                 for i, s in zip(rows, self.engine.generate([expanded[i] for i in rows], sampling=self.sampling)):
                     seqs[i] = s
-            total[rows] = score(rows)
+            by_function[rows] = score(rows)
+            total[rows] = by_function[rows].sum(-1)
             refilled += len(redo)
         t2 = time.perf_counter()
         completion_ids = [s.output for s in seqs]
@@ -384,9 +386,15 @@ class RolloutCallback(L.Callback):
         for name, count in (("dropped_groups", dropped), ("refilled_groups", refilled)):
             pl_module.log(f"rollout/{name}", float(count), on_step=True, on_epoch=False, batch_size=len(seqs))
         lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32)
-        for name, value in (("reward", total), ("completion_length", lengths),
-                            ("refresh_s", torch.tensor(t1 - t0)), ("generate_s", torch.tensor(t2 - t1))):
-            metric = self.metrics[name]
+        # With several reward functions, each one's mean too (their sum is `reward`); with DAPO's overlong shaping,
+        # the shaped reward the advantages are computed from
+        per_function = ([(f"reward/{name}", by_function[:, j]) for j, name in enumerate(reward_names(self.reward_funcs))]
+                        if len(self.reward_funcs) > 1 else [])
+        shaped = ([("shaped_reward", self.algorithm.shape_rewards(total, lengths))]
+                  if self.algorithm.overlong_buffer is not None else [])
+        for name, value in [("reward", total), *per_function, *shaped, ("completion_length", lengths),
+                            ("refresh_s", torch.tensor(t1 - t0)), ("generate_s", torch.tensor(t2 - t1))]:
+            metric = self.metrics.setdefault(name, MeanMetric().to(device))
             metric.update(value.to(device))
             # Lightning only accepts Metric objects that are module attributes; log this step's value
             pl_module.log(f"rollout/{name}", metric.compute(), on_step=True, on_epoch=False,

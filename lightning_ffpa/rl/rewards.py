@@ -50,11 +50,24 @@ def check_reward_funcs(funcs: Sequence[Any], option: str = "reward_funcs") -> li
     return list(funcs)
 
 
+def reward_names(funcs: Sequence[Callable]) -> list[str]:
+    """The reward functions' short names, as their metrics are logged (`rollout/reward/<name>`); a name two share
+    gets its position (`partial_0`, `partial_1`)."""
+    names = [getattr(fn, "__name__", None) or type(fn).__name__ for fn in funcs]
+    return [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
 def total_reward(funcs: Sequence[RewardFn], prompts: list[Any], completions: list[str],
                  completion_ids: list[list[int]], **kwargs: Any) -> torch.Tensor:
     """Sum of every function's rewards, one float per completion (None counts as 0)."""
-    total = torch.zeros(len(completion_ids))
-    for fn in funcs:
+    return rewards_by_function(funcs, prompts, completions, completion_ids, **kwargs).sum(-1)
+
+
+def rewards_by_function(funcs: Sequence[RewardFn], prompts: list[Any], completions: list[str],
+                        completion_ids: list[list[int]], **kwargs: Any) -> torch.Tensor:
+    """(completions, functions): each function's reward of each completion (None counts as 0)."""
+    table = torch.zeros(len(completion_ids), len(funcs))
+    for j, fn in enumerate(funcs):
         where = f"`{OPTION}`: reward function {_name(fn)}"
         try:  # the user's code: its exception is one line (the traceback stays chained for --debug)
             r = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs))
@@ -69,8 +82,8 @@ def total_reward(funcs: Sequence[RewardFn], prompts: list[Any], completions: lis
             i = int((~torch.isfinite(values)).nonzero()[0])
             raise InputError(f"{where} returned {r[i]} for completion {i}; return a finite number, or None for "
                              "'not applicable' (counted as 0)")
-        total += values
-    return total
+        table[:, j] = values
+    return table
 
 
 def token_range_reward(prompts: list[Any], completions: list[str], completion_ids: list[list[int]],

@@ -115,3 +115,23 @@ def test_step_counts_between_multiples_of_num_iterations_are_refused(tmp_path, m
         trainer.fit(GRPOModule(preset="tiny", num_iterations=2),
                     datamodule=PromptDataModule(num_random_prompts=8, prompt_len=4, batch_size=2))
     assert not list(tmp_path.iterdir())  # refused before any checkpoint
+
+
+@pytest.mark.timeout(120)
+def test_each_reward_function_and_the_shaped_reward_are_logged():
+    """Only the sum of several reward functions was logged (each one's share unseen), and DAPO's overlong shaping
+    left no trace in the logs."""
+    torch.manual_seed(0)
+    rollout = RolloutCallback([tied_reward, recording_reward], num_generations=2, eos_token_ids=[],
+                              sampling=SamplingParams(max_new_tokens=4),
+                              engine=EngineConfig(page_size=8, num_pages=32, max_batch_size=8, max_seq_len=64,
+                                                  attention="dense"))
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[rollout])
+    trainer.fit(GRPOModule(preset="tiny", overlong_buffer=2),
+                datamodule=PromptDataModule(num_random_prompts=8, prompt_len=4, batch_size=2))
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("rollout/")}
+    assert logged["rollout/reward/tied_reward"] == 1.0
+    assert logged["rollout/reward"] == pytest.approx(1.0 + logged["rollout/reward/recording_reward"])
+    # every completion ran to max_new_tokens (no EOS) inside the 2-token buffer: the full penalty of 1
+    assert logged["rollout/shaped_reward"] == pytest.approx(logged["rollout/reward"] - 1.0)

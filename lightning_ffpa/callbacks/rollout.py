@@ -53,10 +53,11 @@ class RolloutCallback(L.Callback):
                  sampling: SamplingParams | None = None, num_generations: int = 4, verify_no_drift: bool = False,
                  eos_token_ids: list[int] | None = None, tokenizer: str | None = None, model_attr: str = "model",
                  pad_token_id: int = 0,
-                 inference_dtype: DtypeName | None = None, weights: WeightsMode = "shared") -> None:
+                 inference_dtype: DtypeName | None = None, weights: WeightsMode = "shared",
+                 reward_weights: list[float] | None = None) -> None:
         """
         Args:
-            reward_funcs: TRL-signature reward functions, summed; in YAML dotted import paths
+            reward_funcs: TRL-signature reward functions, summed (`reward_weights`); in YAML dotted import paths
                 (`lightning_ffpa.rl.rewards.length_reward`).
             engine: Paged engine sizes (page_size, num_pages, max_batch_size, max_seq_len, ...); null = defaults.
             sampling: temperature, top_p, top_k and max_new_tokens of every completion; null = defaults.
@@ -76,6 +77,8 @@ class RolloutCallback(L.Callback):
                 W0 + s*B@A written in, faster per decode step by the unmerged adapters' share, for models where a
                 second copy fits. Under FSDP2 without `replicate_frozen` the base is sharded and "shared" runs
                 the merged copy (the start-up line says so).
+            reward_weights: One weight per reward function, as TRL's `reward_weights`: the reward is their
+                weighted sum (null: each weighs 1). Each function's own mean is logged unweighted.
         """
         super().__init__()
         self.engine_config = engine if engine is not None else EngineConfig()
@@ -85,6 +88,7 @@ class RolloutCallback(L.Callback):
             raise ConfigError(f"{OPTION}.weights", weights, f"must be one of {list(WEIGHTS_MODES)}")
         self.weights = weights
         self.reward_funcs = list(reward_funcs)
+        self.reward_weights = _reward_weights(reward_weights, len(self.reward_funcs))
         self.num_generations = num_generations
         self.inference_dtype = parse_dtype(f"{OPTION}.inference_dtype", inference_dtype, allow_auto=False,
                                            allow_none=True)
@@ -362,7 +366,7 @@ class RolloutCallback(L.Callback):
                                        ids, **{k: [v[i] for i in rows] for k, v in extra.items()})
 
         by_function = score(list(range(len(seqs))))
-        total = by_function.sum(-1)
+        total = by_function @ self.reward_weights
         refilled = 0
         # DAPO's dynamic sampling: groups whose rewards all equal are redrawn (fresh noise, same prompts) up to
         # `refill_rounds` times; what still ties is dropped by `rollout_batch`.
@@ -375,7 +379,7 @@ class RolloutCallback(L.Callback):
                 for i, s in zip(rows, self.engine.generate([expanded[i] for i in rows], sampling=self.sampling)):
                     seqs[i] = s
             by_function[rows] = score(rows)
-            total[rows] = by_function[rows].sum(-1)
+            total[rows] = by_function[rows] @ self.reward_weights
             refilled += len(redo)
         t2 = time.perf_counter()
         completion_ids = [s.output for s in seqs]
@@ -426,6 +430,23 @@ class RolloutCallback(L.Callback):
         pl_module.log("rollout/update_s", metric.compute(), on_step=True, on_epoch=False, batch_size=1)
         metric.reset()
         self._update_start = None
+
+
+def _reward_weights(weights: list[float] | None, count: int) -> torch.Tensor:
+    """The weights of the reward functions' sum, checked: one finite number per function."""
+    if weights is None:
+        return torch.ones(count)
+    if len(weights) != count:
+        raise ConfigError(f"{OPTION}.reward_weights", weights, f"gives {len(weights)} weight{'s' * (len(weights) != 1)} "
+                          f"for {count} reward function{'s' * (count != 1)}: give one per function, in the order of "
+                          "`reward_funcs`")
+    try:
+        out = torch.tensor([float(w) for w in weights])
+    except (TypeError, ValueError):
+        out = torch.tensor([float("nan")])
+    if not torch.isfinite(out).all():
+        raise ConfigError(f"{OPTION}.reward_weights", weights, "must be finite numbers")
+    return out
 
 
 def _gather_fn(trainer: L.Trainer, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -77,6 +77,7 @@ ROWS = [
     ("lightning-ffpa validate --config fit.yaml --trainer.limit_val_batches 1 --ckpt_path last", "ckpt_path='last'"),
     ("lightning-ffpa validate --config fit.yaml --trainer.limit_val_batches 1 --data.init_args.val_fraction 0",
      "`data.init_args.val_fraction` is 0"),
+    (f"{G} --trainer.callbacks.init_args.reward_weights [1,2]", "RolloutCallback.reward_weights"),
     ("lightning-ffpa validate --config grpo.yaml", "(GRPOModule) has no validation step"),
     ("lightning-ffpa validate --config tiny_fsdp2", "`data.init_args.num_val_samples` is 0"),
     ("lightning-ffpa test --config grpo.yaml", "has no `test_dataloader`, so `test` has nothing to run on"),

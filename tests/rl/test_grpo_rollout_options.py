@@ -123,6 +123,7 @@ def test_each_reward_function_and_the_shaped_reward_are_logged():
     left no trace in the logs."""
     torch.manual_seed(0)
     rollout = RolloutCallback([tied_reward, recording_reward], num_generations=2, eos_token_ids=[],
+                              reward_weights=[2.0, 1.0],
                               sampling=SamplingParams(max_new_tokens=4),
                               engine=EngineConfig(page_size=8, num_pages=32, max_batch_size=8, max_seq_len=64,
                                                   attention="dense"))
@@ -132,6 +133,13 @@ def test_each_reward_function_and_the_shaped_reward_are_logged():
                 datamodule=PromptDataModule(num_random_prompts=8, prompt_len=4, batch_size=2))
     logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("rollout/")}
     assert logged["rollout/reward/tied_reward"] == 1.0
-    assert logged["rollout/reward"] == pytest.approx(1.0 + logged["rollout/reward/recording_reward"])
+    assert logged["rollout/reward"] == pytest.approx(2.0 + logged["rollout/reward/recording_reward"])  # weighted
     # every completion ran to max_new_tokens (no EOS) inside the 2-token buffer: the full penalty of 1
     assert logged["rollout/shaped_reward"] == pytest.approx(logged["rollout/reward"] - 1.0)
+
+
+@pytest.mark.parametrize("weights, match", [([1.0], "gives 1 weight for 2 reward functions"),
+                                            ([1.0, float("inf")], "must be finite numbers")])
+def test_reward_weights_are_one_finite_number_per_function(weights, match):
+    with pytest.raises(ConfigError, match=rf"^`RolloutCallback.reward_weights=.*`: {match}"):
+        RolloutCallback([tied_reward, recording_reward], reward_weights=weights)

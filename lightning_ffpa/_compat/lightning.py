@@ -80,7 +80,7 @@ def _copy_whole_float8(state_dict: dict[str, Any], module: nn.Module) -> frozens
 
 
 @contextlib.contextmanager
-def module_keys_with_wrappers(absent: Collection[str] = ()) -> Iterator[None]:
+def module_keys_with_wrappers(absent: Collection[str] = (), module: nn.Module | None = None) -> Iterator[None]:
     """While open, Lightning's single-file load into a DTensor model (`_load_raw_module_state`) also finds each
     weight under its module path with `parallelize`'s wrapper levels, which its lookup uses: a file saved
     without them (every single-file save: `get_model_state_dict` drops them) loaded with a KeyError.
@@ -88,6 +88,10 @@ def module_keys_with_wrappers(absent: Collection[str] = ()) -> Iterator[None]:
     `absent`: weights (named without wrapper levels) the checkpoint was saved without (`save_frozen_weights`).
     The model keeps its own values of those, in both the single-file and the DCP-folder load; any other
     weight the checkpoint lacks is still an error.
+
+    `module`: the model a DCP folder loads into. Lightning fills `get_model_state_dict(module)` (names without the
+    wrapper levels) and hands it to `module.load_state_dict`, whose names have them where a layer is compiled
+    (`_orig_mod`): the names are put back before that call.
 
     Float8 parameters kept whole on every rank (a LoRA's float8 base, out of FSDP2) are copied from the file,
     which every rank has read, instead of broadcast from rank 0: gloo has no float8 type ("Invalid scalar
@@ -127,14 +131,45 @@ def module_keys_with_wrappers(absent: Collection[str] = ()) -> Iterator[None]:
         finally:
             for inner, key, value in held:
                 inner[key] = value
+        if module is not None:  # Lightning next calls `module.load_state_dict` with these plain names
+            for inner in module_state.values():
+                if isinstance(inner, dict):
+                    _with_wrapper_names(inner, module)
+
+    original_rekey = fabric_mp._rekey_optimizer_state_if_needed
+
+    def rekey(optimizer_state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+        # a single file's optimizer state is keyed by position; FSDP1's re-keying names each parameter with
+        # compile's `_orig_mod` level, which `set_optimizer_state_dict` looks up without
+        return _without_wrapper_names(original_rekey(optimizer_state, module))
 
     fabric_mp._load_raw_module_state = load
     fabric_mp._distributed_checkpoint_load = load_dcp
+    fabric_mp._rekey_optimizer_state_if_needed = rekey
     try:
         yield
     finally:
         fabric_mp._load_raw_module_state = original
         fabric_mp._distributed_checkpoint_load = original_dcp
+        fabric_mp._rekey_optimizer_state_if_needed = original_rekey
+
+
+def _with_wrapper_names(state: dict[str, Any], module: nn.Module) -> None:
+    """Re-key `state` (names without wrapper levels) in place to `module.state_dict()`'s own names."""
+    for name in list(module.state_dict().keys()):
+        plain = without_wrapper_levels(name)
+        if name != plain and plain in state:
+            state[name] = state.pop(plain)
+
+
+def _without_wrapper_names(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name, with the names' wrapper levels taken out."""
+    def plain(key: Any) -> Any:
+        return without_wrapper_levels(key) if isinstance(key, str) else key
+
+    groups = [{**g, "params": [plain(p) for p in g["params"]]} for g in optimizer_state.get("param_groups", [])]
+    return {**optimizer_state, "state": {plain(k): v for k, v in optimizer_state["state"].items()},
+            "param_groups": groups}
 
 
 def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:

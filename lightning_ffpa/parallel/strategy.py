@@ -516,7 +516,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         saved = read_frozen_record(path, weights_only=weights_only)
         if saved is not None:
             check_frozen_base(saved, self.lightning_module, path)
-        with lightning_compat.module_keys_with_wrappers(absent=saved["tensors"] if saved else ()):
+        with lightning_compat.module_keys_with_wrappers(absent=saved["tensors"] if saved else (), module=self.model):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override

@@ -91,7 +91,13 @@ def canonical_option(key: str, value: Any) -> Any:
     if hasattr(value, "as_dict"):  # a jsonargparse Namespace (a dataclass option before instantiation)
         value = value.as_dict()
     if key == "lora":
-        return lora_hparam(value)
+        lora = lora_hparam(value)
+        if isinstance(lora, dict):  # the same targets in another order are the same adapters
+            lora = {k: sorted(v) if k in ("target_modules", "target_parameters") and isinstance(v, list) else v
+                    for k, v in lora.items()}
+        return lora
+    if key == "pretrained" and isinstance(value, str) and os.path.isdir(os.path.expanduser(value)):
+        return os.path.realpath(os.path.expanduser(value))  # one folder, however spelled
     if isinstance(value, dict):
         return {k: canonical_option("", v) for k, v in value.items()} or None  # {} and None both mean "none"
     if isinstance(value, (list, tuple)):
@@ -124,6 +130,9 @@ class HFModule(L.LightningModule):
         """Check the shared options and load the HF config (no weights); raises ConfigError on a bad option."""
         hp = self.hparams
         hp["lora"] = lora_hparam(hp.get("lora"))  # checked, and plain data for hparams/checkpoints
+        if isinstance(hp.get("pretrained"), str) and os.path.isdir(os.path.expanduser(hp["pretrained"])):
+            # absolute in the checkpoint: a resume or export from another folder finds the same weights
+            hp["pretrained"] = os.path.abspath(os.path.expanduser(hp["pretrained"]))
         attn = hp.get("attn_implementation", "sdpa")
         if attn not in (known := registered_attention()):
             raise ConfigError("model.attn_implementation", attn, f"is unknown; choose one of {sorted(known)}")

@@ -125,3 +125,17 @@ def test_grpo_refuses_a_new_learning_rate_on_resume():
     with pytest.raises(ConfigError, match=r"^`model\.learning_rate=0\.1`: differs from `ckpt_path`, which has 0\.02"):
         check_hparams_match(saved, module)
     check_hparams_match(dict(module.hparams), module)  # the same value: no error
+
+
+def test_one_folder_or_the_same_targets_however_spelled_are_the_same_option(tmp_path, monkeypatch):
+    """A resume was refused for `model.pretrained` spelled relative from another folder (or absolute), and for
+    LoRA targets listed in another order: the same weights, "would not fit"."""
+    from lightning_ffpa.hf_module import differing_options
+
+    (tmp_path / "runs" / "base").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "runs")
+    saved = {"pretrained": str(tmp_path / "runs" / "base"), "lora": {**LORA, "target_modules": ["q_proj", "o_proj"]}}
+    monkeypatch.chdir(tmp_path)
+    assert differing_options(saved, {"pretrained": "runs/base", "lora": {**LORA, "target_modules": ["o_proj", "q_proj"]}}) == []
+    assert [k for k, _, _ in differing_options(saved, {"pretrained": "elsewhere", "lora": {**LORA, "r": 8}})] == [
+        "pretrained", "lora"]

@@ -393,3 +393,11 @@ def console_entry(body: Callable[[list[str]], Any], user_errors: tuple[type[Base
         raise
     release_stderr()
     return result if isinstance(result, int) else EXIT_OK
+
+
+def data_option(datamodule: Any, *names: str) -> str:
+    """The first of `names` that the data module's class takes, as the CLI spells it (`data.init_args.<name>`)."""
+    import inspect
+
+    params = inspect.signature(type(datamodule).__init__).parameters if datamodule is not None else {}
+    return "data.init_args." + next((n for n in names if n in params), names[0])

@@ -19,7 +19,7 @@ from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa.attention.documents import packed_inputs
 from lightning_ffpa.cp import cp_group_info, cp_loss_reduce, shard_batch
 from lightning_ffpa.dtypes import DtypeOrAuto
-from lightning_ffpa.errors import ConfigError
+from lightning_ffpa.errors import ConfigError, data_option
 from lightning_ffpa.hf_module import (  # noqa: F401 - re-exported: `from lightning_ffpa.module import resolve_dtype`
     _MODEL_CLASSES,
     HFModule,
@@ -147,11 +147,12 @@ class Gemma4LM(HFModule):
     def check_data(self, datamodule: Any) -> None:
         """The data options this model must accept (the CLI's pre-flight runs this before `fit`, then `setup`)."""
         data_len = getattr(datamodule, "max_seq_length", None)
-        self.check_seq_length(data_len, "data.max_seq_length")
+        data_opt = data_option(datamodule, "max_seq_length", "seq_length")  # MockDataModule: seq_length
+        self.check_seq_length(data_len, data_opt)
         declared = self.hparams.get("max_seq_length")
         if isinstance(declared, int) and isinstance(data_len, int) and data_len > declared:
             raise ConfigError("model.max_seq_length", declared, f"is shorter than the data's rows "
-                              f"(`data.max_seq_length={data_len}`); raise it, or leave it unset")
+                              f"(`{data_opt}={data_len}`); raise it, or leave it unset")
         self.attention_plan.check_packing(bool(getattr(datamodule, "pack", False)))
 
     # ---- forward and loss -----------------------------------------------------------------------------

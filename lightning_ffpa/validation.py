@@ -14,7 +14,6 @@ for LightningCLI subclasses (`class FFPACLI(PreflightCLIMixin, LightningCLI)`).
 
 from __future__ import annotations
 
-import inspect
 import os
 import zipfile
 from pathlib import Path
@@ -34,7 +33,7 @@ from lightning_ffpa.checkpoint.paths import (
     root_checkpoint_dirs,
     saved_checkpoints,
 )
-from lightning_ffpa.errors import CheckpointError, ConfigError
+from lightning_ffpa.errors import CheckpointError, ConfigError, data_option
 from lightning_ffpa.fp8_base import check_device as fp8_base_check_device
 from lightning_ffpa.hf_module import (  # noqa: F401 - ARCHITECTURE_HPARAMS, check_hparams_match re-exported
     ARCHITECTURE_HPARAMS,
@@ -265,12 +264,6 @@ def check_attention_trains_here(trainer: Any, model: Any) -> None:
                           "'eager' or 'ffpa'")
 
 
-def _data_option(datamodule: Any, *names: str) -> str:
-    """The first of `names` that the data module's class takes, as the CLI spells it."""
-    params = inspect.signature(type(datamodule).__init__).parameters
-    return "data.init_args." + next((n for n in names if n in params), names[0])
-
-
 def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> None:
     """Mesh sizes vs world size, sequence length vs CP, and the direct ffpa backend vs CP and packing.
 
@@ -296,7 +289,7 @@ def check_parallel_layout(trainer: Any, model: Any, datamodule: Any = None) -> N
         resolve_dims(world, model)
     seq = getattr(datamodule, "max_seq_length", None)
     if cp > 1 and seq is not None and seq % (2 * cp):
-        raise ValueError(f"`{_data_option(datamodule, 'max_seq_length', 'seq_length')}={seq}` must be divisible by "
+        raise ValueError(f"`{data_option(datamodule, 'max_seq_length', 'seq_length')}={seq}` must be divisible by "
                          f"2 x context_parallel_size = {2 * cp} (each sequence is cut into 2·cp load-balanced chunks)")
     pad = getattr(datamodule, "pad_to_multiple_of", None)
     if cp > 1 and not getattr(datamodule, "pack", False) and isinstance(pad, int) and pad % (2 * cp):

@@ -182,7 +182,8 @@ ROWS = [
     (f"{E} fake.ckpt out --config afile", "--config"),
     (f"{E} fake.ckpt out --merge-lora", "--merge_lora"),
     # checked by the components (data rows, prompt lengths, module vs callback) in the pre-flight, before fit writes
-    (f"{F} --data.init_args.max_seq_length 4096", "data.max_seq_length"),  # model.setup: vs max_position_embeddings
+    (f"{F} --data.init_args.max_seq_length 4096", "data.init_args.max_seq_length"),  # vs max_position_embeddings
+    ("lightning-ffpa fit --config tiny_fsdp2 --data.init_args.seq_length 4096", "data.init_args.seq_length"),
     (f"{F} --data.init_args.batch_size 100000", "data.init_args.batch_size"),  # data.setup: needs the row count
     (f"{G} --data.init_args.num_random_prompts 1", "data.init_args.batch_size"),  # data.setup: row count
     (f"{G} --trainer.callbacks.init_args.engine.max_seq_len 8", "engine.max_seq_len"),  # callback setup: prompts

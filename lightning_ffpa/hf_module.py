@@ -48,7 +48,7 @@ from lightning_ffpa.attention.plan import (
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base, frozen_names, frozen_record
 from lightning_ffpa.checkpoint.frozen import OPTION as FROZEN_OPTION
 from lightning_ffpa.dtypes import parse_dtype
-from lightning_ffpa.errors import CheckpointError, ConfigError
+from lightning_ffpa.errors import CheckpointError, ConfigError, one_line
 from lightning_ffpa.fp8_base import check_device as fp8_base_check_device
 from lightning_ffpa.lora import PEFT_LEVEL, apply_lora, check_targets_given, lora_hparam, unwrap_peft
 from lightning_ffpa.presets import (
@@ -166,10 +166,13 @@ class HFModule(L.LightningModule):
         if local.is_file():
             raise ConfigError("model.pretrained", hp.pretrained, "is a file; give the checkpoint's directory (the one "
                               "holding config.json) or a hub model id")
+        if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
+            raise ConfigError("model.pretrained", hp.pretrained, "is a LoRA adapter folder (adapter_config.json, no "
+                              "config.json); give the base model's folder, or export with --merge_lora for one model")
         try:
             cfg = AutoConfig.from_pretrained(hp.pretrained)
-        except OSError as err:
-            raise ConfigError("model.pretrained", hp.pretrained, f"could not be loaded: {err}") from err
+        except (OSError, ValueError) as err:  # ValueError: a config.json transformers knows no model type of
+            raise ConfigError("model.pretrained", hp.pretrained, f"could not be loaded: {one_line(err)}") from err
         self._check_checkpoint(cfg, local)
         # Set on the text config (not through `from_pretrained(**overrides)`, which drops unknown keys
         # silently and would put text fields on a multimodal config's top level).

@@ -44,6 +44,8 @@ ROWS = [
     (f"{F} --model.init_args.dtype fp8", "model.init_args.dtype"),
     (f"{F} --model.init_args.preset gemma4-999b", "preset"),
     (f"{F} --model.init_args.pretrained /nonexistent/gemma4", "model.pretrained"),
+    (f"{F} --model.init_args.pretrained adapter", "/adapter'`: is a LoRA adapter folder"),
+    (f"{F} --model.init_args.pretrained oddcfg", "/oddcfg'`: could not be loaded"),
     (f"{F} --model.init_args.lora '{{r: 2, lora_alpha: 4, target_modules: [nope_proj]}}'", "target_modules"),
     (f"{F} --model.init_args.lora '{{r: 2, lora_alpha: 4, target_parameters: [experts.down_proj]}}'",
      "model.lora.target_parameters"),  # the dense tiny model has no expert stacks
@@ -263,6 +265,10 @@ def template(tmp_path_factory) -> Path:
     (root / "garbage.ckpt").write_bytes(b"not a checkpoint\n" * 64)
     (root / "afile").write_text("a file where a folder is expected\n")
     (root / "emptydir").mkdir()
+    (root / "adapter").mkdir()  # what `lightning-ffpa-export` writes beside the base: no config.json
+    (root / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (root / "oddcfg").mkdir()  # a config.json transformers knows no model type of
+    (root / "oddcfg" / "config.json").write_text(json.dumps({"hidden_size": 8}))
     (root / "nonempty").mkdir()
     (root / "nonempty" / "keep.txt").write_text("mine\n")
     (root / "earlier" / "checkpoints").mkdir(parents=True)  # an earlier run's (the names are what counts)

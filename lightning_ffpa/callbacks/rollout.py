@@ -390,8 +390,8 @@ class RolloutCallback(L.Callback):
         for name, count in (("dropped_groups", dropped), ("refilled_groups", refilled)):
             pl_module.log(f"rollout/{name}", float(count), on_step=True, on_epoch=False, batch_size=len(seqs))
         lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32)
-        # With several reward functions, each one's mean too (their sum is `reward`); with DAPO's overlong shaping,
-        # the shaped reward the advantages are computed from
+        # With several reward functions, each one's mean too (`reward` is their weighted sum); with DAPO's overlong
+        # shaping, the shaped reward the advantages are computed from
         per_function = ([(f"reward/{name}", by_function[:, j]) for j, name in enumerate(reward_names(self.reward_funcs))]
                         if len(self.reward_funcs) > 1 else [])
         shaped = ([("shaped_reward", self.algorithm.shape_rewards(total, lengths))]

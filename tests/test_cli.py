@@ -155,7 +155,7 @@ def test_tiny_loss_curve_matches_golden(tiny_losses):
     [
         (["--data.init_args.train_file=/nonexistent.txt"], "data.init_args.train_file"),
         (["--model.init_args.attn_implementation=flash9"], "attn_implementation"),
-        (["--data.init_args.max_seq_length=4096"], "data.max_seq_length"),
+        (["--data.init_args.max_seq_length=4096"], "data.init_args.max_seq_length"),
     ],
 )
 def test_bad_input_fails_before_training(tmp_path, args, option, capsys):

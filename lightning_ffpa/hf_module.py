@@ -409,7 +409,10 @@ class HFModule(L.LightningModule):
         """
         checkpoint[MODULE_CLASS_KEY] = f"{type(self).__module__}.{type(self).__qualname__}"
         datamodule = getattr(self._trainer, "datamodule", None)
-        checkpoint[SOURCES_KEY] = {"cwd": os.getcwd(), "data.tokenizer": getattr(datamodule, "tokenizer_spec", None)}
+        tokenizer = getattr(datamodule, "tokenizer_spec", None)
+        if isinstance(tokenizer, str) and os.path.isdir(os.path.expanduser(tokenizer)):
+            tokenizer = os.path.abspath(os.path.expanduser(tokenizer))  # found from any folder, as `pretrained`
+        checkpoint[SOURCES_KEY] = {"cwd": os.getcwd(), "data.tokenizer": tokenizer}
         if self.saves_frozen_weights:
             return
         frozen = frozen_names(self)

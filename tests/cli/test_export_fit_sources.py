@@ -25,6 +25,8 @@ def test_export_from_another_folder_takes_the_fits_relative_tokenizer_and_pretra
               fit_dir)
     assert fit.returncode == 0, fit.stderr[-3000:]
     ckpt = fit_dir / "runs" / "x" / "checkpoints" / "last.ckpt"
+    recorded = torch.load(ckpt, map_location="cpu", weights_only=False)["fit_sources"]["data.tokenizer"]
+    assert recorded == str(fit_dir / "tok")  # absolute: found from any folder without the fit's cwd
     out = run(f"lightning-ffpa-export {ckpt} exported", elsewhere)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "no tokenizer" not in out.stdout + out.stderr

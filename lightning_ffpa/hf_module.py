@@ -62,6 +62,7 @@ from lightning_ffpa.presets import (
 
 # Hyper-parameters that define the architecture: a checkpoint trained with other values cannot be resumed.
 ARCHITECTURE_HPARAMS = ("pretrained", "preset", "config_overrides", "model_class", "lora")
+LORA_SHAPES = ("lora.r", "lora.target_modules", "lora.target_parameters", "lora")  # the adapters' tensors
 # Text-config fields that size a checkpoint's weights: a `pretrained` run cannot override them.
 SHAPE_FIELDS = frozenset({"hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
                           "num_key_value_heads", "head_dim", "global_head_dim", "num_global_key_value_heads",
@@ -485,6 +486,15 @@ def check_options_match_checkpoint(given: Any, saved: dict[str, Any] | None, ckp
                                                f"replace it silently; {fix}{also}")
 
 
+def _first_lora_difference(was: dict[str, Any], now: dict[str, Any]) -> tuple[str, Any, Any]:
+    """The first LoRA sub-option that differs, as (`lora.<name>`, saved, current)."""
+    a, b = canonical_option("lora", was), canonical_option("lora", now)
+    for name in sorted(set(a or {}) | set(b or {})):
+        if (a or {}).get(name) != (b or {}).get(name):
+            return f"lora.{name}", was.get(name), now.get(name)
+    return "lora", was, now
+
+
 def check_hparams_match(saved: dict[str, Any] | None, model: Any, option: str = "ckpt_path") -> None:
     """Refuse to resume a checkpoint whose architecture hyper-parameters differ from this run's `model.*`
     (CheckpointError), or whose optimizer options do (`model.RESUMED_FROM_OPTIMIZER`; ConfigError): the loaded
@@ -493,9 +503,15 @@ def check_hparams_match(saved: dict[str, Any] | None, model: Any, option: str = 
     if not saved or current is None:
         return
     for key, was, now in differing_options(saved, dict(current), ARCHITECTURE_HPARAMS)[:1]:
+        if key == "lora" and isinstance(was, dict) and isinstance(now, dict):
+            key, was, now = _first_lora_difference(was, now)
+        why = ("its weights were trained from another base" if key == "pretrained" else
+               "its adapters were trained with that value" if key.startswith("lora.") and key not in LORA_SHAPES else
+               "the weights would not fit")
         raise CheckpointError(
             f"`{option}` was trained with `model.{key}={was!r}` but this run has "
-            f"`model.{key}={now!r}`; the weights would not fit"
+            f"`model.{key}={now!r}`: {why}; a resume continues the saved run as it was (start a new run from the "
+            "exported weights to change it)"
         )
     # a resume loads the optimizer's param groups from the checkpoint: these options would be ignored silently
     for key, was, now in differing_options(saved, dict(current), getattr(model, "RESUMED_FROM_OPTIMIZER", ()))[:1]:

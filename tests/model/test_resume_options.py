@@ -102,7 +102,7 @@ def _resume_refused(module: Gemma4LM, ckpt: Path, error: type[Exception], match:
 def test_python_api_refuses_another_architecture_before_loading(fitted):
     _, ckpt = fitted
     module = Gemma4LM(preset="tiny", dtype="float32", lora={**LORA, "r": 2}, config_overrides={"num_hidden_layers": 2})
-    _resume_refused(module, ckpt, CheckpointError, r"model\.lora=")
+    _resume_refused(module, ckpt, CheckpointError, r"model\.lora\.r=4`.*model\.lora\.r=2`: the weights would not fit")
 
 
 @pytest.mark.parametrize("option, value", [("learning_rate", 0.5), ("weight_decay", 0.5), ("betas", (0.8, 0.9))])
@@ -139,3 +139,15 @@ def test_one_folder_or_the_same_targets_however_spelled_are_the_same_option(tmp_
     assert differing_options(saved, {"pretrained": "runs/base", "lora": {**LORA, "target_modules": ["o_proj", "q_proj"]}}) == []
     assert [k for k, _, _ in differing_options(saved, {"pretrained": "elsewhere", "lora": {**LORA, "r": 8}})] == [
         "pretrained", "lora"]
+
+
+def test_a_changed_lora_option_on_resume_is_named_not_called_a_shape_mismatch():
+    """`lora_alpha` changed on resume was refused as "the weights would not fit": they fit; the error names the
+    LoRA sub-option and why a resume keeps it."""
+    from lightning_ffpa.hf_module import check_hparams_match
+
+    module = Gemma4LM(preset="tiny", lora={**LORA, "lora_alpha": 16})
+    saved = dict(module.hparams, lora={**module.hparams["lora"], "lora_alpha": 32})
+    with pytest.raises(CheckpointError, match=r"`model\.lora\.lora_alpha=32` but this run has `model\.lora\.lora_alpha"
+                                              r"=16`: its adapters were trained with that value"):
+        check_hparams_match(saved, module)

@@ -421,8 +421,8 @@ class PreflightCLIMixin:
         super().add_default_arguments_to_parser(parser)
         parser.add_argument(
             f"--{RESUME_SWITCH}", type=bool, default=False,
-            help="With an explicit ckpt_path file, Lightning takes the model options from the checkpoint; a "
-                 "`model.*` option that differs from it is an error unless this is true.")
+            help="With an explicit ckpt_path (a file or an FSDP2 checkpoint folder), the model options come from the "
+                 "checkpoint; a `model.*` option that differs from it is an error unless this is true.")
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         super().parse_arguments(parser, args)
@@ -430,11 +430,24 @@ class PreflightCLIMixin:
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path and ckpt_path not in ("last", "hpc", "best"):
             state = check_checkpoint(ckpt_path, "ckpt_path", resume=subcommand == "fit")
-            if Path(ckpt_path).is_file() and not self.config[subcommand].get(RESUME_SWITCH):
+            self._folder_hparams = state.get("hyper_parameters") if Path(ckpt_path).is_dir() else None
+            if not self.config[subcommand].get(RESUME_SWITCH):
                 from lightning_ffpa.hf_module import check_options_match_checkpoint
 
                 check_options_match_checkpoint(self.config[subcommand].get("model"), state.get("hyper_parameters"),
                                                ckpt_path, RESUME_SWITCH)
+
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI takes the model options from a checkpoint file; do the same for a distributed checkpoint
+        folder (FSDP2Strategy's format), which it skips, so an explicit folder behaves as a file does."""
+        super()._parse_ckpt_path()
+        hparams = dict(getattr(self, "_folder_hparams", None) or {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        self.config = self.parser.parse_object({self.config.subcommand: {"model": hparams}}, self.config)
 
     def before_fit(self) -> None:
         """Pre-flight checks (checkpoint, LoRA targets, vocab) before any model is built."""

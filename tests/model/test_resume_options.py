@@ -151,3 +151,27 @@ def test_a_changed_lora_option_on_resume_is_named_not_called_a_shape_mismatch():
     with pytest.raises(CheckpointError, match=r"`model\.lora\.lora_alpha=32` but this run has `model\.lora\.lora_alpha"
                                               r"=16`: its adapters were trained with that value"):
         check_hparams_match(saved, module)
+
+
+@pytest.fixture(scope="module")
+def fitted_folder(tmp_path_factory):
+    """As `fitted`, under FSDP2Strategy: the checkpoint is a distributed checkpoint folder."""
+    tmp_path = tmp_path_factory.mktemp("resume_dcp")
+    config = _config(tmp_path)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["trainer"]["strategy"] = {"class_path": "lightning_ffpa.parallel.FSDP2Strategy",
+                                  "init_args": {"param_dtype": "fp32", "reduce_dtype": "fp32"}}
+    config.write_text(yaml.safe_dump(cfg))
+    main(["fit", "--config", str(config)])
+    assert (tmp_path / "ckpt" / "last.ckpt").is_dir()
+    return config, tmp_path / "ckpt" / "last.ckpt"
+
+
+def test_an_explicit_checkpoint_folder_is_checked_and_taken_as_a_file_is(fitted_folder):
+    """An explicit `--ckpt_path` folder skipped the option check (a differing option was replaced silently) and
+    `--resume_model_from_checkpoint true` kept this run's options: LightningCLI reads hparams from files only."""
+    config, ckpt = fitted_folder
+    with pytest.raises(ConfigError, match=r"^`model\.warmup_steps=3`: differs from `ckpt_path=.*`, which has 0"):
+        _parse(config, ckpt, "--model.init_args.warmup_steps", "3")
+    taken = _parse(config, ckpt, "--model.init_args.warmup_steps", "3", "--resume_model_from_checkpoint", "true")
+    assert taken.warmup_steps == 0 and taken.lora["r"] == LORA["r"]

@@ -62,6 +62,7 @@ from lightning_ffpa.presets import (
 
 # Hyper-parameters that define the architecture: a checkpoint trained with other values cannot be resumed.
 ARCHITECTURE_HPARAMS = ("pretrained", "preset", "config_overrides", "model_class", "lora")
+LORA_RUN_MODES = ("expert_adapters",)  # how the adapters compute, not what they are: free to change on resume
 LORA_SHAPES = ("lora.r", "lora.target_modules", "lora.target_parameters", "lora")  # the adapters' tensors
 # Text-config fields that size a checkpoint's weights: a `pretrained` run cannot override them.
 SHAPE_FIELDS = frozenset({"hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
@@ -95,7 +96,7 @@ def canonical_option(key: str, value: Any) -> Any:
         lora = lora_hparam(value)
         if isinstance(lora, dict):  # the same targets in another order are the same adapters
             lora = {k: sorted(v) if k in ("target_modules", "target_parameters") and isinstance(v, list) else v
-                    for k, v in lora.items()}
+                    for k, v in lora.items() if k not in LORA_RUN_MODES}
         return lora
     if key == "pretrained" and isinstance(value, str) and os.path.isdir(os.path.expanduser(value)):
         return os.path.realpath(os.path.expanduser(value))  # one folder, however spelled

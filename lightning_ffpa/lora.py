@@ -115,6 +115,10 @@ def lora_hparam(value: LoraSpec | dict[str, Any] | None, option: str = "model.lo
     if spec.expert_adapters not in EXPERT_ADAPTERS:
         raise ConfigError(f"{option}.expert_adapters", spec.expert_adapters,
                           f"must be one of {', '.join(EXPERT_ADAPTERS)}")
+    if spec.expert_adapters != "unmerged" and not spec.target_parameters:
+        raise ConfigError(f"{option}.expert_adapters", spec.expert_adapters,
+                          f"has no expert adapters to run: `{option}.target_parameters` puts them on the expert "
+                          "stacks; leave it unset otherwise")
     plain = {"r": spec.r}
     for name, field in _FIELDS.items():
         v = getattr(spec, name)

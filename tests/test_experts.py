@@ -323,3 +323,12 @@ def test_inductor_compiles_the_unmerged_experts_forward_and_backward():
 
     for name in experts:  # bf16 gradients of this tiny random model are far from fp32 even eager (~25%)
         assert err(got, name) <= 2 * err(eager_grads, name) + 0.05, (name, err(got, name), err(eager_grads, name))
+
+
+def test_expert_adapters_without_expert_targets_is_refused():
+    """`expert_adapters: folded` with no `target_parameters` ran without a word: nothing reads it."""
+    from lightning_ffpa.lora import lora_hparam
+
+    with pytest.raises(ConfigError, match=r"^`model.lora.expert_adapters='folded'`: has no expert adapters to run"):
+        lora_hparam({"r": 8, "target_modules": ["q_proj"], "expert_adapters": "folded"})
+    assert lora_hparam({"r": 8, "target_parameters": EXPERTS, "expert_adapters": "folded"})["expert_adapters"] == "folded"

@@ -175,3 +175,13 @@ def test_an_explicit_checkpoint_folder_is_checked_and_taken_as_a_file_is(fitted_
         _parse(config, ckpt, "--model.init_args.warmup_steps", "3")
     taken = _parse(config, ckpt, "--model.init_args.warmup_steps", "3", "--resume_model_from_checkpoint", "true")
     assert taken.warmup_steps == 0 and taken.lora["r"] == LORA["r"]
+
+
+def test_how_the_expert_adapters_run_may_change_on_resume():
+    """`lora.expert_adapters` (unmerged or folded) changes how the same adapter weights compute: a resume switching
+    it was refused as "the weights would not fit"; a real LoRA change is still named."""
+    from lightning_ffpa.hf_module import differing_options
+
+    experts = {"r": 2, "target_parameters": ["experts.gate_up_proj"]}
+    assert differing_options({"lora": experts}, {"lora": {**experts, "expert_adapters": "folded"}}) == []
+    assert differing_options({"lora": experts}, {"lora": {**experts, "r": 4}})

@@ -121,14 +121,19 @@ class Float8Training:
 
         convert_to_float8_training(layers, config=config, module_filter_fn=wanted)
         converted = [n for n, m in layers.named_modules() if _is_float8_linear(m)]
-        return {"converted": converted, "kept": sorted(set(kept))}
+        # MoE expert stacks are 3-D parameters, not nn.Linear: torchao's float8 training leaves them as they are
+        experts = [n for n, m in layers.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
+        return {"converted": converted, "kept": sorted(set(kept)), "experts": experts}
 
     def describe(self, layout: dict[str, list[str]]) -> str:
         """One line saying what `convert` did (the strategy logs it, so a run shows FP8 ran and where)."""
         kept = f" ({', '.join(layout['kept'][:3])}{', ...' if len(layout['kept']) > 3 else ''})" if layout["kept"] else ""
+        experts = layout.get("experts") or []
+        stacks = (f"; {len(experts)} MoE expert modules ({experts[0]}{', ...' if len(experts) > 1 else ''}) stay in "
+                  "high precision (torchao converts nn.Linear only, not the 3-D expert stacks)") if experts else ""
         return (f"fp8 {self.recipe}: {len(layout['converted'])} decoder Linear layers train in torchao float8"
                 f"{' (emulated in high precision)' if self.emulate else ''}, {len(layout['kept'])} kept in high "
-                f"precision{kept}; the lm_head and embeddings stay in high precision")
+                f"precision{kept}{stacks}; the lm_head and embeddings stay in high precision")
 
     def plain_tensors(self, tree: Any) -> Any:
         """`tree` (a checkpoint's nested dicts and lists) with torchao's float8 all-gather weight wrappers replaced

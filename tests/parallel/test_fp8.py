@@ -63,6 +63,9 @@ def test_moe_routers_stay_high_precision_and_are_reported():
     kept = model.fp8_layout["kept"]
     assert kept and all(k.endswith("router.proj") for k in kept)
     assert not any(_float8(m) for n, m in model.named_modules() if n.endswith("router.proj"))
+    experts = model.fp8_layout["experts"]  # the 3-D stacks torchao leaves alone: said, never silent
+    assert experts and all(n.endswith("experts") for n in experts)
+    assert f"{len(experts)} MoE expert modules" in EMULATED["rowwise"].describe(model.fp8_layout)
 
 
 @needs_torchao
@@ -240,6 +243,8 @@ def test_the_conversion_is_said_in_one_line():
     assert line == ("fp8 tensorwise: 7 decoder Linear layers train in torchao float8 (emulated in high precision), "
                     "4 kept in high precision (0.router.proj, 1.router.proj, 2.router.proj, ...); the lm_head and "
                     "embeddings stay in high precision")
+    moe = Float8Training("rowwise").describe({**layout, "experts": ["0.mlp.experts", "1.mlp.experts"]})
+    assert "; 2 MoE expert modules (0.mlp.experts, ...) stay in high precision (torchao converts nn.Linear only" in moe
     assert Float8Training("rowwise").describe({"converted": ["0.q_proj"], "kept": []}).startswith(
         "fp8 rowwise: 1 decoder Linear layers train in torchao float8, 0 kept in high precision;")
 

@@ -1,6 +1,6 @@
 """The `lightning-ffpa` console script: which code answers a command, and its exit code.
 
-Owns `main` (exit 0 on success, 2 with one `error:` line on a bad input, 3 for a diverged fit, 143 after
+Owns `main` and `export_main` (exit 0 on success, 2 with one `error:` line on a bad input, 3 for a diverged fit, 143 after
 SIGTERM, 130 after Ctrl-C) and the commands that need no Lightning: `lightning-ffpa --help`, `recipes` and `cp` import
 neither Lightning nor torch, so they answer at once. fit/validate/test/predict go to
 `lightning_ffpa.lightning_cli` (the LightningCLI), imported only then; its names (`build`, `FFPACLI`, ...)
@@ -80,6 +80,19 @@ def main(argv: list[str] | None = None) -> int:
     """The `lightning-ffpa` console script: exit code 0 on success, 2 with one `error:` line on a bad input."""
     argv = list(sys.argv[1:] if argv is None else argv)
     return console_entry(_answer_without_lightning if _help_only(argv) else _run_lightning, argv=argv)
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    """The `lightning-ffpa-export` console script. The export's imports run with stderr held: transformers
+    imports torchao where it is installed, whose load messages would come before a bad input's one line."""
+    from lightning_ffpa.errors import CheckpointError
+
+    def export(args: list[str]) -> Any:
+        from lightning_ffpa.export import run
+
+        return run(args)
+
+    return console_entry(export, user_errors=(CheckpointError, FileExistsError), argv=argv)
 
 
 def __getattr__(name: str) -> Any:

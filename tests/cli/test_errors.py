@@ -231,3 +231,28 @@ def test_a_reward_function_in_the_old_colon_form_names_reward_funcs_and_the_dott
         cli.build(args, run=False)
     assert str(info.value) == (f"`trainer.callbacks.init_args.reward_funcs`: `{old}` is the old `module:function` "
                                "form: write a dotted import path `package.module.function`")
+
+
+def test_the_export_script_imports_its_libraries_with_stderr_held(capfd, monkeypatch):
+    """`lightning-ffpa-export` imported transformers before holding stderr, so torchao's load messages (printed
+    where it is installed) came before a bad input's one line. A library printing at import is simulated here."""
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["lightning-ffpa-export"] == "lightning_ffpa.cli:export_main"
+    monkeypatch.delitem(sys.modules, "lightning_ffpa.export", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_NoisyImport("lightning_ffpa.export"), *sys.meta_path])
+    assert cli.export_main(["no_such.ckpt", "out"]) == 2
+    assert capfd.readouterr().err == "error: `ckpt='no_such.ckpt'` does not exist\n"
+
+
+class _NoisyImport:
+    """A meta-path finder that writes to stderr when `name` is imported, then lets the real import go on."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname == self.name:
+            os.write(2, b"Failed to load some_library.so\n")
+        return None

@@ -75,6 +75,7 @@ MODULE_CLASS_KEY = "module_class"
 # Where the fit read its inputs: its working folder (relative `model.pretrained` / `data.tokenizer` paths resolve
 # against it) and the data's tokenizer spec (datamodules save no hyper-parameters), for `lightning-ffpa-export`.
 SOURCES_KEY = "fit_sources"
+TOKENIZER_DIGEST_KEY = "data.tokenizer_digest"  # in SOURCES_KEY: what its token ids mean (`tokenizer_digest`)
 _MODEL_CLASSES = {"causal_lm": Gemma4ForCausalLM, "conditional_generation": Gemma4ForConditionalGeneration}
 
 
@@ -414,7 +415,8 @@ class HFModule(L.LightningModule):
         tokenizer = getattr(datamodule, "tokenizer_spec", None)
         if isinstance(tokenizer, str) and os.path.isdir(os.path.expanduser(tokenizer)):
             tokenizer = os.path.abspath(os.path.expanduser(tokenizer))  # found from any folder, as `pretrained`
-        checkpoint[SOURCES_KEY] = {"cwd": os.getcwd(), "data.tokenizer": tokenizer}
+        checkpoint[SOURCES_KEY] = {"cwd": os.getcwd(), "data.tokenizer": tokenizer,
+                                   TOKENIZER_DIGEST_KEY: getattr(datamodule, "tokenizer_digest", None)}
         if self.saves_frozen_weights:
             return
         frozen = frozen_names(self)

@@ -51,7 +51,14 @@ from lightning_ffpa.errors import (
     release_stderr,
 )
 from lightning_ffpa.parallel import close_process_group
-from lightning_ffpa.validation import PreflightCLIMixin, check_evaluated_checkpoint, check_strategy_loads
+from lightning_ffpa.validation import (
+    PreflightCLIMixin,
+    check_checkpoint,
+    check_data_fits_model,
+    check_evaluated_checkpoint,
+    check_strategy_loads,
+    check_tokenizer_matches,
+)
 from lightning_ffpa.yaml_files import refuse_duplicate_keys
 
 # Trainer options Lightning accepts but fails on mid-run (e.g. accumulate_grad_batches=0 divides by zero at
@@ -426,11 +433,34 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         self._check_ckpt_loads()
         self._ready()
 
+    def after_predict(self) -> None:
+        """LightningCLI drops what `predict` returns: say so where no callback wrote the predictions."""
+        from lightning.pytorch.callbacks import BasePredictionWriter
+
+        trainer = self.trainer
+        if trainer.is_global_zero and not any(isinstance(c, BasePredictionWriter) for c in trainer.callbacks):
+            batches = sum(trainer.num_predict_batches)
+            print(f"predict ran {batches} batch{'es' if batches != 1 else ''}, and nothing saved the predictions: "
+                  "add a `lightning.pytorch.callbacks.BasePredictionWriter` to `trainer.callbacks` to write them",
+                  flush=True)
+
     def _check_ckpt_loads(self) -> None:
+        """The checkpoint `validate`/`test`/`predict` evaluates loads here, and fits the data: the data is read now
+        (a bad input is one line before the Trainer starts), its ids fit the model's vocabulary, and its tokenizer
+        is the one the checkpoint was trained with."""
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         with _as_user_errors():
             check_strategy_loads(self.trainer, ckpt_path)
             check_evaluated_checkpoint(self.trainer, ckpt_path, self.subcommand)
+            if callable(getattr(self.model, "check_data", None)):
+                self.model.check_data(self.datamodule)
+            if callable(getattr(self.datamodule, "check_before_fit", None)):  # ours: reading twice costs nothing
+                self.datamodule.setup(self.subcommand)
+            check_data_fits_model(self.model, self.datamodule)
+            resolved = lightning_compat.resolve_ckpt_path(self.trainer, ckpt_path) if ckpt_path != "best" else None
+            if resolved is not None:
+                state = check_checkpoint(resolved, "ckpt_path", resume=False, verify_checksums=False)
+                check_tokenizer_matches(self.datamodule, state, resolved)
 
     def _model_has(self, hook: str) -> bool:
         return _overrides(self.model, hook)

@@ -33,7 +33,7 @@ from lightning_ffpa.checkpoint.paths import (
     root_checkpoint_dirs,
     saved_checkpoints,
 )
-from lightning_ffpa.errors import CheckpointError, ConfigError, data_option
+from lightning_ffpa.errors import NOT_GIVEN, CheckpointError, ConfigError, data_option
 from lightning_ffpa.fp8_base import check_device as fp8_base_check_device
 from lightning_ffpa.hf_module import (  # noqa: F401 - ARCHITECTURE_HPARAMS, check_hparams_match re-exported
     ARCHITECTURE_HPARAMS,
@@ -238,11 +238,13 @@ def check_data_fits_model(model: Any, datamodule: Any) -> None:
         return
     text = text_config(config)
     if data_vocab > text.vocab_size:
-        tokenizer = getattr(datamodule, "tokenizer", None)
-        source = (f"`data.tokenizer` ({data_vocab} tokens)" if tokenizer is not None
-                  else f"`data.vocab_size={data_vocab}`")
-        raise ValueError(f"{source} exceeds the model's vocab_size={text.vocab_size}; "
-                         "token ids would index past the embedding")
+        if getattr(datamodule, "tokenizer", None) is not None:
+            raise ConfigError(data_option(datamodule, "tokenizer"), getattr(datamodule, "tokenizer_spec", NOT_GIVEN),
+                              f"has {data_vocab} tokens, more than the model's vocab_size={text.vocab_size}: token "
+                              "ids would index past the embedding")
+        raise ConfigError(data_option(datamodule, "vocab_size"), data_vocab, f"exceeds the model's vocab_size="
+                                                                             f"{text.vocab_size}: token ids would "
+                                                                             "index past the embedding")
 
 
 def check_attention_trains_here(trainer: Any, model: Any) -> None:
@@ -355,6 +357,7 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
     check_hparams_match(state.get("hyper_parameters"), model, "ckpt_path")
     check_frozen_seed(state.get(FROZEN_BASE_KEY), dict(getattr(model, "hparams", {})), resolved)
     check_data_resumes(trainer, datamodule, state)
+    check_tokenizer_matches(datamodule, state, resolved)
     check_steps_left(trainer, state, ckpt_path)
     return str(resolved)
 
@@ -397,6 +400,20 @@ def check_data_resumes(trainer: Any, datamodule: Any, state: dict[str, Any]) -> 
     conflict = datamodule.resume_conflict(saved, world // getattr(trainer.strategy, "context_parallel_size", 1))
     if conflict is not None:
         raise ConfigError(*conflict)
+
+
+def check_tokenizer_matches(datamodule: Any, state: dict[str, Any], ckpt_path: str | os.PathLike) -> None:
+    """The data's tokenizer is the one the checkpoint was trained with (its recorded digest), however either is
+    spelled: with another, token ids mean other text, and a loss or a resumed fit would run without a word."""
+    from lightning_ffpa.hf_module import SOURCES_KEY, TOKENIZER_DIGEST_KEY
+
+    sources = state.get(SOURCES_KEY) or {}
+    saved, now = sources.get(TOKENIZER_DIGEST_KEY), getattr(datamodule, "tokenizer_digest", None)
+    if saved is None or now is None or saved == now:
+        return
+    raise ConfigError(data_option(datamodule, "tokenizer"), getattr(datamodule, "tokenizer_spec", NOT_GIVEN),
+                      f"is not the tokenizer `ckpt_path={str(ckpt_path)!r}` was trained with "
+                      f"({sources.get('data.tokenizer')!r}): its token ids would mean other text; give that one")
 
 
 def check_strategy_loads(trainer: Any, ckpt_path: str | os.PathLike | None) -> None:

@@ -24,7 +24,7 @@ from lightning_ffpa.data.sources import (
     record_of,
     require_datasets,
 )
-from lightning_ffpa.data.tokenizer import format_plain_chat, load_tokenizer
+from lightning_ffpa.data.tokenizer import format_plain_chat, load_tokenizer, tokenizer_digest
 from lightning_ffpa.errors import ConfigError
 
 
@@ -132,7 +132,9 @@ class PromptDataModule(SeededDataModule):
         self.path, self.dataset, self.dataset_config, self.split = path, dataset, dataset_config, split
         self.prompt_field, self.messages_field, self.chat_template = prompt_field, messages_field, chat_template
         self.num_random_prompts, self.prompt_len, self.vocab_size = num_random_prompts, prompt_len, vocab_size
+        self.tokenizer_spec = tokenizer  # recorded in checkpoints, with its digest (as TextDataModule's)
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
+        self.tokenizer_digest = tokenizer_digest(self.tokenizer) if self.tokenizer is not None else None
         if self.tokenizer is not None and source is not None:
             self.vocab_size = len(self.tokenizer)  # the ids the prompts can hold (checked against the model)
         self.dataset_rows: PromptDataset | None = None

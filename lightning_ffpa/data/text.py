@@ -27,7 +27,7 @@ from lightning_ffpa.data.sources import (
     read_records,
     require_datasets,
 )
-from lightning_ffpa.data.tokenizer import load_tokenizer, pad_id_of
+from lightning_ffpa.data.tokenizer import load_tokenizer, pad_id_of, tokenizer_digest
 from lightning_ffpa.errors import ConfigError
 
 VAL_FRACTION = 0.05  # the default hold-out; another value beside a validation source would be ignored
@@ -146,6 +146,7 @@ class TextDataModule(SeededDataModule):
         self.pad_to_multiple_of = pad_to_multiple_of
         self.tokenizer_spec = tokenizer  # what the checkpoint records for the export's tokenizer files
         self.tokenizer = load_tokenizer(tokenizer)
+        self.tokenizer_digest = tokenizer_digest(self.tokenizer)  # recorded too: evaluate/resume with the same one
         self.vocab_size = len(self.tokenizer)
         self.pad_id = pad_id_of(self.tokenizer)
         self.stats: dict[str, dict[str, int]] = {}
@@ -170,7 +171,8 @@ class TextDataModule(SeededDataModule):
                 f"TextDataModule: {len(self._train)} train / {len(self._val)} val rows "
                 f"(pack={self.pack}, max_seq_length={self.max_seq_length}); {self.stats}"
             )
-        self.check_batch_size(len(self._train))
+        if stage in (None, "fit"):  # validate/test/predict never batch the training rows
+            self.check_batch_size(len(self._train))
 
     def _documents(self, source: str, name: str, split: str) -> list[Document]:
         opt = option(name)
@@ -245,12 +247,12 @@ class TextDataModule(SeededDataModule):
 
     def train_dataloader(self):
         """Shuffled (seed, epoch) loader over the training rows."""
-        self.setup()
+        self.setup("fit")
         return self._loader(self._train, self._collate(), train=True)
 
     def val_dataloader(self):
         """Sequential loader over the validation rows, or [] when there are none."""
-        self.setup()
+        self.setup("validate")
         if not len(self._val):
             return []
         return self._loader(self._val, self._collate(), train=False)

@@ -1,12 +1,14 @@
 """Tokenizers for the data modules: a byte-level fallback and loading a Hugging Face tokenizer.
 
-Owns: `ByteTokenizer`, `load_tokenizer(spec)` (a local folder or a hub id, through `AutoTokenizer`) and the
-plain chat format used when a tokenizer has no chat template. Does not own turning documents into training
+Owns: `ByteTokenizer`, `load_tokenizer(spec)` (a local folder or a hub id, through `AutoTokenizer`),
+`tokenizer_digest` (what a checkpoint records of its tokenizer) and the plain chat format used when a tokenizer has no chat template. Does not own turning documents into training
 rows (see `documents.py`) or batching.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -122,6 +124,16 @@ def check_has_vocabulary(tokenizer: Any, spec: str, option: str = "data.init_arg
         raise ConfigError(option, spec, f"has no vocabulary: its {len(tokenizer)} tokens are all special ({names}), "
                                         "so every document would become <unk>; the folder lacks the vocabulary file "
                                         "(tokenizer.json or tokenizer.model)")
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """A short digest of what token ids mean (the vocabulary and the special ids): a checkpoint records it, so a
+    run that evaluates or resumes it with another tokenizer is refused, however either was spelled."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return BYTE_TOKENIZER
+    specials = [getattr(tokenizer, f"{n}_token_id", None) for n in ("bos", "eos", "pad")]
+    vocab = json.dumps([sorted(tokenizer.get_vocab().items()), specials], ensure_ascii=False)
+    return hashlib.sha256(vocab.encode()).hexdigest()[:16]
 
 
 def pad_id_of(tokenizer: Any) -> int:

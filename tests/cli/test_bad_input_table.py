@@ -81,6 +81,11 @@ ROWS = [
      "`data.init_args.val_fraction` is 0"),
     (f"{G} --trainer.callbacks.init_args.reward_weights [1,2]", "RolloutCallback.reward_weights"),
     ("lightning-ffpa validate --config grpo.yaml", "(GRPOModule) has no validation step"),
+    # validate read its data inside the Trainer: an IndexError traceback, or the error after Lightning's lines
+    ("lightning-ffpa validate --config fit.yaml --trainer.limit_val_batches 1 --data.init_args.tokenizer bigtok",
+     "`data.init_args.tokenizer='bigtok'`: has 600 tokens, more than the model's vocab_size=512"),
+    ("lightning-ffpa validate --config fit.yaml --trainer.limit_val_batches 1 --data.init_args.max_seq_length 4096",
+     "`data.init_args.max_seq_length=4096`: exceeds the model's max_position_embeddings"),
     ("lightning-ffpa validate --config tiny_fsdp2", "`data.init_args.num_val_samples` is 0"),
     ("lightning-ffpa test --config grpo.yaml", "has no `test_dataloader`, so `test` has nothing to run on"),
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.replicate_frozen often",
@@ -262,6 +267,7 @@ def template(tmp_path_factory) -> Path:
     specials = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
     (root / "stubtok" / "tokenizer_config.json").write_text(json.dumps({**specials, "tokenizer_class": "GemmaTokenizer"}))
     (root / "stubtok" / "special_tokens_map.json").write_text(json.dumps(specials))
+    _save_wordlevel_tokenizer(root / "bigtok", 600)  # more ids than the tiny model's 512
     (root / "garbage.ckpt").write_bytes(b"not a checkpoint\n" * 64)
     (root / "afile").write_text("a file where a folder is expected\n")
     (root / "emptydir").mkdir()
@@ -278,6 +284,15 @@ def template(tmp_path_factory) -> Path:
     torch.save({"state_dict": {"model.lm_head.weight": torch.zeros(2, 2)}, "hyper_parameters": {"preset": "tiny"}},
                root / "fake.ckpt")
     return root
+
+
+def _save_wordlevel_tokenizer(folder: Path, size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(size)}, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", eos_token="w1", unk_token="w2").save_pretrained(folder)
 
 
 WORKERS = 2  # preloaders, one per CPU core of CI

@@ -27,6 +27,11 @@ def test_export_from_another_folder_takes_the_fits_relative_tokenizer_and_pretra
     ckpt = fit_dir / "runs" / "x" / "checkpoints" / "last.ckpt"
     recorded = torch.load(ckpt, map_location="cpu", weights_only=False)["fit_sources"]["data.tokenizer"]
     assert recorded == str(fit_dir / "tok")  # absolute: found from any folder without the fit's cwd
+    # another tokenizer evaluating the checkpoint: its ids would mean other text (validate ran and scored it)
+    other = run(f"lightning-ffpa validate --config tiny --trainer.limit_val_batches 1 --ckpt_path {ckpt} "
+                f"--model.init_args.pretrained {fit_dir / 'pre'}", elsewhere)
+    assert other.returncode == 2 and other.stderr.strip().startswith(
+        "error: `data.init_args.tokenizer='byte'`: is not the tokenizer"), other.stderr[-2000:]
     out = run(f"lightning-ffpa-export {ckpt} exported", elsewhere)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "no tokenizer" not in out.stdout + out.stderr

@@ -137,7 +137,8 @@ def test_prompt_vocab_is_the_tokenizers_and_is_checked_against_the_model(write, 
     dm = PromptDataModule(path=write("p.jsonl", PROMPTS), tokenizer=hf_tokenizer_dir, batch_size=2)
     size = len(AutoTokenizer.from_pretrained(hf_tokenizer_dir))
     assert dm.vocab_size == size
-    with pytest.raises(ValueError, match=rf"^`data.tokenizer` \({size} tokens\) exceeds the model's vocab_size=3"):
+    with pytest.raises(ValueError, match=rf"^`data.init_args.tokenizer='.*'`: has {size} tokens, more than the model's "
+                                         "vocab_size=3"):
         check_data_fits_model(Gemma4LM(preset="tiny", config_overrides={"vocab_size": 3}), dm)
 
 

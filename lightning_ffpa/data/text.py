@@ -31,6 +31,7 @@ from lightning_ffpa.data.tokenizer import load_tokenizer, pad_id_of, tokenizer_d
 from lightning_ffpa.errors import ConfigError
 
 VAL_FRACTION = 0.05  # the default hold-out; another value beside a validation source would be ignored
+PAD_TO_MULTIPLE_OF = 256  # unpacked batches only: packed rows are max_seq_length long
 SHAKESPEARE_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "shakespeare.txt")
 
 
@@ -85,7 +86,7 @@ class TextDataModule(SeededDataModule):
         max_seq_length: int = 256,
         batch_size: int = 8,
         pack: bool = False,
-        pad_to_multiple_of: int = 256,
+        pad_to_multiple_of: int = PAD_TO_MULTIPLE_OF,
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
@@ -129,6 +130,7 @@ class TextDataModule(SeededDataModule):
         if val_split is not None and val_file is not None:
             raise ConfigError(option("val_split"), val_split, "give either `val_split` or `val_file`, not both")
         check_dataset_config(dataset, dataset_config, option("dataset_config"))
+        _check_read_options(train_file, val_file, dataset, text_field, messages_field, pack, pad_to_multiple_of)
         if not 0.0 <= val_fraction < 1.0:
             raise ConfigError(option("val_fraction"), val_fraction, "must be in [0, 1)")
         if val_fraction != VAL_FRACTION and (val_file is not None or val_split is not None):
@@ -256,3 +258,19 @@ class TextDataModule(SeededDataModule):
         if not len(self._val):
             return []
         return self._loader(self._val, self._collate(), train=False)
+
+
+def _check_read_options(train_file: str | None, val_file: str | None, dataset: str | None, text_field: str,
+                        messages_field: str, pack: bool, pad_to_multiple_of: int) -> None:
+    """Refuse an option the rest of the data options leave unread (it would be ignored without a word)."""
+    plain = [f for f in (train_file, val_file) if f is not None]
+    if dataset is None and plain and all(str(f).endswith(".txt") for f in plain):
+        for name, value, default in (("text_field", text_field, "text"), ("messages_field", messages_field,
+                                                                            "messages")):
+            if value != default:
+                raise ConfigError(option(name), value, "names a field of records (.jsonl, .json, ...); a .txt file's "
+                                                       "documents are its paragraphs, so leave it unset")
+    if pack and pad_to_multiple_of != PAD_TO_MULTIPLE_OF:
+        raise ConfigError(option("pad_to_multiple_of"), pad_to_multiple_of, "pads unpacked batches; packed rows are "
+                                                                            "`max_seq_length` long already, so leave "
+                                                                            "it unset (or set pack false)")

@@ -81,6 +81,10 @@ ROWS = [
      "`data.init_args.val_fraction` is 0"),
     (f"{G} --trainer.callbacks.init_args.reward_weights [1,2]", "RolloutCallback.reward_weights"),
     ("lightning-ffpa validate --config grpo.yaml", "(GRPOModule) has no validation step"),
+    # options the rest of the data options leave unread were ignored without a word
+    (f"{F} --data.init_args.text_field body", "`data.init_args.text_field='body'`: names a field of records"),
+    (f"{F} --data.init_args.pack true --data.init_args.pad_to_multiple_of 64",
+     "`data.init_args.pad_to_multiple_of=64`: pads unpacked batches"),
     # validate read its data inside the Trainer: an IndexError traceback, or the error after Lightning's lines
     ("lightning-ffpa validate --config fit.yaml --trainer.limit_val_batches 1 --data.init_args.tokenizer bigtok",
      "`data.init_args.tokenizer='bigtok'`: has 600 tokens, more than the model's vocab_size=512"),

@@ -184,6 +184,8 @@ def _fallback_reason(module, query: Tensor, dropout: float, scaling, softcap, sl
     reason = "dtype" if query.dtype not in _config.dtypes else None
     if reason is None and not kernels.cute_supports(query):
         reason = "kernel_unavailable"
+    elif reason == "dtype" and registry.get("ffpa").unavailable(query.device):
+        reason = "kernel_unavailable"  # no device to run it at all: a bf16 run would fall back too
     if reason is not None and kernels.forced_kernel() == "cutedsl":  # forced: no silent sdpa in its place
         raise RuntimeError(f"force_kernel('cutedsl') but FFPA cannot take this call ({query.dtype} on "
                            f"{query.device.type}): {_REASON_TEXT[reason].removesuffix(' -> sdpa')}; "

@@ -96,7 +96,7 @@ def test_routing_matrix_paths_outputs_and_one_warning_per_reason():
         ("reference", (q64, k64, v64, pad), {}, "sdpa", "head_dim", full, None),
         ("reference", (q, k, v, None), {"scaling": None}, "sdpa", "no_scale", causal(12), None),
         ("reference", (q, k, v, full), {}, "sdpa", "4d_mask", full, None),
-        (None, (q, k, v, None), {}, "sdpa", "dtype", causal(12), None),
+        (None, (q, k, v, None), {}, "sdpa", "kernel_unavailable", causal(12), None),  # no device: said first
         (None, tuple(t.bfloat16() for t in (q, k, v)) + (None,), {}, "sdpa", "kernel_unavailable", causal(12), None),
     ]
     with warnings.catch_warnings(record=True) as caught:
@@ -119,10 +119,20 @@ def test_routing_matrix_paths_outputs_and_one_warning_per_reason():
         if issubclass(w.category, FFPAFallbackWarning):
             r = str(w.message).split("(")[1].split(")")[0]
             per_reason[r] = per_reason.get(r, 0) + 1
-    assert per_reason == {"softcap": 1, "head_dim": 1, "no_scale": 1, "4d_mask": 1, "dtype": 1,
-                          "kernel_unavailable": 1}
+    assert per_reason == {"softcap": 1, "head_dim": 1, "no_scale": 1, "4d_mask": 1, "kernel_unavailable": 1}
     assert backend.fallback_counts()["head_dim"] == 4
     assert kernels.kernel_counts()["reference"] == 4 and kernels.kernel_counts()["cutedsl"] == 0
+
+
+def test_the_dtype_reason_is_given_only_where_the_kernel_could_run(monkeypatch):
+    """fp32 on CPU was reported as `dtype`, as if bf16 would take FFPA; there the device is the reason. Where
+    the kernel can run (simulated), fp32 is the reason."""
+    from types import SimpleNamespace
+
+    q, k, v = qkv()
+    assert backend._fallback_reason(None, q, 0.0, 1.0, None, None) == "kernel_unavailable"
+    monkeypatch.setattr(backend.registry, "get", lambda name: SimpleNamespace(unavailable=lambda device: ""))
+    assert backend._fallback_reason(None, q, 0.0, 1.0, None, None) == "dtype"
 
 
 def test_dropout_in_training_falls_back():

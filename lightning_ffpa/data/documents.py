@@ -50,6 +50,7 @@ class TokenizeStats:
     num_chat_unmasked: int = 0  # chats whose template is not prefix-stable: all tokens labelled
     num_chat_header_learned: int = 0  # prefix-labelled chats where an assistant turn's role header is learned
     # too (the turn opens the chat, or the generation prompt does not render as the turn's start)
+    num_chat_split: int = 0  # chats cut into windows: a window after the first lacks the turns before it
 
 
 def has_generation_marks(tokenizer: Any) -> bool:
@@ -80,6 +81,7 @@ def tokenize_records(
             doc = _tokenize_chat(rec, tokenizer, stats)
         windows = _split(doc, max_seq_length, index)
         stats.num_split += len(windows) > 1
+        stats.num_chat_split += len(windows) > 1 and not isinstance(rec, str)
         for w in windows:
             # labels[0] is never used: the model predicts token t from tokens < t
             if any(lab != IGNORE_INDEX for lab in w.labels[1:]):

@@ -212,6 +212,13 @@ class TextDataModule(SeededDataModule):
                 "the turn before it, its role header (if it has one) too: the turn opens the chat, or the "
                 "template's generation prompt does not render as its start"
             )
+        if stats.num_chat_split:
+            rank_zero_warn(
+                f"`{opt}`: {stats.num_chat_split} chats are longer than `{option('max_seq_length')}="
+                f"{self.max_seq_length}` and were cut into windows; each window after the first is learned without "
+                "the turns before it (windows with no assistant token are dropped); raise max_seq_length to keep "
+                "chats whole"
+            )
         if stats.num_chat_unmasked:
             rank_zero_warn(
                 f"`{opt}`: {stats.num_chat_unmasked} chats render differently turn by turn under this chat "

@@ -194,3 +194,15 @@ def test_a_file_that_is_not_utf8_names_the_option_and_the_file(tmp_path, name):
     path.write_bytes(b'{"text": "caf\xe9"}\n' if name.endswith(".jsonl") else b"caf\xe9 au lait\n")
     with pytest.raises(ConfigError, match=rf"^`data\.init_args\.train_file='.*{name}'`: is not UTF-8 text .*0xe9"):
         TextDataModule(train_file=str(path), val_fraction=0.0).setup()
+
+
+def test_chats_cut_into_windows_are_warned_about(write):
+    """A chat longer than max_seq_length was cut with only a count in the stats: the windows after the first are
+    learned without the user turns before them."""
+    chat = [{"role": "user", "content": "a question " * 4}, {"role": "assistant", "content": "an answer " * 6}]
+    dm = TextDataModule(train_file=write("c.jsonl", [{"messages": chat}] * 2), val_fraction=0.0, max_seq_length=32,
+                        batch_size=1)
+    with pytest.warns(UserWarning, match=r"`data.init_args.train_file`: 2 chats are longer than "
+                                         r"`data.init_args.max_seq_length=32` and were cut into windows"):
+        dm.setup()
+    assert dm.stats["data.init_args.train_file"]["num_chat_split"] == 2

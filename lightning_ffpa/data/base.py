@@ -38,6 +38,7 @@ def require_at_least(minimum: int, **values: int) -> None:
             raise ConfigError(option(name), value, f"must be >= {minimum}")
 
 NOT_RESUMABLE_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
+NO_ROWS_WARNING = "Total length of `list` across ranks is zero"  # Lightning, on a stage's [] loader
 
 
 class SeededDataModule(pl.LightningDataModule):
@@ -66,6 +67,12 @@ class SeededDataModule(pl.LightningDataModule):
         """Read the data now (`setup` reads once per process), so the row-count checks fail before `fit`
         writes any file; Lightning's own `setup` call then repeats only the checks, with the trainer's ranks."""
         self.setup("fit")
+
+    def no_rows(self) -> list:
+        """The loader of a stage without rows: [] (Lightning runs no batch of it), without Lightning's warning that
+        asks whether that was meant (it was: the options hold out nothing)."""
+        warnings.filterwarnings("ignore", message=NO_ROWS_WARNING)
+        return []
 
     def check_batch_size(self, num_rows: int) -> None:
         """Refuse a batch larger than one data-parallel rank's share of the `num_rows` training rows."""

@@ -85,6 +85,6 @@ class MockDataModule(SeededDataModule):
     def val_dataloader(self):
         """Sequential loader over separate validation rows, or [] when `num_val_samples=0`."""
         if self.num_val_samples == 0:
-            return []
+            return self.no_rows()
         ds = MockDataset(self.num_val_samples, self.seq_length, self.vocab_size, self.seed + 1)
         return self._loader(ds, PadCollate(pad_id=0), train=False)

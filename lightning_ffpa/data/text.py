@@ -263,7 +263,7 @@ class TextDataModule(SeededDataModule):
         """Sequential loader over the validation rows, or [] when there are none."""
         self.setup("validate")
         if not len(self._val):
-            return []
+            return self.no_rows()
         return self._loader(self._val, self._collate(), train=False)
 
 

@@ -126,3 +126,18 @@ def test_preflight_refuses_a_mid_epoch_resume_on_another_layout_before_any_proce
     check_data_resumes(cp2, dm, state)  # CP 2 on 2 ranks: one data-parallel rank, as saved
     with pytest.raises(ValueError, match=r"`data\.init_args\.seed=2`"):
         check_data_resumes(cp2, MockDataModule(seed=2), state)
+
+
+def test_no_validation_rows_runs_no_batch_without_lightnings_warning(recwarn):
+    """`num_val_samples=0` (the tiny recipes') gave [] and Lightning's "Total length of `list` across ranks is zero.
+    Please make sure this was your intention." on every run: it was the intention."""
+    import lightning as L
+
+    from lightning_ffpa.module import Gemma4LM
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    dm = MockDataModule(vocab_size=512, seq_length=16, num_samples=4, num_val_samples=0, batch_size=2)
+    trainer.fit(Gemma4LM(preset="tiny", config_overrides={"num_hidden_layers": 1}), dm)
+    assert trainer.global_step == 1 and sum(trainer.num_val_batches) == 0
+    assert not [w for w in recwarn if "across ranks is zero" in str(w.message)]

@@ -218,7 +218,9 @@ def load_dcp_keys(path: str, keys: set[str]) -> dict[str, Any]:
     """Read only `keys` of a DCP checkpoint into CPU tensors, in this process, without a process group."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    return _load_state_dict_from_keys(keys, checkpoint_id=path)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
+        return _load_state_dict_from_keys(keys, checkpoint_id=path)
 
 
 def read_dcp_metadata(path: str) -> Any:

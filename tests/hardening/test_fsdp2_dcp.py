@@ -53,7 +53,12 @@ def test_dcp_checkpoint_resume_and_export(tmp_path, record_property):
 
     from lightning_ffpa.export import export
 
-    export(folder, tmp_path / "hf")
+    import warnings
+
+    with warnings.catch_warnings(record=True) as said:  # torch's "assuming ... a single process": it is one
+        warnings.simplefilter("always")
+        export(folder, tmp_path / "hf")
+    assert not [w for w in said if "single process" in str(w.message)]
     hf = Gemma4ForCausalLM.from_pretrained(tmp_path / "hf").eval()
     dcp_to_torch_save(str(folder), str(tmp_path / "full.pt"))
     full = torch.load(tmp_path / "full.pt", weights_only=True)["state_dict"]

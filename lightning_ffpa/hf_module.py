@@ -270,10 +270,10 @@ class HFModule(L.LightningModule):
         if hp.get("lora"):
             model = apply_lora(model, hp.lora, announce=announce)
             if device != "meta":  # a meta build (FSDP2Strategy) is quantised once its weights are loaded
-                self._store_base_in_fp8(model)
+                self._store_base_in_fp8(model, announce)
         return model
 
-    def _store_base_in_fp8(self, model: nn.Module) -> None:
+    def _store_base_in_fp8(self, model: nn.Module, announce: bool = True) -> None:
         """`lora.base_dtype: fp8`: the LoRA targets' base weights, now final, become float8 (`fp8_base.py`)."""
         if (self.hparams.get("lora") or {}).get("base_dtype") != "fp8":
             return
@@ -283,7 +283,8 @@ class HFModule(L.LightningModule):
 
         device = next(p.device for p in model.parameters() if p.requires_grad)
         self.fp8_base = quantize_lora_bases(model)
-        rank_zero_info(describe(self.fp8_base, device))
+        if announce:
+            rank_zero_info(describe(self.fp8_base, device))
 
     @property
     def attention_plan(self) -> AttentionPlan:

@@ -228,6 +228,7 @@ def test_tiny_fits_over_an_fp8_lora_base_says_its_path_and_exports_merged(consol
     n = started.group(1)
     assert (f"dequantised {n} float8 base weights (model.lora.base_dtype fp8) to float32; merged LoRA into {n} "
             "weights") in exported.stdout, exported.stdout
+    assert "matmul path" not in exported.stdout + exported.stderr  # the fit's start-up line, printed twice before
 
 
 def test_a_reward_function_in_the_folder_it_runs_from_is_found(tmp_path):

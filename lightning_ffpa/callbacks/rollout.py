@@ -27,13 +27,14 @@ from transformers import PreTrainedModel
 
 from lightning_ffpa._compat.transformers import text_config
 from lightning_ffpa.callbacks.rollout_tokens import check_token_ids, resolve_eos, resolve_tokenizer
+from lightning_ffpa.data.prompts import PROMPT_KEYS
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.hf_module import HFModule, resolve_dtype
 from lightning_ffpa.lora import unwrap_peft
 from lightning_ffpa.rl.algorithm import GRPOAlgorithm
 from lightning_ffpa.rl.batch import repeat_groups
-from lightning_ffpa.rl.rewards import check_reward_funcs, reward_names, rewards_by_function
+from lightning_ffpa.rl.rewards import check_reward_funcs, reward_names, rewards_by_function, trl_completions
 from lightning_ffpa.rollout.engine import GIB, EngineConfig, RolloutEngine, free_device_bytes
 from lightning_ffpa.rollout.lora_sync import LoraSync
 from lightning_ffpa.rollout.sampler import SamplingParams
@@ -357,12 +358,13 @@ class RolloutCallback(L.Callback):
         seed = rollout_seed(self.seed, trainer.current_epoch, batch_idx, trainer.global_step, trainer.global_rank)
         with seeded(pl_module.device, seed):
             seqs = list(self.engine.generate(expanded, sampling=self.sampling))
-        extra = {k: repeat_groups(v, G) for k, v in batch.items() if k not in ("prompt_ids", "prompt")}
+        extra = {k: repeat_groups(v, G) for k, v in batch.items() if k not in PROMPT_KEYS}
         prompts = repeat_groups(batch.get("prompt", [self._decode(p) for p in prompt_ids]), G)
 
         def score(rows: list[int]) -> torch.Tensor:
             ids = [seqs[i].output for i in rows]
-            return rewards_by_function(self.reward_funcs, [prompts[i] for i in rows], [self._decode(c) for c in ids],
+            chosen = [prompts[i] for i in rows]
+            return rewards_by_function(self.reward_funcs, chosen, trl_completions(chosen, map(self._decode, ids)),
                                        ids, **{k: [v[i] for i in rows] for k, v in extra.items()})
 
         by_function = score(list(range(len(seqs))))

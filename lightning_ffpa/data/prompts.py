@@ -41,6 +41,9 @@ class PromptDataset(Dataset):
         return self.rows[i]
 
 
+PROMPT_KEYS = ("prompt", "prompt_text", "prompt_ids")  # what a batch row holds beside the data's own fields
+
+
 def collate_prompts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Column lists, kept as Python lists (the Callback turns them into tensors after generation)."""
     keys = dict.fromkeys(k for r in rows for k in r)  # every row's fields, in first-seen order
@@ -145,21 +148,25 @@ class PromptDataModule(SeededDataModule):
     def _random_rows(self) -> list[dict[str, Any]]:
         g = torch.Generator().manual_seed(self.seed)
         ids = torch.randint(2, self.vocab_size, (self.num_random_prompts, self.prompt_len), generator=g)
-        return [{"prompt": " ".join(map(str, r)), "prompt_ids": r} for r in ids.tolist()]
+        return [{"prompt": " ".join(map(str, r)), "prompt_text": " ".join(map(str, r)), "prompt_ids": r}
+                for r in ids.tolist()]
 
     def _source_rows(self) -> list[dict[str, Any]]:
         opt, source = self._option_and_source()
         rows = []
         for n, row in enumerate(load_rows(source, opt, self.dataset_config, self.split), 1):
-            prompt = record_of(row, f"row {n}", opt, source, self.prompt_field, self.messages_field)
+            # TRL's conversational format keeps the chat in `prompt` itself
+            chat_field = self.prompt_field if isinstance(row.get(self.prompt_field), list) else self.messages_field
+            prompt = record_of(row, f"row {n}", opt, source, self.prompt_field, chat_field)
             contents = [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt]
             if not any(isinstance(c, str) and c.strip() for c in contents):  # it would be the start token alone
                 raise ConfigError(opt, source, f"row {n} has an empty prompt: the policy would be prompted with the "
                                                "start token alone; fill it or remove the row")
             text, ids = render_prompt(self.tokenizer, prompt, self.chat_template)
-            # every other field (the chat, an answer, ...) rides along to the reward functions
-            extra = {k: v for k, v in row.items() if k not in ("prompt", "prompt_ids")}
-            rows.append({**extra, "prompt": text, "prompt_ids": ids})
+            # every other field (the chat, an answer, ...) rides along to the reward functions; `prompt` is the
+            # prompt as the data gives it (text, or a chat), as TRL passes it, and `prompt_text` what was rendered
+            extra = {k: v for k, v in row.items() if k not in PROMPT_KEYS}
+            rows.append({**extra, "prompt": prompt, "prompt_text": text, "prompt_ids": ids})
         if not rows:
             raise ConfigError(opt, source, "holds no prompts (the file or split is empty)")
         fields = dict.fromkeys(k for row in rows for k in row)

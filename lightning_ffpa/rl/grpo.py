@@ -44,7 +44,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         raise ConfigError("RolloutCallback.num_generations", group_size,
                           f"{rewards.numel()} rewards are not whole groups")
     g = rewards.view(-1, group_size)
-    centred = g - g.mean(1, keepdim=True)
+    # a group whose rewards all equal learns nothing: exactly 0, not the mean's rounding (for 1/6, ~1e-8, which
+    # the group scale's 1/(std + eps) made ~1e-4 and AdamW a full step)
+    centred = (g - g.mean(1, keepdim=True)).masked_fill(zero_std_groups(rewards, group_size)[:, None], 0.0)
     if scale == "group":
         centred = centred / (g.std(1, keepdim=True) + eps)
     elif scale == "batch":

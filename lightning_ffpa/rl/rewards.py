@@ -2,7 +2,9 @@
 toy rewards for tests and demos.
 
 A reward function is `f(prompts, completions, completion_ids, **kwargs) -> list[float | None]`
-(TRL's signature); None means "not applicable to this sample" and counts as 0 after summing. Functions
+(TRL's signature); None means "not applicable to this sample" and counts as 0 after summing. As in TRL, a
+prompt given as a chat (a list of {role, content}) makes its completions chats too: `[{"role": "assistant",
+"content": text}]` (`trl_completions`); a text prompt's completions are text. Functions
 arrive as callables: from YAML, jsonargparse imports a dotted path (`my_project.rewards.my_reward`).
 Does not own prompts, generation or advantages.
 """
@@ -10,8 +12,9 @@ Does not own prompts, generation or advantages.
 from __future__ import annotations
 
 import inspect
+import numbers
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,12 @@ def reward_names(funcs: Sequence[Callable]) -> list[str]:
     return [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
+def trl_completions(prompts: Sequence[Any], texts: Iterable[str]) -> list[Any]:
+    """Completions as TRL passes them to reward functions: a one-message assistant chat where the prompt is a
+    chat (TRL's conversational format), the text itself where the prompt is text."""
+    return [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+
+
 def total_reward(funcs: Sequence[RewardFn], prompts: list[Any], completions: list[str],
                  completion_ids: list[list[int]], **kwargs: Any) -> torch.Tensor:
     """Sum of every function's rewards, one float per completion (None counts as 0)."""
@@ -70,12 +79,13 @@ def rewards_by_function(funcs: Sequence[RewardFn], prompts: list[Any], completio
     for j, fn in enumerate(funcs):
         where = f"`{OPTION}`: reward function {_name(fn)}"
         try:  # the user's code: its exception is one line (the traceback stays chained for --debug)
-            r = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs))
-            values = torch.tensor([0.0 if x is None else float(x) for x in r])  # None: not applicable (TRL)
+            out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
         except Exception as err:
             frame = traceback.extract_tb(err.__traceback__)[-1]  # where in the user's code (or what it called)
             raise InputError(f"{where} raised {type(err).__name__}: {one_line(err)} (at {Path(frame.filename).name}:"
                              f"{frame.lineno}; `--debug` prints the traceback)") from err
+        r = _values(out, where, len(completion_ids))
+        values = torch.tensor([0.0 if x is None else float(x) for x in r])  # None: not applicable (TRL)
         if len(r) != len(completion_ids):
             raise InputError(f"{where} returned {len(r)} values for {len(completion_ids)} completions")
         if not torch.isfinite(values).all():  # a NaN would be trained on as 0 (or poison the advantages)
@@ -84,6 +94,19 @@ def rewards_by_function(funcs: Sequence[RewardFn], prompts: list[Any], completio
                              "'not applicable' (counted as 0)")
         table[:, j] = values
     return table
+
+
+def _values(out: Any, where: str, n: int) -> list[Any]:
+    """A reward function's return as a list of numbers or None; anything else is one line naming what came."""
+    if isinstance(out, torch.Tensor) or type(out).__module__ == "numpy":
+        out = out.tolist()
+    if not isinstance(out, (list, tuple)):
+        raise InputError(f"{where} returned a {type(out).__name__}; return a list of {n} numbers, one per completion")
+    for i, x in enumerate(out):
+        if x is not None and not isinstance(x, numbers.Real):  # a string of digits would pass float() silently
+            raise InputError(f"{where} returned {x!r} ({type(x).__name__}) for completion {i}; return a number, "
+                             "or None for 'not applicable'")
+    return list(out)
 
 
 def token_range_reward(prompts: list[Any], completions: list[str], completion_ids: list[list[int]],

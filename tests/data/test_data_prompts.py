@@ -28,13 +28,14 @@ def test_text_prompts_get_the_chat_template_and_keep_their_fields(write, hf_gene
     dm = PromptDataModule(path=write("p.jsonl", PROMPTS), tokenizer=hf_generation_tokenizer_dir, batch_size=2)
     batch = _batch(dm)
     tok = AutoTokenizer.from_pretrained(hf_generation_tokenizer_dir)
-    by_answer = dict(zip(batch["answer"], zip(batch["prompt"], batch["prompt_ids"])))
+    by_answer = dict(zip(batch["answer"], zip(batch["prompt_text"], batch["prompt_ids"])))
     text, ids = by_answer["five"]
     expected = tok.apply_chat_template([{"role": "user", "content": "what is two plus three"}], tokenize=False,
                                        add_generation_prompt=True)
     assert text == expected and text.endswith("< assistant > ")
     assert ids == tok.encode(expected, add_special_tokens=False) and ids[0] == tok.bos_token_id
-    assert set(batch) == {"prompt", "prompt_ids", "answer"}  # `answer` reaches the reward functions
+    assert set(batch) == {"prompt", "prompt_text", "prompt_ids", "answer"}  # `answer` reaches the reward functions
+    assert "what is two plus three" in batch["prompt"]  # the reward functions get the prompt as given (TRL)
 
 
 def test_chat_prompts_from_parquet(tmp_path, hf_tokenizer_dir):
@@ -46,8 +47,8 @@ def test_chat_prompts_from_parquet(tmp_path, hf_tokenizer_dir):
     pq.write_table(pa.Table.from_pylist([{"messages": chat, "answer": "fine"}]), path)
     dm = PromptDataModule(path=str(path), tokenizer=hf_tokenizer_dir, batch_size=1)
     batch = _batch(dm)
-    assert batch["prompt"] == ["<bos>< system > i am fine < end > < user > how are you < end > < assistant > "]
-    assert batch["messages"] == [chat] and batch["answer"] == ["fine"]
+    assert batch["prompt_text"] == ["<bos>< system > i am fine < end > < user > how are you < end > < assistant > "]
+    assert batch["prompt"] == [chat] and batch["messages"] == [chat] and batch["answer"] == ["fine"]
 
 
 def test_without_a_template(write, hf_tokenizer_dir):
@@ -55,12 +56,12 @@ def test_without_a_template(write, hf_tokenizer_dir):
     dm = PromptDataModule(path=write("p.jsonl", PROMPTS[:1]), tokenizer=hf_tokenizer_dir, chat_template=False,
                           batch_size=1)
     batch = _batch(dm)
-    assert batch["prompt"] == ["what is two plus three"]
+    assert batch["prompt_text"] == batch["prompt"] == ["what is two plus three"]
     # the byte tokenizer has no template: chats use the plain format, ending in the assistant's prefix
     chat = [{"role": "user", "content": "hi"}]
     dm = PromptDataModule(path=write("c.jsonl", [{"messages": chat}]), tokenizer="byte", batch_size=1)
     batch = _batch(dm)
-    assert batch["prompt"] == ["user: hi\nassistant: "]
+    assert batch["prompt_text"] == ["user: hi\nassistant: "] and batch["prompt"] == [chat]
     assert ByteTokenizer().decode(batch["prompt_ids"][0]) == "user: hi\nassistant: "
     # a text prompt keeps the tokenizer's bos but not the eos it appends: the policy continues the prompt
     tok = ByteTokenizer()
@@ -78,7 +79,7 @@ def test_dataset_folder_and_split(tmp_path, hf_tokenizer_dir):
                           tokenizer=hf_tokenizer_dir, batch_size=2)
     batch = _batch(dm)
     assert sorted(batch["question"]) == ["what is three", "what is two"]
-    assert all(p.endswith("< assistant > ") for p in batch["prompt"])
+    assert all(p.endswith("< assistant > ") for p in batch["prompt_text"])
 
 
 def test_random_prompts_are_seeded_token_ids():

@@ -21,6 +21,15 @@ def test_group_advantages_by_hand():
         group_advantages(r, 3)
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_a_tied_group_gets_exactly_zero_advantage(scale):
+    """A group rewarded 1/6 eight times got ~1e-4 each (the mean's rounding over std + eps), and AdamW turned that
+    noise into a full step of every weight."""
+    r = torch.cat([torch.full((8,), 1 / 6), torch.full((8,), 0.7), torch.linspace(0, 1, 8)])
+    adv = group_advantages(r, 8, scale)
+    assert torch.equal(adv[:16], torch.zeros(16)) and adv[16:].abs().min() > 0
+
+
 def test_grpo_loss_by_hand():
     old = torch.zeros(2, 3)
     logp = torch.tensor([[math.log(1.5), math.log(0.9), 0.0], [math.log(0.5), 0.0, 0.0]])

@@ -143,3 +143,25 @@ def test_each_reward_function_and_the_shaped_reward_are_logged():
 def test_reward_weights_are_one_finite_number_per_function(weights, match):
     with pytest.raises(ConfigError, match=rf"^`RolloutCallback.reward_weights=.*`: {match}"):
         RolloutCallback([tied_reward, recording_reward], reward_weights=weights)
+
+
+@pytest.mark.timeout(120)
+def test_reward_functions_get_prompts_and_completions_in_trls_two_formats(tmp_path):
+    """TRL's reward functions read a chat prompt's completion as `completions[i][0]["content"]`: they failed here
+    (prompts came rendered, completions as text). Now as TRL passes them: a chat prompt (TRL's `prompt` list, or
+    a `messages` field) and its completion as chats, a text prompt as the data gave it, not the template's text."""
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+3?"}]
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": chat, "answer": "5"}, {"messages": chat, "answer": "5"}, {"prompt": "What is 1+1?"},
+            {"prompt": "What is 2+2?"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    SEEN.clear()
+    _fit(recording_reward, data=PromptDataModule(path=str(path), tokenizer="byte", batch_size=4, seed=1),
+         max_steps=1, eos_token_ids=[258])
+    prompts, completions = SEEN[0]
+    for p, c in zip(prompts, completions):
+        if isinstance(p, list):
+            assert p == chat and isinstance(c, list) and c[0]["role"] == "assistant" and isinstance(c[0]["content"], str)
+        else:
+            assert p in ("What is 1+1?", "What is 2+2?") and isinstance(c, str)
+    assert sum(isinstance(p, list) for p in prompts) == 4  # two chat prompts, two completions each

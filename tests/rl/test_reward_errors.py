@@ -34,11 +34,22 @@ def text_reward(prompts, completions, completion_ids, **kw):
     return ["good", "bad"]
 
 
+def digit_string_reward(prompts, completions, completion_ids, **kw):
+    return ["1", "0"]  # float() took these: trained on without a word
+
+
+def scalar_reward(prompts, completions, completion_ids, **kw):
+    return 1.0
+
+
 @pytest.mark.parametrize("fn, why", [
     (nan_reward, "returned nan for completion 1; return a finite number, or None for 'not applicable' (counted as 0)"),
     (failing_reward, "raised KeyError: 'answer'"),
     (short_reward, "returned 1 values for 2 completions"),
-    (text_reward, "raised ValueError: could not convert string to float: 'good'"),
+    (text_reward, "returned 'good' (str) for completion 0; return a number, or None for 'not applicable'"),
+    (digit_string_reward, "returned '1' (str) for completion 0; return a number, or None for 'not applicable'"),
+    # was "raised TypeError: 'float' object is not iterable", as if the function itself had failed
+    (scalar_reward, "returned a float; return a list of 2 numbers, one per completion"),
 ])
 def test_a_bad_reward_function_is_one_line_naming_it(fn, why):
     with pytest.raises(InputError) as err:
@@ -56,3 +67,14 @@ def test_a_bad_reward_function_is_one_line_naming_it(fn, why):
 
 def test_none_still_counts_as_zero():
     assert total_reward([none_reward], ["p", "p"], ["a", "b"], IDS).tolist() == [0.0, 2.0]
+
+
+def test_numbers_of_any_kind_are_taken():
+    import numpy as np
+    import torch
+
+    def kinds(prompts, completions, completion_ids, **kw):
+        return [np.float32(0.5), True]
+
+    assert total_reward([kinds], ["p", "p"], ["a", "b"], IDS).tolist() == [0.5, 1.0]
+    assert total_reward([lambda **kw: torch.tensor([1.0, 2.0])], ["p", "p"], ["a", "b"], IDS).tolist() == [1.0, 2.0]

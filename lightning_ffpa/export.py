@@ -49,7 +49,7 @@ from lightning_ffpa.cli_checks import check_folder_writable
 from lightning_ffpa.data.tokenizer import TOKENIZER_FILES
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.dtypes import choices as dtype_choices
-from lightning_ffpa.errors import NOT_GIVEN, CheckpointError, ConfigError, InputError
+from lightning_ffpa.errors import NOT_GIVEN, CheckpointError, ConfigError, InputError, console_entry
 from lightning_ffpa.fp8_base import FP8_DTYPE, dequantize
 from lightning_ffpa.lora import PEFT_PREFIX, dora_weight, hf_name, lora_spec, merged_weight, peft_options
 from lightning_ffpa.validation import check_checkpoint
@@ -649,9 +649,7 @@ def run(argv: list[str]) -> ExportResult:
 
 def main() -> int:
     """Console script `lightning-ffpa-export` / `python -m lightning_ffpa.export`: exit 0, or 2 with one line."""
-    from lightning_ffpa.cli import export_main
-
-    return export_main()
+    return console_entry(run, user_errors=(CheckpointError, FileExistsError))
 
 
 if __name__ == "__main__":

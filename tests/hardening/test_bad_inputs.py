@@ -110,7 +110,7 @@ CASES = [
                                "data": {"tokenizer": "/nonexistent/tok"}}, [], None, R("data.init_args.tokenizer")),
     ("data.batch_size=0", {"data": {"batch_size": 0}}, [], None, R("data.init_args.batch_size")),
     ("seq length over max_position_embeddings", {"data": {"seq_length": 4096}}, [], None, R("data.init_args.seq_length")),
-    ("data vocab larger than the model's", {"data": {"vocab_size": 1024}}, [], None, R("data.vocab_size")),
+    ("data vocab larger than the model's", {"data": {"vocab_size": 1024}}, [], None, R("data.init_args.vocab_size")),
     ("missing ckpt_path", {}, ["--ckpt_path", "/nonexistent/last.ckpt"], None, R("ckpt_path")),
     ("truncated checkpoint", {}, [], "truncated", R("ckpt_path")),
     ("bit-flipped checkpoint", {}, [], "bitflip", R("ckpt_path")),

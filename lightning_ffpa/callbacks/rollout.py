@@ -34,7 +34,13 @@ from lightning_ffpa.hf_module import HFModule, resolve_dtype
 from lightning_ffpa.lora import unwrap_peft
 from lightning_ffpa.rl.algorithm import GRPOAlgorithm
 from lightning_ffpa.rl.batch import repeat_groups
-from lightning_ffpa.rl.rewards import check_reward_funcs, reward_names, rewards_by_function, trl_completions
+from lightning_ffpa.rl.rewards import (
+    RewardState,
+    check_reward_funcs,
+    reward_names,
+    rewards_by_function,
+    trl_completions,
+)
 from lightning_ffpa.rollout.engine import GIB, EngineConfig, RolloutEngine, free_device_bytes
 from lightning_ffpa.rollout.lora_sync import LoraSync
 from lightning_ffpa.rollout.sampler import SamplingParams
@@ -101,6 +107,7 @@ class RolloutCallback(L.Callback):
         self.metrics = {k: MeanMetric() for k in ("reward", "completion_length", "refresh_s", "generate_s",
                                                   "update_s")}
         self._update_start: float | None = None  # when the step's update (forward, backward, optimizer) began
+        self.extra_columns: dict[str, list] = {}  # the last rollout's columns from reward functions' `log_extra`
         self.drift_report: dict[str, str] | None = None
         self._resumed_seed: int | None = None  # the seed of the checkpoint this fit resumes, if any
         self.algorithm = GRPOAlgorithm()  # the module's, bound to this rollout in `setup`
@@ -360,12 +367,18 @@ class RolloutCallback(L.Callback):
             seqs = list(self.engine.generate(expanded, sampling=self.sampling))
         extra = {k: repeat_groups(v, G) for k, v in batch.items() if k not in PROMPT_KEYS}
         prompts = repeat_groups(batch.get("prompt", [self._decode(p) for p in prompt_ids]), G)
+        # what TRL passes every reward function besides the data's columns
+        user_metrics: dict[str, list[float]] = {}
+        self.extra_columns.clear()
+        hooks = {"trainer_state": RewardState(trainer.global_step, trainer.current_epoch, trainer.max_steps),
+                 "log_metric": lambda name, value: user_metrics.setdefault(name, []).append(float(value)),
+                 "log_extra": lambda column, values: self.extra_columns.__setitem__(column, list(values))}
 
         def score(rows: list[int]) -> torch.Tensor:
             ids = [seqs[i].output for i in rows]
             chosen = [prompts[i] for i in rows]
             return rewards_by_function(self.reward_funcs, chosen, trl_completions(chosen, map(self._decode, ids)),
-                                       ids, **{k: [v[i] for i in rows] for k, v in extra.items()})
+                                       ids, **{k: [v[i] for i in rows] for k, v in extra.items()}, **hooks)
 
         by_function = score(list(range(len(seqs))))
         total = by_function @ self.reward_weights
@@ -406,6 +419,9 @@ class RolloutCallback(L.Callback):
             pl_module.log(f"rollout/{name}", metric.compute(), on_step=True, on_epoch=False,
                           batch_size=len(seqs), prog_bar=name == "reward")
             metric.reset()
+        for name, values in user_metrics.items():  # a reward function's `log_metric`: this rank's mean
+            pl_module.log(f"rollout/log_metric/{name}", sum(values) / len(values), on_step=True, on_epoch=False,
+                          batch_size=len(seqs))
         # How the engine ran this rollout: preemptions mean too few pages; eager decodes on CUDA mean no graph.
         for name in ("preemptions", "eager_decodes", "graph_replays", "capture_s", "decode_steps"):
             pl_module.log(f"rollout/{name}", float(self.engine.stats[name] - before[name]), on_step=True,

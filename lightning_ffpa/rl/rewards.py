@@ -11,6 +11,9 @@ Does not own prompts, generation or advantages.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import dataclasses
 import inspect
 import numbers
 import traceback
@@ -72,18 +75,34 @@ def total_reward(funcs: Sequence[RewardFn], prompts: list[Any], completions: lis
     return rewards_by_function(funcs, prompts, completions, completion_ids, **kwargs).sum(-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class RewardState:
+    """What TRL passes reward functions as `trainer_state` (for shaping by progress): the optimizer step about to
+    run, the epoch, and the run's `max_steps` (-1: set by epochs)."""
+
+    global_step: int
+    epoch: int
+    max_steps: int
+
+
 def rewards_by_function(funcs: Sequence[RewardFn], prompts: list[Any], completions: list[str],
                         completion_ids: list[list[int]], **kwargs: Any) -> torch.Tensor:
-    """(completions, functions): each function's reward of each completion (None counts as 0)."""
-    table = torch.zeros(len(completion_ids), len(funcs))
-    for j, fn in enumerate(funcs):
-        where = f"`{OPTION}`: reward function {_name(fn)}"
+    """(completions, functions): each function's reward of each completion (None counts as 0). Async functions
+    (TRL takes them too) run concurrently, after the plain ones."""
+    outs = []
+    for fn in funcs:
         try:  # the user's code: its exception is one line (the traceback stays chained for --debug)
-            out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+            outs.append(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs))
         except Exception as err:
-            frame = traceback.extract_tb(err.__traceback__)[-1]  # where in the user's code (or what it called)
-            raise InputError(f"{where} raised {type(err).__name__}: {one_line(err)} (at {Path(frame.filename).name}:"
-                             f"{frame.lineno}; `--debug` prints the traceback)") from err
+            raise _raised(fn, err) from err
+    pending = [j for j, out in enumerate(outs) if inspect.isawaitable(out)]
+    for j, result in zip(pending, _await_all([outs[j] for j in pending])):
+        if isinstance(result, BaseException):
+            raise _raised(funcs[j], result) from result
+        outs[j] = result
+    table = torch.zeros(len(completion_ids), len(funcs))
+    for j, (fn, out) in enumerate(zip(funcs, outs)):
+        where = f"`{OPTION}`: reward function {_name(fn)}"
         r = _values(out, where, len(completion_ids))
         values = torch.tensor([0.0 if x is None else float(x) for x in r])  # None: not applicable (TRL)
         if len(r) != len(completion_ids):
@@ -94,6 +113,30 @@ def rewards_by_function(funcs: Sequence[RewardFn], prompts: list[Any], completio
                              "'not applicable' (counted as 0)")
         table[:, j] = values
     return table
+
+
+def _raised(fn: Callable, err: BaseException) -> InputError:
+    """One line for a reward function's exception: what it raised, and where in the user's code."""
+    frame = traceback.extract_tb(err.__traceback__)[-1]  # where in the user's code (or what it called)
+    return InputError(f"`{OPTION}`: reward function {_name(fn)} raised {type(err).__name__}: {one_line(err)} (at "
+                      f"{Path(frame.filename).name}:{frame.lineno}; `--debug` prints the traceback)")
+
+
+def _await_all(awaitables: list[Any]) -> list[Any]:
+    """The async reward functions' results (or exceptions), gathered concurrently; in a thread of its own where
+    this thread already runs an event loop (a notebook)."""
+    if not awaitables:
+        return []
+
+    async def gather() -> list[Any]:
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
 
 
 def _values(out: Any, where: str, n: int) -> list[Any]:

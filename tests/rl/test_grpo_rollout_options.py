@@ -165,3 +165,26 @@ def test_reward_functions_get_prompts_and_completions_in_trls_two_formats(tmp_pa
         else:
             assert p in ("What is 1+1?", "What is 2+2?") and isinstance(c, str)
     assert sum(isinstance(p, list) for p in prompts) == 4  # two chat prompts, two completions each
+
+
+LOGGED: list[tuple] = []
+
+
+def trl_keywords_reward(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, **kwargs):
+    """Written as TRL's docs write one: shaped by `trainer_state`, logging through `log_metric` / `log_extra`."""
+    LOGGED.append((trainer_state.global_step, trainer_state.max_steps))
+    log_metric("mean_len", sum(map(len, completion_ids)) / len(completion_ids))
+    log_extra("length", [len(c) for c in completion_ids])
+    return [float(sum(c) % 7) for c in completion_ids]
+
+
+@pytest.mark.timeout(120)
+def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra():
+    """TRL passes `trainer_state`, `log_metric` and `log_extra` to every reward function; one that named them
+    raised TypeError/KeyError at the first rollout."""
+    LOGGED.clear()
+    trainer, _ = _fit(trl_keywords_reward, max_steps=2)
+    assert [step for step, _ in LOGGED] == [0, 1] and LOGGED[0][1] == 2
+    assert "rollout/log_metric/mean_len" in trainer.callback_metrics
+    rollout = next(c for c in trainer.callbacks if isinstance(c, RolloutCallback))
+    assert len(rollout.extra_columns["length"]) == 4  # the last rollout's: 2 prompts x 2 completions

@@ -78,3 +78,17 @@ def test_numbers_of_any_kind_are_taken():
 
     assert total_reward([kinds], ["p", "p"], ["a", "b"], IDS).tolist() == [0.5, 1.0]
     assert total_reward([lambda **kw: torch.tensor([1.0, 2.0])], ["p", "p"], ["a", "b"], IDS).tolist() == [1.0, 2.0]
+
+
+def test_async_reward_functions_are_awaited_and_their_errors_are_one_line():
+    """TRL awaits async reward functions; they were refused here (a coroutine is not a list)."""
+
+    async def async_length(prompts, completions, completion_ids, **kw):
+        return [float(len(ids)) for ids in completion_ids]
+
+    async def async_failing(prompts, completions, completion_ids, **kw):
+        raise KeyError("solution")
+
+    assert total_reward([async_length, none_reward], ["p", "p"], ["a", "b"], IDS).tolist() == [2.0, 3.0]
+    with pytest.raises(InputError, match=r"reward function .*async_failing raised KeyError: 'solution' \(at "):
+        total_reward([async_failing], ["p", "p"], ["a", "b"], IDS)

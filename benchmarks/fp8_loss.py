@@ -36,7 +36,8 @@ within their range (`fp8_full_ft_fp8_within_bf16_range`); both need N >= 2.
         --out $OUT/fp8_loss.json
     python benchmarks/fp8_loss.py --fp8-from ... --rows fp8 --resume fp8_loss.json --out $OUT/fp8_loss.json
     python benchmarks/fp8_loss.py --layers 2 --fp8 tensorwise --repeats 3 --out $OUT/fp8_loss_2layers_r3.json
-CPU smoke (configs/tiny_fsdp2.yaml, the tiny preset, fp32, torchao's emulated float8, seconds):
+CPU smoke (configs/tiny_fsdp2.yaml, the tiny preset, fp32, torchao's emulated float8, seconds; the fp8 row needs
+the `fp8` extra, `pip install -e ".[fp8]"`, which `make install` leaves out: without it the row records the refusal):
     python benchmarks/fp8_loss.py --cpu --fp8 rowwise --steps 10 --out /tmp/fp8_loss.json
 """
 

@@ -1,6 +1,9 @@
-"""GRPO optimizer step on one GPU: TRL 1.16's `GRPOTrainer` (HF generate) vs our `GRPOModule` + `RolloutCallback`.
+"""GRPO optimizer step on one GPU: TRL's `GRPOTrainer` (HF generate; the version that ran is recorded in each TRL
+row, 1.15.0 in `grpo_vs_trl.json`) vs our `GRPOModule` + `RolloutCallback`.
 
-Same recipe in both rows, each run in its own process (`row_process.py`): the Gemma4-31B layer shapes at
+The same algorithm in both rows, each run in its own process (`row_process.py`); the update's recipe is each
+side's own (ours compiles per layer and chunks the log-probs; TRL's runs as TRL runs it, without either): the
+Gemma4-31B layer shapes at
 `--layers` depth (default 12; 60 is full depth) with HF's random init (seed 0), bf16 weights, LoRA `--lora-r` on
 all linear layers (q, k, v, o, gate, up, down), `--prompts` random `--prompt-len`-token prompts per step,
 `--group` completions each (one generation and one optimizer step per batch: TRL `steps_per_generation` equal

@@ -13,7 +13,8 @@ Default rows, each at 8k, 16k and 32k (6 layers: 5 sliding + 1 full):
                  seq), run first in the row's own process and recorded in the row (`flex_sweep`)
   liger_recipe   sdpa_recipe with liger-kernel's Gemma4 patches in place of our chunked loss; with
                  `liger_recipe_nocompile` beside it, the faster of the two is the Liger baseline (`liger_baseline`)
-  ours           the product path: the ffpa backend with the product defaults
+  ours           the ffpa backend with the product defaults except the sliding layers, pinned to block-sparse
+                 Flex (`sliding: flex`; the default `auto` takes FA4 where it runs: `ours_fa4_sliding`)
   ours_sdpa_d512 ours with SDPA (as sdpa_recipe calls it) in place of FFPA on the D=512 layers; the sliding layers
                  keep the product's block-sparse Flex path. It splits ours' gain over sdpa_recipe by kernel:
                  ours / ours_sdpa_d512 is FFPA's share (`ours_vs_ours_sdpa_d512_tps_*`), ours_sdpa_d512 /

@@ -64,6 +64,7 @@ def write_result(benchmark: str, rows: list[dict[str, Any]], summary: dict[str, 
         "finished_at": _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S"),  # orders two files of one day
         "device": device_name(),
         "versions": {m: _version(m) for m in ("torch", "transformers", "ffpa_attn", "lightning", "triton")},
+        **({} if _version("ffpa_attn") else {"ffpa_unavailable": _ffpa_unavailable()}),  # why the version is null
         "script_doc": _script_doc(),  # what the rows meant when they ran, for docs rendered after the script changes
         "rows": rows,
         "summary": summary,
@@ -74,6 +75,12 @@ def write_result(benchmark: str, rows: list[dict[str, Any]], summary: dict[str, 
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(json.dumps(summary, indent=2, default=str))
     return path
+
+
+def _ffpa_unavailable() -> str:
+    from lightning_ffpa.attention import kernels
+
+    return kernels.ffpa_unavailable_reason() or "ffpa-attn is not installed"
 
 
 def provenance(by: str) -> dict[str, str]:

@@ -84,3 +84,12 @@ def test_write_result_records_the_checkouts_digest_and_the_report_shows_it(tmp_p
     assert note.startswith(f"; tree: `{record['tree']['sha256'][:12]}` (") and pages.tree_note(None) == ""
     assert pages.clean_commit({"commit": "abc1234", "tree": {"differs_from_commit": False}})
     assert not pages.clean_commit({"commit": "abc1234", "tree": {"differs_from_commit": True}})
+
+
+def test_a_result_without_ffpa_says_why_its_version_is_null(tmp_path):
+    """CPU-made result files had `versions.ffpa_attn: null` and no reason beside it."""
+    record = json.loads(results_io.write_result("probe", [], {}, out=tmp_path / "probe.json").read_text())
+    if record["versions"]["ffpa_attn"] is None:
+        assert record["ffpa_unavailable"]
+    else:
+        assert "ffpa_unavailable" not in record

@@ -13,7 +13,7 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_ffpa._compat.transformers import text_config
-from lightning_ffpa.data.tokenizer import load_tokenizer
+from lightning_ffpa.data.tokenizer import load_tokenizer, tokenizer_digest
 from lightning_ffpa.errors import ConfigError
 
 
@@ -51,7 +51,15 @@ def resolve_tokenizer(option: str, name: str | None, datamodule: Any) -> Any:
     """The tokenizer completions are decoded with: the option's, else the datamodule's (the one that encoded the
     prompts, so prompts and completions reach reward functions as the same kind of text), else None."""
     if name:
-        return load_tokenizer(name, f"{option}.tokenizer")
+        chosen = load_tokenizer(name, f"{option}.tokenizer")
+        data_digest = getattr(datamodule, "tokenizer_digest", None)
+        if data_digest is not None and tokenizer_digest(chosen) != data_digest:
+            raise ConfigError(f"{option}.tokenizer", name, f"is not the tokenizer that encoded the prompts "
+                                                           f"(`data.init_args.tokenizer="
+                                                           f"{getattr(datamodule, 'tokenizer_spec', None)!r}`): "
+                                                           "completions decoded with it would be other text; "
+                                                           "leave it unset to decode with the data's")
+        return chosen
     tokenizer = getattr(datamodule, "tokenizer", None)
     if tokenizer is not None and callable(getattr(tokenizer, "decode", None)):
         rank_zero_info(f"{option}: completions are decoded for the reward functions with the datamodule's "

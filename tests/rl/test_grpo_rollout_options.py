@@ -188,3 +188,16 @@ def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra():
     assert "rollout/log_metric/mean_len" in trainer.callback_metrics
     rollout = next(c for c in trainer.callbacks if isinstance(c, RolloutCallback))
     assert len(rollout.extra_columns["length"]) == 4  # the last rollout's: 2 prompts x 2 completions
+
+
+def test_a_rollout_tokenizer_other_than_the_datas_is_refused_before_fit(tmp_path):
+    """Prompts encoded with the data's tokenizer and completions decoded with another went through silently: the
+    reward functions scored other text."""
+    from tests.data.conftest import PLAIN_TEMPLATE, save_tokenizer
+
+    save_tokenizer(tmp_path / "tok", PLAIN_TEMPLATE)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"what is {i}"}) + "\n" for i in range(4)))
+    data = PromptDataModule(path=str(path), tokenizer=str(tmp_path / "tok"), batch_size=2)
+    with pytest.raises(ConfigError, match=r"^`RolloutCallback.tokenizer='byte'`: is not the tokenizer that encoded"):
+        _fit(recording_reward, data=data, tokenizer="byte", max_steps=1, preflight=True)

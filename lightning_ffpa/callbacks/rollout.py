@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
-from torchmetrics import MeanMetric
+from torchmetrics import MaxMetric, MeanMetric, MinMetric
 from transformers import PreTrainedModel
 
 from lightning_ffpa._compat.transformers import text_config
@@ -34,6 +34,7 @@ from lightning_ffpa.hf_module import HFModule, resolve_dtype
 from lightning_ffpa.lora import unwrap_peft
 from lightning_ffpa.rl.algorithm import GRPOAlgorithm
 from lightning_ffpa.rl.batch import repeat_groups
+from lightning_ffpa.rl.grpo import zero_std_groups
 from lightning_ffpa.rl.rewards import (
     RewardState,
     check_reward_funcs,
@@ -411,9 +412,15 @@ class RolloutCallback(L.Callback):
                         if len(self.reward_funcs) > 1 else [])
         shaped = ([("shaped_reward", self.algorithm.shape_rewards(total, lengths))]
                   if self.algorithm.overlong_buffer is not None else [])
-        for name, value in [("reward", total), *per_function, *shaped, ("completion_length", lengths),
+        groups = total.view(-1, G)
+        spread = [("reward_std", groups.std(1) if G > 1 else torch.zeros(len(groups))),  # TRL's: the groups' mean
+                  ("frac_reward_zero_std", zero_std_groups(total, G).float()),
+                  ("clipped_ratio", torch.tensor([float(s.finish_reason == "length") for s in seqs])),
+                  ("completion_length_min", lengths), ("completion_length_max", lengths)]
+        for name, value in [("reward", total), *per_function, *shaped, ("completion_length", lengths), *spread,
                             ("refresh_s", torch.tensor(t1 - t0)), ("generate_s", torch.tensor(t2 - t1))]:
-            metric = self.metrics.setdefault(name, MeanMetric().to(device))
+            kind = MinMetric if name.endswith("_min") else MaxMetric if name.endswith("_max") else MeanMetric
+            metric = self.metrics.setdefault(name, kind().to(device))
             metric.update(value.to(device))
             # Lightning only accepts Metric objects that are module attributes; log this step's value
             pl_module.log(f"rollout/{name}", metric.compute(), on_step=True, on_epoch=False,

@@ -188,6 +188,10 @@ def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra():
     assert "rollout/log_metric/mean_len" in trainer.callback_metrics
     rollout = next(c for c in trainer.callbacks if isinstance(c, RolloutCallback))
     assert len(rollout.extra_columns["length"]) == 4  # the last rollout's: 2 prompts x 2 completions
+    m = {k.removeprefix("rollout/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("rollout/")}
+    # TRL's rollout statistics beside the mean reward
+    assert m["completion_length_min"] <= m["completion_length"] <= m["completion_length_max"] == 4
+    assert 0 <= m["clipped_ratio"] <= 1 and 0 <= m["frac_reward_zero_std"] <= 1 and m["reward_std"] >= 0
 
 
 def test_a_rollout_tokenizer_other_than_the_datas_is_refused_before_fit(tmp_path):

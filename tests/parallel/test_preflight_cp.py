@@ -28,5 +28,5 @@ def test_cp_padding_must_cut_into_chunks():
     dm = TextDataModule(max_seq_length=200, batch_size=2, val_fraction=0.0, pad_to_multiple_of=10)
     with pytest.raises(ValueError, match=r"^`data.pad_to_multiple_of=10` must be a multiple of 2 x context_paral"):
         check_parallel_layout(_trainer([FFPAAttention()]), Gemma4LM(preset="tiny"), dm)
-    packed = TextDataModule(max_seq_length=200, batch_size=2, val_fraction=0.0, pad_to_multiple_of=10, pack=True)
+    packed = TextDataModule(max_seq_length=200, batch_size=2, val_fraction=0.0, pack=True)
     check_parallel_layout(_trainer([FFPAAttention()]), Gemma4LM(preset="tiny"), packed)  # packed rows: full length

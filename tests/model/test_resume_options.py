@@ -162,7 +162,25 @@ def fitted_folder(tmp_path_factory):
     cfg["trainer"]["strategy"] = {"class_path": "lightning_ffpa.parallel.FSDP2Strategy",
                                   "init_args": {"param_dtype": "fp32", "reduce_dtype": "fp32"}}
     config.write_text(yaml.safe_dump(cfg))
-    main(["fit", "--config", str(config)])
+    import os
+
+    import torch.distributed as dist
+
+    # A module fixture runs outside conftest's per-test guard: the launch variables Lightning sets here
+    # (LOCAL_RANK, MASTER_PORT, ...) would make a later two-rank fit of this worker wait for a rank never spawned
+    launch = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "RANK",
+              "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+    before = {k: os.environ.get(k) for k in launch}
+    try:
+        main(["fit", "--config", str(config)])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     assert (tmp_path / "ckpt" / "last.ckpt").is_dir()
     return config, tmp_path / "ckpt" / "last.ckpt"
 

@@ -48,12 +48,12 @@ def test_dcp_checkpoint_resume_and_export(tmp_path, record_property):
     assert not lost, f"steps whose (loss, batch) differ from the uninterrupted run: {lost}"
 
     # export: DCP folder -> HF safetensors, against torch's own DCP -> torch.save converter
+    import warnings
+
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import Gemma4ForCausalLM
 
     from lightning_ffpa.export import export
-
-    import warnings
 
     with warnings.catch_warnings(record=True) as said:  # torch's "assuming ... a single process": it is one
         warnings.simplefilter("always")

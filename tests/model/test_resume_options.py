@@ -168,9 +168,9 @@ def fitted_folder(tmp_path_factory):
 
     # A module fixture runs outside conftest's per-test guard: the launch variables Lightning sets here
     # (LOCAL_RANK, MASTER_PORT, ...) would make a later two-rank fit of this worker wait for a rank never spawned
-    launch = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "RANK",
-              "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
-    before = {k: os.environ.get(k) for k in launch}
+    from tests.conftest import _LAUNCH_VARS
+
+    before = {k: os.environ.get(k) for k in _LAUNCH_VARS}
     try:
         main(["fit", "--config", str(config)])
     finally:

@@ -250,7 +250,8 @@ def check_data_fits_model(model: Any, datamodule: Any) -> None:
 def check_attention_trains_here(trainer: Any, model: Any) -> None:
     """Attention that cannot train on the CPU is refused there: torch's FlexAttention has no CPU backward, and
     the flash-attn kernels no CPU path at all (transformers would try the hub, then fail mid-fit)."""
-    if trainer.strategy.root_device.type != "cpu":
+    device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+    if device is None or device.type != "cpu":
         return
     from lightning_ffpa.parallel.dims import context_parallel_size
 

@@ -283,3 +283,16 @@ def test_pretrained_refuses_overrides_that_reshape_its_weights(tmp_path):
 def test_a_chunk_size_the_loss_does_not_use_is_said():
     with pytest.warns(UserWarning, match=r"`model.loss_chunk_size=1024` has no effect with `model.loss_impl=plain`"):
         Gemma4LM(preset="tiny", loss_impl="plain", loss_chunk_size=1024)
+
+
+def test_data_beyond_the_vocabulary_is_refused_at_setup_for_a_python_trainer():
+    """Only the CLI checked the data's vocabulary: a Python user's Trainer met an IndexError inside the embedding
+    at the sanity check (a fresh trial's finding). `setup` names the data option now."""
+    import lightning as L
+
+    from lightning_ffpa.data import MockDataModule
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ConfigError, match=r"^`data.init_args.vocab_size=100000`: exceeds the model's vocab_size=512"):
+        trainer.fit(Gemma4LM(preset="tiny"), MockDataModule(vocab_size=100_000, seq_length=16, batch_size=2))

@@ -15,13 +15,14 @@ When FFPA kernels will run, their forward ops are declared to the SAC policy (`l
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_ffpa import attention, saved_ops
+from lightning_ffpa import attention, saved_ops, validation
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat.transformers import (
     AmbiguousModelError,
@@ -73,10 +74,17 @@ class FFPAAttention(Callback):
         self._installed_on: weakref.ref | None = None  # the model configured in this stage
         self.ring = None  # the ring handle at CP > 1 (its `stats` count the blocks that ran)
         self._sliding_before: str | None = None  # the backend's sliding kernel before this run set its own
+        self._eval_calls: Counter = Counter()  # calls of validation loops inside fit: not logged as training's
+        self._eval_start: Counter | None = None
 
     # -- install ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve the attention plan and register its backend; configure the model if it already exists."""
+        owners = [cb for cb in getattr(trainer, "callbacks", None) or [] if getattr(cb, "installs_attention_plan", False)]
+        if len(owners) > 1:  # each would install, count and log: every line and metric twice
+            raise InputError(f"`trainer.callbacks` holds {len(owners)} FFPAAttention Callbacks; keep one")
+        if stage == "fit":  # the CLI checks this before launch; a Python user's Trainer meets it here
+            validation.check_attention_trains_here(trainer, pl_module)
         self.plan = plan_for(trainer, pl_module, context_parallel_size(trainer, pl_module), callback=self)
         self.cp_size = self.plan.cp_size
         if not self.plan.ring and self.plan.attn_implementation == "ffpa":
@@ -89,6 +97,7 @@ class FFPAAttention(Callback):
             if self.plan.ring_sliding_backend is not None:  # FA4 serves the ring's sliding layers
                 saved_ops.register(registry.get("fa4").forward_ops())
         attention.reset_dispatch_counts()
+        self._eval_calls.clear()
         self._install(trainer, pl_module, required=False)
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, required: bool) -> None:
@@ -138,6 +147,12 @@ class FFPAAttention(Callback):
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._install(trainer, pl_module, required=True)
+        self._eval_start = Counter(attention.dispatch_counts())
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._eval_start is not None:
+            self._eval_calls.update(Counter(attention.dispatch_counts()) - self._eval_start)
+            self._eval_start = None
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._install(trainer, pl_module, required=True)
@@ -154,10 +169,17 @@ class FFPAAttention(Callback):
         # once per optimizer step: with gradient accumulation only the window's last micro-batch logs. Straight to
         # the loggers: `pl_module.log` values are written again at every later logging step (stale counts between)
         if n and trainer.global_step % n == 0 and not lightning_compat.accumulating(trainer) and trainer.is_global_zero:
-            counts = attention.dispatch_counts()
+            counts = self.training_counts()
             if counts:
                 for logger in trainer.loggers:
                     logger.log_metrics({f"attention/{k}": float(v) for k, v in counts.items()}, step=trainer.global_step)
+
+    def training_counts(self) -> dict[str, int]:
+        """Calls per path in this fit's training forwards so far (the sanity check and validation loops left out;
+        `summary` counts every forward)."""
+        counts = Counter(attention.dispatch_counts())
+        counts.subtract(self._eval_calls)
+        return {k: v for k, v in counts.items() if v > 0}
 
     def _counted(self) -> bool:
         """Whether the installed attention is ours (the FFPA backend or the ring), whose dispatches are counted."""

@@ -26,7 +26,7 @@ import torch
 from lightning_ffpa.errors import ConfigError, InputError, one_line
 
 RewardFn = Callable[..., list]
-OPTION = "trainer.callbacks.init_args.reward_funcs"
+OPTION = "RolloutCallback.reward_funcs"  # as a Python user builds it, and as YAML's class_path names it
 REQUIRED = ("prompts", "completions", "completion_ids")
 
 
@@ -90,19 +90,19 @@ def rewards_by_function(funcs: Sequence[RewardFn], prompts: list[Any], completio
     """(completions, functions): each function's reward of each completion (None counts as 0). Async functions
     (TRL takes them too) run concurrently, after the plain ones."""
     outs = []
-    for fn in funcs:
+    for j, fn in enumerate(funcs):
         try:  # the user's code: its exception is one line (the traceback stays chained for --debug)
             outs.append(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs))
         except Exception as err:
-            raise _raised(fn, err) from err
+            raise _raised(fn, j, err) from err
     pending = [j for j, out in enumerate(outs) if inspect.isawaitable(out)]
     for j, result in zip(pending, _await_all([outs[j] for j in pending])):
         if isinstance(result, BaseException):
-            raise _raised(funcs[j], result) from result
+            raise _raised(funcs[j], j, result) from result
         outs[j] = result
     table = torch.zeros(len(completion_ids), len(funcs))
     for j, (fn, out) in enumerate(zip(funcs, outs)):
-        where = f"`{OPTION}`: reward function {_name(fn)}"
+        where = f"`{OPTION}[{j}]`: reward function {_name(fn)}"
         r = _values(out, where, len(completion_ids))
         values = torch.tensor([0.0 if x is None else float(x) for x in r])  # None: not applicable (TRL)
         if len(r) != len(completion_ids):
@@ -115,10 +115,10 @@ def rewards_by_function(funcs: Sequence[RewardFn], prompts: list[Any], completio
     return table
 
 
-def _raised(fn: Callable, err: BaseException) -> InputError:
+def _raised(fn: Callable, j: int, err: BaseException) -> InputError:
     """One line for a reward function's exception: what it raised, and where in the user's code."""
     frame = traceback.extract_tb(err.__traceback__)[-1]  # where in the user's code (or what it called)
-    return InputError(f"`{OPTION}`: reward function {_name(fn)} raised {type(err).__name__}: {one_line(err)} (at "
+    return InputError(f"`{OPTION}[{j}]`: reward function {_name(fn)} raised {type(err).__name__}: {one_line(err)} (at "
                       f"{Path(frame.filename).name}:{frame.lineno}; `--debug` prints the traceback)")
 
 

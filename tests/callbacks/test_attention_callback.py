@@ -17,6 +17,7 @@ from lightning_ffpa._compat.transformers import find_hf_model
 from lightning_ffpa.callbacks import FFPAAttention, TokenThroughput
 from lightning_ffpa.callbacks.attention import context_parallel_size
 from lightning_ffpa.callbacks.throughput import forward_flops_per_batch, train_flops_per_batch
+from lightning_ffpa.errors import ConfigError, InputError
 from lightning_ffpa.presets import build_text_config
 
 
@@ -345,3 +346,39 @@ def test_the_sliding_choice_lasts_for_its_run_only():
 
     _fit(_Wrapper(), [FFPAAttention(log_every_n_steps=0), _Look()], steps=1)  # default: auto, FA4 tried first
     assert seen == ["fa4"] and backend.config().sliding == "flex"
+
+
+class _WithValidation(_Wrapper):
+    def validation_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.net["lm"](input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def test_logged_counts_leave_out_the_sanity_check_and_validation(fake_backend):
+    """The logged `attention/*` counts mixed validation's calls (and the sanity check's) into the training ones
+    (a fresh trial read 20 calls at step 2 where training made 16); the end-of-fit line still counts every call."""
+    data = TensorDataset(torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(0)))
+    recorder, callback = _Recorder(), FFPAAttention(log_every_n_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=recorder, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                        val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=1, callbacks=[callback])
+    trainer.fit(_WithValidation(), DataLoader(data, batch_size=2), DataLoader(data, batch_size=2))
+    assert _attention_rows(recorder) == [(2, 4.0), (4, 8.0)]  # 2 full layers a training forward
+    # the sanity check and two validation runs, one batch each: 3 x 2 more calls in the summary
+    assert fake_backend["ffpa-dense"] == 14 and "ffpa-dense=14" in callback.summary()
+
+
+def test_two_attention_callbacks_are_refused():
+    """Two (or one listed twice) installed, counted and logged everything twice, without a word."""
+    callback = FFPAAttention()
+    for callbacks in ([FFPAAttention(), FFPAAttention()], [callback, callback]):
+        with pytest.raises(InputError, match=r"^`trainer.callbacks` holds 2 FFPAAttention Callbacks; keep one$"):
+            _fit(_Wrapper(), callbacks, steps=1)
+
+
+@pytest.mark.parametrize("attn", ["flex_attention", "flash_attention_2"])
+def test_an_attention_that_cannot_train_on_cpu_is_refused_at_setup(attn):
+    """The CLI refused these before launch; a Python user's Trainer got a deep traceback at the first backward
+    (Flex) or from transformers (flash-attn). The Callback's setup now says it in one line."""
+    with pytest.raises(ConfigError, match=rf"^`FFPAAttention.attn_implementation={attn!r}`: .*(CPU|CUDA GPU)"):
+        _fit(_Wrapper(), [FFPAAttention(attn_implementation=attn)], steps=1)

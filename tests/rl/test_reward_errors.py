@@ -11,7 +11,7 @@ from lightning_ffpa.errors import InputError
 from lightning_ffpa.rl.rewards import total_reward
 
 IDS = [[1, 2], [3]]
-OPTION = "`trainer.callbacks.init_args.reward_funcs`: reward function "
+OPTION = "`RolloutCallback.reward_funcs[1]`: reward function "  # the failing one is second
 
 
 def nan_reward(prompts, completions, completion_ids, **kw):

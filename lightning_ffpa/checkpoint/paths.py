@@ -36,8 +36,17 @@ def saved_checkpoints(trainer) -> list[str]:
         folder = getattr(cb, "dirpath", None)
         if isinstance(cb, ModelCheckpoint) and folder and os.path.isdir(folder):
             found += [e for e in os.scandir(folder) if e.name.endswith(".ckpt")]
-    found.sort(key=lambda e: e.stat(follow_symlinks=False).st_mtime, reverse=True)
+    found.sort(key=lambda e: _saved_at(e.path), reverse=True)
     return [e.path for e in found]
+
+
+def _saved_at(path: str) -> float:
+    """When a checkpoint's content was written: a `save_last: link` link's target's time. The link itself is made
+    again whenever `last` is refreshed (at the end of every fit), after an HPC checkpoint of a later step."""
+    try:
+        return os.stat(path).st_mtime
+    except FileNotFoundError:  # a dangling link
+        return os.lstat(path).st_mtime
 
 
 def newer_than_hpc(trainer, resolved: str | os.PathLike | None) -> str | None:
@@ -47,6 +56,6 @@ def newer_than_hpc(trainer, resolved: str | os.PathLike | None) -> str | None:
     if resolved is None or not os.path.basename(str(resolved)).startswith(HPC_PREFIX):
         return None
     saved = saved_checkpoints(trainer)
-    if saved and os.stat(saved[0], follow_symlinks=False).st_mtime > os.stat(resolved).st_mtime:
+    if saved and _saved_at(saved[0]) > _saved_at(str(resolved)):
         return saved[0]
     return None

@@ -28,7 +28,8 @@ MAX_STEPS, EVERY = 10, 3  # the tiny fit: 10 steps, 4 batches per epoch, a check
 
 
 def tiny_config(ckpt_dir: Path, *, max_steps: int = 10, every_n_train_steps: int = 3, data: dict | None = None,
-                callbacks: list[dict] | None = None, model: dict | None = None) -> dict[str, Any]:
+                callbacks: list[dict] | None = None, model: dict | None = None,
+                save_last: bool | str = True) -> dict[str, Any]:
     """The tiny fp32 CPU fit used by every hardening test (4 batches per epoch, checkpoints every 3 steps)."""
     data_args = {"seq_length": 32, "num_samples": 8, "batch_size": 2, "seed": 0}
     data_args.update(data or {})
@@ -45,7 +46,7 @@ def tiny_config(ckpt_dir: Path, *, max_steps: int = 10, every_n_train_steps: int
             "callbacks": [
                 {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                  "init_args": {"dirpath": str(ckpt_dir), "every_n_train_steps": every_n_train_steps,
-                               "save_last": True, "save_top_k": -1}},
+                               "save_last": save_last, "save_top_k": -1}},
                 *(callbacks or []),
             ],
         },

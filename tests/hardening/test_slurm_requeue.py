@@ -55,7 +55,10 @@ def test_sigusr1_saves_requeues_and_the_requeued_job_resumes_bitwise(tmp_path, r
     env = _slurm_env(tmp_path)
     job, log1, log2 = tmp_path / "job", tmp_path / "first.log", tmp_path / "requeued.log"
     job.mkdir()
-    first = write_config(job / "first.yaml", tiny_config(job / "ckpt", max_steps=MAX_STEPS, every_n_train_steps=EVERY,
+    # as the shipped gemma4_ffpa.yaml saves: `last` a link, remade when the fit ends (after the HPC checkpoint), and
+    # the periodic saves (step 4) not at the signal's step: the requeued job resumed from step 4, not 6
+    ckpt = dict(every_n_train_steps=EVERY + 1, save_last="link")
+    first = write_config(job / "first.yaml", tiny_config(job / "ckpt", max_steps=MAX_STEPS, **ckpt,
                                                           callbacks=[recorder(log1, signal_at=SIGNAL_AT), DEFERRED]))
     run = start_fit(first, env=env)
     wait_ok(run)  # stops cleanly after the HPC checkpoint
@@ -69,7 +72,7 @@ def test_sigusr1_saves_requeues_and_the_requeued_job_resumes_bitwise(tmp_path, r
     assert torch.load(hpc, map_location="cpu", weights_only=True)["global_step"] == SIGNAL_AT  # step completed
 
     # the requeued job: same command line, no ckpt_path; Lightning finds hpc_ckpt_1.ckpt by itself
-    again = write_config(job / "again.yaml", tiny_config(job / "ckpt", max_steps=MAX_STEPS, every_n_train_steps=EVERY,
+    again = write_config(job / "again.yaml", tiny_config(job / "ckpt", max_steps=MAX_STEPS, **ckpt,
                                                           callbacks=[recorder(log2), DEFERRED]))
     wait_ok(start_fit(again, env=env))
     before, after = read_steps(log1), read_steps(log2)

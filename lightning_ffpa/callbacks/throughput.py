@@ -31,6 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from lightning_ffpa._compat import lightning as lightning_compat
+from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.loss import IGNORE_INDEX
 
 __all__ = ["TokenThroughput", "BF16_PEAK_FLOPS", "peak_bf16_flops", "count_real_tokens", "forward_flops_per_batch",
@@ -188,15 +189,21 @@ class TokenThroughput(ThroughputMonitor):
         """Configure the monitor.
 
         Args:
-            window_size: Batches in the moving window for the rates.
-            peak_flops: Per-device peak FLOP/s for MFU; default: bf16 peak from the device name.
+            window_size: Batches in the moving window for the rates (at least 2).
+            peak_flops: Per-device peak FLOP/s for MFU (> 0); default: bf16 peak from the device name.
             count: "real" counts tokens with labels (or attention_mask); "padded" counts B x S.
             ignore_index: Label value that marks a token without loss.
             log_attention_dispatch: Also log the attention backend's dispatch counters (skipped when an
                 FFPAAttention callback already logs them).
         """
         if count not in ("real", "padded"):
-            raise ValueError(f"`count={count!r}` is not one of 'real', 'padded'")
+            raise ConfigError("TokenThroughput.count", count, "must be one of 'real', 'padded'")
+        if window_size < 2:  # Lightning's Throughput asserts this only once the fit has started
+            raise ConfigError("TokenThroughput.window_size", window_size, "must be >= 2 (the rates are differences "
+                              "over the window's batches)")
+        if peak_flops is not None and not peak_flops > 0:  # a negative MFU was logged
+            raise ConfigError("TokenThroughput.peak_flops", peak_flops, "must be > 0 FLOP/s, or null for the "
+                              "device's bf16 peak")
         tokens = (lambda b: count_real_tokens(b, ignore_index)) if count == "real" else (
             lambda b: _batch_shape(b)[0] * _batch_shape(b)[1])
         # Context-parallel peers share each sequence: a rank does 1/cp of the batch it is handed

@@ -141,7 +141,8 @@ class SeededDataModule(pl.LightningDataModule):
         if saved_replicas != num_replicas:
             ranks = f"{saved_replicas} data-parallel rank{'s' if saved_replicas != 1 else ''}"
             return ("trainer.devices", NOT_GIVEN, f"the checkpoint stopped mid-epoch on {ranks}, this run "
-                    f"has {num_replicas}: the rest of that epoch cannot be "
+                    f"has {num_replicas} (`trainer.devices` x `trainer.num_nodes` / the strategy's "
+                    "`context_parallel_size`): the rest of that epoch cannot be "
                     "re-sharded; resume on the same data-parallel size or from an epoch-end checkpoint")
         rows = self.num_train_rows()
         if epoch_samples is not None and rows is not None:

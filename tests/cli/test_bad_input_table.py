@@ -139,6 +139,11 @@ ROWS = [
     (f"{F} --trainer.strategy.init_args.compile true", "set `trainer.strategy.class_path` first"),
     ("lightning-ffpa cp no_such_recipe out.yaml", "recipe"),
     ("lightning-ffpa cp tiny afile", "dest"),
+    # Lightning's Throughput asserted window_size > 1 mid-fit (a traceback, exit 1); a negative peak logged MFU < 0
+    (f"{F} --trainer.callbacks+=lightning_ffpa.callbacks.TokenThroughput --trainer.callbacks.init_args.window_size 1",
+     "`TokenThroughput.window_size=1`: must be >= 2"),
+    (f"{F} --trainer.callbacks+=lightning_ffpa.callbacks.TokenThroughput --trainer.callbacks.init_args.peak_flops=-1e12",
+     "`TokenThroughput.peak_flops=-1000000000000.0`: must be > 0"),
     (f"{G} --trainer.callbacks.init_args.num_generations 1", "num_generations"),
     (f"{G} --trainer.callbacks.init_args.reward_funcs=[no_such_module:reward]", "reward_funcs"),
     (f"{G} --trainer.callbacks.init_args.reward_funcs '[lightning_ffpa.rl.rewards:token_range_reward]'",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_ffpa.data.sources import Record, read_records
-from lightning_ffpa.data.tokenizer import format_plain_chat
+from lightning_ffpa.data.tokenizer import render_chat
 from lightning_ffpa.loss import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "Document", "Record", "TokenizeStats", "read_records", "tokenize_records"]
@@ -106,11 +106,7 @@ def _tokenize_text(text: str, tokenizer: Any) -> Document:
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    else:
-        text = format_plain_chat(messages, add_generation_prompt)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt), add_special_tokens=False))
 
 
 def _finish_chat(tokenizer: Any, ids: list[int], labels: list[int], last_role: str) -> Document:

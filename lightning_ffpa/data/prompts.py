@@ -24,7 +24,7 @@ from lightning_ffpa.data.sources import (
     record_of,
     require_datasets,
 )
-from lightning_ffpa.data.tokenizer import format_plain_chat, load_tokenizer, tokenizer_digest
+from lightning_ffpa.data.tokenizer import format_plain_chat, load_tokenizer, render_chat, tokenizer_digest
 from lightning_ffpa.errors import ConfigError
 
 
@@ -54,9 +54,10 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], chat_templ
     """The text the policy is prompted with and its ids.
 
     With `chat_template` and a tokenizer that has one, a chat (or a text prompt, as one user turn) is
-    rendered with the generation prompt appended; a chat without a template uses the plain
-    ``role: content`` format; a text prompt without a template is tokenized as is, with special tokens but
-    no end-of-sequence token after it (the policy continues the prompt; it does not start after an ended text).
+    rendered with the generation prompt appended; a chat is refused where a Hugging Face tokenizer has no
+    template (the byte tokenizer, or `chat_template: false`, uses the plain ``role: content`` format); a text
+    prompt without a template is tokenized as is, with special tokens but no end-of-sequence token after it (the
+    policy continues the prompt; it does not start after an ended text).
     """
     has_template = chat_template and bool(getattr(tokenizer, "chat_template", None))
     if isinstance(prompt, str) and not has_template:
@@ -68,10 +69,8 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], chat_templ
                 ids.pop()
         return prompt, ids
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if has_template:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        text = format_plain_chat(messages, add_generation_prompt=True)
+    # `chat_template: false` asks for the plain `role: content` lines; else the template (refused without one)
+    text = render_chat(tokenizer, messages, True) if chat_template else format_plain_chat(messages, True)
     return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -67,7 +67,8 @@ class TextDataModule(SeededDataModule):
     works for `tokenizer`. Chats (`messages_field`) are rendered by the tokenizer's chat template and learn
     the assistant's tokens alone (not the role header the generation prompt adds) when the template marks
     them with `{% generation %}` or renders every turn the same in each prefix of the chat (the stock Gemma4
-    template does), else every token; setup logs which. Composes with `pack`. A
+    template does), else every token; setup logs which. A tokenizer without a chat template is refused for
+    chats (the byte tokenizer writes `role: content` lines). Composes with `pack`. A
     `batch_size` larger than the training rows (after packing) is an error at setup.
     """
 
@@ -201,10 +202,12 @@ class TextDataModule(SeededDataModule):
                 "by the chat template's {% generation %} blocks"
             )
         if stats.num_chat_prefix_masked:
+            how = ("the template has no {% generation %} marks; its turns render the same in every prefix"
+                   if getattr(self.tokenizer, "chat_template", None) else
+                   "as the byte tokenizer's plain `role: content` lines: it has no chat template")
             rank_zero_info(
                 f"`{opt}`: {stats.num_chat_prefix_masked} chats learn the assistant tokens only, found by rendering "
-                "the chat prefix by prefix (the template has no {% generation %} marks; its turns render the same "
-                "in every prefix)"
+                f"the chat prefix by prefix ({how})"
             )
         if stats.num_chat_header_learned:
             rank_zero_info(

@@ -26,6 +26,20 @@ def format_plain_chat(messages: Sequence[dict[str, str]], add_generation_prompt:
     return text
 
 
+def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False,
+                option: str = "data.init_args.tokenizer") -> str:
+    """A chat as text: by the tokenizer's chat template; the byte tokenizer's plain `role: content` lines. A
+    Hugging Face tokenizer without a template is refused (transformers refuses it too): a format of our own
+    would be one the model meets nowhere else, nor at inference from the exported tokenizer."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    if isinstance(tokenizer, ByteTokenizer):
+        return format_plain_chat(messages, add_generation_prompt)
+    raise ConfigError(option, getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
+                      "has no chat template, and the data holds chats: give the tokenizer one (`chat_template.jinja` "
+                      "in its folder, or `chat_template` in tokenizer_config.json), or give the data as text")
+
+
 class ByteTokenizer:
     """UTF-8 byte tokenizer: ids 0..255 are bytes, then pad, bos and eos (259 ids, fits the tiny vocab 512).
 

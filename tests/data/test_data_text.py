@@ -206,3 +206,16 @@ def test_chats_cut_into_windows_are_warned_about(write):
                                          r"`data.init_args.max_seq_length=32` and were cut into windows"):
         dm.setup()
     assert dm.stats["data.init_args.train_file"]["num_chat_split"] == 2
+
+
+def test_chats_with_a_tokenizer_without_a_template_are_refused(write, tmp_path):
+    """Rendered in a `role: content` format of our own, silently: the roles were `<unk>` to a fresh trial's
+    tokenizer, and the exported tokenizer could not reproduce the format at inference (transformers refuses)."""
+    from conftest import save_tokenizer
+
+    chat = [{"role": "user", "content": "how are you"}, {"role": "assistant", "content": "i am fine thanks"}]
+    dm = TextDataModule(train_file=write("c.jsonl", [{"messages": chat}]), tokenizer=save_tokenizer(tmp_path / "bare", None),
+                        val_fraction=0.0, max_seq_length=64, batch_size=1)
+    with pytest.raises(ConfigError, match=r"^`data.init_args.tokenizer='.*bare'`: has no chat template, and the data "
+                                          r"holds chats"):
+        dm.setup()

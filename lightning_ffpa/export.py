@@ -46,7 +46,7 @@ from lightning_ffpa._compat import torch as torch_compat
 from lightning_ffpa._compat.transformers import text_config
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base, under_fit_seed
 from lightning_ffpa.cli_checks import check_folder_writable
-from lightning_ffpa.data.tokenizer import TOKENIZER_FILES
+from lightning_ffpa.data.tokenizer import BYTE_TOKENIZER, TOKENIZER_FILES, load_tokenizer, tokenizer_digest
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.dtypes import choices as dtype_choices
 from lightning_ffpa.errors import NOT_GIVEN, CheckpointError, ConfigError, InputError, console_entry
@@ -72,6 +72,8 @@ class ExportResult:
     dequantized: list[str] = field(default_factory=list)  # float8 base weights (`model.lora.base_dtype: fp8`)
     dtype: torch.dtype | None = None  # of the weights written
     tokenizer_from: Path | None = None  # the local folder whose tokenizer files were copied in, if any
+    generation_config_from: Path | None = None  # the local folder whose generation_config.json was copied in
+    tokenizer_note: str | None = None  # why no tokenizer was written, where one was found but not taken
 
 
 class _Source:
@@ -457,37 +459,78 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     config.architectures = [model_class(hparams)]  # what AutoModel* and pipelines build
     config.save_pretrained(out)
 
-    tokenizer_from = _copy_tokenizer(source.meta, hparams, config_dir, out)
+    tokenizer_from, tokenizer_note = _copy_tokenizer(source.meta, hparams, config_dir, out)
+    generation_from = _copy_generation_config(source.meta, hparams, config_dir, out)
     adapter_dir = None
     if plan.adapter:
         adapter_dir = out / "adapter"
         # absolute: peft resolves the base from wherever the adapter is loaded, a relative path from the cwd
         _export_adapter(source, plan.adapter, lora, adapter_dir, base=str(out.resolve()))
-    return ExportResult(out, len(weight_map), names, adapter_dir, merged, dequantized, save_dtype, tokenizer_from)
+    return ExportResult(out, len(weight_map), names, adapter_dir, merged, dequantized, save_dtype, tokenizer_from,
+                        generation_from, tokenizer_note)
 
 
-# What `AutoTokenizer.from_pretrained` and `generate` read from a model folder beside the weights.
+# What `AutoTokenizer.from_pretrained` reads from a model folder beside the weights.
 TOKENIZER_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                        "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-                        "generation_config.json")
+                        "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+GENERATION_CONFIG = "generation_config.json"  # `generate`'s defaults (eos ids, e.g. a chat model's end of turn)
 
 
-def _copy_tokenizer(meta: dict[str, Any], hparams: dict[str, Any], config_dir: str | None, out: Path) -> Path | None:
-    """Copy the tokenizer (and generation config) into `out` from the first local folder holding one: `--config`,
-    the fit's `data.tokenizer`, then `model.pretrained`; None when none does (a hub id is not fetched)."""
-    import shutil
-
+def _local_folders(meta: dict[str, Any], hparams: dict[str, Any], config_dir: str | None, *keys: str) -> list[Path]:
+    """The existing local folders among `--config` and the fit's recorded sources, in the order of `keys`."""
     from lightning_ffpa.hf_module import SOURCES_KEY
 
-    data_tokenizer = (meta.get(SOURCES_KEY) or {}).get("data.tokenizer")
-    for where in (config_dir, data_tokenizer, hparams.get("pretrained")):
-        folder = Path(where).expanduser() if isinstance(where, str) else None
-        if folder is None or not folder.is_dir() or not any((folder / f).is_file() for f in TOKENIZER_FILES):
+    named = {"config": config_dir, "data.tokenizer": (meta.get(SOURCES_KEY) or {}).get("data.tokenizer"),
+             "pretrained": hparams.get("pretrained")}
+    folders = [Path(named[k]).expanduser() for k in keys if isinstance(named[k], str)]
+    return [f for f in folders if f.is_dir()]
+
+
+def _copy_tokenizer(meta: dict[str, Any], hparams: dict[str, Any], config_dir: str | None,
+                    out: Path) -> tuple[Path | None, str | None]:
+    """Copy the tokenizer into `out` from the first local folder holding the one the fit trained with: `--config`,
+    the fit's `data.tokenizer`, then `model.pretrained` (a hub id is not fetched). Returns (folder or None, why
+    none where one was found but not taken): a checkpoint records its tokenizer's digest, and a folder whose
+    tokenizer means other ids (a pretrained model's own, beside a fit on the byte tokenizer) is not written."""
+    import shutil
+
+    from lightning_ffpa.hf_module import SOURCES_KEY, TOKENIZER_DIGEST_KEY
+
+    trained_with = (meta.get(SOURCES_KEY) or {}).get(TOKENIZER_DIGEST_KEY)
+    note = None
+    for folder in _local_folders(meta, hparams, config_dir, "config", "data.tokenizer", "pretrained"):
+        if not any((folder / f).is_file() for f in TOKENIZER_FILES):
             continue
+        if trained_with == BYTE_TOKENIZER:
+            return None, (f"the fit's data used the byte tokenizer (`data.tokenizer: byte`), not {folder}'s: its "
+                          "ids are bytes, which no Hugging Face tokenizer file describes")
+        if trained_with is not None:
+            try:
+                digest = tokenizer_digest(load_tokenizer(str(folder)))
+            except Exception as err:  # an unreadable folder is not the fit's tokenizer either
+                digest = f"unreadable ({type(err).__name__})"
+            if digest != trained_with:
+                note = note or (f"{folder}'s tokenizer is not the one the fit trained with (digest {digest}, the "
+                                f"checkpoint's {trained_with})")
+                continue
         for name in TOKENIZER_SIDE_FILES:
             if (folder / name).is_file():
                 shutil.copyfile(folder / name, out / name)
-        return folder
+        return folder, None
+    return None, note
+
+
+def _copy_generation_config(meta: dict[str, Any], hparams: dict[str, Any], config_dir: str | None,
+                            out: Path) -> Path | None:
+    """Copy `generation_config.json` from the model's folder (`--config`, then `model.pretrained`; then the
+    tokenizer's folder), wherever the tokenizer came from: without it `generate` stops at `config.json`'s eos
+    alone (a chat model's end-of-turn id is in the generation config)."""
+    import shutil
+
+    for folder in _local_folders(meta, hparams, config_dir, "config", "pretrained", "data.tokenizer"):
+        if (folder / GENERATION_CONFIG).is_file():
+            shutil.copyfile(folder / GENERATION_CONFIG, out / GENERATION_CONFIG)
+            return folder
     return None
 
 
@@ -592,8 +635,11 @@ def command(ckpt: str, out: str, merge_lora: bool = False,
           + (f"; dequantised {len(result.dequantized)} float8 base weights (model.lora.base_dtype fp8) to "
              f"{str(result.dtype).removeprefix('torch.')}" if result.dequantized else "")
           + (f"; merged LoRA into {len(result.merged)} weights" if result.merged else "")
-          + (f"; tokenizer from {result.tokenizer_from}" if result.tokenizer_from else "; no tokenizer: neither "
-             "--config, the fit's data.tokenizer nor model.pretrained is a local folder holding one"))
+          + (f"; tokenizer from {result.tokenizer_from}" if result.tokenizer_from else
+             f"; no tokenizer: {result.tokenizer_note}" if result.tokenizer_note else "; no tokenizer: neither "
+             "--config, the fit's data.tokenizer nor model.pretrained is a local folder holding one")
+          + (f"; {GENERATION_CONFIG} from {result.generation_config_from}"
+             if result.generation_config_from not in (None, result.tokenizer_from) else ""))
     return result
 
 

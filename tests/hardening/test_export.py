@@ -169,6 +169,53 @@ def test_the_tokenizer_is_copied_from_a_local_source(trained_lora, tmp_path):
     assert GenerationConfig.from_pretrained(tmp_path / "with_tok").eos_token_id == 3
 
 
+def _with_sources(ckpt: Path, out: Path, **sources) -> Path:
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    state["fit_sources"] = {**(state.get("fit_sources") or {}), **sources}
+    torch.save(state, out)
+    return out
+
+
+def test_a_tokenizer_other_than_the_fits_is_not_written_and_the_generation_config_comes_from_the_model(
+        trained_lora, tmp_path):
+    """A fresh trial: a fit on the byte tokenizer beside `pretrained` (whose folder holds its own tokenizer) was
+    exported with that folder's tokenizer, whose ids the model never saw; and `generation_config.json` came only
+    with the tokenizer, so a fit whose tokenizer was its own folder lost the model's eos ids."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from lightning_ffpa.data.tokenizer import load_tokenizer, tokenizer_digest
+    from tests.data.conftest import PLAIN_TEMPLATE, save_tokenizer
+
+    lm, ckpt = trained_lora
+    model_dir, tok_dir = tmp_path / "model", tmp_path / "tok"
+    lm.config.save_pretrained(model_dir)
+    save_tokenizer(model_dir, PLAIN_TEMPLATE)
+    GenerationConfig(eos_token_id=[3, 4]).save_pretrained(model_dir)
+    byte_fit = _with_sources(ckpt, tmp_path / "byte.ckpt", **{"data.tokenizer": "byte",
+                                                              "data.tokenizer_digest": "byte"})
+    result = export(byte_fit, tmp_path / "out_byte", config_dir=str(model_dir))
+    assert result.tokenizer_from is None and "byte tokenizer" in result.tokenizer_note
+    assert not (tmp_path / "out_byte" / "tokenizer.json").exists()
+    assert GenerationConfig.from_pretrained(tmp_path / "out_byte").eos_token_id == [3, 4]
+
+    save_tokenizer(tok_dir, None)  # the fit's own tokenizer folder: one more token, no generation config
+    grown = AutoTokenizer.from_pretrained(tok_dir)
+    grown.add_tokens(["<extra>"])
+    grown.save_pretrained(tok_dir)
+    own = _with_sources(ckpt, tmp_path / "own.ckpt", **{"data.tokenizer": str(tok_dir),
+                                                        "data.tokenizer_digest": tokenizer_digest(
+                                                            load_tokenizer(str(tok_dir)))})
+    result = export(own, tmp_path / "out_own", config_dir=str(model_dir))
+    assert result.tokenizer_from == tok_dir and result.generation_config_from == model_dir
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "out_own")) == len(grown)  # tok_dir's, not model_dir's
+    assert GenerationConfig.from_pretrained(tmp_path / "out_own").eos_token_id == [3, 4]
+    import shutil
+
+    shutil.rmtree(tok_dir)  # the fit's folder gone: model_dir's tokenizer (other ids) is not taken in its place
+    other = export(own, tmp_path / "out_other", config_dir=str(model_dir))
+    assert other.tokenizer_from is None and "is not the one the fit trained with" in other.tokenizer_note
+
+
 def test_dtype_cast_writes_bf16(trained, tmp_path):
     _, ckpt = trained
     export(ckpt, tmp_path / "bf16", dtype="bfloat16")

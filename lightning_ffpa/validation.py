@@ -247,6 +247,24 @@ def check_data_fits_model(model: Any, datamodule: Any) -> None:
                                                                              "index past the embedding")
 
 
+def warn_pretrained_tokenizer_unused(model: Any, datamodule: Any) -> None:
+    """A pretrained folder that ships its own tokenizer, beside data on the byte tokenizer (`TextDataModule`'s
+    default): the model would learn byte ids in place of the ones its embeddings know, without a word."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from lightning_ffpa.data.tokenizer import BYTE_TOKENIZER, TOKENIZER_FILES
+
+    pretrained = (getattr(model, "hparams", None) or {}).get("pretrained")
+    if getattr(datamodule, "tokenizer_digest", None) != BYTE_TOKENIZER or not isinstance(pretrained, str):
+        return
+    folder = Path(pretrained).expanduser()
+    if folder.is_dir() and any((folder / f).is_file() for f in TOKENIZER_FILES):
+        rank_zero_warn(f"`model.init_args.pretrained={pretrained!r}` holds a tokenizer, but the data is encoded by the "
+                       f"byte tokenizer (`{data_option(datamodule, 'tokenizer')}=byte`, the default): the model learns "
+                       f"byte ids, not the ones its embeddings know; give `--{data_option(datamodule, 'tokenizer')} "
+                       f"{pretrained}` to use its own")
+
+
 def check_attention_trains_here(trainer: Any, model: Any) -> None:
     """Attention that cannot train on the CPU is refused there: torch's FlexAttention has no CPU backward, and
     the flash-attn kernels no CPU path at all (transformers would try the hub, then fail mid-fit)."""
@@ -330,6 +348,7 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
     check_fits_host_memory(trainer, model)
     check_components(trainer, model, datamodule)
     check_data_fits_model(model, datamodule)
+    warn_pretrained_tokenizer_unused(model, datamodule)
     check_attention_trains_here(trainer, model)
     check_lora_targets(model)
     if ckpt_path == "best" and not any(getattr(cb, "best_model_path", "") for cb in trainer.checkpoint_callbacks):

@@ -1,5 +1,7 @@
 """Byte tokenizer round trips and local tokenizer loading."""
 
+import warnings
+
 import pytest
 
 from lightning_ffpa.data import ByteTokenizer, TextDataModule, load_tokenizer
@@ -89,3 +91,23 @@ def test_a_message_that_introduces_its_lines_keeps_them_on_one_line():
                              "serialization file, (2) a slow tokenizer instance to convert or (3) an equivalent slow "
                              "tokenizer class to instantiate and convert. You need to have sentencepiece installed")
     assert one_line(ValueError("first line\nsecond")) == "first line"
+
+
+def test_a_pretrained_folders_own_tokenizer_left_unused_is_warned_about(tmp_path, write):
+    """`TextDataModule.tokenizer` defaults to byte: beside a pretrained folder that ships its tokenizer the fit
+    trained on byte ids without a word (a fresh trial's finding); the pre-flight says so, naming both options."""
+    from types import SimpleNamespace
+
+    from conftest import PLAIN_TEMPLATE, save_tokenizer
+
+    from lightning_ffpa.validation import warn_pretrained_tokenizer_unused
+
+    folder = save_tokenizer(tmp_path / "pretrained", PLAIN_TEMPLATE)
+    model = SimpleNamespace(hparams={"pretrained": folder})
+    data = TextDataModule(train_file=write("t.txt", "hello world\n"), batch_size=1)
+    with pytest.warns(UserWarning, match=r"^`model.init_args.pretrained='.*pretrained'` holds a tokenizer, but the data "
+                                         r"is encoded by the byte tokenizer \(`data.init_args.tokenizer=byte`"):
+        warn_pretrained_tokenizer_unused(model, data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_pretrained_tokenizer_unused(model, TextDataModule(train_file=data.train_file, tokenizer=folder))

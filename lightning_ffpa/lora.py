@@ -189,6 +189,7 @@ def check_targets_match(model: nn.Module, lora: dict[str, Any], option: str = "m
     targets = lora.get("target_modules")
     if targets is None or targets == "all-linear":
         return
+    _check_wrappable(model, targets, lora.get("exclude_modules"), option)
     names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
     available = sorted({n.rsplit(".", 1)[-1] for n in names})
     if isinstance(targets, str):
@@ -200,6 +201,32 @@ def check_targets_match(model: nn.Module, lora: dict[str, Any], option: str = "m
     if unmatched:
         raise ConfigError(f"{option}.target_modules", unmatched, f"match no Linear/Embedding module of the model; "
                           f"available: {available}")
+
+
+def _peft_matches(patterns: list[str] | str | None, name: str) -> bool:
+    """peft's rule: one string is a regex over the full module name; a list matches the name or a `.`-suffix."""
+    if not patterns:
+        return False
+    if isinstance(patterns, str):
+        return re.fullmatch(patterns, name) is not None
+    return any(name == t or name.endswith("." + t) for t in patterns)
+
+
+# what peft's LoRA wraps (Linear and Embedding in Gemma4's text layers; the convolutions for completeness)
+_WRAPPABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
+
+
+def _check_wrappable(model: nn.Module, targets: list[str] | str, exclude: list[str] | str | None, option: str) -> None:
+    """A target name that also matches a module peft cannot wrap (the multimodal model's vision tower holds
+    `q_proj`s that are `Gemma4ClippableLinear`) failed in peft after the weights were loaded."""
+    from transformers.pytorch_utils import Conv1D
+
+    odd = [(n, type(m).__name__) for n, m in model.named_modules()
+           if n and _peft_matches(targets, n) and not _peft_matches(exclude, n) and not isinstance(m, (*_WRAPPABLE, Conv1D))]
+    if odd:
+        raise ConfigError(f"{option}.target_modules", targets, f"also match {len(odd)} module(s) that LoRA cannot "
+                          f"wrap, e.g. {odd[0][0]} ({odd[0][1]}); name the language model's layers only, e.g. the "
+                          "regex '.*language_model.*\\.(q_proj|v_proj)', or list the others in `exclude_modules`")
 
 
 def apply_lora(model: nn.Module, lora: dict[str, Any], option: str = "model.lora", announce: bool = False) -> nn.Module:

@@ -71,3 +71,21 @@ def test_text_rows_attend_causally_in_training_mode(multimodal_dir):
                        loss_impl="chunked", loss_chunk_size=8)
     chunked.model = lm.model
     torch.testing.assert_close(chunked.compute_loss(batch)[0], lm.compute_loss(batch)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_lora_names_that_also_match_the_vision_towers_layers_are_refused_before_any_weight_loads(multimodal_dir):
+    """`target_modules: [q_proj, v_proj]` (the docs' example) also matched the vision tower's
+    `Gemma4ClippableLinear` q/v projections: peft failed after the weights were loaded and files were written,
+    with its reason cut to one line. The check on the meta model names them; the regex it suggests fits."""
+    from lightning_ffpa.errors import ConfigError
+    from lightning_ffpa.validation import check_lora_targets
+
+    def module(lora):
+        return Gemma4LM(pretrained=multimodal_dir, model_class="conditional_generation", dtype="float32", lora=lora)
+
+    with pytest.raises(ConfigError, match=r"^`model.lora.target_modules=\['q_proj', 'v_proj'\]`: also match \d+ "
+                                          r"module\(s\) that LoRA cannot wrap, e.g. model.vision_tower\..*q_proj "
+                                          r"\(Gemma4ClippableLinear\)"):
+        check_lora_targets(module({"r": 2, "target_modules": ["q_proj", "v_proj"]}))
+    check_lora_targets(module({"r": 2, "target_modules": r".*language_model.*\.(q_proj|v_proj)"}))
+    check_lora_targets(module({"r": 2, "target_modules": ["q_proj", "v_proj"], "exclude_modules": ".*vision_tower.*"}))

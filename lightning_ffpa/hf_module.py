@@ -47,6 +47,7 @@ from lightning_ffpa.attention.plan import (
 )
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base, frozen_names, frozen_record
 from lightning_ffpa.checkpoint.frozen import OPTION as FROZEN_OPTION
+from lightning_ffpa.checkpoint.pretrained_files import check_weight_files
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.errors import CheckpointError, ConfigError, one_line
 from lightning_ffpa.fp8_base import check_device as fp8_base_check_device
@@ -227,6 +228,8 @@ class HFModule(L.LightningModule):
         if local.is_dir() and not any(next(local.glob(w), None) for w in weights):
             raise ConfigError("model.pretrained", hp.pretrained, "holds a config but no weights (*.safetensors or "
                               "*.bin); to start from random weights, use `preset` with `config_overrides`")
+        if local.is_dir():
+            check_weight_files(local, text_config(cfg), hp.pretrained)
 
     def check_seq_length(self, seq_len: int | None, option: str) -> None:
         """`option` (a sequence length) must fit the model's `max_position_embeddings`."""

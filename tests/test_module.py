@@ -296,3 +296,28 @@ def test_data_beyond_the_vocabulary_is_refused_at_setup_for_a_python_trainer():
                         enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ConfigError, match=r"^`data.init_args.vocab_size=100000`: exceeds the model's vocab_size=512"):
         trainer.fit(Gemma4LM(preset="tiny"), MockDataModule(vocab_size=100_000, seq_length=16, batch_size=2))
+
+
+def test_a_pretrained_folder_with_a_missing_shard_or_other_weights_is_refused_before_the_fit(tmp_path):
+    """Both failed inside transformers' load, after the fit had written its files: a missing shard as a bare
+    file-not-found line, another model's weights beside a config.json as a traceback (exit 1)."""
+    import json
+    import shutil
+
+    torch.manual_seed(0)
+    Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(tmp_path / "sharded", max_shard_size="300KB")
+    shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 2
+    shards[1].unlink()
+    with pytest.raises(ConfigError, match=rf"^`model.pretrained='.*sharded'`: is missing 1 of the {len(shards)} "
+                                          rf"weight files its model.safetensors.index.json lists, e.g. {shards[1].name}"):
+        Gemma4LM(pretrained=str(tmp_path / "sharded"))
+    Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(tmp_path / "other")
+    config = json.loads((tmp_path / "other" / "config.json").read_text())
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "config.json").write_text(json.dumps({**config, "vocab_size": 300}))
+    shutil.copy(tmp_path / "other" / "model.safetensors", tmp_path / "mixed")
+    with pytest.raises(ConfigError, match=r"^`model.pretrained='.*mixed'`: holds weights that do not fit its "
+                                          r"config.json: model.embed_tokens.weight is \[512, \d+\], the config's "
+                                          r"\(vocab_size, hidden_size\) is \[300, \d+\]"):
+        Gemma4LM(pretrained=str(tmp_path / "mixed"))

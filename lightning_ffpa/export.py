@@ -365,6 +365,15 @@ def check_config_matches(config, hparams: dict[str, Any], shapes: dict[str, tupl
 
     name = model_class(hparams)
     cls = getattr(transformers, name)
+    model_type = getattr(text_config(config), "model_type", "") or ""
+    if not model_type.startswith("gemma4"):
+        raise ConfigError(option, value, f"is a {model_type or 'non-Gemma4'} config ({type(config).__name__}); the "
+                          f"checkpoint is a {name}")
+    multimodal = text_config(config) is not config
+    if multimodal != (name == "Gemma4ForConditionalGeneration"):
+        raise ConfigError(option, value, f"is a {'multimodal' if multimodal else 'text-only'} config "
+                          f"({type(config).__name__}), the checkpoint a {name} (its `model.model_class`="
+                          f"{hparams.get('model_class') or 'causal_lm'}); give a config of that kind")
     try:
         with torch.device("meta"):  # shapes only: no memory, no init
             expected = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}

@@ -295,8 +295,21 @@ def test_export_refuses_a_config_of_another_architecture(trained, tmp_path):
     _, ckpt = trained
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 vocab_size=512).save_pretrained(tmp_path / "llama")
-    with pytest.raises(ConfigError, match="^`--config="):
+    # the message named an AttributeError of the build ('LlamaConfig' object has no attribute 'attention_k_eq_v')
+    with pytest.raises(ConfigError, match=r"^`--config=.*llama'`: is a llama config \(LlamaConfig\); the checkpoint "
+                                          r"is a Gemma4ForCausalLM$"):
         export(ckpt, tmp_path / "out", config_dir=str(tmp_path / "llama"))
+
+
+def test_export_refuses_a_multimodal_config_for_a_text_only_checkpoint(trained, tmp_path):
+    from transformers import Gemma4Config
+
+    _, ckpt = trained
+    Gemma4Config(text_config=build_text_config("tiny").to_dict(), vision_config=None,
+                 audio_config=None).save_pretrained(tmp_path / "mm")
+    with pytest.raises(ConfigError, match=r"^`--config=.*mm'`: is a multimodal config \(Gemma4Config\), the "
+                                          r"checkpoint a Gemma4ForCausalLM \(its `model.model_class`=causal_lm\)"):
+        export(ckpt, tmp_path / "out", config_dir=str(tmp_path / "mm"))
 
 
 def test_export_accepts_the_matching_config(trained, tmp_path):

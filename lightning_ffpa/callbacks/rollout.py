@@ -26,7 +26,12 @@ from torchmetrics import MaxMetric, MeanMetric, MinMetric
 from transformers import PreTrainedModel
 
 from lightning_ffpa._compat.transformers import text_config
-from lightning_ffpa.callbacks.rollout_tokens import check_token_ids, resolve_eos, resolve_tokenizer
+from lightning_ffpa.callbacks.rollout_tokens import (
+    check_token_ids,
+    generation_eos,
+    resolve_eos,
+    resolve_tokenizer,
+)
 from lightning_ffpa.data.prompts import PROMPT_KEYS
 from lightning_ffpa.dtypes import DtypeName, parse_dtype
 from lightning_ffpa.errors import ConfigError
@@ -72,7 +77,8 @@ class RolloutCallback(L.Callback):
             num_generations: Completions per prompt (the GRPO group size G, >= 2).
             verify_no_drift: At fit start, check the base weights hash is unchanged over refreshes and the
                 inference copy is deterministic (raises otherwise). LoRA policies only.
-            eos_token_ids: Tokens that end a completion (default: the model config's eos_token_id).
+            eos_token_ids: Tokens that end a completion (default: the model config's eos_token_id and a pretrained
+                model's generation_config.json eos ids, where `generate` stops).
             tokenizer: Tokenizer that decodes completions for the reward functions: "byte", or a local folder or
                 hub id for `AutoTokenizer` (None: the datamodule's tokenizer if it has one, else ids joined by spaces).
             model_attr: Attribute of the LightningModule holding the HF model.
@@ -202,7 +208,8 @@ class RolloutCallback(L.Callback):
                                   f"{type(pl_module).__name__} optimizes manually; its micro-batches are "
                                   "`model.max_tokens_per_microbatch`")
         algo = self.resolve_algorithm(pl_module, datamodule)  # the micro-batch budget against the data's prompts
-        check_token_ids(OPTION, self.eos_token_ids, self.pad_token_id, config, algo.mask_truncated_completions)
+        check_token_ids(OPTION, self.eos_token_ids, self.pad_token_id, config, algo.mask_truncated_completions,
+                        generation_eos(hparams.get("pretrained")))
         self._check_steps_count_updates(trainer, algo.num_iterations)
         if self._tokenizer_for is not datamodule:  # once per datamodule: the pre-flight and setup both get here
             self.tokenizer, self._tokenizer_for = resolve_tokenizer(OPTION, self.tokenizer_name, datamodule), datamodule
@@ -301,10 +308,12 @@ class RolloutCallback(L.Callback):
             if not self.sync.pairs:  # a module whose hparams do not say (a user's own)
                 raise ConfigError(f"{OPTION}.verify_no_drift", True, NO_LORA_TO_VERIFY)
             self.drift_report = self.sync.verify_no_drift()
-        eos = resolve_eos(self.eos_token_ids, base.config)
+        eos = resolve_eos(self.eos_token_ids, base.config, generation_eos(getattr(pl_module, "hparams", {}).get(
+            "pretrained")))
         self.engine = RolloutEngine(inference, self.engine_config, set(eos), option=f"{OPTION}.engine")
         e = self.engine
-        rank_zero_info(f"RolloutCallback: {dtype} engine weights {self.weights_path}; attention {e.attention_path} over "
+        rank_zero_info(f"RolloutCallback: completions end at token ids {eos or 'none (max_new_tokens)'}; {dtype} "
+                       f"engine weights {self.weights_path}; attention {e.attention_path} over "
                        f"{e.config.decode_block}-token KV blocks in {e.config.page_size}-token pages, decode step "
                        f"{e.decode_path} (K/V write {e.kv_write_path}), projections {e.projection_path}, CUDA graphs "
                        f"{'on' if e.on_cuda and e.config.cuda_graphs else 'off'}")

@@ -205,3 +205,18 @@ def test_a_rollout_tokenizer_other_than_the_datas_is_refused_before_fit(tmp_path
     data = PromptDataModule(path=str(path), tokenizer=str(tmp_path / "tok"), batch_size=2)
     with pytest.raises(ConfigError, match=r"^`RolloutCallback.tokenizer='byte'`: is not the tokenizer that encoded"):
         _fit(recording_reward, data=data, tokenizer="byte", max_steps=1, preflight=True)
+
+
+def test_completions_end_at_the_pretrained_models_generation_config_eos_too(tmp_path, caplog):
+    """Rollouts stopped at config.json's eos alone; a chat checkpoint's end-of-turn id is in its
+    generation_config.json, where `generate` (and vLLM) stop: the completions ran on to max_new_tokens."""
+    from transformers import Gemma4ForCausalLM, GenerationConfig
+
+    from lightning_ffpa.presets import build_text_config
+
+    torch.manual_seed(0)
+    Gemma4ForCausalLM(build_text_config("tiny")).save_pretrained(tmp_path / "chat_model")
+    GenerationConfig(eos_token_id=[1, 106]).save_pretrained(tmp_path / "chat_model")
+    with caplog.at_level(logging.INFO):
+        _fit(recording_reward, module_kw={"pretrained": str(tmp_path / "chat_model")}, max_steps=1)
+    assert "RolloutCallback: completions end at token ids [1, 106];" in caplog.text

@@ -79,11 +79,12 @@ def _debug_requested(argv: list[str]) -> bool:
 
 def one_line(err: BaseException) -> str:
     """The error's message folded to one line: a multi-line message keeps its first non-empty line, or all of
-    its lines joined where the first ends in ":" (it introduces the rest: cut there, it would say nothing)."""
+    its lines joined where the first ends in ":" or an open bracket (it introduces the rest, e.g. peft's
+    `Target module Gemma4ClippableLinear(` and the module's repr: cut there, it would say nothing)."""
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
     if not lines:
         return type(err).__name__
-    return " ".join(lines) if lines[0].endswith(":") else lines[0]
+    return " ".join(lines) if lines[0].endswith((":", "(", "[", "{")) else lines[0]
 
 
 def causes(err: BaseException | None) -> Iterator[BaseException]:

@@ -256,3 +256,13 @@ class _NoisyImport:
         if fullname == self.name:
             os.write(2, b"Failed to load some_library.so\n")
         return None
+
+
+def test_a_message_whose_first_line_opens_a_bracket_is_kept_whole():
+    """peft's `Target module Gemma4ClippableLinear(` + the module's repr + why: cut to its first line, the
+    reason (`is not supported ...`) was lost."""
+    from lightning_ffpa.errors import one_line
+
+    err = ValueError("Target module Gemma4ClippableLinear(\n  (linear): Linear(in=4)\n) is not supported.")
+    assert one_line(err) == "Target module Gemma4ClippableLinear( (linear): Linear(in=4) ) is not supported."
+    assert one_line(ValueError("first line\nsecond")) == "first line"

@@ -324,9 +324,25 @@ def _exit_quickly() -> None:
     # still in reference cycles are freed with the process instead. The other exit handlers (logging, loggers,
     # temporary files) have run by then.
     gc.freeze()
+    if _skip_finalizing and _exit_code is not None:
+        # A gloo worker thread can still be freeing a collective's tensor (its Python object: it waits for the
+        # GIL) when finalization starts; Python then ends it inside a C++ destructor: std::terminate, "terminate
+        # called without an active exception", exit 134. Without finalization no thread is ended mid-destructor.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_code)
 
 
 _exit_registered = False
+_skip_finalizing = False  # set by `skip_finalizing`
+_exit_code: int | None = None  # what `console_entry` returned
+
+
+def skip_finalizing() -> None:
+    """End this console script right after the exit handlers, without the interpreter's finalization
+    (`close_process_group` asks for it: gloo's worker threads outlive the process group, FSDP2 holding it)."""
+    global _skip_finalizing
+    _skip_finalizing = True
 
 
 def exit_quickly() -> None:
@@ -393,7 +409,9 @@ def console_entry(body: Callable[[list[str]], Any], user_errors: tuple[type[Base
         release_stderr()  # a bug or an exit (--help): keep everything it printed
         raise
     release_stderr()
-    return result if isinstance(result, int) else EXIT_OK
+    global _exit_code
+    _exit_code = result if isinstance(result, int) else EXIT_OK
+    return _exit_code
 
 
 def data_option(datamodule: Any, *names: str) -> str:

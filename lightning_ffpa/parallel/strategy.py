@@ -58,10 +58,17 @@ def close_process_group() -> None:
 
     Lightning leaves a gloo group to the interpreter's exit. Under `srun` each task exits on its own, and rank 0
     (which serves the rendezvous store) can go while another rank's group is still torn down at exit: that rank
-    aborted (`terminate called without an active exception`, exit 134) after a finished two-task fit."""
+    aborted (`terminate called without an active exception`, exit 134) after a finished two-task fit. With more
+    than one rank, a console script then ends right after its exit handlers, without the interpreter's
+    finalization (`errors.skip_finalizing`): gloo's worker threads outlive the group and can be ended inside a
+    C++ destructor by it (docs/troubleshooting.md)."""
     import torch.distributed as dist
 
+    from lightning_ffpa.errors import skip_finalizing
+
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:  # a console script then ends without finalization (`skip_finalizing`)
+            skip_finalizing()
         dist.barrier()
         dist.destroy_process_group()
 

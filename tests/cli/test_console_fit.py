@@ -81,7 +81,7 @@ def test_shipped_recipe_fits_two_steps_through_the_console_script(recipe, tmp_pa
     if "--trainer.enable_progress_bar false" not in TINY[recipe]:
         assert re.search(r"Epoch 0, step\b.*\b2/2\b", screen), screen[-2000:]  # steps done of max_steps
     if "grpo" in recipe:  # the rollout start-up line says what runs: attention, KV blocks, decode step, projections
-        assert re.search(r"RolloutCallback: [\w.]+ engine weights (shared|merged)\b.*; attention \w+ over \d+-token KV blocks in \d+-token "
+        assert re.search(r"RolloutCallback: completions end at token ids [^;]+; [\w.]+ engine weights (shared|merged)\b.*; attention \w+ over \d+-token KV blocks in \d+-token "
                          r"pages, decode step \w+ \(K/V write \w+\), projections (fused \(\d+ groups\)|separate)", screen), screen[-3000:]
     for kind in ("checkpoint", "logs"):  # the closing line names where the run's files are; they exist
         named = re.search(rf"\b{kind} ([^;]+)", last)

@@ -506,13 +506,13 @@ def _copy_tokenizer(meta: dict[str, Any], hparams: dict[str, Any], config_dir: s
     from lightning_ffpa.hf_module import SOURCES_KEY, TOKENIZER_DIGEST_KEY
 
     trained_with = (meta.get(SOURCES_KEY) or {}).get(TOKENIZER_DIGEST_KEY)
+    if trained_with == BYTE_TOKENIZER:
+        return None, ("the fit's data used the byte tokenizer (`data.tokenizer: byte`): its ids are bytes, which no "
+                      "Hugging Face tokenizer file describes")
     note = None
     for folder in _local_folders(meta, hparams, config_dir, "config", "data.tokenizer", "pretrained"):
         if not any((folder / f).is_file() for f in TOKENIZER_FILES):
             continue
-        if trained_with == BYTE_TOKENIZER:
-            return None, (f"the fit's data used the byte tokenizer (`data.tokenizer: byte`), not {folder}'s: its "
-                          "ids are bytes, which no Hugging Face tokenizer file describes")
         if trained_with is not None:
             try:
                 digest = tokenizer_digest(load_tokenizer(str(folder)))

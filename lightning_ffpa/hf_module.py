@@ -49,7 +49,7 @@ from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_base,
 from lightning_ffpa.checkpoint.frozen import OPTION as FROZEN_OPTION
 from lightning_ffpa.checkpoint.pretrained_files import check_weight_files
 from lightning_ffpa.dtypes import parse_dtype
-from lightning_ffpa.errors import CheckpointError, ConfigError, one_line
+from lightning_ffpa.errors import NOT_GIVEN, CheckpointError, ConfigError, data_option, one_line
 from lightning_ffpa.fp8_base import check_device as fp8_base_check_device
 from lightning_ffpa.lora import PEFT_LEVEL, apply_lora, check_targets_given, lora_hparam, unwrap_peft
 from lightning_ffpa.presets import (
@@ -526,3 +526,20 @@ def check_hparams_match(saved: dict[str, Any] | None, model: Any, option: str = 
                                                "keeps the checkpoint's value, so this one would be ignored; set it "
                                                "back (a `--config` file may be where it comes from), or start a new "
                                                "run from the exported weights to train with another")
+
+
+def check_data_fits_model(model: Any, datamodule: Any) -> None:
+    """Token ids the data can produce must exist in the model's vocabulary (else: an index error mid-step)."""
+    data_vocab = getattr(datamodule, "vocab_size", None)
+    config = getattr(model, "config", None)
+    if data_vocab is None or config is None:
+        return
+    text = text_config(config)
+    if data_vocab > text.vocab_size:
+        if getattr(datamodule, "tokenizer", None) is not None:
+            raise ConfigError(data_option(datamodule, "tokenizer"), getattr(datamodule, "tokenizer_spec", NOT_GIVEN),
+                              f"has {data_vocab} tokens, more than the model's vocab_size={text.vocab_size}: token "
+                              "ids would index past the embedding")
+        raise ConfigError(data_option(datamodule, "vocab_size"), data_vocab, f"exceeds the model's vocab_size="
+                                                                             f"{text.vocab_size}: token ids would "
+                                                                             "index past the embedding")

@@ -23,6 +23,7 @@ from lightning_ffpa.errors import ConfigError, data_option
 from lightning_ffpa.hf_module import (  # noqa: F401 - re-exported: `from lightning_ffpa.module import resolve_dtype`
     _MODEL_CLASSES,
     HFModule,
+    check_data_fits_model,
     resolve_dtype,
     text_config,
 )
@@ -154,10 +155,6 @@ class Gemma4LM(HFModule):
             raise ConfigError("model.max_seq_length", declared, f"is shorter than the data's rows "
                               f"(`{data_opt}={data_len}`); raise it, or leave it unset")
         self.attention_plan.check_packing(bool(getattr(datamodule, "pack", False)))
-        from lightning_ffpa.validation import (
-            check_data_fits_model,  # validation imports this module's classes
-        )
-
         check_data_fits_model(self, datamodule)  # else an IndexError in the embedding at the first batch
 
     # ---- forward and loss -----------------------------------------------------------------------------

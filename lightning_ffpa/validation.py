@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa._compat import torch as torch_compat
-from lightning_ffpa._compat.transformers import from_config, text_config
+from lightning_ffpa._compat.transformers import from_config
 from lightning_ffpa.attention.plan import plan_for
 from lightning_ffpa.checkpoint.frozen import FROZEN_BASE_KEY, check_frozen_seed
 from lightning_ffpa.checkpoint.paths import (
@@ -37,6 +37,7 @@ from lightning_ffpa.errors import NOT_GIVEN, CheckpointError, ConfigError, data_
 from lightning_ffpa.fp8_base import check_device as fp8_base_check_device
 from lightning_ffpa.hf_module import (  # noqa: F401 - ARCHITECTURE_HPARAMS, check_hparams_match re-exported
     ARCHITECTURE_HPARAMS,
+    check_data_fits_model,
     check_fp8_base_placement,
     check_hparams_match,
 )
@@ -228,23 +229,6 @@ def check_components(trainer: Any, model: Any, datamodule: Any) -> None:
     for callback in trainer.callbacks:
         if callable(getattr(callback, "check_before_fit", None)):
             callback.check_before_fit(trainer, model, datamodule)
-
-
-def check_data_fits_model(model: Any, datamodule: Any) -> None:
-    """Token ids the data can produce must exist in the model's vocabulary (else: an index error mid-step)."""
-    data_vocab = getattr(datamodule, "vocab_size", None)
-    config = getattr(model, "config", None)
-    if data_vocab is None or config is None:
-        return
-    text = text_config(config)
-    if data_vocab > text.vocab_size:
-        if getattr(datamodule, "tokenizer", None) is not None:
-            raise ConfigError(data_option(datamodule, "tokenizer"), getattr(datamodule, "tokenizer_spec", NOT_GIVEN),
-                              f"has {data_vocab} tokens, more than the model's vocab_size={text.vocab_size}: token "
-                              "ids would index past the embedding")
-        raise ConfigError(data_option(datamodule, "vocab_size"), data_vocab, f"exceeds the model's vocab_size="
-                                                                             f"{text.vocab_size}: token ids would "
-                                                                             "index past the embedding")
 
 
 def warn_pretrained_tokenizer_unused(model: Any, datamodule: Any) -> None:

@@ -339,8 +339,9 @@ _exit_code: int | None = None  # what `console_entry` returned
 
 
 def skip_finalizing() -> None:
-    """End this console script right after the exit handlers, without the interpreter's finalization
-    (`close_process_group` asks for it: gloo's worker threads outlive the process group, FSDP2 holding it)."""
+    """End this console script right after the exit handlers registered since it started (the loggers', the
+    command's), without the interpreter's finalization (`close_process_group` asks for it: gloo's worker threads
+    outlive the process group, FSDP2 holding it). stdout and stderr are flushed first."""
     global _skip_finalizing
     _skip_finalizing = True
 

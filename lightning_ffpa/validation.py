@@ -315,6 +315,9 @@ def _check_replicate_frozen(strategy: Any, model: Any) -> None:
     if getattr(strategy, "replicate_frozen", False) is not True:
         return
     hp = getattr(model, "hparams", None) or {}
+    if "lora" in hp and not lora_spec(hp):  # one of ours, fully fine-tuned
+        raise ConfigError("trainer.strategy.init_args.replicate_frozen", True, "has nothing to replicate: a full "
+                          "fine-tune (no `model.lora`) has no frozen weights; use auto or false")
     want, dtype = getattr(strategy, "param_dtype", None), hp.get("dtype")
     if not lora_spec(hp) or want is None or not isinstance(dtype, str) or dtype == "auto":
         return

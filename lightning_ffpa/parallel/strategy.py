@@ -293,6 +293,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         if replicate_frozen is True and cpu_offload:
             raise ValueError(REPLICATE_WITH_OFFLOAD)
         self.replicate_frozen = replicate_frozen
+        if async_save and not save_distributed_checkpoint:  # the one-file save never reaches the async writer
+            raise ConfigError("async_save", True, "writes DCP folders in the background; "
+                              "with `save_distributed_checkpoint: false` every save is one synchronous file (set one "
+                              "of them the other way)")
         self.frozen_placement: dict[str, Any] | None = None  # what `replicate_frozen` did, once parallelized
         self.activation_offload = activation_offload
         self._offload = ActivationOffload() if activation_offload else None

@@ -139,6 +139,11 @@ ROWS = [
     (f"{F} --trainer.strategy.init_args.compile true", "set `trainer.strategy.class_path` first"),
     ("lightning-ffpa cp no_such_recipe out.yaml", "recipe"),
     ("lightning-ffpa cp tiny afile", "dest"),
+    # both were ignored without a word: one-file saves are synchronous; a full fine-tune has no frozen weights
+    (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.init_args.async_save true "
+     "--trainer.strategy.init_args.save_distributed_checkpoint false", "`async_save=True`: writes DCP folders"),
+    (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.init_args.replicate_frozen true",
+     "`trainer.strategy.init_args.replicate_frozen=True`: has nothing to replicate"),
     # Lightning's Throughput asserted window_size > 1 mid-fit (a traceback, exit 1); a negative peak logged MFU < 0
     (f"{F} --trainer.callbacks+=lightning_ffpa.callbacks.TokenThroughput --trainer.callbacks.init_args.window_size 1",
      "`TokenThroughput.window_size=1`: must be >= 2"),

@@ -263,9 +263,17 @@ def describe_constructor_error(err: BaseException) -> BaseException | None:
         if _is_wrapper(e):
             continue
         if isinstance(e, (ValueError, MisconfigurationException, *PATH_ERRORS)):
+            if isinstance(e, ValueError) and (m := _STRATEGY_PRECISION.search(str(e))):
+                return ConfigError("trainer.precision", m["precision"], f"is not one the FSDP2 strategy supports "
+                                   f"(Lightning's ModelParallelStrategy, which it extends): {m['choices']}")
             return e if isinstance(e, InputError) else InputError(one_line(e))
         return None
     return None
+
+
+# Lightning's refusal names `Fabric(...)` and its own class, neither of which the user wrote
+_STRATEGY_PRECISION = re.compile(r"The `?ModelParallelStrategy`? does not support `?Fabric\(\.\.\., precision='"
+                                 r"(?P<precision>[^']+)'\)`?\. Choose a different precision among: (?P<choices>[^.]+)")
 
 
 class _HeldStderr:

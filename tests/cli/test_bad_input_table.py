@@ -139,6 +139,9 @@ ROWS = [
     (f"{F} --trainer.strategy.init_args.compile true", "set `trainer.strategy.class_path` first"),
     ("lightning-ffpa cp no_such_recipe out.yaml", "recipe"),
     ("lightning-ffpa cp tiny afile", "dest"),
+    # Lightning's refusal named `Fabric(...)` and ModelParallelStrategy, neither of which the user wrote
+    (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.precision 16-mixed",
+     "`trainer.precision='16-mixed'`: is not one the FSDP2 strategy supports"),
     # both were ignored without a word: one-file saves are synchronous; a full fine-tune has no frozen weights
     (f"{F} --trainer.strategy lightning_ffpa.parallel.FSDP2Strategy --trainer.strategy.init_args.async_save true "
      "--trainer.strategy.init_args.save_distributed_checkpoint false", "`async_save=True`: writes DCP folders"),

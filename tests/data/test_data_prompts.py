@@ -155,7 +155,7 @@ def test_a_field_some_rows_lack_reaches_the_rewards_as_none(write, hf_tokenizer_
 def test_chat_prompts_with_a_tokenizer_without_a_template_are_refused(write, tmp_path):
     """A Hugging Face tokenizer without a chat template rendered chats in a `role: content` format of our own,
     silently (transformers refuses it); the byte tokenizer and `chat_template: false` keep that format."""
-    from conftest import save_tokenizer
+    from tests.data.conftest import save_tokenizer
 
     bare = save_tokenizer(tmp_path / "bare", None)
     dm = PromptDataModule(path=write("c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}]),

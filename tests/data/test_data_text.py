@@ -211,7 +211,7 @@ def test_chats_cut_into_windows_are_warned_about(write):
 def test_chats_with_a_tokenizer_without_a_template_are_refused(write, tmp_path):
     """Rendered in a `role: content` format of our own, silently: the roles were `<unk>` to a fresh trial's
     tokenizer, and the exported tokenizer could not reproduce the format at inference (transformers refuses)."""
-    from conftest import save_tokenizer
+    from tests.data.conftest import save_tokenizer
 
     chat = [{"role": "user", "content": "how are you"}, {"role": "assistant", "content": "i am fine thanks"}]
     dm = TextDataModule(train_file=write("c.jsonl", [{"messages": chat}]), tokenizer=save_tokenizer(tmp_path / "bare", None),

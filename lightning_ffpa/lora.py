@@ -181,7 +181,7 @@ def check_targets_match(model: nn.Module, lora: dict[str, Any], option: str = "m
     params = lora.get("target_parameters")
     if params:
         names = [n for n, _ in model.named_parameters()]
-        unmatched = [t for t in params if not any(n == t or n.endswith("." + t) for n in names)]
+        unmatched = [t for t in params if not any(_peft_matches([t], n) for n in names)]
         if unmatched:
             stacks = sorted({".".join(n.split(".")[-2:]) for n, p in model.named_parameters() if p.dim() == 3})
             raise ConfigError(f"{option}.target_parameters", unmatched, "match no parameter of the model; its "
@@ -193,11 +193,11 @@ def check_targets_match(model: nn.Module, lora: dict[str, Any], option: str = "m
     names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
     available = sorted({n.rsplit(".", 1)[-1] for n in names})
     if isinstance(targets, str):
-        if not any(re.fullmatch(targets, n) for n in names):
+        if not any(_peft_matches(targets, n) for n in names):
             raise ConfigError(f"{option}.target_modules", targets, f"(a regex) matches no Linear/Embedding module; "
                               f"e.g. {available}")
         return
-    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    unmatched = [t for t in targets if not any(_peft_matches([t], n) for n in names)]
     if unmatched:
         raise ConfigError(f"{option}.target_modules", unmatched, f"match no Linear/Embedding module of the model; "
                           f"available: {available}")

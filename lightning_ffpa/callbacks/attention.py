@@ -33,6 +33,7 @@ from lightning_ffpa._compat.transformers import (
 from lightning_ffpa.attention import kernels, registry
 from lightning_ffpa.attention.plan import (
     DEFAULT_SLIDING,
+    PLAN_OWNER,
     SLIDING,
     SLIDING_OPTION,
     AttentionPlan,
@@ -80,7 +81,7 @@ class FFPAAttention(Callback):
     # -- install ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve the attention plan and register its backend; configure the model if it already exists."""
-        owners = [cb for cb in getattr(trainer, "callbacks", None) or [] if getattr(cb, "installs_attention_plan", False)]
+        owners = [cb for cb in getattr(trainer, "callbacks", None) or [] if getattr(cb, PLAN_OWNER, False)]
         if len(owners) > 1:  # each would install, count and log: every line and metric twice
             raise InputError(f"`trainer.callbacks` holds {len(owners)} FFPAAttention Callbacks; keep one")
         if stage == "fit":  # the CLI checks this before launch; a Python user's Trainer meets it here

@@ -98,9 +98,8 @@ def test_a_pretrained_folders_own_tokenizer_left_unused_is_warned_about(tmp_path
     trained on byte ids without a word (a fresh trial's finding); the pre-flight says so, naming both options."""
     from types import SimpleNamespace
 
-    from tests.data.conftest import PLAIN_TEMPLATE, save_tokenizer
-
     from lightning_ffpa.validation import warn_pretrained_tokenizer_unused
+    from tests.data.conftest import PLAIN_TEMPLATE, save_tokenizer
 
     folder = save_tokenizer(tmp_path / "pretrained", PLAIN_TEMPLATE)
     model = SimpleNamespace(hparams={"pretrained": folder})

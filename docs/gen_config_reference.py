@@ -81,6 +81,15 @@ COMMAND_LINE = [
     "  (Lightning counts FLOPs only with an `example_input_array`, and not through the FFPA and flex ops;",
     "  `TokenThroughput` logs model FLOPs and MFU). A run ends with one line naming the step it reached,",
     "  its last checkpoint and its log folder.",
+    "- **What is logged** (every `trainer.log_every_n_steps` optimizer steps, to `trainer.logger`): `train/loss`",
+    "  (the step's last micro-batch, on rank 0: Lightning logs rank 0's value of an unsynced metric; the",
+    "  gradient itself is the mean over every rank's tokens), `train/ppl`, `train/grad_norm` (all gradients",
+    "  together, before clipping, reduced over FSDP2's shards), `val/loss` and `val/ppl` (over every rank), the",
+    "  learning rate per parameter group (`lr-AdamW/pg1`, `pg2`: the recipes' `LearningRateMonitor`; with",
+    "  `warmup_steps > 0` the first step runs at 0, as transformers' warmup schedule starts). `TokenThroughput` adds",
+    "  `train/device/*` (tokens, FLOPs and MFU per device) and `train/*` (the whole job), `device/peak_memory_gb`",
+    "  and, in validation, `validate/*`, whose step axis counts validation batches, not optimizer steps;",
+    "  `FFPAAttention` adds `attention/<path>` ([attention.md](attention.md#how-to-see-what-ran)).",
     "",
 ]
 

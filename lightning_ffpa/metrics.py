@@ -22,3 +22,23 @@ class TokenPerplexity(Metric):
 
     def compute(self) -> torch.Tensor:
         return torch.exp(self.nll_sum / self.tokens.clamp(min=1)).float()
+
+
+def total_grad_norm(parameters) -> torch.Tensor | None:
+    """The L2 norm of all gradients together (what clipping by norm compares), the same on every rank.
+
+    FSDP2's gradients are DTensor shards: each device mesh's are reduced with one all-reduce (expert-parallel
+    stacks live on a mesh of their own, so one stack of norms over every mesh would not do). None without gradients.
+    """
+    from torch.distributed.tensor import DTensor
+
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    squares = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares.append(norm.float().square())
+    return torch.stack(squares).sum().sqrt() if squares else None

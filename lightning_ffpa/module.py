@@ -30,7 +30,7 @@ from lightning_ffpa.hf_module import (  # noqa: F401 - re-exported: `from lightn
 from lightning_ffpa.hidden_states import causal_lm_hidden_states, head_operands
 from lightning_ffpa.lora import LoraSpec, lora_hparam
 from lightning_ffpa.loss import IGNORE_INDEX, linear_cross_entropy
-from lightning_ffpa.metrics import TokenPerplexity
+from lightning_ffpa.metrics import TokenPerplexity, total_grad_norm
 from lightning_ffpa.parallel.dims import ParallelDims
 from lightning_ffpa.token_weights import TokenWeights
 
@@ -226,6 +226,15 @@ class Gemma4LM(HFModule):
         super().backward(loss, *args, **kwargs)
         if self._trainer is not None and not lightning_compat.accumulating(self.trainer):
             self._token_weights.scale_grads(self.trainer, self.parameters())
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Log `train/grad_norm`: the step's gradient norm before clipping, on the steps the trainer logs (it costs
+        an all-reduce per device mesh under FSDP2)."""
+        if self._trainer is None or not self.trainer.loggers or not lightning_compat.should_update_logs(self.trainer):
+            return
+        norm = total_grad_norm(self.parameters())
+        if norm is not None:
+            self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, n_tokens = self.compute_loss(batch)

@@ -107,6 +107,12 @@ def test_train_perplexity_is_logged_every_step(tiny_rows):
         assert float(r["train/ppl"]) == pytest.approx(math.exp(float(r["train/loss"])), rel=1e-4), r
 
 
+def test_gradient_norm_is_logged_every_step(tiny_rows):
+    """`train/grad_norm` (before clipping), on every step the trainer logs: no metric held it."""
+    norms = [float(r["train/grad_norm"]) for r in tiny_rows]
+    assert len(norms) == 30 and all(0 < n < math.inf for n in norms), norms
+
+
 def test_fit_tiny_end_to_end_loss_falls(tiny_losses):
     assert len(tiny_losses) == 30
     assert sum(tiny_losses[-5:]) / 5 < sum(tiny_losses[:5]) / 5 - 0.5

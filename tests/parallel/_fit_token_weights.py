@@ -2,7 +2,8 @@
 different numbers of labelled tokens (CP=1), or two CP ranks sharing 4-row micro-batches (CP=2); launched by
 torchrun. argv: out.json, pretrained_dir, context_parallel_size, loss_impl.
 
-Rank 0 saves the full gradients the optimizer would step with (next to out.json, as .pt)."""
+Rank 0 saves the full gradients the optimizer would step with (next to out.json, as .pt), and their norm as
+`total_grad_norm` reduces it over the sharded gradients."""
 
 import json
 import os
@@ -14,6 +15,7 @@ from _token_rows import token_rows  # the script's folder is first on sys.path
 from torch.utils.data import DataLoader
 
 from lightning_ffpa.callbacks.attention import FFPAAttention
+from lightning_ffpa.metrics import total_grad_norm
 from lightning_ffpa.module import Gemma4LM
 from lightning_ffpa.parallel import FSDP2Strategy
 
@@ -21,6 +23,7 @@ from lightning_ffpa.parallel import FSDP2Strategy
 class _Grads(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         full = {n: p.grad.full_tensor() for n, p in pl_module.named_parameters() if p.grad is not None}
+        self.norm = float(total_grad_norm(pl_module.parameters()))  # a collective: every rank calls it
         if trainer.global_rank == 0:
             torch.save(full, self.path)
 
@@ -42,7 +45,7 @@ def main(out: str, pretrained: str, cp: int, loss_impl: str) -> None:
         rows, batch_size = token_rows(), 4  # every CP rank reads the same batch and keeps its shard
     trainer.fit(module, DataLoader(rows, batch_size=batch_size))
     if trainer.global_rank == 0:
-        json.dump({"grads": grads.path}, open(out, "w"))
+        json.dump({"grads": grads.path, "grad_norm": grads.norm}, open(out, "w"))
 
 
 if __name__ == "__main__":

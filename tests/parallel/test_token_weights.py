@@ -65,3 +65,6 @@ def test_two_ranks_accumulating_give_the_big_batch_gradient(tmp_path, pretrained
     saved = torch.load(out["grads"], weights_only=True)
     parts = {k.replace("_checkpoint_wrapped_module.", ""): g for k, g in saved.items()}  # FSDP2Strategy's AC wrapper
     _assert_same(parts, whole, rel)
+    # `train/grad_norm`'s reduction of FSDP2's gradient shards: the norm of the whole gradient, on every rank
+    want = float(torch.stack([g.norm() for g in whole.values()]).norm())
+    assert out["grad_norm"] == pytest.approx(want, rel=rel)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from lightning_ffpa import saved_ops
 from lightning_ffpa._compat import transformers as hf_compat
-from lightning_ffpa.attention import kernels, registry
+from lightning_ffpa.attention import backend, kernels, registry
 from lightning_ffpa.cp.group import RingGroup, cp_group_info
 from lightning_ffpa.cp.layout import RingLayout
 from lightning_ffpa.cp.plan import Block, ring_plan
@@ -197,6 +197,8 @@ class RingAttention:
     def full(self, q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: float) -> Tensor:
         """Causal full attention over the ring; q/k/v [B, 2C, H, D] local shards -> o [B, 2C, Hq, D]."""
         self._check(layout, q)
+        if self.block_ops == "ffpa":  # counted and warned once where its blocks leave CuTeDSL, as at CP = 1
+            backend.note_ring_fallback(q)
         plan = ring_plan(layout, q.device)
         for steps in plan:
             for blk in steps:

@@ -2,11 +2,12 @@
 
 Cases: causal; packed documents straddling shard boundaries (with padding); sliding windows (halo and the
 all-gather path for a window longer than a chunk); a rank whose whole shard is padding; D=512; the ring under
-activation checkpointing (its stats).
+activation checkpointing (its stats) and on CPU without a forced kernel (its fallback, counted and warned).
 """
 
 import os
 import socket
+import warnings
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.checkpoint import checkpoint
 
+from lightning_ffpa import attention
 from lightning_ffpa.attention import fa4, kernels
 from lightning_ffpa.cp import shard_batch, shard_index, unshard
 from lightning_ffpa.cp.ring import RingAttention
@@ -144,10 +146,20 @@ def _worker(rank, world, s):
 
 def _check_recompute_and_fallback(rank, world, s, stats):
     """Under checkpointing the ring's stats counted the recompute's blocks and halos again (`selective` read like
-    `full`); now forward counts are the forward's, and the exchanges the recompute repeats are counted apart."""
+    `full`); now forward counts are the forward's, and the exchanges the recompute repeats are counted apart.
+    Unforced on CPU the ring's blocks ran the reference kernel with no reason counted and no warning."""
     for name, exchange in (("packed", "shift"), ("sliding", "sliding_halo")):
         got = _check_case(rank, world, name, s, checkpointed=True)
         assert got == {**stats[name], f"recompute_{exchange}": stats[name][exchange]}, (name, got, stats[name])
+    attention.reset_dispatch_counts()
+    with kernels.force_kernel(None), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            _check_case(rank, world, "causal", s)
+    said = [str(w.message) for w in caught if issubclass(w.category, attention.FFPAFallbackWarning)]
+    assert attention.fallback_counts() == {"ring_kernel_unavailable": 2}, attention.fallback_counts()
+    assert len(said) == 1 and said[0].startswith("'ffpa' attention fallback (ring_kernel_unavailable): "), said
+    assert "the ring's blocks run the fp32 reference kernel" in said[0], said
 
 
 @pytest.mark.slow

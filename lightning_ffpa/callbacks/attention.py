@@ -172,8 +172,10 @@ class FFPAAttention(Callback):
         if n and trainer.global_step % n == 0 and not lightning_compat.accumulating(trainer) and trainer.is_global_zero:
             counts = self.training_counts()
             if counts:
+                # the step this batch's `self.log` metrics (train/loss) land on: global_step is one ahead here
+                step = lightning_compat.logging_step(trainer)
                 for logger in trainer.loggers:
-                    logger.log_metrics({f"attention/{k}": float(v) for k, v in counts.items()}, step=trainer.global_step)
+                    logger.log_metrics({f"attention/{k}": float(v) for k, v in counts.items()}, step=step)
 
     def training_counts(self) -> dict[str, int]:
         """Calls per path in this fit's training forwards so far (the sanity check and validation loops left out;

@@ -40,6 +40,7 @@ from lightning_ffpa.attention.plan import (
     check_attn_name,
     plan_for,
 )
+from lightning_ffpa.cp.stats import RECOMPUTE
 from lightning_ffpa.errors import ConfigError, InputError
 from lightning_ffpa.parallel.dims import context_parallel_size  # re-exported: the callback's CP size
 
@@ -148,11 +149,11 @@ class FFPAAttention(Callback):
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._install(trainer, pl_module, required=True)
-        self._eval_start = Counter(attention.dispatch_counts())
+        self._eval_start = self._counts()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._eval_start is not None:
-            self._eval_calls.update(Counter(attention.dispatch_counts()) - self._eval_start)
+            self._eval_calls.update(self._counts() - self._eval_start)
             self._eval_start = None
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -178,11 +179,19 @@ class FFPAAttention(Callback):
                     logger.log_metrics({f"attention/{k}": float(v) for k, v in counts.items()}, step=step)
 
     def training_counts(self) -> dict[str, int]:
-        """Calls per path in this fit's training forwards so far (the sanity check and validation loops left out;
-        `summary` counts every forward)."""
-        counts = Counter(attention.dispatch_counts())
+        """Calls per path in this fit's training forwards so far, and at CP > 1 the ring's forward counts as
+        `ring-<key>` (the sanity check and validation loops left out, and the exchanges a checkpoint recompute
+        repeats; `summary` counts every forward and those)."""
+        counts = self._counts()
         counts.subtract(self._eval_calls)
-        return {k: v for k, v in counts.items() if v > 0}
+        return {k: v for k, v in counts.items() if v > 0 and not k.startswith(f"ring-{RECOMPUTE}")}
+
+    def _counts(self) -> Counter:
+        """Every call counted so far: the backend's paths, and the ring's stats as `ring-<key>` (the ring counts its
+        own blocks; the backend's path counters never see them)."""
+        counts = Counter(attention.dispatch_counts())
+        counts.update({f"ring-{k}": v for k, v in (getattr(self.ring, "stats", None) or {}).items()})
+        return counts
 
     def _counted(self) -> bool:
         """Whether the installed attention is ours (the FFPA backend or the ring), whose dispatches are counted."""
@@ -193,8 +202,7 @@ class FFPAAttention(Callback):
         if not self._counted():
             return (f"FFPAAttention ({self.plan.describe()}): transformers' {self.plan.attn_implementation!r} ran "
                     "every layer (its calls are not counted)")
-        counts = dict(attention.dispatch_counts())
-        counts.update({f"ring-{k}": v for k, v in (getattr(self.ring, "stats", None) or {}).items()})
+        counts = self._counts()
         ran = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "no attention calls counted"
         mode = self.plan.describe() if self.plan is not None else f"attn_implementation={self.attn_implementation}"
         why = ", ".join(f"{k}={v}" for k, v in sorted(attention.fallback_counts().items()) if v)

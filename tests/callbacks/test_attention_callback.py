@@ -340,18 +340,28 @@ def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatc
     calls = []
     fake_ring = types.ModuleType("lightning_ffpa.cp.ring")
     fake_ring.install_ring = lambda model, cp_mesh, sliding_backend: calls.append(
-        (model, cp_mesh, sliding_backend)) or SimpleNamespace(stats={"block_dense": 3})
+        (model, cp_mesh, sliding_backend)) or SimpleNamespace(stats={"block_dense": 3, "shift": 1,
+                                                                       "recompute_shift": 1})
     monkeypatch.setitem(sys.modules, "lightning_ffpa.cp.ring", fake_ring)
     module = _Wrapper()
     module.configure_model()
     cp_mesh = object()
     trainer = SimpleNamespace(strategy=SimpleNamespace(context_parallel_size=2,
                                                        parallel_dims=SimpleNamespace(cp_mesh=cp_mesh)))
-    callback = FFPAAttention()
+    callback = FFPAAttention(log_every_n_steps=1)
     callback.setup(trainer, module, "fit")
     assert calls == [(module.net["lm"], cp_mesh, "auto")]  # the default sliding path: FA4 where it runs, else Flex
     assert module.net["lm"].config._attn_implementation == "sdpa"  # the ring's own installer takes over from here
     assert "ring CP=2" in callback.summary() and "ring-block_dense=3" in callback.summary()
+    assert "ring-recompute_shift=1" in callback.summary()
+    # At CP > 1 no `attention/*` metric reached the logger (the ring's counts were read from the backend's path
+    # counters, which it never increments); its forward counts are logged now, the recompute's exchanges are not.
+    recorder = _Recorder()
+    trainer.global_step, trainer.is_global_zero, trainer.loggers = 1, True, [recorder]
+    trainer.fit_loop = SimpleNamespace(_should_accumulate=lambda: False,
+                                       epoch_loop=SimpleNamespace(_batches_that_stepped=0))
+    callback.on_train_batch_end(trainer, module, None, None, 0)
+    assert recorder.rows == [(0, {"attention/ring-block_dense": 3.0, "attention/ring-shift": 1.0})]
 
 
 def test_the_sliding_choice_lasts_for_its_run_only():

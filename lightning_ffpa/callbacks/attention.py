@@ -114,6 +114,7 @@ class FFPAAttention(Callback):
         if self._installed_on is not None and self._installed_on() is model:
             return
         if self.plan.ring:
+            self._say_replaced(pl_module, model, f"the FFPA ring (context_parallel_size={self.cp_size})")
             set_attn_implementation(model, "sdpa")  # install_ring then routes every layer to its ring function
             # Sharding the batch (and passing `ring_layout`) is the LightningModule's part, see
             # lightning_ffpa.cp.shard_batch.
@@ -122,21 +123,21 @@ class FFPAAttention(Callback):
             self.ring = install_ring(model, trainer.strategy.parallel_dims.cp_mesh,
                                      sliding_backend=self.plan.ring_sliding_backend)
         else:
-            self._say_replaced(pl_module, model)
+            self._say_replaced(pl_module, model, f"attn_implementation={self.plan.attn_implementation!r}")
             set_attn_implementation(model, self.plan.attn_implementation)
         self._installed_on = weakref.ref(model)
 
-    def _say_replaced(self, pl_module: pl.LightningModule, model: Any) -> None:
-        """sdpa is the default; any other attention the model was built with is replaced, and the user sees it
-        (named as the module's option where it came from one, as the model's own setting otherwise)."""
+    def _say_replaced(self, pl_module: pl.LightningModule, model: Any, installs: str) -> None:
+        """sdpa is the default; any other attention the model was built with is replaced by `installs` (the plan's
+        attention, or the ring at CP > 1), and the user sees it (named as the module's option where it came from
+        one, as the model's own setting otherwise)."""
         current = config_attn_implementation(model.config)
         if current in (None, "sdpa", self.plan.attn_implementation):
             return
         asked = (getattr(pl_module, "hparams", None) or {}).get("attn_implementation")
         where = (f"`model.attn_implementation={asked!r}`" if asked == current
                  else f"the model's attn_implementation={current!r}")
-        rank_zero_info(f"FFPAAttention installs attn_implementation={self.plan.attn_implementation!r} in place of "
-                       f"{where}")
+        rank_zero_info(f"FFPAAttention installs {installs} in place of {where}")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._installed_on = None  # the next stage installs again: the model's attention may have changed since

@@ -333,7 +333,8 @@ def test_validate_test_and_predict_run_the_real_backend_under_inference_mode():
     assert counts.get("ffpa-dense", 0) > 0, counts
 
 
-def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatch):
+def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatch, caplog):
+    import logging
     import sys
     import types
 
@@ -344,12 +345,18 @@ def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatc
                                                                        "recompute_shift": 1})
     monkeypatch.setitem(sys.modules, "lightning_ffpa.cp.ring", fake_ring)
     module = _Wrapper()
+    module.hparams.update(attn_implementation="eager")
     module.configure_model()
+    module.net["lm"].config._attn_implementation = "eager"  # as the module's option built it
     cp_mesh = object()
     trainer = SimpleNamespace(strategy=SimpleNamespace(context_parallel_size=2,
                                                        parallel_dims=SimpleNamespace(cp_mesh=cp_mesh)))
     callback = FFPAAttention(log_every_n_steps=1)
-    callback.setup(trainer, module, "fit")
+    with caplog.at_level(logging.INFO):
+        callback.setup(trainer, module, "fit")
+    # the ring replaced `model.attn_implementation: eager` silently at CP > 1 (said at CP = 1)
+    assert "installs the FFPA ring (context_parallel_size=2) in place of `model.attn_implementation='eager'`" in (
+        caplog.text)
     assert calls == [(module.net["lm"], cp_mesh, "auto")]  # the default sliding path: FA4 where it runs, else Flex
     assert module.net["lm"].config._attn_implementation == "sdpa"  # the ring's own installer takes over from here
     assert "ring CP=2" in callback.summary() and "ring-block_dense=3" in callback.summary()

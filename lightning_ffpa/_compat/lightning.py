@@ -42,6 +42,7 @@ __all__ = [
     "last_checkpoint_step",
     "lightning_dcp_meta_filename",
     "loaded_checkpoint",
+    "logging_step",
     "materialize_distributed_module",
     "module_keys_with_wrappers",
     "module_device_mesh",
@@ -297,6 +298,12 @@ def save_checkpoint_now(checkpoint_callback: Any, trainer: Any, epoch: int | Non
     checkpoint_callback._save_topk_checkpoint(trainer, candidates)
     checkpoint_callback._save_last_checkpoint(trainer, candidates)
     return True
+
+
+def logging_step(trainer: Any) -> int:
+    """The step a training batch's `self.log` metrics are written at: in `on_train_batch_end` the optimizer step
+    has already raised `global_step`, while the logger connector still writes at `_batches_that_stepped`."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
 def should_update_logs(trainer: Any) -> bool:

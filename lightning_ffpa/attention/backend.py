@@ -11,10 +11,10 @@ Routing for one attention call (in this order):
 4. an eligible full-attention call goes to FFPA: dense with no mask, varlen with a 2D padding mask;
 5. anything else falls back: eager when a softcap is set, otherwise SDPA with repeated KV
    (never ``enable_gqa`` at head_dim > 256, which drops to the MATH kernel).
-Every fallback is counted and warned about once per reason. Counting goes through ``counters.py``, so
-it is taken at runtime once per forward call in eager and compiled layers alike, and nothing here
-graph-breaks or recompiles a compiled layer. Kernels live in ``kernels.py``; this file never calls
-ffpa_attn directly.
+Every fallback is counted and warned about once per reason, the CP ring's full layers' too
+(``note_ring_fallback``). Counting goes through ``counters.py``, so it is taken at runtime once per forward call
+in eager and compiled layers alike, and nothing here graph-breaks or recompiles a compiled layer. Kernels live in
+``kernels.py``; this file never calls ffpa_attn directly.
 """
 
 from __future__ import annotations
@@ -211,6 +211,10 @@ _REASON_TEXT = {
                         "cannot tell packed rows from plain ones by position_ids and masks every batch as packed -> "
                         "flex; pass attention_mask (all ones where nothing is padded), or compile per decoder layer "
                         "(FSDP2Strategy's compile)",
+    # the CP ring's full layers: its blocks stay on the FFPA op contract, whose CPU reference kernel takes them
+    "ring_kernel_unavailable": "FFPA CuTeDSL cannot run here -> the ring's blocks run the fp32 reference kernel",
+    "ring_dtype": "dtype is not fp16/bf16 -> the ring's blocks run the fp32 reference kernel",
+    "ring_head_dim": "head_dim is outside FFPA's range -> the ring's blocks run the fp32 reference kernel",
     "fa4_mask": "the sliding mask is more than a causal window over each row's tokens (an overlay, a cache offset "
                 "or padding between tokens) -> flex",
 }
@@ -220,6 +224,7 @@ def _warn_fallback(reason: str) -> None:
     """Warn once per reason; runs at runtime from the counter (also inside compiled layers)."""
     text = _REASON_TEXT.get(reason, reason)
     detail = {"kernel_unavailable": kernels.ffpa_unavailable_reason,
+              "ring_kernel_unavailable": kernels.ffpa_unavailable_reason,
               "fa4_unavailable": fa4.unavailable_detail}.get(reason, str)()
     warnings.warn(f"'ffpa' attention fallback ({reason}): {text}{'; ' + detail if detail else ''}",
                   FFPAFallbackWarning, stacklevel=2)
@@ -230,6 +235,18 @@ counters.on_first("reason", _warn_fallback)
 
 def _note_fallback(reason: str, query: Tensor) -> None:
     counters.count("reason", reason, query)
+
+
+def note_ring_fallback(query: Tensor) -> None:
+    """Count (and warn about once) a CP ring full-layer forward whose FFPA blocks run the reference kernel.
+
+    The same test as `kernels.dense_fwd`'s; nothing when the reference is forced (tests), as at CP = 1."""
+    if kernels.forced_kernel() == "reference":
+        return
+    why = registry.get("ffpa").why_not(query.shape[-1], query.dtype, query.device)
+    if why:
+        tag = why.split(":")[0]
+        _note_fallback("ring_" + ("kernel_unavailable" if tag == "unavailable" else tag), query)
 
 
 def _documents_from_positions(position_ids: Tensor | None, batch: int) -> PackedDocuments | None:

@@ -8,7 +8,7 @@ combinations that cannot run. Does not own the kernels (``registry.py``) nor per
 which reads the plan's sliding choice; ``lightning_ffpa.cp.ring``).
 
 The plan:
-- CP > 1: the FFPA ring (full layers: ring blocks of the registry's "ffpa" block ops; sliding layers: a halo and
+- CP > 1: the FFPA ring (the Callback's `attn_implementation` must be "ffpa", its default; full layers: ring blocks of the registry's "ffpa" block ops; sliding layers: a halo and
   one local call, Flex, or FA4's varlen kernel over the chunk's documents under `sliding: fa4 | auto`). It needs
   the Callback, which installs it.
 - CP = 1: `attn_implementation` is what HF runs: the Callback's option when the Callback is there, else the
@@ -135,6 +135,10 @@ def resolve_plan(model_attn: str | None, cp_size: int = 1, callback: Any = None,
     attn = callback.attn_implementation if callback is not None else model_attn
     if callback is not None:
         check_attn_name(attn)
+    if callback is not None and cp_size > 1 and attn != "ffpa":  # the ring runs FFPA blocks: the choice would vanish
+        raise ConfigError("FFPAAttention.attn_implementation", attn, f"context_parallel_size={cp_size} runs the FFPA "
+                          f"ring, which cannot run {attn!r}; leave it at 'ffpa' (the default), or compare at "
+                          "context_parallel_size 1")
     # without the Callback nothing installs a sliding kernel: the "ffpa" backend runs its own default, Flex
     sliding = getattr(callback, "sliding", DEFAULT_SLIDING) if callback is not None else "flex"
     if callback is not None and sliding != DEFAULT_SLIDING and cp_size == 1 and attn != "ffpa":  # else ignored

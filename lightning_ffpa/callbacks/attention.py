@@ -40,6 +40,7 @@ from lightning_ffpa.attention.plan import (
     check_attn_name,
     plan_for,
 )
+from lightning_ffpa.cp.stats import RECOMPUTE
 from lightning_ffpa.errors import ConfigError, InputError
 from lightning_ffpa.parallel.dims import context_parallel_size  # re-exported: the callback's CP size
 
@@ -113,6 +114,7 @@ class FFPAAttention(Callback):
         if self._installed_on is not None and self._installed_on() is model:
             return
         if self.plan.ring:
+            self._say_replaced(pl_module, model, f"the FFPA ring (context_parallel_size={self.cp_size})")
             set_attn_implementation(model, "sdpa")  # install_ring then routes every layer to its ring function
             # Sharding the batch (and passing `ring_layout`) is the LightningModule's part, see
             # lightning_ffpa.cp.shard_batch.
@@ -121,21 +123,21 @@ class FFPAAttention(Callback):
             self.ring = install_ring(model, trainer.strategy.parallel_dims.cp_mesh,
                                      sliding_backend=self.plan.ring_sliding_backend)
         else:
-            self._say_replaced(pl_module, model)
+            self._say_replaced(pl_module, model, f"attn_implementation={self.plan.attn_implementation!r}")
             set_attn_implementation(model, self.plan.attn_implementation)
         self._installed_on = weakref.ref(model)
 
-    def _say_replaced(self, pl_module: pl.LightningModule, model: Any) -> None:
-        """sdpa is the default; any other attention the model was built with is replaced, and the user sees it
-        (named as the module's option where it came from one, as the model's own setting otherwise)."""
+    def _say_replaced(self, pl_module: pl.LightningModule, model: Any, installs: str) -> None:
+        """sdpa is the default; any other attention the model was built with is replaced by `installs` (the plan's
+        attention, or the ring at CP > 1), and the user sees it (named as the module's option where it came from
+        one, as the model's own setting otherwise)."""
         current = config_attn_implementation(model.config)
         if current in (None, "sdpa", self.plan.attn_implementation):
             return
         asked = (getattr(pl_module, "hparams", None) or {}).get("attn_implementation")
         where = (f"`model.attn_implementation={asked!r}`" if asked == current
                  else f"the model's attn_implementation={current!r}")
-        rank_zero_info(f"FFPAAttention installs attn_implementation={self.plan.attn_implementation!r} in place of "
-                       f"{where}")
+        rank_zero_info(f"FFPAAttention installs {installs} in place of {where}")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._installed_on = None  # the next stage installs again: the model's attention may have changed since
@@ -148,11 +150,11 @@ class FFPAAttention(Callback):
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._install(trainer, pl_module, required=True)
-        self._eval_start = Counter(attention.dispatch_counts())
+        self._eval_start = self._counts()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._eval_start is not None:
-            self._eval_calls.update(Counter(attention.dispatch_counts()) - self._eval_start)
+            self._eval_calls.update(self._counts() - self._eval_start)
             self._eval_start = None
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -172,15 +174,25 @@ class FFPAAttention(Callback):
         if n and trainer.global_step % n == 0 and not lightning_compat.accumulating(trainer) and trainer.is_global_zero:
             counts = self.training_counts()
             if counts:
+                # the step this batch's `self.log` metrics (train/loss) land on: global_step is one ahead here
+                step = lightning_compat.logging_step(trainer)
                 for logger in trainer.loggers:
-                    logger.log_metrics({f"attention/{k}": float(v) for k, v in counts.items()}, step=trainer.global_step)
+                    logger.log_metrics({f"attention/{k}": float(v) for k, v in counts.items()}, step=step)
 
     def training_counts(self) -> dict[str, int]:
-        """Calls per path in this fit's training forwards so far (the sanity check and validation loops left out;
-        `summary` counts every forward)."""
-        counts = Counter(attention.dispatch_counts())
+        """Calls per path in this fit's training forwards so far, and at CP > 1 the ring's forward counts as
+        `ring-<key>` (the sanity check and validation loops left out, and the exchanges a checkpoint recompute
+        repeats; `summary` counts every forward and those)."""
+        counts = self._counts()
         counts.subtract(self._eval_calls)
-        return {k: v for k, v in counts.items() if v > 0}
+        return {k: v for k, v in counts.items() if v > 0 and not k.startswith(f"ring-{RECOMPUTE}")}
+
+    def _counts(self) -> Counter:
+        """Every call counted so far: the backend's paths, and the ring's stats as `ring-<key>` (the ring counts its
+        own blocks; the backend's path counters never see them)."""
+        counts = Counter(attention.dispatch_counts())
+        counts.update({f"ring-{k}": v for k, v in (getattr(self.ring, "stats", None) or {}).items()})
+        return counts
 
     def _counted(self) -> bool:
         """Whether the installed attention is ours (the FFPA backend or the ring), whose dispatches are counted."""
@@ -191,8 +203,7 @@ class FFPAAttention(Callback):
         if not self._counted():
             return (f"FFPAAttention ({self.plan.describe()}): transformers' {self.plan.attn_implementation!r} ran "
                     "every layer (its calls are not counted)")
-        counts = dict(attention.dispatch_counts())
-        counts.update({f"ring-{k}": v for k, v in (getattr(self.ring, "stats", None) or {}).items()})
+        counts = self._counts()
         ran = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "no attention calls counted"
         mode = self.plan.describe() if self.plan is not None else f"attn_implementation={self.attn_implementation}"
         why = ", ".join(f"{k}={v}" for k, v in sorted(attention.fallback_counts().items()) if v)

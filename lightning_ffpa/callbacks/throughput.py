@@ -14,6 +14,8 @@ MoE layers count the routed work only: a 3-D expert stack, and the LoRA adapters
 on it, at top_k / num_experts of their parameters per token. `active_train_flops_per_batch` is the MoE
 convention instead: 6 x active parameters x tokens plus attention, as if every active weight trained.
 Padding tokens cost compute, so FLOPs use the padded batch shape; tokens/s counts real tokens only.
+Under context parallelism a rank counts its 1/cp share of each batch's samples, tokens and FLOPs, and the global
+`batches_per_sec` counts a batch once per CP group (over the data-parallel size, world / cp).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.throughput import get_available_flops
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
@@ -180,6 +182,22 @@ def train_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> fl
     return 3.0 * fwd - frozen  # a frozen weight's matmul: forward + input gradient, no weight gradient
 
 
+class _SharedBatchThroughput(Throughput):
+    """Lightning's Throughput for context-parallel ranks, which share each batch: its global `batches_per_sec`
+    (the device rate x world size) counted every batch cp times; it is over the data-parallel size (world / cp).
+    Samples, tokens and FLOPs need no change: each rank counts its 1/cp share of them."""
+
+    def __init__(self, cp: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cp = cp
+
+    def compute(self) -> dict[str, float]:
+        metrics = super().compute()
+        if "batches_per_sec" in metrics:
+            metrics["batches_per_sec"] /= self.cp
+        return metrics
+
+
 class TokenThroughput(ThroughputMonitor):
     """ThroughputMonitor counting real tokens per rank, model FLOPs, peak memory and attention dispatch."""
 
@@ -221,12 +239,15 @@ class TokenThroughput(ThroughputMonitor):
         # precision and unknown for H200; use the bf16 table (or the user's number) instead.
         peak = self.peak_flops or peak_bf16_flops(trainer.strategy.root_device)
         self.available_flops = peak
-        for tp in self._throughputs.values():
-            tp.available_flops = peak
-        self._auto_flops = not hasattr(pl_module, "flops_per_batch")
         from lightning_ffpa.callbacks.attention import FFPAAttention, context_parallel_size
 
         self._cp = context_parallel_size(trainer, pl_module)
+        for stage, tp in self._throughputs.items():
+            if self._cp > 1:  # CP peers share each batch: one batch per CP group, not per rank
+                tp = self._throughputs[stage] = _SharedBatchThroughput(self._cp, world_size=tp.world_size,
+                                                                       **self.kwargs)
+            tp.available_flops = peak
+        self._auto_flops = not hasattr(pl_module, "flops_per_batch")
 
         if any(isinstance(cb, FFPAAttention) and cb.log_every_n_steps for cb in trainer.callbacks):
             self.log_attention_dispatch = False  # one writer per metric key

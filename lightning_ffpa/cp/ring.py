@@ -11,7 +11,7 @@ Interface::
     ring = install_ring(model, cp_mesh_or_group)   # called by the attention Callback when CP > 1
     shard = shard_batch(batch, cp_rank, cp_size)   # see cp/sharding.py
     model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], ring_layout=shard["ring_layout"])
-    ring.stats                                     # counts of dense / varlen / empty blocks, sliding paths
+    ring.stats                                     # counts of blocks, K/V shifts, sliding paths (cp/stats.py)
 
 The ``ring_layout`` kwarg reaches the attention function because HF passes model-forward kwargs down through
 the decoder layers to ``attention_interface(**kwargs)``; a call without it raises (no silent plain-causal mask,
@@ -21,7 +21,6 @@ same order whatever its data (an all-padding shard runs the same ring and return
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
@@ -30,11 +29,12 @@ from torch import Tensor
 
 from lightning_ffpa import saved_ops
 from lightning_ffpa._compat import transformers as hf_compat
-from lightning_ffpa.attention import kernels, registry
+from lightning_ffpa.attention import backend, kernels, registry
 from lightning_ffpa.cp.group import RingGroup, cp_group_info
 from lightning_ffpa.cp.layout import RingLayout
 from lightning_ffpa.cp.plan import Block, ring_plan
 from lightning_ffpa.cp.sliding import BACKENDS, sliding_attention
+from lightning_ffpa.cp.stats import RingStats
 
 ATTN_NAME = "ffpa_ring"
 
@@ -192,14 +192,18 @@ class RingAttention:
         if sliding_backend is not None and sliding_backend not in BACKENDS:
             raise ValueError(f"`sliding_backend={sliding_backend!r}`: expected None or one of {list(BACKENDS)}")
         self.sliding_backend = sliding_backend  # None: "flex" on CUDA, "sdpa" (masked math) on CPU
-        self.stats: Counter[str] = Counter()
+        self.stats = RingStats()  # forward counts; a checkpoint recompute's exchanges as `recompute_<key>`
 
     def full(self, q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: float) -> Tensor:
         """Causal full attention over the ring; q/k/v [B, 2C, H, D] local shards -> o [B, 2C, Hq, D]."""
         self._check(layout, q)
+        if self.block_ops == "ffpa":  # counted and warned once where its blocks leave CuTeDSL, as at CP = 1
+            backend.note_ring_fallback(q)
         plan = ring_plan(layout, q.device)
         for steps in plan:
-            self.stats.update(f"block_{blk.kind}" for blk in steps)
+            for blk in steps:
+                self.stats.ran(f"block_{blk.kind}")
+        self.stats.exchanged("shift", self.ring.size - 1)  # K/V hops of this forward (or of its recompute)
         return _RingAttention.apply(q, k, v, self.ring, plan, float(scale), self.ops)
 
     def sliding(self, q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: float, window: int) -> Tensor:

@@ -16,8 +16,6 @@ Halo (h = window - 1 keys before a chunk are all a query can see outside it; chu
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -27,6 +25,7 @@ from lightning_ffpa.attention.flex import flex_forward
 from lightning_ffpa.attention.masks import build_block_mask
 from lightning_ffpa.cp.group import RingGroup
 from lightning_ffpa.cp.layout import RingLayout
+from lightning_ffpa.cp.stats import RingStats
 
 # Local-call backends: masked ("flex" on CUDA, "sdpa": fp32 masked math, for CPU), or a registry kernel's windowed
 # varlen attention over the chunk's documents ("fa4": flash-attn-4, whose backward is flash-style).
@@ -204,7 +203,7 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, masks: dict[str, Tensor], w
     return o.transpose(1, 2)
 
 
-def _resolve(backend: str | None, q: Tensor, stats: Counter) -> str:
+def _resolve(backend: str | None, q: Tensor, stats: RingStats) -> str:
     """The local call's backend: None is the device's masked default; "auto" is FA4 where it takes this call, else
     that default, each fallback counted with its reason (as the CP=1 backend does)."""
     masked = "flex" if q.is_cuda else "sdpa"
@@ -213,12 +212,12 @@ def _resolve(backend: str | None, q: Tensor, stats: Counter) -> str:
     why = registry.get("fa4").why_not(q.shape[-1], q.dtype, q.device, needs=("causal", "sliding_window", "gqa", "varlen"))
     if not why:
         return "fa4"
-    stats[f"sliding_fa4_fallback_{why.split(':')[0]}"] += 1
+    stats.ran(f"sliding_fa4_fallback_{why.split(':')[0]}")
     return masked
 
 
 def sliding_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, ring: RingGroup, scale: float,
-                      window: int, backend: str | None, stats: Counter) -> Tensor:
+                      window: int, backend: str | None, stats: RingStats) -> Tensor:
     """Sliding-window causal attention of this rank's [B, 2C, H, D] shard; returns [B, 2C, Hq, D]."""
     backend = _resolve(backend, q, stats)
     c, h = layout.chunk_len, window - 1
@@ -228,16 +227,16 @@ def sliding_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, ring:
 
         kv = torch.stack([k, v])  # (2, B, 2C, H, D)
         k_ext, v_ext = torch.cat(all_gather(kv.contiguous(), group=ring.group), dim=2).unbind(0)
-        stats["sliding_allgather"] += 1
+        stats.exchanged("sliding_allgather")
     elif h > 0:
         tails = torch.stack([k, v])  # (2, B, 2C, H, D)
         halo_head, halo_tail = _Halo.apply(tails[:, :, c - h:c], tails[:, :, 2 * c - h:], ring)
         k_ext = torch.cat([halo_head[0], k[:, :c], halo_tail[0], k[:, c:]], dim=1)
         v_ext = torch.cat([halo_head[1], v[:, :c], halo_tail[1], v[:, c:]], dim=1)
-        stats["sliding_halo"] += 1
+        stats.exchanged("sliding_halo")
     else:  # window 1: a token sees only itself, no halo
         k_ext, v_ext = k, v
-    stats[f"sliding_{backend}"] += 1
+    stats.ran(f"sliding_{backend}")
     masks = _mask_tensors(layout, h, allgather, q.device)
     if backend in VARLEN_BACKENDS:
         index = layout.cached(("sliding_varlen", h, allgather, str(q.device)), lambda: {

@@ -28,6 +28,10 @@ def test_resolution_rules():
         resolve_plan("ffpa", 2)
     with pytest.raises(ValueError, match=r"^`context_parallel_size=4` needs the `lightning_ffpa.callbacks.FFPAAtt"):
         resolve_plan("sdpa", 4)
+    # At CP > 1 the ring replaced the Callback's `sdpa` (a user's comparison) without a word; refused by name now.
+    with pytest.raises(ConfigError, match=r"^`FFPAAttention.attn_implementation='sdpa'`: context_parallel_size=2 "
+                                          r"runs the FFPA ring, which cannot run 'sdpa'"):
+        resolve_plan("sdpa", 2, FFPAAttention(attn_implementation="sdpa"))
 
 
 def test_packing_is_checked_against_what_runs():

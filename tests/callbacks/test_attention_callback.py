@@ -103,7 +103,7 @@ def test_installs_ffpa_on_nested_model_and_logs_counts(fake_backend, capsys):
     assert lm.config._attn_implementation == "ffpa"
     # 4 steps x 2 full layers at head_dim 512, and 2 sliding layers
     assert fake_backend["ffpa-dense"] == 8 and fake_backend["sdpa"] == 8
-    assert _attention_rows(recorder) == [(1, 2.0), (2, 4.0), (3, 6.0), (4, 8.0)]
+    assert _attention_rows(recorder) == [(0, 2.0), (1, 4.0), (2, 6.0), (3, 8.0)]  # on train/loss's steps
     assert "ffpa-dense=8" in callback.summary()
 
 
@@ -122,6 +122,27 @@ class _PolicyAndReference(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+class _LogsLoss(_Wrapper):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_counts_land_on_the_step_of_train_loss(fake_backend, tmp_path):
+    """`attention/*` rows were written at `global_step`, one step after `train/loss` of the same batch (Lightning
+    writes `self.log` metrics at the batches that stepped before this one): each count now shares its step."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    _fit(_LogsLoss(), [FFPAAttention(log_every_n_steps=1)], steps=3, logger=logger)
+    rows = list(csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")))
+    steps = lambda key: [int(r["step"]) for r in rows if r.get(key)]  # noqa: E731
+    assert steps("train/loss") == [0, 1, 2] and steps("attention/ffpa-dense") == [0, 1, 2], rows
 
 
 def test_installs_on_the_trained_model_beside_a_frozen_one(fake_backend):
@@ -180,10 +201,11 @@ def test_an_attention_the_users_model_was_built_with_is_said_when_replaced(fake_
 
 def test_counts_are_logged_at_their_own_interval_and_nowhere_between(fake_backend):
     """`log_every_n_steps: 3` with the trainer logging every step: through `pl_module.log` the step-3 value was
-    written again at steps 4 and 5 (stale counts); now only steps 3 and 6 have one, each the count then."""
+    written again at steps 4 and 5 (stale counts); now only the 3rd and 6th optimizer steps have one, each the count
+    then (at Lightning's logging step for those batches, 2 and 5)."""
     recorder = _Recorder()
     _fit(_Wrapper(), [FFPAAttention(log_every_n_steps=3)], steps=6, logger=recorder)
-    assert _attention_rows(recorder) == [(3, 6.0), (6, 12.0)]
+    assert _attention_rows(recorder) == [(2, 6.0), (5, 12.0)]
 
 
 def test_transformers_own_attention_logs_no_counts_that_read_as_nothing_ran(fake_backend):
@@ -230,7 +252,7 @@ def test_counts_are_logged_once_per_optimizer_step(fake_backend):
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
                         accumulate_grad_batches=2, callbacks=[FFPAAttention(log_every_n_steps=1)])
     trainer.fit(module, DataLoader(data, batch_size=2))
-    assert _attention_rows(recorder) == [(1, 4.0), (2, 8.0)]  # 4 micro-batches, 2 optimizer steps
+    assert _attention_rows(recorder) == [(0, 4.0), (1, 8.0)]  # 4 micro-batches, 2 optimizer steps
 
 
 def test_cp_size_from_strategy_or_mesh():
@@ -311,25 +333,42 @@ def test_validate_test_and_predict_run_the_real_backend_under_inference_mode():
     assert counts.get("ffpa-dense", 0) > 0, counts
 
 
-def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatch):
+def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatch, caplog):
+    import logging
     import sys
     import types
 
     calls = []
     fake_ring = types.ModuleType("lightning_ffpa.cp.ring")
     fake_ring.install_ring = lambda model, cp_mesh, sliding_backend: calls.append(
-        (model, cp_mesh, sliding_backend)) or SimpleNamespace(stats={"block_dense": 3})
+        (model, cp_mesh, sliding_backend)) or SimpleNamespace(stats={"block_dense": 3, "shift": 1,
+                                                                       "recompute_shift": 1})
     monkeypatch.setitem(sys.modules, "lightning_ffpa.cp.ring", fake_ring)
     module = _Wrapper()
+    module.hparams.update(attn_implementation="eager")
     module.configure_model()
+    module.net["lm"].config._attn_implementation = "eager"  # as the module's option built it
     cp_mesh = object()
     trainer = SimpleNamespace(strategy=SimpleNamespace(context_parallel_size=2,
                                                        parallel_dims=SimpleNamespace(cp_mesh=cp_mesh)))
-    callback = FFPAAttention()
-    callback.setup(trainer, module, "fit")
+    callback = FFPAAttention(log_every_n_steps=1)
+    with caplog.at_level(logging.INFO):
+        callback.setup(trainer, module, "fit")
+    # the ring replaced `model.attn_implementation: eager` silently at CP > 1 (said at CP = 1)
+    assert "installs the FFPA ring (context_parallel_size=2) in place of `model.attn_implementation='eager'`" in (
+        caplog.text)
     assert calls == [(module.net["lm"], cp_mesh, "auto")]  # the default sliding path: FA4 where it runs, else Flex
     assert module.net["lm"].config._attn_implementation == "sdpa"  # the ring's own installer takes over from here
     assert "ring CP=2" in callback.summary() and "ring-block_dense=3" in callback.summary()
+    assert "ring-recompute_shift=1" in callback.summary()
+    # At CP > 1 no `attention/*` metric reached the logger (the ring's counts were read from the backend's path
+    # counters, which it never increments); its forward counts are logged now, the recompute's exchanges are not.
+    recorder = _Recorder()
+    trainer.global_step, trainer.is_global_zero, trainer.loggers = 1, True, [recorder]
+    trainer.fit_loop = SimpleNamespace(_should_accumulate=lambda: False,
+                                       epoch_loop=SimpleNamespace(_batches_that_stepped=0))
+    callback.on_train_batch_end(trainer, module, None, None, 0)
+    assert recorder.rows == [(0, {"attention/ring-block_dense": 3.0, "attention/ring-shift": 1.0})]
 
 
 def test_the_sliding_choice_lasts_for_its_run_only():
@@ -363,7 +402,7 @@ def test_logged_counts_leave_out_the_sanity_check_and_validation(fake_backend):
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
                         val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=1, callbacks=[callback])
     trainer.fit(_WithValidation(), DataLoader(data, batch_size=2), DataLoader(data, batch_size=2))
-    assert _attention_rows(recorder) == [(2, 4.0), (4, 8.0)]  # 2 full layers a training forward
+    assert _attention_rows(recorder) == [(1, 4.0), (3, 8.0)]  # 2 full layers a training forward
     # the sanity check and two validation runs, one batch each: 3 x 2 more calls in the summary
     assert fake_backend["ffpa-dense"] == 14 and "ffpa-dense=14" in callback.summary()
 

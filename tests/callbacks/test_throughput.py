@@ -70,6 +70,29 @@ def test_a_context_parallel_rank_counts_its_share_of_the_batch():
     assert (monitor.batch_size_fn(batch), monitor.length_fn(batch)) == (whole[0] / 2, whole[1] / 2) == (2, 32)
 
 
+def test_a_context_parallel_batch_rate_counts_each_batch_once():
+    """At CP=2 on 2 ranks `train/batches_per_sec` was twice the real rate: Lightning multiplies the device rate by
+    the world size, and the two CP ranks share one batch. It is over the data-parallel size (world / cp) now."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.trainer.states import RunningStage
+
+    from lightning_ffpa.callbacks.throughput import TokenThroughput
+
+    monitor = TokenThroughput(window_size=2)
+    trainer = SimpleNamespace(precision_plugin=Precision(), world_size=2, enable_validation=False, callbacks=[],
+                              state=SimpleNamespace(stage=RunningStage.TRAINING),
+                              strategy=SimpleNamespace(root_device=torch.device("cpu"), context_parallel_size=2))
+    monitor.setup(trainer, SimpleNamespace(), "fit")
+    tp = monitor._throughputs[RunningStage.TRAINING]
+    for step in (1, 2):  # one batch a second on each rank, 2 of its 4 samples (its CP share)
+        tp.update(time=float(step), batches=step, samples=2 * step)
+    got = tp.compute()
+    assert got["device/batches_per_sec"] == 1.0 and got["batches_per_sec"] == 1.0  # dp = 1: one batch a second
+    assert got["samples_per_sec"] == 4.0  # the whole batch of 4, once
+
+
 def _tiny_lora():
     """A two-layer tiny Gemma4 on meta (no weights needed to count) and the same model under a peft LoRA."""
     from peft import LoraConfig, get_peft_model

@@ -1,17 +1,21 @@
 """Ring attention on CPU/gloo (2 and 4 processes) vs single-device attention: forward and gradients.
 
 Cases: causal; packed documents straddling shard boundaries (with padding); sliding windows (halo and the
-all-gather path for a window longer than a chunk); a rank whose whole shard is padding; D=512.
+all-gather path for a window longer than a chunk); a rank whose whole shard is padding; D=512; the ring under
+activation checkpointing (its stats) and on CPU without a forced kernel (its fallback, counted and warned).
 """
 
 import os
 import socket
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
 
+from lightning_ffpa import attention
 from lightning_ffpa.attention import fa4, kernels
 from lightning_ffpa.cp import shard_batch, shard_index, unshard
 from lightning_ffpa.cp.ring import RingAttention
@@ -74,7 +78,7 @@ def _documents(b, s, pad, gen):
     return docs
 
 
-def _check_case(rank, world, name, s, all_pad_rank=None, flex=False, sliding_backend=None):
+def _check_case(rank, world, name, s, all_pad_rank=None, flex=False, sliding_backend=None, checkpointed=False):
     cfg = CASES[name]
     gen = torch.Generator().manual_seed(123)
     b, hq, hkv, d = cfg["b"], cfg["hq"], cfg["hkv"], cfg["d"]
@@ -95,7 +99,10 @@ def _check_case(rank, world, name, s, all_pad_rank=None, flex=False, sliding_bac
     idx = shard_index(s, rank, world)
     ql, kl, vl = (t[:, idx].clone().requires_grad_() for t in (q, k, v))
     ring = RingAttention(None, sliding_backend=sliding_backend)
-    if cfg["window"]:
+    if checkpointed:  # backward re-runs the ring's forward (the recompute of activation checkpointing)
+        call = (lambda *a: ring.sliding(*a, cfg["window"])) if cfg["window"] else ring.full
+        out = checkpoint(call, ql, kl, vl, layout, scale, use_reentrant=False)
+    elif cfg["window"]:
         with fa4.cpu_stand_in(sliding_backend == "fa4"):  # FA4's varlen ops through their reference kernels
             out = ring.sliding(ql, kl, vl, layout, scale, cfg["window"])
     else:
@@ -125,15 +132,34 @@ def _worker(rank, world, s):
     stats = {}
     for name in ("causal", "packed", "sliding", "sliding_long"):
         stats[name] = _check_case(rank, world, name, s, flex=(name in ("sliding", "packed") and world == 2))
-    # causal without documents runs dense blocks only; packed documents need varlen (and skip empty blocks)
-    assert set(stats["causal"]) == {"block_dense"}, stats["causal"]
+    # causal without documents runs dense blocks only (and cp - 1 K/V shifts); packed documents need varlen
+    assert set(stats["causal"]) == {"block_dense", "shift"} and stats["causal"]["shift"] == world - 1, stats["causal"]
     assert stats["packed"]["block_varlen"] > 0, stats["packed"]
     assert stats["sliding"]["sliding_halo"] == 1 and stats["sliding_long"]["sliding_allgather"] == 1
     for name in ("sliding", "sliding_long"):  # the ring's sliding layers through FA4's varlen kernel
         assert _check_case(rank, world, name, s, sliding_backend="fa4")["sliding_fa4"] == 1
     if world == 2:
+        _check_recompute_and_fallback(rank, world, s, stats)
         _check_case(rank, world, "packed", 16 * world, all_pad_rank=1)
         _check_case(rank, world, "d512", 8 * world)
+
+
+def _check_recompute_and_fallback(rank, world, s, stats):
+    """Under checkpointing the ring's stats counted the recompute's blocks and halos again (`selective` read like
+    `full`); now forward counts are the forward's, and the exchanges the recompute repeats are counted apart.
+    Unforced on CPU the ring's blocks ran the reference kernel with no reason counted and no warning."""
+    for name, exchange in (("packed", "shift"), ("sliding", "sliding_halo")):
+        got = _check_case(rank, world, name, s, checkpointed=True)
+        assert got == {**stats[name], f"recompute_{exchange}": stats[name][exchange]}, (name, got, stats[name])
+    attention.reset_dispatch_counts()
+    with kernels.force_kernel(None), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            _check_case(rank, world, "causal", s)
+    said = [str(w.message) for w in caught if issubclass(w.category, attention.FFPAFallbackWarning)]
+    assert attention.fallback_counts() == {"ring_kernel_unavailable": 2}, attention.fallback_counts()
+    assert len(said) == 1 and said[0].startswith("'ffpa' attention fallback (ring_kernel_unavailable): "), said
+    assert "the ring's blocks run the fp32 reference kernel" in said[0], said
 
 
 @pytest.mark.slow

@@ -81,6 +81,14 @@ COMMAND_LINE = [
     "  (Lightning counts FLOPs only with an `example_input_array`, and not through the FFPA and flex ops;",
     "  `TokenThroughput` logs model FLOPs and MFU). A run ends with one line naming the step it reached,",
     "  its last checkpoint and its log folder.",
+    "- **What `validate`, `test` and `predict` evaluate.** `--ckpt_path last` (this run's",
+    "  `<default_root_dir>/checkpoints/last.ckpt`, as `fit` finds it) or a checkpoint file; `last` that finds",
+    "  nothing, `hpc` with no HPC checkpoint, and `best` (the best save of a fit in the same process, so never",
+    "  in a fresh one) are refused in one line. Without `--ckpt_path` the model is evaluated as built, which is",
+    "  legitimate (a base model's `pretrained` weights, or a random-init baseline, ln(vocab) for the loss) but",
+    "  easy to do by mistake after a fit, so the command says so on its first line:",
+    "  `validate: no --ckpt_path, so the model is evaluated as built: random init of preset 'tiny' (...)` or",
+    "  `...: the pretrained weights of <path>`.",
     "",
 ]
 

@@ -414,6 +414,7 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
                              "`validate` has no rows to run on")
         self._check_ckpt_loads()
         self._ready()
+        self._say_what_is_evaluated()
 
     def after_validate(self) -> None:
         """A validation that ran no batch is an input mistake, not a success with no metrics."""
@@ -427,11 +428,13 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         self._require_loader("test_dataloader")
         self._check_ckpt_loads()
         self._ready()
+        self._say_what_is_evaluated()
 
     def before_predict(self) -> None:  # noqa: D102
         self._require_loader("predict_dataloader")
         self._check_ckpt_loads()
         self._ready()
+        self._say_what_is_evaluated()
 
     def after_predict(self) -> None:
         """LightningCLI drops what `predict` returns: say so where no callback wrote the predictions."""
@@ -462,6 +465,12 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
                 state = check_checkpoint(resolved, "ckpt_path", resume=False, verify_checksums=False)
                 check_tokenizer_matches(self.datamodule, state, resolved)
 
+    def _say_what_is_evaluated(self) -> None:
+        """Without `--ckpt_path` the model runs as built: said on one line once the input is accepted (a random
+        init evaluated without a word looked like a trained model's loss)."""
+        if self.config_init[self.subcommand].get("ckpt_path") is None and self.trainer.is_global_zero:
+            print(evaluated_as_built(self.model, self.subcommand), flush=True)
+
     def _model_has(self, hook: str) -> bool:
         return _overrides(self.model, hook)
 
@@ -472,6 +481,19 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             hint = ("; for held-out loss and perplexity use `lightning-ffpa validate`"
                     if self._model_has("validation_step") else "")
             raise InputError(f"`data` ({data}) has no `{hook}`, so `{self.subcommand}` has nothing to run on{hint}")
+
+
+def evaluated_as_built(model: Any, subcommand: str) -> str:
+    """The start-up line of `validate`/`test`/`predict` without `--ckpt_path`: which weights the model runs with."""
+    hparams = getattr(model, "hparams", None) or {}
+    if hparams.get("pretrained"):
+        weights = f"the pretrained weights of {hparams['pretrained']}"
+    elif "pretrained" in hparams:  # ours, built from `preset`: nothing trained
+        weights = (f"random init of preset {hparams.get('preset')!r} (no `model.init_args.pretrained`; `--ckpt_path "
+                   "last` evaluates the run's last checkpoint)")
+    else:
+        weights = f"{type(model).__name__}'s own weights"
+    return f"{subcommand}: no --ckpt_path, so the model is evaluated as built: {weights}"
 
 
 def _holds_out_nothing(datamodule: Any) -> bool:

@@ -257,11 +257,17 @@ def describe_constructor_error(err: BaseException) -> BaseException | None:
     """
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+    class_path = None
     for e in causes(err):
         if isinstance(e, ConfigError):
             return e
+        if m := _CLASS.match(str(e).lstrip()):
+            class_path = m.group(1)
         if _is_wrapper(e):
             continue
+        if isinstance(e, ModuleNotFoundError) and class_path is not None:  # a logger's package not installed
+            return ConfigError(_class_option(class_path), class_path, f"needs a package that is not installed: "
+                               f"{one_line(e)}")
         if isinstance(e, (ValueError, MisconfigurationException, *PATH_ERRORS)):
             if isinstance(e, ValueError) and (m := _STRATEGY_PRECISION.search(str(e))):
                 return ConfigError("trainer.precision", m["precision"], f"is not one the FSDP2 strategy supports "
@@ -269,6 +275,22 @@ def describe_constructor_error(err: BaseException) -> BaseException | None:
             return e if isinstance(e, InputError) else InputError(one_line(e))
         return None
     return None
+
+
+def _class_option(class_path: str) -> str:
+    """The Trainer option a class named by `class_path` is given to (`trainer.logger`, ...), else `class_path`."""
+    try:
+        cls = getattr(importlib.import_module(class_path.rpartition(".")[0]), class_path.rpartition(".")[2])
+    except (ImportError, AttributeError, ValueError):
+        return "class_path"
+    from lightning.pytorch import Callback, LightningDataModule, LightningModule
+    from lightning.pytorch.loggers import Logger
+    from lightning.pytorch.strategies import Strategy
+
+    owners = {Logger: "trainer.logger", Callback: "trainer.callbacks", Strategy: "trainer.strategy",
+              LightningModule: "model", LightningDataModule: "data"}
+    return next((option for base, option in owners.items() if isinstance(cls, type) and issubclass(cls, base)),
+                "class_path")
 
 
 # Lightning's refusal names `Fabric(...)` and its own class, neither of which the user wrote

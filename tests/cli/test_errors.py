@@ -266,3 +266,17 @@ def test_a_message_whose_first_line_opens_a_bracket_is_kept_whole():
     err = ValueError("Target module Gemma4ClippableLinear(\n  (linear): Linear(in=4)\n) is not supported.")
     assert one_line(err) == "Target module Gemma4ClippableLinear( (linear): Linear(in=4) ) is not supported."
     assert one_line(ValueError("first line\nsecond")) == "first line"
+
+
+@pytest.mark.parametrize("logger, package", [("WandbLogger", "wandb"), ("MLFlowLogger", "mlflow")])
+def test_a_logger_whose_package_is_missing_names_trainer_logger_and_the_pip_hint(logger, package):
+    """It was a ~100-line traceback (exit 1) with Lightning's "Requirement ... not met" buried in it."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed")
+    with pytest.raises(ConfigError) as info:
+        cli.build(["--config", "tiny", "--trainer.logger", logger], run=False)
+    assert str(info.value).startswith(f"`trainer.logger='lightning.pytorch.loggers.{logger}'`: needs a package that "
+                                      f"is not installed: Requirement '{package}")
+    assert "pip install" in str(info.value)

@@ -109,7 +109,7 @@ def _is_dataclass_path(path: str) -> bool:
         return False
 _UNION = "Does not validate against any of the Union subtypes"
 _GOT = re.compile(r"\. Got value: (.*)$", re.S)
-_NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
+_NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted(?: before subcommand '([^']+)')?")
 
 
 def _is_wrapper(err: BaseException) -> bool:
@@ -229,6 +229,10 @@ def describe_parse_error(err: BaseException) -> BaseException:
         elif first.startswith("- "):
             continue  # a list of the alternatives tried; the cause is the first one's error
         elif m := _NOT_ACCEPTED.match(first):
+            if m.group(2):  # a top-level config's key that is not a subcommand's: the class is not at fault
+                return ConfigError(m.group(1), NOT_GIVEN, f"is not accepted before the subcommand: give it after "
+                                   f"`{m.group(2)}` (a config before the subcommand is keyed by it: `{m.group(2)}: "
+                                   "{trainer: ...}`)")
             return ConfigError(".".join([*keys, m.group(1)]), _given_value(err), f"is not an argument of {owner}")
         elif not _is_wrapper(e):
             got = _GOT.search(text)

@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_ffpa import recipes
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa.cli_checks import (
+    check_config_before_subcommand,
     check_flow_values,
     check_folder_writable,
     check_negative_values,
@@ -532,7 +533,10 @@ def build(args: list[str] | None = None, *, run: bool = True, on_ready: Callable
     """
     import_components()
     _strict_yaml()
-    args = recipes.resolve_config_args(list(sys.argv[1:] if args is None else args))
+    args = list(sys.argv[1:] if args is None else args)
+    check_config_before_subcommand(args, ("fit", "validate", "test", "predict"),
+                                   lambda name: recipes.resolve_config_args(["--config", name])[1])
+    args = recipes.resolve_config_args(args)
     kwargs: dict[str, Any] = dict(
         model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
         seed_everything_default=1234, save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False,

@@ -280,3 +280,12 @@ def test_a_logger_whose_package_is_missing_names_trainer_logger_and_the_pip_hint
     assert str(info.value).startswith(f"`trainer.logger='lightning.pytorch.loggers.{logger}'`: needs a package that "
                                       f"is not installed: Requirement '{package}")
     assert "pip install" in str(info.value)
+
+
+def test_a_key_of_a_config_before_the_subcommand_is_named_as_not_accepted_there(tmp_path):
+    """A top-level config keyed by subcommand with another key too: it said "is not an argument of this class"."""
+    (tmp_path / "mixed.yaml").write_text("fit:\n  trainer:\n    max_steps: 2\nmodel:\n  init_args:\n    preset: tiny\n")
+    with pytest.raises(ConfigError) as info:
+        cli.build(["--config", str(tmp_path / "mixed.yaml"), "fit", "--config", "tiny"])
+    assert str(info.value).startswith("`model.init_args.preset`: is not accepted before the subcommand: give it "
+                                      "after `fit`")

@@ -60,6 +60,18 @@ def check_negative_values(args: list[str]) -> None:
                                                  f"write `{option}={value}`")
 
 
+def check_no_optimizer_options(args: list[str]) -> None:
+    """`--optimizer AdamW` / `--lr_scheduler StepLR`: the model builds its own (`configure_optimizers`; the CLI adds
+    no optimizer options), and argparse said only "unrecognized arguments"; name the model options that set it."""
+    for arg in args:
+        option = arg.partition("=")[0]
+        if option.split(".")[0] in ("--optimizer", "--lr_scheduler"):
+            raise ConfigError(option, NOT_GIVEN, "is not an option: the model builds its optimizer and schedule "
+                              "(Gemma4LM: AdamW, linear warmup then cosine decay) from `model.init_args.learning_rate`, "
+                              "`warmup_steps`, `min_lr_ratio`, `weight_decay` and `betas` (GRPOModule: "
+                              "`learning_rate`); set those")
+
+
 def check_config_before_subcommand(args: list[str], subcommands: Iterable[str],
                                    resolve: Callable[[str], str] = str) -> None:
     """`lightning-ffpa --config X fit`: LightningCLI reads a config given before the subcommand only under the

@@ -34,6 +34,7 @@ from lightning_ffpa.cli_checks import (
     check_flow_values,
     check_folder_writable,
     check_negative_values,
+    check_no_optimizer_options,
     check_precision_runs_here,
     check_seed,
     is_number,
@@ -298,6 +299,8 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
 
     def parse_arguments(self, parser, args) -> None:  # noqa: D102
         check_negative_values(list(args or []))
+        if not self.auto_configure_optimizers:
+            check_no_optimizer_options(list(args or []))
         check_flow_values(list(args or []))
         with _as_user_errors(), warnings.catch_warnings():
             # `main` passes the console's argv explicitly (recipe names resolved); that is not a mistake
@@ -540,7 +543,8 @@ def build(args: list[str] | None = None, *, run: bool = True, on_ready: Callable
     kwargs: dict[str, Any] = dict(
         model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
         seed_everything_default=1234, save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False,
-        parser_kwargs={"description": recipes.DESCRIPTION},
+        # no abbreviated options: argparse ran `--trainer.max_step 3` as max_steps without a word
+        parser_kwargs={"description": recipes.DESCRIPTION, "allow_abbrev": False},
     )
     kwargs.update(cli_kwargs)
     return FFPACLI(args=args, run=run, on_ready=on_ready, **kwargs)

@@ -94,6 +94,10 @@ def R(text: str) -> tuple[str, str]:
 # (case id, config changes (`subcommand`: other than fit), extra CLI args, checkpoint to damage or None, expected error)
 CASES = [
     ("unknown trainer key", {}, ["--trainer.max_stepz=3"], None, P("max_stepz")),
+    ("abbreviated trainer option", {}, ["--trainer.max_step", "3"], None, P("unrecognized arguments: --trainer.max_step")),
+    ("--optimizer (the model builds its own)", {}, ["--optimizer", "AdamW"], None,
+     P("`--optimizer`: is not an option: the model builds its optimizer")),
+    ("--lr_scheduler (the model builds its own)", {}, ["--lr_scheduler", "StepLR"], None, P("`warmup_steps`")),
     ("unknown model key in YAML", {"model": {"learning_rat": 0.1}}, [], None, P("learning_rat")),
     ("missing config file", {}, ["--config", "/nonexistent/fit.yaml"], None, P("/nonexistent/fit.yaml")),
     ("unsupported model.dtype", {"model": {"dtype": "float64"}}, [], None, P("dtype")),

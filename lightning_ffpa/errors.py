@@ -108,6 +108,8 @@ def _is_dataclass_path(path: str) -> bool:
     except (ImportError, AttributeError, ValueError):
         return False
 _UNION = "Does not validate against any of the Union subtypes"
+_REQUIRED = re.compile(r"^\s*- Problem with given class_path '(?P<path>[^']+)':\s*\n\s*the following arguments are "
+                       r"required: (?P<args>.+)$", re.M)
 _GOT = re.compile(r"\. Got value: (.*)$", re.S)
 _NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted(?: before subcommand '([^']+)')?")
 
@@ -220,6 +222,9 @@ def describe_parse_error(err: BaseException) -> BaseException:
         elif text.startswith(_UNION):
             if folded := _class_alternative(text, keys):
                 return folded
+            if required := _REQUIRED.search(text):  # one class of a list lacks an argument: its bullet says which
+                return ConfigError(".".join(keys) or "config", NOT_GIVEN, f"`{required['args']}` is required by "
+                                   f"{required['path'].rsplit('.', 1)[-1]}")
             reason, value = _union_reason(text)
             nested = e.__cause__
             if nested is not None and _CLASS.match(str(nested).strip()):

@@ -137,6 +137,9 @@ def test_a_console_script_or_benchmark_row_exit_skips_the_exit_time_walks_of_the
     (["--model.class_path", "no.such.Module"], "`model.class_path='no.such.Module'`: No module named 'no'"),
     (["--trainer.precision", "17"], "`trainer.precision='17'`: expected one of 64, 32, 16, 'transformer-engine'"),
     (["--trainer.callbacks+=no.such.Callback"], "`trainer.callbacks.class_path='no.such.Callback'`"),
+    # a ~700-character line of Namespace dumps
+    (["--trainer.logger+=CSVLogger", "--trainer.logger+=TensorBoardLogger"],
+     "`trainer.logger`: `save_dir` is required by CSVLogger"),
 ])
 def test_parse_errors_fold_to_the_option_value_and_reason(args, line):
     with pytest.raises(ConfigError) as info:

@@ -105,6 +105,12 @@ def check_trainer_options(options: dict[str, Any]) -> None:
     if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
         raise ConfigError("trainer.val_check_interval", interval,
                           "must be > 0 (a fraction of the epoch in (0, 1], or a number of batches)")
+    if isinstance(interval, float) and options.get("check_val_every_n_epoch", 1) is None:
+        # Lightning's refusal does not say where the null comes from: the tiny recipes set it (steps across epochs)
+        raise ConfigError("trainer.val_check_interval", interval, "a fraction of the epoch needs "
+                          "`trainer.check_val_every_n_epoch`, which the config sets to null (as the tiny recipes do, to "
+                          "count batches across epochs): give a number of batches, or also pass "
+                          "`--trainer.check_val_every_n_epoch 1`")
 
 
 def check_fit_has_a_logger(options: dict[str, Any]) -> None:

@@ -176,6 +176,10 @@ def test_trainer_ranges_lightning_does_not_check():
         cli.check_trainer_options({"val_check_interval": 0})
     cli.check_trainer_options({"accumulate_grad_batches": 1, "val_check_interval": 0.5, "gradient_clip_val": None,
                                "num_sanity_val_steps": -1})
+    # Lightning's refusal did not say the tiny recipe's `check_val_every_n_epoch: null` is why
+    with pytest.raises(ConfigError, match=r"trainer.val_check_interval=0.5`: .*which the config sets to null"):
+        cli.check_trainer_options({"val_check_interval": 0.5, "check_val_every_n_epoch": None})
+    cli.check_trainer_options({"val_check_interval": 100, "check_val_every_n_epoch": None})
 
 
 SLURM_8_TASKS = dict(SLURM_JOB_ID="1", SLURM_JOB_NAME="x", SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="8",

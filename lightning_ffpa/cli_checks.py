@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,47 @@ def check_negative_values(args: list[str]) -> None:
                 and not _ARGPARSE_NEGATIVE.match(value):
             raise ConfigError(option, NOT_GIVEN, f"its value {value} starts with `-`, so it is read as an option; "
                                                  f"write `{option}={value}`")
+
+
+def check_no_optimizer_options(args: list[str]) -> None:
+    """`--optimizer AdamW` / `--lr_scheduler StepLR`: the model builds its own (`configure_optimizers`; the CLI adds
+    no optimizer options), and argparse said only "unrecognized arguments"; name the model options that set it."""
+    for arg in args:
+        option = arg.partition("=")[0]
+        if option.split(".")[0] in ("--optimizer", "--lr_scheduler"):
+            raise ConfigError(option, NOT_GIVEN, "is not an option: the model builds its optimizer and schedule "
+                              "(Gemma4LM: AdamW, linear warmup then cosine decay) from `model.init_args.learning_rate`, "
+                              "`warmup_steps`, `min_lr_ratio`, `weight_decay` and `betas` (GRPOModule: "
+                              "`learning_rate`); set those")
+
+
+def check_config_before_subcommand(args: list[str], subcommands: Iterable[str],
+                                   resolve: Callable[[str], str] = str) -> None:
+    """`lightning-ffpa --config X fit`: LightningCLI reads a config given before the subcommand only under the
+    subcommand's key (`fit: {trainer: ...}`), so a recipe there was ignored (or its keys refused as "not an argument
+    of this class"); refuse one without such keys and say where it goes. `resolve`: a recipe name to its path."""
+    import yaml
+
+    subcommands = set(subcommands)
+    if not subcommands & set(args):
+        return  # no subcommand at all: said by the command's own check
+    for i, arg in enumerate(args):
+        if arg in subcommands:
+            return
+        option, _, value = arg.partition("=") if arg.startswith("--config=") else (arg, "", None)
+        if option not in ("--config", "-c"):
+            continue
+        value = value if value is not None else args[i + 1] if i + 1 < len(args) else None
+        try:
+            path = Path(resolve(value)) if value else None
+            loaded = yaml.safe_load(path.read_text()) if path is not None and path.is_file() else None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue  # jsonargparse says what is wrong with the file
+        if isinstance(loaded, dict) and not subcommands & set(loaded):
+            after = next((a for a in args[i:] if a in subcommands), "fit")
+            raise ConfigError("--config", value, f"is given before the subcommand, where only a config keyed by "
+                              f"subcommand (`{after}: {{trainer: ...}}`) is read; put it after the subcommand: "
+                              f"`lightning-ffpa {after} --config {value}`")
 
 
 def check_flow_values(args: list[str]) -> None:

@@ -108,8 +108,10 @@ def _is_dataclass_path(path: str) -> bool:
     except (ImportError, AttributeError, ValueError):
         return False
 _UNION = "Does not validate against any of the Union subtypes"
+_REQUIRED = re.compile(r"^\s*- Problem with given class_path '(?P<path>[^']+)':\s*\n\s*the following arguments are "
+                       r"required: (?P<args>.+)$", re.M)
 _GOT = re.compile(r"\. Got value: (.*)$", re.S)
-_NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
+_NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted(?: before subcommand '([^']+)')?")
 
 
 def _is_wrapper(err: BaseException) -> bool:
@@ -220,6 +222,9 @@ def describe_parse_error(err: BaseException) -> BaseException:
         elif text.startswith(_UNION):
             if folded := _class_alternative(text, keys):
                 return folded
+            if required := _REQUIRED.search(text):  # one class of a list lacks an argument: its bullet says which
+                return ConfigError(".".join(keys) or "config", NOT_GIVEN, f"`{required['args']}` is required by "
+                                   f"{required['path'].rsplit('.', 1)[-1]}")
             reason, value = _union_reason(text)
             nested = e.__cause__
             if nested is not None and _CLASS.match(str(nested).strip()):
@@ -229,6 +234,10 @@ def describe_parse_error(err: BaseException) -> BaseException:
         elif first.startswith("- "):
             continue  # a list of the alternatives tried; the cause is the first one's error
         elif m := _NOT_ACCEPTED.match(first):
+            if m.group(2):  # a top-level config's key that is not a subcommand's: the class is not at fault
+                return ConfigError(m.group(1), NOT_GIVEN, f"is not accepted before the subcommand: give it after "
+                                   f"`{m.group(2)}` (a config before the subcommand is keyed by it: `{m.group(2)}: "
+                                   "{trainer: ...}`)")
             return ConfigError(".".join([*keys, m.group(1)]), _given_value(err), f"is not an argument of {owner}")
         elif not _is_wrapper(e):
             got = _GOT.search(text)
@@ -257,11 +266,17 @@ def describe_constructor_error(err: BaseException) -> BaseException | None:
     """
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+    class_path = None
     for e in causes(err):
         if isinstance(e, ConfigError):
             return e
+        if m := _CLASS.match(str(e).lstrip()):
+            class_path = m.group(1)
         if _is_wrapper(e):
             continue
+        if isinstance(e, ModuleNotFoundError) and class_path is not None:  # a logger's package not installed
+            return ConfigError(_class_option(class_path), class_path, f"needs a package that is not installed: "
+                               f"{one_line(e)}")
         if isinstance(e, (ValueError, MisconfigurationException, *PATH_ERRORS)):
             if isinstance(e, ValueError) and (m := _STRATEGY_PRECISION.search(str(e))):
                 return ConfigError("trainer.precision", m["precision"], f"is not one the FSDP2 strategy supports "
@@ -269,6 +284,22 @@ def describe_constructor_error(err: BaseException) -> BaseException | None:
             return e if isinstance(e, InputError) else InputError(one_line(e))
         return None
     return None
+
+
+def _class_option(class_path: str) -> str:
+    """The Trainer option a class named by `class_path` is given to (`trainer.logger`, ...), else `class_path`."""
+    try:
+        cls = getattr(importlib.import_module(class_path.rpartition(".")[0]), class_path.rpartition(".")[2])
+    except (ImportError, AttributeError, ValueError):
+        return "class_path"
+    from lightning.pytorch import Callback, LightningDataModule, LightningModule
+    from lightning.pytorch.loggers import Logger
+    from lightning.pytorch.strategies import Strategy
+
+    owners = {Logger: "trainer.logger", Callback: "trainer.callbacks", Strategy: "trainer.strategy",
+              LightningModule: "model", LightningDataModule: "data"}
+    return next((option for base, option in owners.items() if isinstance(cls, type) and issubclass(cls, base)),
+                "class_path")
 
 
 # Lightning's refusal names `Fabric(...)` and its own class, neither of which the user wrote

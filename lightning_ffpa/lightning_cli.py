@@ -30,9 +30,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_ffpa import recipes
 from lightning_ffpa._compat import lightning as lightning_compat
 from lightning_ffpa.cli_checks import (
+    check_config_before_subcommand,
     check_flow_values,
     check_folder_writable,
     check_negative_values,
+    check_no_optimizer_options,
     check_precision_runs_here,
     check_seed,
     is_number,
@@ -103,6 +105,12 @@ def check_trainer_options(options: dict[str, Any]) -> None:
     if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
         raise ConfigError("trainer.val_check_interval", interval,
                           "must be > 0 (a fraction of the epoch in (0, 1], or a number of batches)")
+    if isinstance(interval, float) and options.get("check_val_every_n_epoch", 1) is None:
+        # Lightning's refusal does not say where the null comes from: the tiny recipes set it (steps across epochs)
+        raise ConfigError("trainer.val_check_interval", interval, "a fraction of the epoch needs "
+                          "`trainer.check_val_every_n_epoch`, which the config sets to null (as the tiny recipes do, to "
+                          "count batches across epochs): give a number of batches, or also pass "
+                          "`--trainer.check_val_every_n_epoch 1`")
 
 
 def check_fit_has_a_logger(options: dict[str, Any]) -> None:
@@ -297,6 +305,8 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
 
     def parse_arguments(self, parser, args) -> None:  # noqa: D102
         check_negative_values(list(args or []))
+        if not self.auto_configure_optimizers:
+            check_no_optimizer_options(list(args or []))
         check_flow_values(list(args or []))
         with _as_user_errors(), warnings.catch_warnings():
             # `main` passes the console's argv explicitly (recipe names resolved); that is not a mistake
@@ -414,6 +424,7 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
                              "`validate` has no rows to run on")
         self._check_ckpt_loads()
         self._ready()
+        self._say_what_is_evaluated()
 
     def after_validate(self) -> None:
         """A validation that ran no batch is an input mistake, not a success with no metrics."""
@@ -427,11 +438,13 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
         self._require_loader("test_dataloader")
         self._check_ckpt_loads()
         self._ready()
+        self._say_what_is_evaluated()
 
     def before_predict(self) -> None:  # noqa: D102
         self._require_loader("predict_dataloader")
         self._check_ckpt_loads()
         self._ready()
+        self._say_what_is_evaluated()
 
     def after_predict(self) -> None:
         """LightningCLI drops what `predict` returns: say so where no callback wrote the predictions."""
@@ -462,6 +475,12 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
                 state = check_checkpoint(resolved, "ckpt_path", resume=False, verify_checksums=False)
                 check_tokenizer_matches(self.datamodule, state, resolved)
 
+    def _say_what_is_evaluated(self) -> None:
+        """Without `--ckpt_path` the model runs as built: said on one line once the input is accepted (a random
+        init evaluated without a word looked like a trained model's loss)."""
+        if self.config_init[self.subcommand].get("ckpt_path") is None and self.trainer.is_global_zero:
+            print(evaluated_as_built(self.model, self.subcommand), flush=True)
+
     def _model_has(self, hook: str) -> bool:
         return _overrides(self.model, hook)
 
@@ -472,6 +491,19 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             hint = ("; for held-out loss and perplexity use `lightning-ffpa validate`"
                     if self._model_has("validation_step") else "")
             raise InputError(f"`data` ({data}) has no `{hook}`, so `{self.subcommand}` has nothing to run on{hint}")
+
+
+def evaluated_as_built(model: Any, subcommand: str) -> str:
+    """The start-up line of `validate`/`test`/`predict` without `--ckpt_path`: which weights the model runs with."""
+    hparams = getattr(model, "hparams", None) or {}
+    if hparams.get("pretrained"):
+        weights = f"the pretrained weights of {hparams['pretrained']}"
+    elif "pretrained" in hparams:  # ours, built from `preset`: nothing trained
+        weights = (f"random init of preset {hparams.get('preset')!r} (no `model.init_args.pretrained`; `--ckpt_path "
+                   "last` evaluates the run's last checkpoint)")
+    else:
+        weights = f"{type(model).__name__}'s own weights"
+    return f"{subcommand}: no --ckpt_path, so the model is evaluated as built: {weights}"
 
 
 def _holds_out_nothing(datamodule: Any) -> bool:
@@ -510,11 +542,15 @@ def build(args: list[str] | None = None, *, run: bool = True, on_ready: Callable
     """
     import_components()
     _strict_yaml()
-    args = recipes.resolve_config_args(list(sys.argv[1:] if args is None else args))
+    args = list(sys.argv[1:] if args is None else args)
+    check_config_before_subcommand(args, ("fit", "validate", "test", "predict"),
+                                   lambda name: recipes.resolve_config_args(["--config", name])[1])
+    args = recipes.resolve_config_args(args)
     kwargs: dict[str, Any] = dict(
         model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
         seed_everything_default=1234, save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False,
-        parser_kwargs={"description": recipes.DESCRIPTION},
+        # no abbreviated options: argparse ran `--trainer.max_step 3` as max_steps without a word
+        parser_kwargs={"description": recipes.DESCRIPTION, "allow_abbrev": False},
     )
     kwargs.update(cli_kwargs)
     return FFPACLI(args=args, run=run, on_ready=on_ready, **kwargs)

@@ -381,15 +381,26 @@ def check_steps_left(trainer: Any, state: dict[str, Any], ckpt_path: str | None)
 
 def check_evaluated_checkpoint(trainer: Any, ckpt_path: str | None, subcommand: str) -> None:
     """`validate` / `test` / `predict --ckpt_path last|hpc`: looked up in the run's checkpoint folder, as `fit`
-    does; one that finds nothing is refused (Lightning would warn and evaluate the untrained model, exit 0)."""
+    does; one that finds nothing is refused (Lightning would warn and evaluate the untrained model, exit 0).
+    `best` is refused: it names what this process's fit saved, and these commands run no fit."""
     root_checkpoint_dirs(trainer)  # `last` is looked up in these folders
+    if ckpt_path == "best":  # Lightning's ValueError blames the ModelCheckpoint configuration
+        raise ConfigError("ckpt_path", "best", f"`{subcommand}` has no best checkpoint: `best` is the best one a fit "
+                          "in the same process saved; pass `last` or a checkpoint file")
     if ckpt_path not in ("last", "hpc"):
         return
-    resolved = lightning_compat.resolve_ckpt_path(trainer, ckpt_path)
+    try:
+        resolved = lightning_compat.resolve_ckpt_path(trainer, ckpt_path)
+    except ValueError:  # no HPC checkpoint: Lightning's message names `.fit(ckpt_path="hpc")`, said below instead
+        if ckpt_path != "hpc":
+            raise
+        resolved = None
     if resolved is None:
         if ckpt_path == "last":
             check_no_dangling_last(trainer)
         folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+        if ckpt_path == "hpc":  # HPC checkpoints (hpc_ckpt_N.ckpt) are looked up in the run folder itself
+            folders = [str(trainer.default_root_dir)]
         raise CheckpointError(f"`ckpt_path={ckpt_path!r}`: no such checkpoint in {', '.join(folders) or 'any folder'}"
                               f", so `{subcommand}` would run the untrained model; pass the run's "
                               "`trainer.default_root_dir` or a checkpoint file")

@@ -190,3 +190,16 @@ def test_sigterm_line_names_the_checkpoint_a_resume_would_load(tmp_path, save_la
         newest = line.rsplit("--ckpt_path ", 1)[1]
         assert f"newest checkpoint {newest} (ModelCheckpoint's save_last is off)" in line
         assert Path(newest).name == "epoch=0-step=2.ckpt" and Path(newest).is_file()
+
+
+def test_evaluating_without_a_checkpoint_names_the_weights():
+    """`validate`/`test`/`predict` without `--ckpt_path` evaluated a random init without a word (exit 0)."""
+    from types import SimpleNamespace
+
+    from lightning_ffpa.lightning_cli import evaluated_as_built
+
+    built = SimpleNamespace(hparams={"pretrained": None, "preset": "tiny"})
+    assert evaluated_as_built(built, "validate").startswith(
+        "validate: no --ckpt_path, so the model is evaluated as built: random init of preset 'tiny'")
+    base = SimpleNamespace(hparams={"pretrained": "/models/gemma4", "preset": "tiny"})
+    assert evaluated_as_built(base, "test").endswith("as built: the pretrained weights of /models/gemma4")

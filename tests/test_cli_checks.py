@@ -9,6 +9,7 @@ import re
 import pytest
 
 from lightning_ffpa.cli_checks import (
+    check_config_before_subcommand,
     check_flow_values,
     check_folder_writable,
     check_negative_values,
@@ -75,3 +76,19 @@ def test_a_strategy_named_by_its_class_is_found_by_its_import_path(value, path):
     from lightning_ffpa.lightning_cli import strategy_class_path
 
     assert strategy_class_path(value) == path
+
+
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+def test_a_config_before_the_subcommand_must_be_keyed_by_it(tmp_path):
+    """`lightning-ffpa --config tiny fit --print_config` printed the defaults (the recipe ignored, exit 0)."""
+    (tmp_path / "flat.yaml").write_text("trainer:\n  max_steps: 2\n")
+    (tmp_path / "keyed.yaml").write_text("fit:\n  trainer:\n    max_steps: 2\n")
+    with pytest.raises(ConfigError, match=re.escape(f"`--config='{tmp_path}/flat.yaml'`: is given before the "
+                                                    "subcommand") + r".*`lightning-ffpa validate --config "):
+        check_config_before_subcommand(["--config", str(tmp_path / "flat.yaml"), "validate"], SUBCOMMANDS)
+    with pytest.raises(ConfigError, match=r"^`--config='tiny'`: .*`lightning-ffpa fit --config tiny`$"):
+        check_config_before_subcommand(["--config=tiny", "fit"], SUBCOMMANDS, lambda _: str(tmp_path / "flat.yaml"))
+    check_config_before_subcommand(["--config", str(tmp_path / "keyed.yaml"), "fit"], SUBCOMMANDS)
+    check_config_before_subcommand(["fit", "--config", str(tmp_path / "flat.yaml")], SUBCOMMANDS)  # after: fine

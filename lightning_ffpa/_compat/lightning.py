@@ -288,8 +288,11 @@ def last_checkpoint_step(checkpoint_callback: Any) -> int | None:
 
 def save_checkpoint_now(checkpoint_callback: Any, trainer: Any, epoch: int | None = None) -> bool:
     """Have a ModelCheckpoint save the current step as its periodic save does (its top-k rule, then `last`);
-    False, saving nothing, where its monitored value is not logged at this point. `epoch`: the one its file name
-    carries, where it is not `trainer.current_epoch`."""
+    False, saving nothing, where its monitored value is not logged at this point or where it would skip a save
+    itself (`fast_dev_run`, sanity checking, outside fit). `epoch`: the one its file name carries, where it is not
+    `trainer.current_epoch`."""
+    if checkpoint_callback._should_skip_saving_checkpoint(trainer):  # Lightning: "checkpointing is suppressed"
+        return False
     candidates = checkpoint_callback._monitor_candidates(trainer)
     if epoch is not None:
         candidates["epoch"] = torch.tensor(epoch)

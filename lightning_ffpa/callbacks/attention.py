@@ -64,7 +64,7 @@ class FFPAAttention(Callback):
                 Measured against Flex in docs/performance.md#the-sliding-layers-on-fa4.
         """
         if log_every_n_steps < 0:
-            raise ValueError(f"`log_every_n_steps={log_every_n_steps}` must be >= 0")
+            raise ConfigError("FFPAAttention.log_every_n_steps", log_every_n_steps, "must be >= 0")
         if sliding not in SLIDING:
             raise ConfigError(SLIDING_OPTION, sliding, f"must be one of {list(SLIDING)}")
         check_attn_name(attn_implementation)  # here too: a Callback built in Python fails where it is built

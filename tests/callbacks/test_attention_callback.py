@@ -262,7 +262,7 @@ def test_cp_size_from_strategy_or_mesh():
 
 
 def test_bad_option():
-    with pytest.raises(ValueError, match="log_every_n_steps=-1"):
+    with pytest.raises(ValueError, match=r"^`FFPAAttention\.log_every_n_steps=-1`: must be >= 0$"):
         FFPAAttention(log_every_n_steps=-1)
 
 

@@ -182,12 +182,14 @@ def test_a_resume_that_could_not_honour_its_options_is_refused_by_name(console, 
 
 
 def test_validate_reports_its_loss_and_refuses_empty_validation_data(console, tmp_path):
-    """`validate` on the tiny recipe prints val/loss and exits 0; with no validation rows it exits 2 with one
-    `error:` line naming the options (a validation of nothing exited 0 with no metric)."""
+    """`validate` on the tiny recipe says it evaluates the random init (no `--ckpt_path`), prints val/loss and exits
+    0; with no validation rows it exits 2 with one `error:` line naming the options (a validation of nothing exited 0
+    with no metric)."""
     tiny = "--data.init_args.batch_size 2 --data.init_args.max_seq_length 32 --trainer.limit_val_batches 2"
     ok = console.run(f"lightning-ffpa validate --config tiny {tiny}", tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "val/loss" in ok.stdout, ok.stdout[-2000:]
+    assert ok.stdout.startswith("validate: no --ckpt_path, so the model is evaluated as built: random init"), ok.stdout
     empty = console.run(f"lightning-ffpa validate --config tiny {tiny} --data.init_args.val_fraction 0", tmp_path)
     assert empty.returncode == 2, empty.stderr[-2000:]
     errors = [line for line in empty.stderr.splitlines() if line.startswith("error:")]

@@ -137,6 +137,9 @@ def test_a_console_script_or_benchmark_row_exit_skips_the_exit_time_walks_of_the
     (["--model.class_path", "no.such.Module"], "`model.class_path='no.such.Module'`: No module named 'no'"),
     (["--trainer.precision", "17"], "`trainer.precision='17'`: expected one of 64, 32, 16, 'transformer-engine'"),
     (["--trainer.callbacks+=no.such.Callback"], "`trainer.callbacks.class_path='no.such.Callback'`"),
+    # a ~700-character line of Namespace dumps
+    (["--trainer.logger+=CSVLogger", "--trainer.logger+=TensorBoardLogger"],
+     "`trainer.logger`: `save_dir` is required by CSVLogger"),
 ])
 def test_parse_errors_fold_to_the_option_value_and_reason(args, line):
     with pytest.raises(ConfigError) as info:
@@ -173,6 +176,10 @@ def test_trainer_ranges_lightning_does_not_check():
         cli.check_trainer_options({"val_check_interval": 0})
     cli.check_trainer_options({"accumulate_grad_batches": 1, "val_check_interval": 0.5, "gradient_clip_val": None,
                                "num_sanity_val_steps": -1})
+    # Lightning's refusal did not say the tiny recipe's `check_val_every_n_epoch: null` is why
+    with pytest.raises(ConfigError, match=r"trainer.val_check_interval=0.5`: .*which the config sets to null"):
+        cli.check_trainer_options({"val_check_interval": 0.5, "check_val_every_n_epoch": None})
+    cli.check_trainer_options({"val_check_interval": 100, "check_val_every_n_epoch": None})
 
 
 SLURM_8_TASKS = dict(SLURM_JOB_ID="1", SLURM_JOB_NAME="x", SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="8",
@@ -266,3 +273,26 @@ def test_a_message_whose_first_line_opens_a_bracket_is_kept_whole():
     err = ValueError("Target module Gemma4ClippableLinear(\n  (linear): Linear(in=4)\n) is not supported.")
     assert one_line(err) == "Target module Gemma4ClippableLinear( (linear): Linear(in=4) ) is not supported."
     assert one_line(ValueError("first line\nsecond")) == "first line"
+
+
+@pytest.mark.parametrize("logger, package", [("WandbLogger", "wandb"), ("MLFlowLogger", "mlflow")])
+def test_a_logger_whose_package_is_missing_names_trainer_logger_and_the_pip_hint(logger, package):
+    """It was a ~100-line traceback (exit 1) with Lightning's "Requirement ... not met" buried in it."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed")
+    with pytest.raises(ConfigError) as info:
+        cli.build(["--config", "tiny", "--trainer.logger", logger], run=False)
+    assert str(info.value).startswith(f"`trainer.logger='lightning.pytorch.loggers.{logger}'`: needs a package that "
+                                      f"is not installed: Requirement '{package}")
+    assert "pip install" in str(info.value)
+
+
+def test_a_key_of_a_config_before_the_subcommand_is_named_as_not_accepted_there(tmp_path):
+    """A top-level config keyed by subcommand with another key too: it said "is not an argument of this class"."""
+    (tmp_path / "mixed.yaml").write_text("fit:\n  trainer:\n    max_steps: 2\nmodel:\n  init_args:\n    preset: tiny\n")
+    with pytest.raises(ConfigError) as info:
+        cli.build(["--config", str(tmp_path / "mixed.yaml"), "fit", "--config", "tiny"])
+    assert str(info.value).startswith("`model.init_args.preset`: is not accepted before the subcommand: give it "
+                                      "after `fit`")

@@ -91,9 +91,13 @@ def R(text: str) -> tuple[str, str]:
     return ("raise", text)
 
 
-# (case id, config changes, extra CLI args, checkpoint to damage or None, expected error)
+# (case id, config changes (`subcommand`: other than fit), extra CLI args, checkpoint to damage or None, expected error)
 CASES = [
     ("unknown trainer key", {}, ["--trainer.max_stepz=3"], None, P("max_stepz")),
+    ("abbreviated trainer option", {}, ["--trainer.max_step", "3"], None, P("unrecognized arguments: --trainer.max_step")),
+    ("--optimizer (the model builds its own)", {}, ["--optimizer", "AdamW"], None,
+     P("`--optimizer`: is not an option: the model builds its optimizer")),
+    ("--lr_scheduler (the model builds its own)", {}, ["--lr_scheduler", "StepLR"], None, P("`warmup_steps`")),
     ("unknown model key in YAML", {"model": {"learning_rat": 0.1}}, [], None, P("learning_rat")),
     ("missing config file", {}, ["--config", "/nonexistent/fit.yaml"], None, P("/nonexistent/fit.yaml")),
     ("unsupported model.dtype", {"model": {"dtype": "float64"}}, [], None, P("dtype")),
@@ -162,6 +166,11 @@ CASES = [
                                    "sampling": {"max_new_tokens": 8},
                                    "engine": {"page_size": 8, "max_seq_len": 64, "num_sliding_pages": 3}}}]},
      [], None, R("RolloutCallback.engine.num_sliding_pages=3")),
+    # validate in a fresh process: `best` raised Lightning's ValueError (exit 1), `hpc` named `.fit(ckpt_path="hpc")`
+    ("validate --ckpt_path best", {"subcommand": "validate", "data": {"num_val_samples": 2}}, ["--ckpt_path", "best"],
+     None, R("`ckpt_path='best'`: `validate` has no best checkpoint")),
+    ("validate --ckpt_path hpc without an HPC checkpoint", {"subcommand": "validate", "data": {"num_val_samples": 2}},
+     ["--ckpt_path", "hpc"], None, R("`ckpt_path='hpc'`: no such checkpoint in")),
 ]
 
 
@@ -188,7 +197,7 @@ def test_bad_input_fails_early_by_name_and_keeps_checkpoints(
     step = Gemma4LM.training_step
     monkeypatch.setattr(Gemma4LM, "training_step", lambda self, *a: (steps.append(1), step(self, *a))[1])
 
-    args = ["fit", "--config", str(_config(existing, tmp_path, changes)), *extra]
+    args = [changes.get("subcommand", "fit"), "--config", str(_config(existing, tmp_path, changes)), *extra]
     if damage is not None:
         args += ["--ckpt_path", str(_broken(existing, tmp_path, damage))]
     before = tree_hash(existing / "ckpt")

@@ -270,3 +270,19 @@ def test_the_final_save_of_an_epoch_that_ran_to_its_end_names_that_epoch(tmp_pat
     record_property("hardening", "checkpoint")
     record_property("case", "the final save after an epoch's end is named for that epoch")
     record_property("data_lost", 0)
+
+
+@pytest.mark.parametrize("fast_dev_run", [True, 2])
+def test_a_fast_dev_run_leaves_no_checkpoint(tmp_path, fast_dev_run, record_property):
+    """Lightning suppresses checkpointing under `fast_dev_run`; `FinalCheckpoint` saved `last.ckpt` anyway, so the
+    next real fit in that folder was refused (or resumed the smoke test's weights with `--ckpt_path last`)."""
+    trainer = L.Trainer(fast_dev_run=fast_dev_run, accelerator="cpu", enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[AtomicCheckpointIO()],
+                        callbacks=[ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_last=True),
+                                   FinalCheckpoint()])
+    trainer.fit(BoringModel())
+    assert trainer.global_step > 0
+    assert not (tmp_path / "ckpt").exists() or _names(tmp_path / "ckpt") == []
+    record_property("hardening", "checkpoint")
+    record_property("case", f"fast_dev_run={fast_dev_run} writes no checkpoint")
+    record_property("data_lost", 0)

@@ -41,4 +41,6 @@ def test_expert_lora_trains_and_both_exports_give_the_trained_logits(trained, tm
     adapter = export(ckpt, tmp_path / "adapter_run")
     base = Gemma4ForCausalLM.from_pretrained(tmp_path / "adapter_run")
     peft = PeftModel.from_pretrained(base, adapter.adapter_dir).eval()
-    torch.testing.assert_close(peft(input_ids=ids).logits, want, rtol=0, atol=1e-5)
+    # peft folds W + sBA into each stack where training ran the adapters unmerged: fp32 sums in another order
+    # (1.4e-5 apart seen under another thread count; a wrong adapter is off by far more)
+    torch.testing.assert_close(peft(input_ids=ids).logits, want, rtol=0, atol=1e-4)

@@ -286,16 +286,20 @@ class TokenThroughput(ThroughputMonitor):
             metrics["device/peak_memory_gb"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device) / 2**30
             metrics["device/peak_reserved_gb"] = torch.cuda.max_memory_reserved(trainer.strategy.root_device) / 2**30
         if self.log_attention_dispatch:
-            metrics.update(self._dispatch_metrics(pl_module))
+            metrics.update(self._dispatch_metrics(trainer, pl_module))
         if metrics:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
-    def _dispatch_metrics(self, pl_module: pl.LightningModule) -> dict[str, float]:
-        """The attention backend's counters, once any call went through it: a model on HF's own attention (`sdpa`
-        without the FFPA backend) counts nothing, and zeros would read as "no attention ran"; said once instead."""
+    def _dispatch_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+        """The attention counters, once any call was counted: an `FFPAAttention`'s training counts where one is
+        installed (the CP ring's included, which the backend's counters never see), else the backend's. A model on
+        HF's own attention (`sdpa` without the FFPA backend) counts nothing, and zeros would read as "no attention
+        ran"; said once instead."""
         from lightning_ffpa.attention import dispatch_counts
+        from lightning_ffpa.callbacks.attention import FFPAAttention
 
-        counts = dispatch_counts()
+        installed = next((cb for cb in trainer.callbacks if isinstance(cb, FFPAAttention)), None)
+        counts = installed.training_counts() if installed is not None else dispatch_counts()
         if any(counts.values()):
             return {f"attention/{k}": float(v) for k, v in counts.items()}
         if not self._said_uncounted:

@@ -369,6 +369,11 @@ def test_cp_above_one_installs_the_ring_on_the_hf_model(fake_backend, monkeypatc
                                        epoch_loop=SimpleNamespace(_batches_that_stepped=0))
     callback.on_train_batch_end(trainer, module, None, None, 0)
     assert recorder.rows == [(0, {"attention/ring-block_dense": 3.0, "attention/ring-shift": 1.0})]
+    # TokenThroughput writing the counts (`FFPAAttention(log_every_n_steps: 0)`) read the backend's counters too,
+    # and said no attention call was counted: it logs the Callback's training counts
+    trainer.callbacks = [callback]
+    assert TokenThroughput()._dispatch_metrics(trainer, module) == {"attention/ring-block_dense": 3.0,
+                                                                     "attention/ring-shift": 1.0}
 
 
 def test_the_sliding_choice_lasts_for_its_run_only():

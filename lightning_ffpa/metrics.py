@@ -38,7 +38,10 @@ def total_grad_norm(parameters) -> torch.Tensor | None:
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
     squares = []
     for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        # in fp32: bf16 gradients' norms came out rounded to bf16 (31.25, 28.125 on an H100); a sharded gradient's
+        # norm is a partial one, and stacking them keeps it partial until `full_tensor` (one collective per mesh)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
+                                                     for g in grads]))
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squares.append(norm.float().square())
     return torch.stack(squares).sum().sqrt() if squares else None

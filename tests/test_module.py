@@ -321,3 +321,15 @@ def test_a_pretrained_folder_with_a_missing_shard_or_other_weights_is_refused_be
                                           r"config.json: model.embed_tokens.weight is \[512, \d+\], the config's "
                                           r"\(vocab_size, hidden_size\) is \[300, \d+\]"):
         Gemma4LM(pretrained=str(tmp_path / "mixed"))
+
+
+def test_the_logged_gradient_norm_is_taken_in_fp32():
+    """bf16 gradients' norm came out in bf16 (31.25, 28.125, ... on an H100): the sum of squares runs in fp32."""
+    from lightning_ffpa.metrics import total_grad_norm
+
+    params = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)) for _ in range(2)]
+    params[0].grad = torch.tensor([1.0, 2.0, 2.0], dtype=torch.bfloat16)
+    params[1].grad = torch.tensor([0.0, 0.0, 0.01], dtype=torch.bfloat16)
+    want = (9 + float(params[1].grad[2]) ** 2) ** 0.5  # 3.0000166: bf16 holds 3.0 or 3.015625
+    got = total_grad_norm(params)
+    assert got.dtype == torch.float32 and float(got) == pytest.approx(want, rel=1e-6)

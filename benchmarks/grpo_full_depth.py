@@ -157,13 +157,25 @@ def fit_row(length: int, args: argparse.Namespace, prev: dict[str, Any] | None =
     log.write_text(" ".join(cmd) + "\n" + "\n".join(lines) + "\n")
     steps = read_steps(root)
     segment = {**described(cmd), "exit_code": rc, "wall_s": wall, "last_line": lines[-1] if lines else "",
-               "log": log.name, "steps": len(steps)}
+               "log": log.name, "steps": len(steps), "out_of_memory": "out of memory" in out.lower()}
     segments = [*(prev["segments"] if prev else []), segment]
     return {"name": f"ours_grpo_{length}", "completion_len": length, "prompt_len": args.prompt_len,
             "base_dtype": args.base_dtype, **{k: segment[k] for k in ("entry_point", "command", "exit_code")},
             "wall_s": round(sum(g["wall_s"] for g in segments), 1), "last_line": segment["last_line"],
             "log": segments[0]["log"], "max_steps": done + args.steps, "checkpoint": last_checkpoint(root, rc),
             "segments": segments, "steps": [*(prev["steps"] if prev else []), *steps]}
+
+
+def fits(row: dict[str, Any]) -> bool | None:
+    """True where the fit ran to its end, or was cut by the row's timeout after a step past the first (the peak is
+    the steady state's); False where it ran out of memory; None where it stopped otherwise (not a memory verdict:
+    a timeout was once recorded as "does not fit" at 68.9 of 80 GB)."""
+    segments = row.get("segments") or []
+    if any(g.get("out_of_memory") for g in segments):
+        return False
+    if row["exit_code"] == 0:
+        return True
+    return True if row["exit_code"] == "timeout" and len(row.get("steps") or []) >= 2 else None
 
 
 def last_checkpoint(root: Path, rc: Any) -> str | None:
@@ -264,7 +276,7 @@ def summarize(rows: list[dict[str, Any]], bandwidth: dict[str, Any] | None, args
         tokens = [s["rollout/completion_length"] * seqs for s in timed if "rollout/completion_length" in s]
         if step_s and tokens:
             r["completion_tokens_per_s"] = statistics.median(t / s for t, s in zip(tokens, step_s))
-        out[f"grpo_full_depth_fits_{L}"] = r["exit_code"] == 0
+        out[f"grpo_full_depth_fits_{L}"] = fits(r)
         out[f"grpo_full_depth_step_s_{L}"] = r["step_s"]["median"] if r["step_s"] else None
         out[f"grpo_full_depth_timed_steps_{L}"] = len(step_s)
         out[f"grpo_full_depth_peak_mem_gib_{L}"] = r["peak_mem_gib"]

@@ -263,3 +263,15 @@ def test_a_gpu_run_times_at_least_three_steps_per_row(monkeypatch):
         grpo_full_depth.parse_args(["--steps", "3"])
     assert grpo_full_depth.parse_args(["--steps", "4"]).steps == 4
     assert grpo_full_depth.parse_args([]).steps >= 4  # the default times enough
+
+
+def test_a_row_cut_by_its_timeout_after_steady_steps_fits():
+    """A row the timeout cut after three steps at 68.9 of 80 GB was recorded as "does not fit" (exit code != 0)."""
+    from benchmarks.grpo_full_depth import fits
+
+    def row(rc, steps, oom=False):
+        return {"exit_code": rc, "steps": [{}] * steps, "segments": [{"out_of_memory": oom}]}
+
+    assert fits(row(0, 4)) is True and fits(row("timeout", 3)) is True
+    assert fits(row("timeout", 1)) is None and fits(row(1, 2)) is None  # the first step only, or another stop
+    assert fits(row(1, 1, oom=True)) is False and fits(row("timeout", 3, oom=True)) is False

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ffpa._compat.torch import HAS_GROUPED_MM, grouped_mm
+from lightning_ffpa._compat.torch import grouped_mm, grouped_mm_runs
 from lightning_ffpa._compat.transformers import experts_implementation
 from lightning_ffpa.attention import counters
 from lightning_ffpa.errors import ConfigError
@@ -245,7 +245,8 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
             adapters[name] = factors
     x, experts_sorted, order, back = sort_by_expert(hidden, top_k_index)  # (T*K, H) grouped by expert
     offsets = counts = None
-    if experts_implementation(module) == "grouped_mm" and HAS_GROUPED_MM:
+    # compiled in fp32 the grouped GEMM cannot be traced: the loop, counted as such
+    if experts_implementation(module) == "grouped_mm" and grouped_mm_runs(module.gate_up_proj.dtype):
         # histc, not bincount: no host sync; CUDA's takes ints, the CPU's floats (as HF counts)
         counted = experts_sorted.int() if experts_sorted.is_cuda else experts_sorted.float()
         offsets = torch.histc(counted, bins=num_experts, min=0, max=num_experts - 1).cumsum(0, dtype=torch.int32)

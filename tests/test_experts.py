@@ -169,6 +169,26 @@ def test_the_unmerged_experts_trace_as_one_graph():
                                experts(hidden, index, weights))
 
 
+def test_fp32_unmerged_experts_compile_on_the_loop():
+    """Compiled in fp32 the unmerged experts failed: the grouped GEMM's fake kernel (what dynamo traces) takes bf16
+    only, `Expected inputs of BF16 type` in a 700-line traceback. They take the loop there, counted as such."""
+    from lightning_ffpa import experts as experts_module
+
+    model = _peft_moe(8, "grouped_mm")  # fp32
+    unmerge_expert_adapters(model)
+    experts = find_experts(model.base_model.model.model.layers)[0]
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(12, experts.gate_up_proj.shape[-1], generator=gen)
+    index = torch.randint(0, experts.gate_up_proj.shape[0], (12, 2), generator=gen)
+    weights = torch.rand(12, 2, generator=gen)
+    before = experts_module.path_counts().get("loop", 0)
+    torch._dynamo.reset()
+    got = torch.compile(experts, backend="aot_eager")(hidden, index, weights)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, experts(hidden, index, weights))
+    assert experts_module.path_counts().get("loop", 0) > before
+
+
 def test_expert_adapters_option_is_checked_and_folded_keeps_peft():
     model = Gemma4ForCausalLM(build_text_config("tiny-moe", num_hidden_layers=1))
     with pytest.raises(ConfigError, match=r"^`model.lora.expert_adapters='merged'`: must be one of unmerged, folded"):

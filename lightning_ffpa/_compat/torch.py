@@ -35,6 +35,7 @@ __all__ = [
     "without_wrapper_levels",
     "flatten_mesh",
     "grouped_mm",
+    "grouped_mm_runs",
     "HAS_GROUPED_MM",
     "hf_storage_writer",
     "in_backward",
@@ -273,6 +274,12 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
 # The public `F.grouped_mm` where torch has it, else the older private `torch._grouped_mm` (both take `offs`).
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 HAS_GROUPED_MM = _GROUPED_MM is not None
+
+
+def grouped_mm_runs(dtype: torch.dtype) -> bool:
+    """Whether `grouped_mm` can take `dtype` here: torch's meta function, which dynamo traces with, takes bf16 only,
+    while the eager kernels fall back for other dtypes (transformers' MoE makes the same check)."""
+    return HAS_GROUPED_MM and (dtype == torch.bfloat16 or not torch.compiler.is_compiling())
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

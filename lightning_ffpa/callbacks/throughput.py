@@ -198,6 +198,16 @@ class _SharedBatchThroughput(Throughput):
         return metrics
 
 
+def matmul_path_metrics() -> dict[str, float]:
+    """The counted matmul paths beside attention's, once any ran: the MoE experts' with unmerged adapters
+    (`experts/grouped_mm`, `experts/loop`) and the float8 frozen base's (`fp8_base/<path>`); forwards so far."""
+    from lightning_ffpa import experts, fp8_base
+
+    return {f"{name}/{path}": float(n) for name, counts in (("experts", experts.path_counts()),
+                                                             ("fp8_base", fp8_base.path_counts()))
+            for path, n in counts.items() if n}
+
+
 class TokenThroughput(ThroughputMonitor):
     """ThroughputMonitor counting real tokens per rank, model FLOPs, peak memory and attention dispatch."""
 
@@ -287,6 +297,7 @@ class TokenThroughput(ThroughputMonitor):
             metrics["device/peak_reserved_gb"] = torch.cuda.max_memory_reserved(trainer.strategy.root_device) / 2**30
         if self.log_attention_dispatch:
             metrics.update(self._dispatch_metrics(trainer, pl_module))
+        metrics.update(matmul_path_metrics())
         if metrics:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 

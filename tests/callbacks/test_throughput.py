@@ -187,3 +187,19 @@ def test_active_params_and_flops_of_a_moe_match_a_hand_count():
     attn = sum(4 * b * heads * s * _keys_per_query(s, w, True) * d
                for w, d in ((c["sliding_window"], c["head_dim"]), (None, c["global_head_dim"])))
     assert active_train_flops_per_batch(model, b, s) == pytest.approx(6 * expected * b * s + 3 * attn)
+
+
+def test_the_experts_and_float8_base_paths_are_logged_once_they_ran():
+    """`experts.path_counts()` and `fp8_base.path_counts()` (the loop a compiled fp32 MoE falls back to, the
+    dequantizing base) reached no logger: the start-up line was all a run showed of them."""
+    from lightning_ffpa.attention import counters
+    from lightning_ffpa.callbacks.throughput import matmul_path_metrics
+
+    counters.reset()
+    assert matmul_path_metrics() == {}
+    anchor = torch.zeros(1)
+    counters.count("expert_lora", "loop", anchor)
+    counters.count("fp8_base", "dequantize", anchor)
+    counters.count("fp8_base", "dequantize", anchor)
+    assert matmul_path_metrics() == {"experts/loop": 1.0, "fp8_base/dequantize": 2.0}
+    counters.reset()

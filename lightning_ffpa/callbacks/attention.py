@@ -210,4 +210,6 @@ class FFPAAttention(Callback):
         return f"FFPAAttention ({mode}): {ran}" + (f" (fallbacks by reason: {why})" if why else "")
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        rank_zero_info(self.summary())
+        # rank 0's counts: on several ranks they read as the job's otherwise
+        where = f" [rank 0's calls, of {trainer.world_size} ranks]" if trainer.world_size > 1 else ""
+        rank_zero_info(self.summary() + where)

@@ -426,3 +426,15 @@ def test_an_attention_that_cannot_train_on_cpu_is_refused_at_setup(attn):
     (Flex) or from transformers (flash-attn). The Callback's setup now says it in one line."""
     with pytest.raises(ConfigError, match=rf"^`FFPAAttention.attn_implementation={attn!r}`: .*(CPU|CUDA GPU)"):
         _fit(_Wrapper(), [FFPAAttention(attn_implementation=attn)], steps=1)
+
+
+def test_the_end_of_fit_line_says_whose_counts_it_holds_on_several_ranks(caplog, monkeypatch):
+    """On two ranks the line read `sdpa=16`, the same as one rank's run: it is rank 0's count, and says so."""
+    callback = FFPAAttention()
+    monkeypatch.setattr(callback, "summary", lambda: "FFPAAttention (attn_implementation=ffpa): sdpa=16")
+    with caplog.at_level("INFO"):
+        callback.on_fit_end(SimpleNamespace(world_size=2), None)
+        callback.on_fit_end(SimpleNamespace(world_size=1), None)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("FFPAAttention")]
+    assert lines == ["FFPAAttention (attn_implementation=ffpa): sdpa=16 [rank 0's calls, of 2 ranks]",
+                     "FFPAAttention (attn_implementation=ffpa): sdpa=16"]

@@ -185,8 +185,13 @@ def materialize(model: nn.Module, device: torch.device, exact_random: bool = Tru
     for (owner, name), *others in ties:
         for sub, other in others:
             sub._parameters[other] = owner._parameters[name]
+    seen: set[int] = set()
     with torch.no_grad():
         for sub in model.modules():
+            own = [id(p) for p in sub.parameters(recurse=False)]
+            if own and seen.issuperset(own):
+                continue  # a tied lm_head: drawing it again redrew the embedding, its zeroed pad row included
+            seen.update(own)
             with init_as_whole([sub] if exact_random else []):  # HF's initialiser touches `sub`'s own tensors only
                 init_weights(sub)
 

@@ -4,6 +4,7 @@ initialised on 2 gloo ranks as one process initialises them."""
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_ffpa.errors import ConfigError
 from lightning_ffpa.parallel import FSDP2Strategy, ParallelDims
@@ -171,3 +172,22 @@ def test_a_trainable_parameter_on_the_module_itself_is_refused_by_name():
         shard_trainable_rest(root, mesh=None)
     root.temperature.requires_grad_(False)
     assert shard_trainable_rest(root, mesh=None) == []
+
+
+def test_materialize_draws_a_tied_embedding_once_and_keeps_its_pad_row_zero():
+    """The tied lm_head was initialised after the embedding: its draw redrew the shared tensor, the zeroed pad row
+    included (0.99 where a plain build has 0)."""
+    from transformers import Gemma4ForCausalLM
+
+    from lightning_ffpa.parallel.strategy import materialize
+    from lightning_ffpa.presets import build_text_config
+
+    config = build_text_config("tiny")
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(config)
+    torch.manual_seed(0)
+    materialize(model, torch.device("cpu"))
+    embedding = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is embedding
+    assert config.pad_token_id is not None and not embedding[config.pad_token_id].any()
+    assert embedding.std() > 0

@@ -106,7 +106,9 @@ class TextDataModule(SeededDataModule):
             tokenizer: "byte" for the byte-level tokenizer, or a local folder or hub id for `AutoTokenizer`.
             max_seq_length: Longest row in tokens; longer documents are cut into windows of this length.
             batch_size: Rows per batch on each data-parallel rank.
-            pack: Pack documents greedily into rows of `max_seq_length` with position and document ids.
+            pack: Pack documents greedily into rows of `max_seq_length` with position and document ids, in
+                document order; a document longer than a row is cut into full windows, and its last one shares a row
+                only with what follows (the start-up line says how full the rows are).
             pad_to_multiple_of: Unpacked batches are padded to their longest row rounded up to this multiple (at most
                 `max_seq_length`), so a run sees few distinct lengths: each new one compiles the layers and the
                 attention kernels once, and the compiled Flex path refuses more than 64.
@@ -172,7 +174,7 @@ class TextDataModule(SeededDataModule):
             self._train, self._val = self._dataset(train_docs), self._dataset(val_docs)
             rank_zero_info(
                 f"TextDataModule: {len(self._train)} train / {len(self._val)} val rows "
-                f"(pack={self.pack}, max_seq_length={self.max_seq_length}); {self.stats}"
+                f"(pack={self.pack}, max_seq_length={self.max_seq_length}{self._fill(train_docs)}); {self.stats}"
             )
         if stage in (None, "fit"):  # validate/test/predict never batch the training rows
             self.check_batch_size(len(self._train))
@@ -248,6 +250,14 @@ class TextDataModule(SeededDataModule):
             [d for d in docs if d.record not in val_records],
             [d for d in docs if d.record in val_records],
         )
+
+    def _fill(self, docs: list[Document]) -> str:
+        """What packing achieved: tokens over the rows' room (a long document's last window packs only with what
+        follows it, so data of mostly long documents packs little)."""
+        if not self.pack or not len(self._train):
+            return ""
+        fill = sum(len(d.input_ids) for d in docs) / (len(self._train) * self.max_seq_length)
+        return f", {len(docs)} pieces packed {fill:.0%} full"
 
     def _dataset(self, docs: list[Document]) -> TokenDataset:
         if self.pack:

@@ -127,6 +127,19 @@ def test_packed_loader_batches(write):
     assert int(batch["input_ids"].max()) < 512  # fits the tiny model
 
 
+def test_the_start_up_line_says_how_full_packing_made_the_rows(write, caplog):
+    """Documents longer than a row pack little (each one's last window shares a row only with what follows), and
+    nothing said so: `pack: true` ran with as many rows as `pack: false`."""
+    long_docs = "\n\n".join("x" * 100 for _ in range(4))  # 100 bytes each: windows of 64 and 36 (+ specials)
+    with caplog.at_level("INFO"):
+        TextDataModule(train_file=write("long.txt", long_docs), val_fraction=0.0, max_seq_length=64, batch_size=1,
+                       pack=True).setup("fit")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("TextDataModule:"))
+    assert "8 train / 0 val rows" in line and "8 pieces packed" in line, line
+    fill = int(line.split("packed ")[1].split("%")[0])
+    assert 70 <= fill < 100, line
+
+
 def test_unpacked_loader_batches_and_max_len():
     dm = TextDataModule(max_seq_length=96, batch_size=3)  # the shipped Shakespeare sample
     assert dm.max_seq_length == 96

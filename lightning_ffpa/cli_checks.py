@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from lightning_ffpa.errors import NOT_GIVEN, ConfigError
+from lightning_ffpa.errors import NOT_GIVEN, ConfigError, no_optimizer_option
 
 __all__ = ["check_folder_writable", "check_negative_values", "check_precision_runs_here", "check_seed", "is_number"]
 
@@ -66,10 +66,7 @@ def check_no_optimizer_options(args: list[str]) -> None:
     for arg in args:
         option = arg.partition("=")[0]
         if option.split(".")[0] in ("--optimizer", "--lr_scheduler"):
-            raise ConfigError(option, NOT_GIVEN, "is not an option: the model builds its optimizer and schedule "
-                              "(Gemma4LM: AdamW, linear warmup then cosine decay) from `model.init_args.learning_rate`, "
-                              "`warmup_steps`, `min_lr_ratio`, `weight_decay` and `betas` (GRPOModule: "
-                              "`learning_rate`); set those")
+            raise no_optimizer_option(option)
 
 
 def check_config_before_subcommand(args: list[str], subcommands: Iterable[str],

@@ -111,6 +111,7 @@ _UNION = "Does not validate against any of the Union subtypes"
 _REQUIRED = re.compile(r"^\s*- Problem with given class_path '(?P<path>[^']+)':\s*\n\s*the following arguments are "
                        r"required: (?P<args>.+)$", re.M)
 _GOT = re.compile(r"\. Got value: (.*)$", re.S)
+_NO_OPTIMIZER_KEY = re.compile(r"Subcommand '[^']+' does not accept option '(optimizer|lr_scheduler)[.']")
 _NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted(?: before subcommand '([^']+)')?")
 
 
@@ -239,6 +240,8 @@ def describe_parse_error(err: BaseException) -> BaseException:
                                    f"`{m.group(2)}` (a config before the subcommand is keyed by it: `{m.group(2)}: "
                                    "{trainer: ...}`)")
             return ConfigError(".".join([*keys, m.group(1)]), _given_value(err), f"is not an argument of {owner}")
+        elif m := _NO_OPTIMIZER_KEY.match(first):  # an `optimizer:` / `lr_scheduler:` section of a config file
+            return no_optimizer_option(m.group(1))
         elif not _is_wrapper(e):
             got = _GOT.search(text)
             reason = _readable(text[: got.start()] if got else one_line(e))
@@ -246,6 +249,14 @@ def describe_parse_error(err: BaseException) -> BaseException:
                 return ConfigError(".".join(keys), got.group(1).strip() if got else NOT_GIVEN, reason)
             return InputError(reason)
     return InputError(one_line(err))
+
+
+def no_optimizer_option(option: str) -> ConfigError:
+    """`optimizer` / `lr_scheduler` on the command line or in a config: the CLI has neither (the model builds them)."""
+    return ConfigError(option, NOT_GIVEN, "is not an option: the model builds its optimizer and schedule "
+                       "(Gemma4LM: AdamW, linear warmup then cosine decay) from `model.init_args.learning_rate`, "
+                       "`warmup_steps`, `min_lr_ratio`, `weight_decay` and `betas` (GRPOModule: `learning_rate`); "
+                       "set those")
 
 
 def _nested_arg(text: str) -> tuple[str, str] | None:

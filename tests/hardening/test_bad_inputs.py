@@ -98,6 +98,9 @@ CASES = [
     ("--optimizer (the model builds its own)", {}, ["--optimizer", "AdamW"], None,
      P("`--optimizer`: is not an option: the model builds its optimizer")),
     ("--lr_scheduler (the model builds its own)", {}, ["--lr_scheduler", "StepLR"], None, P("`warmup_steps`")),
+    ("an optimizer section in YAML (the model builds its own)",
+     {"top_level": {"optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1}}}}, [], None,
+     P("`optimizer`: is not an option: the model builds its optimizer")),
     ("unknown model key in YAML", {"model": {"learning_rat": 0.1}}, [], None, P("learning_rat")),
     ("missing config file", {}, ["--config", "/nonexistent/fit.yaml"], None, P("/nonexistent/fit.yaml")),
     ("unsupported model.dtype", {"model": {"dtype": "float64"}}, [], None, P("dtype")),
@@ -183,6 +186,7 @@ def _config(existing: Path, tmp: Path, changes: dict) -> Path:
     cfg["trainer"].update(changes.get("trainer", {}))
     if "strategy" in changes:
         cfg["trainer"]["strategy"] = changes["strategy"]
+    cfg.update(changes.get("top_level", {}))  # a section of its own (`optimizer:`)
     return write_config(tmp / "case.yaml", cfg)
 
 

@@ -6,8 +6,9 @@ import torch
 from torchmetrics import Metric
 
 
-class TokenPerplexity(Metric):
-    """exp(mean NLL per token), weighting each batch's mean loss by its number of real tokens."""
+class TokenMeanLoss(Metric):
+    """Mean NLL per token over every batch seen: each batch's mean loss weighted by its number of real tokens
+    (a mean of batch means would weigh a row of few labelled tokens, a short chat answer, as much as a long one)."""
 
     full_state_update = False
 
@@ -20,8 +21,18 @@ class TokenPerplexity(Metric):
         self.nll_sum += mean_loss.detach().double() * n_tokens
         self.tokens += n_tokens
 
+    def _mean(self) -> torch.Tensor:
+        return self.nll_sum / self.tokens.clamp(min=1)
+
     def compute(self) -> torch.Tensor:
-        return torch.exp(self.nll_sum / self.tokens.clamp(min=1)).float()
+        return self._mean().float()
+
+
+class TokenPerplexity(TokenMeanLoss):
+    """exp(mean NLL per token): exactly exp of `TokenMeanLoss` over the same batches."""
+
+    def compute(self) -> torch.Tensor:
+        return torch.exp(self._mean()).float()
 
 
 def total_grad_norm(parameters) -> torch.Tensor | None:

@@ -30,7 +30,7 @@ from lightning_ffpa.hf_module import (  # noqa: F401 - re-exported: `from lightn
 from lightning_ffpa.hidden_states import causal_lm_hidden_states, head_operands
 from lightning_ffpa.lora import LoraSpec, lora_hparam
 from lightning_ffpa.loss import IGNORE_INDEX, linear_cross_entropy
-from lightning_ffpa.metrics import TokenPerplexity, total_grad_norm
+from lightning_ffpa.metrics import TokenMeanLoss, TokenPerplexity, total_grad_norm
 from lightning_ffpa.parallel.dims import ParallelDims
 from lightning_ffpa.token_weights import TokenWeights
 
@@ -140,6 +140,8 @@ class Gemma4LM(HFModule):
         self.check_seq_length(max_seq_length, "model.max_seq_length")
         self.train_ppl = TokenPerplexity()
         self.val_ppl = TokenPerplexity()
+        self.val_loss = TokenMeanLoss()  # per token, as val/ppl: log(val/ppl) == val/loss
+        self.test_loss = TokenMeanLoss()
         self._token_weights = TokenWeights()
 
     def setup(self, stage: str) -> None:
@@ -239,12 +241,14 @@ class Gemma4LM(HFModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, n_tokens = self.compute_loss(batch)
         self.val_ppl.update(loss, n_tokens)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        self.val_loss.update(loss, n_tokens)
+        self.log("val/loss", self.val_loss, prog_bar=True, on_epoch=True)
         self.log("val/ppl", self.val_ppl, on_epoch=True)
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss, _ = self.compute_loss(batch)
-        self.log("test/loss", loss, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        loss, n_tokens = self.compute_loss(batch)
+        self.test_loss.update(loss, n_tokens)
+        self.log("test/loss", self.test_loss, on_epoch=True)
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}

@@ -333,3 +333,28 @@ def test_the_logged_gradient_norm_is_taken_in_fp32():
     want = (9 + float(params[1].grad[2]) ** 2) ** 0.5  # 3.0000166: bf16 holds 3.0 or 3.015625
     got = total_grad_norm(params)
     assert got.dtype == torch.float32 and float(got) == pytest.approx(want, rel=1e-6)
+
+
+def test_val_and_test_loss_are_means_per_token_as_perplexity_is():
+    import math
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    lm = Gemma4LM(preset="tiny", dtype="float32", attn_implementation="eager")
+    short, long = _batch(seed=1), _batch(seed=2)
+    short["labels"][:, :44] = -100  # a short answer: 2 x 3 labelled tokens against 2 x 47
+    batches = [short, long]
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    val = trainer.validate(lm, DataLoader(batches, batch_size=None), verbose=False)[0]
+    test = trainer.test(lm, DataLoader(batches, batch_size=None), verbose=False)[0]
+    with torch.no_grad():
+        terms = [lm.compute_loss(b) for b in batches]
+    per_token = sum(loss * n for loss, n in terms) / sum(n for _, n in terms)
+    per_batch = sum(loss for loss, _ in terms) / len(terms)
+    assert abs(per_token - per_batch) > 1e-3  # the two means differ here, so the test can tell them apart
+    assert val["val/loss"] == pytest.approx(float(per_token), rel=1e-5)
+    assert val["val/loss"] == pytest.approx(math.log(val["val/ppl"]), rel=1e-5)
+    assert test["test/loss"] == pytest.approx(float(per_token), rel=1e-5)

@@ -74,6 +74,7 @@ class ExportResult:
     tokenizer_from: Path | None = None  # the local folder whose tokenizer files were copied in, if any
     generation_config_from: Path | None = None  # the local folder whose generation_config.json was copied in
     tokenizer_note: str | None = None  # why no tokenizer was written, where one was found but not taken
+    special_ids: str | None = None  # the config's special token ids set from the tokenizer's (a preset-built fit)
 
 
 class _Source:
@@ -466,9 +467,11 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
     save_dtype = target or model_dtype
     config.dtype = save_dtype
     config.architectures = [model_class(hparams)]  # what AutoModel* and pipelines build
-    config.save_pretrained(out)
-
     tokenizer_from, tokenizer_note = _copy_tokenizer(source.meta, hparams, config_dir, out)
+    # a preset's config keeps Gemma4's ids (eos 1), which mean other tokens in the fit's own tokenizer
+    special_ids = _special_ids_from_tokenizer(config, out) if tokenizer_from and not (
+        config_dir or hparams.get("pretrained")) else None
+    config.save_pretrained(out)
     generation_from = _copy_generation_config(source.meta, hparams, config_dir, out)
     adapter_dir = None
     if plan.adapter:
@@ -476,7 +479,7 @@ def export(ckpt: str | Path, out_dir: str | Path, *, merge_lora: bool = False, d
         # absolute: peft resolves the base from wherever the adapter is loaded, a relative path from the cwd
         _export_adapter(source, plan.adapter, lora, adapter_dir, base=str(out.resolve()))
     return ExportResult(out, len(weight_map), names, adapter_dir, merged, dequantized, save_dtype, tokenizer_from,
-                        generation_from, tokenizer_note)
+                        generation_from, tokenizer_note, special_ids)
 
 
 # What `AutoTokenizer.from_pretrained` reads from a model folder beside the weights.
@@ -527,6 +530,21 @@ def _copy_tokenizer(meta: dict[str, Any], hparams: dict[str, Any], config_dir: s
                 shutil.copyfile(folder / name, out / name)
         return folder, None
     return None, note
+
+
+def _special_ids_from_tokenizer(config: Any, out: Path) -> str | None:
+    """Set the config's bos/eos/pad ids (and its text config's) to those of the tokenizer copied into `out`, so that
+    `generate` stops at the tokenizer's eos; returns what changed ("eos_token_id 1 -> 3, ..."), or None."""
+    tokenizer = load_tokenizer(str(out), option="out")
+    changed = []
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        want, have = getattr(tokenizer, key, None), getattr(config, key, None)
+        if want is None or want == have or (isinstance(have, list) and want in have):
+            continue
+        for cfg in {id(c): c for c in (config, text_config(config))}.values():
+            setattr(cfg, key, want)
+        changed.append(f"{key} {have} -> {want}")
+    return ", ".join(changed) or None
 
 
 def _copy_generation_config(meta: dict[str, Any], hparams: dict[str, Any], config_dir: str | None,
@@ -648,7 +666,9 @@ def command(ckpt: str, out: str, merge_lora: bool = False,
              f"; no tokenizer: {result.tokenizer_note}" if result.tokenizer_note else "; no tokenizer: neither "
              "--config, the fit's data.tokenizer nor model.pretrained is a local folder holding one")
           + (f"; {GENERATION_CONFIG} from {result.generation_config_from}"
-             if result.generation_config_from not in (None, result.tokenizer_from) else ""))
+             if result.generation_config_from not in (None, result.tokenizer_from) else "")
+          + (f"; config.json's special ids set from the tokenizer (the model was built from a preset): "
+             f"{result.special_ids}" if result.special_ids else ""))
     return result
 
 

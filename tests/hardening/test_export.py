@@ -216,6 +216,30 @@ def test_a_tokenizer_other_than_the_fits_is_not_written_and_the_generation_confi
     assert other.tokenizer_from is None and "is not the one the fit trained with" in other.tokenizer_note
 
 
+def test_a_preset_fits_config_takes_the_special_ids_of_the_tokenizer_it_is_exported_with(trained_lora, tmp_path):
+    """A fresh trial: a preset-built fit on its own tokenizer (eos 3) was exported with Gemma4's eos_token_id 1,
+    which is `<unk>` there, so `generate` never stopped at the tokenizer's eos."""
+    from transformers import AutoConfig
+
+    from lightning_ffpa.data.tokenizer import load_tokenizer, tokenizer_digest
+    from tests.data.conftest import PLAIN_TEMPLATE, save_tokenizer
+
+    _, ckpt = trained_lora
+    tok_dir = Path(save_tokenizer(tmp_path / "tok", PLAIN_TEMPLATE))
+    fit = _with_sources(ckpt, tmp_path / "fit.ckpt", **{
+        "data.tokenizer": str(tok_dir), "data.tokenizer_digest": tokenizer_digest(load_tokenizer(str(tok_dir)))})
+    result = export(fit, tmp_path / "out")
+    config = AutoConfig.from_pretrained(tmp_path / "out")
+    assert (config.eos_token_id, config.bos_token_id, config.pad_token_id) == (3, 2, 0)  # <eos>, <bos>, <pad>
+    assert result.special_ids == "eos_token_id 1 -> 3"
+    model_dir = tmp_path / "model"  # a config folder of the user's own is kept as it is
+    AutoConfig.from_pretrained(tmp_path / "out").save_pretrained(model_dir)
+    (model_dir / "config.json").write_text((model_dir / "config.json").read_text().replace(
+        '"eos_token_id": 3', '"eos_token_id": 1'))
+    kept = export(fit, tmp_path / "out_config", config_dir=str(model_dir))
+    assert kept.special_ids is None and AutoConfig.from_pretrained(tmp_path / "out_config").eos_token_id == 1
+
+
 def test_dtype_cast_writes_bf16(trained, tmp_path):
     _, ckpt = trained
     export(ckpt, tmp_path / "bf16", dtype="bfloat16")

@@ -106,7 +106,7 @@ COMMAND_LINE = [
     "  nothing, `hpc` with no HPC checkpoint, and `best` (the best save of a fit in the same process, so never",
     "  in a fresh one) are refused in one line. Without `--ckpt_path` the model is evaluated as built, which is",
     "  legitimate (a base model's `pretrained` weights, or a random-init baseline, ln(vocab) for the loss) but",
-    "  easy to do by mistake after a fit, so the command says so on its first line:",
+    "  easy to do by mistake after a fit, so the command says so among its start-up lines:",
     "  `validate: no --ckpt_path, so the model is evaluated as built: random init of preset 'tiny' (...)` or",
     "  `...: the pretrained weights of <path>`.",
     "",

@@ -184,9 +184,7 @@ class Gemma4LM(HFModule):
             inputs = {k: shard[k] for k in ("input_ids", "position_ids", "ring_layout")}
             labels = shard["shift_labels"]
         else:
-            inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-            # Packed rows (`document_ids`): keep documents apart (FFPA varlen + document masks for "ffpa").
-            inputs.update(packed_inputs(batch, self.hf_model))
+            inputs = self._model_inputs(batch)
             labels = batch["labels"]
             # Shift by appending an ignored target, so both paths score position i against token i+1.
             labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
@@ -195,6 +193,12 @@ class Gemma4LM(HFModule):
         if cp is not None:
             return cp_loss_reduce(nll_sum, n_tokens, group), n_tokens, nll_sum
         return nll_sum / n_tokens.clamp(min=1), n_tokens, nll_sum
+
+    def _model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        # Packed rows (`document_ids`): keep documents apart (FFPA varlen + document masks for "ffpa").
+        inputs.update(packed_inputs(batch, self.hf_model))
+        return inputs
 
     def _nll_sum(self, inputs: dict[str, Any], labels: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
         if self.hparams.loss_impl == "plain":
@@ -251,8 +255,7 @@ class Gemma4LM(HFModule):
         self.log("test/loss", self.test_loss, on_epoch=True)
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        inputs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
-        return self.model(input_ids=batch["input_ids"], use_cache=False, **inputs).logits.argmax(-1)
+        return self.model(use_cache=False, **self._model_inputs(batch)).logits.argmax(-1)
 
     # ---- optimizer ------------------------------------------------------------------------------------
     def configure_optimizers(self) -> dict[str, Any]:

@@ -358,3 +358,23 @@ def test_val_and_test_loss_are_means_per_token_as_perplexity_is():
     assert val["val/loss"] == pytest.approx(float(per_token), rel=1e-5)
     assert val["val/loss"] == pytest.approx(math.log(val["val/ppl"]), rel=1e-5)
     assert test["test/loss"] == pytest.approx(float(per_token), rel=1e-5)
+
+
+@torch.no_grad()
+def test_predict_keeps_the_documents_of_a_packed_row_apart():
+    """`predict_step` dropped `document_ids`, so "ffpa" never got the documents its varlen kernels take."""
+    torch.manual_seed(0)
+    lm = Gemma4LM(preset="tiny", dtype="float32", attn_implementation="ffpa")
+    lm.configure_model()
+    lm.eval()
+    first, second = _batch(b=1, s=20, seed=1)["input_ids"], _batch(b=1, s=28, seed=2)["input_ids"]
+    row = torch.cat([first, second], dim=1)
+    packed = {"input_ids": row, "document_ids": torch.tensor([[0] * 20 + [1] * 28]),
+              "position_ids": torch.cat([torch.arange(20), torch.arange(28)])[None]}
+    seen = []
+    forward = lm.model.forward
+    lm.model.forward = lambda **kw: seen.append(kw) or forward(**kw)
+    got = lm.predict_step(packed, 0)
+    assert "documents" in seen[0]  # the varlen kernels' input, as the loss passes it (on CPU both paths agree)
+    alone = torch.cat([lm.predict_step({"input_ids": first}, 0), lm.predict_step({"input_ids": second}, 0)], dim=1)
+    assert torch.equal(got, alone)

@@ -173,6 +173,12 @@ class HFModule(L.LightningModule):
         if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
             raise ConfigError("model.pretrained", hp.pretrained, "is a LoRA adapter folder (adapter_config.json, no "
                               "config.json); give the base model's folder, or export with --merge_lora for one model")
+        if (local / "adapter" / "adapter_config.json").is_file():  # lightning-ffpa-export's layout, not merged
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"`model.pretrained={hp.pretrained}` holds an exported LoRA adapter in adapter/, which is "
+                           "not loaded: the weights beside it are the base it was trained on; to start from the "
+                           "trained weights, export with --merge_lora")
         try:
             cfg = AutoConfig.from_pretrained(hp.pretrained)
         except (OSError, ValueError) as err:  # ValueError: a config.json transformers knows no model type of

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 import zipfile
 from contextlib import nullcontext
 from pathlib import Path
@@ -23,6 +24,7 @@ from transformers import Gemma4ForCausalLM
 from lightning_ffpa import export as export_mod
 from lightning_ffpa.errors import CheckpointError, ConfigError
 from lightning_ffpa.export import export, run
+from lightning_ffpa.module import Gemma4LM
 from lightning_ffpa.presets import build_text_config
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj", "down_proj"]}
@@ -238,6 +240,19 @@ def test_a_preset_fits_config_takes_the_special_ids_of_the_tokenizer_it_is_expor
         '"eos_token_id": 3', '"eos_token_id": 1'))
     kept = export(fit, tmp_path / "out_config", config_dir=str(model_dir))
     assert kept.special_ids is None and AutoConfig.from_pretrained(tmp_path / "out_config").eos_token_id == 1
+
+
+def test_a_new_run_from_an_unmerged_export_is_told_its_adapter_is_not_loaded(trained_lora, tmp_path):
+    """A fresh trial: `model.pretrained` at a LoRA run's export trained the base without a word (the adapter in
+    OUT/adapter is not loaded); the merged export is the way to start from the trained weights."""
+    _, ckpt = trained_lora
+    export(ckpt, tmp_path / "unmerged")
+    with pytest.warns(UserWarning, match=r"holds an exported LoRA adapter in adapter/, which is not loaded.*--merge_lora"):
+        Gemma4LM(pretrained=str(tmp_path / "unmerged"))
+    export(ckpt, tmp_path / "merged", merge_lora=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        Gemma4LM(pretrained=str(tmp_path / "merged"))
 
 
 def test_dtype_cast_writes_bf16(trained, tmp_path):

@@ -25,7 +25,8 @@ def test_rows_in_own_processes_say_which_path_ran(tmp_path):
     for r in (bf16, deq):
         assert "error" not in r, r
         assert r["process"]["rc"] == 0 and r["process"]["pid"] != os.getpid()
-        assert len(r["shapes"]) == len(fp8_base_matmul.SHAPES) and r["fwdbwd_ms_total"] > r["fwd_ms_total"] > 0
+        # both timed; not fwdbwd > fwd: one step of each on a loaded 2-core CI machine can come out either way
+        assert len(r["shapes"]) == len(fp8_base_matmul.SHAPES) and r["fwdbwd_ms_total"] > 0 and r["fwd_ms_total"] > 0
     assert bf16["path_counts"] == {} and deq["path_counts"] == {"dequantize": 2 * 2 * len(fp8_base_matmul.SHAPES)}
     s = record["summary"]
     assert s["missing"] == ["scaled_mm"] and s["fp8_base_scaled_mm_vs_dequantize_fwdbwd"] is None

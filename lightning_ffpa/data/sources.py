@@ -150,16 +150,29 @@ def read_records(
     messages_field: str = "messages",
 ) -> list[Record]:
     """Text or chat records of a local file or a `datasets` source; an empty source is an error."""
+    return [r for _, r in read_located_records(source, option, config, split, text_field, messages_field)]
+
+
+def read_located_records(
+    source: str,
+    option: str,
+    config: str | None = None,
+    split: str = "train",
+    text_field: str = "text",
+    messages_field: str = "messages",
+) -> list[tuple[str, Record]]:
+    """`read_records`, each record with where it is (`line 3`, `row 3`, `paragraph 3`), for errors found later."""
     ext = os.path.splitext(source)[1].lower() if os.path.isfile(source) else None
     if ext == ".txt":
-        records: list[Record] = list(read_text_documents(source, option))
+        records: list[tuple[str, Record]] = [
+            (f"paragraph {n}", d) for n, d in enumerate(read_text_documents(source, option), 1)]
     else:
         located = (
             [(f"line {n}", r) for n, r in _read_jsonl(source, option)]
             if ext == ".jsonl"
             else [(f"row {n}", r) for n, r in enumerate(load_rows(source, option, config, split), 1)]
         )
-        records = [record_of(r, w, option, source, text_field, messages_field) for w, r in located]
+        records = [(w, record_of(r, w, option, source, text_field, messages_field)) for w, r in located]
     if not records:
         raise ConfigError(option, source, "holds no documents (the file or split is empty)")
     return records

@@ -24,10 +24,10 @@ from lightning_ffpa.data.sources import (
     check_dataset_config,
     check_file,
     check_split,
-    read_records,
+    read_located_records,
     require_datasets,
 )
-from lightning_ffpa.data.tokenizer import load_tokenizer, pad_id_of, tokenizer_digest
+from lightning_ffpa.data.tokenizer import ChatTemplateError, load_tokenizer, pad_id_of, tokenizer_digest
 from lightning_ffpa.errors import ConfigError
 
 VAL_FRACTION = 0.05  # the default hold-out; another value beside a validation source would be ignored
@@ -181,10 +181,13 @@ class TextDataModule(SeededDataModule):
 
     def _documents(self, source: str, name: str, split: str) -> list[Document]:
         opt = option(name)
-        records = read_records(
+        located = read_located_records(
             source, opt, self.dataset_config, split, text_field=self.text_field, messages_field=self.messages_field
         )
-        docs, stats = tokenize_records(records, self.tokenizer, self.max_seq_length)
+        try:
+            docs, stats = tokenize_records([r for _, r in located], self.tokenizer, self.max_seq_length)
+        except ChatTemplateError as err:  # the record's place in its source, as other bad rows are named
+            raise ConfigError(opt, source, f"{located[err.record][0]}: {err}") from err
         self.stats[opt] = asdict(stats)
         self._report_chat_labels(opt, stats)
         if not docs:

@@ -1,8 +1,9 @@
 """Tokenizers for the data modules: a byte-level fallback and loading a Hugging Face tokenizer.
 
 Owns: `ByteTokenizer`, `load_tokenizer(spec)` (a local folder or a hub id, through `AutoTokenizer`),
-`tokenizer_digest` (what a checkpoint records of its tokenizer) and the plain chat format used when a tokenizer has no chat template. Does not own turning documents into training
-rows (see `documents.py`) or batching.
+`tokenizer_digest` (what a checkpoint records of its tokenizer), the plain chat format used when a tokenizer has
+no chat template, and `apply_template`, which turns a chat template's failures into the user's errors. Does not
+own turning documents into training rows (see `documents.py`) or batching.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_ffpa.errors import ConfigError, one_line
+from lightning_ffpa.errors import ConfigError, InputError, one_line
 
 BYTE_TOKENIZER = "byte"
 
@@ -32,12 +33,38 @@ def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]], add_generati
     Hugging Face tokenizer without a template is refused (transformers refuses it too): a format of our own
     would be one the model meets nowhere else, nor at inference from the exported tokenizer."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return apply_template(tokenizer, messages, option, tokenize=False, add_generation_prompt=add_generation_prompt)
     if isinstance(tokenizer, ByteTokenizer):
         return format_plain_chat(messages, add_generation_prompt)
     raise ConfigError(option, getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
                       "has no chat template, and the data holds chats: give the tokenizer one (`chat_template.jinja` "
                       "in its folder, or `chat_template` in tokenizer_config.json), or give the data as text")
+
+
+class ChatTemplateError(InputError):
+    """A chat the tokenizer's chat template refused (its `raise_exception`) or failed on; the caller says which
+    record of which source it was (`record`, set by `tokenize_records`)."""
+
+    def __init__(self, message: str, record: int | None = None) -> None:
+        super().__init__(message)
+        self.record = record
+
+
+def apply_template(tokenizer: Any, messages: Sequence[dict[str, Any]], option: str = "data.init_args.tokenizer",
+                   **kwargs: Any) -> Any:
+    """`tokenizer.apply_chat_template(messages, **kwargs)`, its template's failures as the user's errors: a template
+    that is not Jinja is the tokenizer's (`ConfigError` naming `option`); a chat it refuses, the data's
+    (`ChatTemplateError`). Both were a jinja2 traceback."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(option, getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
+                          f"its chat template is not valid Jinja (template line {e.lineno}): {e.message}") from e
+    except jinja2.TemplateError as e:  # `raise_exception(...)` raises the base class; others are render failures
+        how = "refused it" if type(e) is jinja2.TemplateError else f"failed on it ({type(e).__name__})"
+        raise ChatTemplateError(f"the chat template of `{option}` {how}: {one_line(e)}") from e
 
 
 class ByteTokenizer:

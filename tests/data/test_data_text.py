@@ -1,5 +1,7 @@
 """TextDataModule: .txt and .jsonl (text and chat) loading, splits, labels, and bad-input errors."""
 
+import json
+
 import pytest
 import torch
 
@@ -231,4 +233,37 @@ def test_chats_with_a_tokenizer_without_a_template_are_refused(write, tmp_path):
                         val_fraction=0.0, max_seq_length=64, batch_size=1)
     with pytest.raises(ConfigError, match=r"^`data.init_args.tokenizer='.*bare'`: has no chat template, and the data "
                                           r"holds chats"):
+        dm.setup()
+
+
+# a template that refuses a system turn, as templates of models without one do (Gemma 2, Mistral)
+REFUSES_SYSTEM = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('Conversation roles must alternate') }}"
+                  "{% endif %}")
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["prefix", "generation_marks"])
+def test_a_chat_the_template_refuses_names_the_file_and_line(write, tmp_path, marked):
+    """The template's `raise_exception` was a jinja2 traceback (exit 1), with no word of which row it refused."""
+    from tests.data.conftest import GENERATION_TEMPLATE, PLAIN_TEMPLATE, save_tokenizer
+
+    tok = save_tokenizer(tmp_path / "tok", REFUSES_SYSTEM + (GENERATION_TEMPLATE if marked else PLAIN_TEMPLATE))
+    ok = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello world"}]
+    path = write("sys.jsonl", json.dumps({"messages": ok}) + "\n\n" + json.dumps(
+        {"messages": [{"role": "system", "content": "the cat"}, *ok]}) + "\n")  # line 3: a blank line counts
+    dm = TextDataModule(train_file=path, tokenizer=tok, val_fraction=0.0, batch_size=1)
+    with pytest.raises(ConfigError, match=r"^`data\.init_args\.train_file='.*sys\.jsonl'`: line 3: the chat template of "
+                                          r"`data\.init_args\.tokenizer` refused it: Conversation roles must alternate$"):
+        dm.setup()
+
+
+def test_a_chat_template_that_is_not_jinja_names_the_tokenizer(write, tmp_path):
+    """A syntax error is the tokenizer's, whichever chat meets it first: the option named is the tokenizer's."""
+    from tests.data.conftest import save_tokenizer
+
+    tok = save_tokenizer(tmp_path / "tok", "{% for m in messages %}{{ m['content'] }")
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello world"}]
+    dm = TextDataModule(train_file=write("c.jsonl", [{"messages": chat}]), tokenizer=tok, val_fraction=0.0,
+                        batch_size=1)
+    with pytest.raises(ConfigError, match=r"^`data\.init_args\.tokenizer='.*tok'`: its chat template is not valid "
+                                          r"Jinja \(template line 1\): "):
         dm.setup()

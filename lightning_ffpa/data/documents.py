@@ -113,7 +113,7 @@ def _tokenize_text(text: str, tokenizer: Any) -> Document:
     return Document(ids, list(ids))
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> list[int]:
     return list(tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt), add_special_tokens=False))
 
 
@@ -127,7 +127,7 @@ def _finish_chat(tokenizer: Any, ids: list[int], labels: list[int], last_role: s
     return Document(wrapped, labels)
 
 
-def _tokenize_chat_marked(messages: list[dict[str, str]], tokenizer: Any) -> Document:
+def _tokenize_chat_marked(messages: list[dict[str, Any]], tokenizer: Any) -> Document:
     """Label exactly the tokens the template renders inside `{% generation %}` blocks."""
     out = apply_template(tokenizer, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     ids = [int(i) for i in out["input_ids"]]
@@ -135,7 +135,7 @@ def _tokenize_chat_marked(messages: list[dict[str, str]], tokenizer: Any) -> Doc
     return _finish_chat(tokenizer, ids, labels, messages[-1]["role"])
 
 
-def _tokenize_chat(messages: list[dict[str, str]], tokenizer: Any, stats: TokenizeStats) -> Document:
+def _tokenize_chat(messages: list[dict[str, Any]], tokenizer: Any, stats: TokenizeStats) -> Document:
     """Render growing prefixes of the chat; an assistant message's span is what it adds after the generation
     prompt (the role header is the prompt's); every other token is unlabelled."""
     ids: list[int] = []

@@ -56,7 +56,7 @@ def collate_prompts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {k: [r.get(k) for r in rows] for k in keys}
 
 
-def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], chat_template: bool) -> tuple[str, list[int]]:
+def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], chat_template: bool) -> tuple[str, list[int]]:
     """The text the policy is prompted with and its ids.
 
     With `chat_template` and a tokenizer that has one, a chat (or a text prompt, as one user turn) is

@@ -18,7 +18,7 @@ from typing import Any
 
 from lightning_ffpa.errors import ConfigError, one_line
 
-Record = str | list[dict[str, str]]  # plain text, or a chat as a list of {role, content}
+Record = str | list[dict[str, Any]]  # plain text, or a chat: messages {role, content, tool_calls, ...} whole
 Row = dict[str, Any]
 
 BUILTIN_EXTENSIONS = (".txt", ".jsonl")
@@ -116,12 +116,19 @@ def load_rows(source: str, option: str, config: str | None = None, split: str = 
     return data.to_list()
 
 
-def _chat(value: Any) -> list[dict[str, str]] | None:
-    ok = isinstance(value, list) and value and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value
-    )
-    return [{"role": m["role"], "content": m["content"]} for m in value] if ok else None
+def _is_message(m: Any) -> bool:
+    """A dict with a string `role` and a string `content`; `content` may be null or absent beside another field
+    (an assistant's `tool_calls`), as in Hugging Face's and OpenAI's chats."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        return False
+    others = any(v is not None for k, v in m.items() if k not in ("role", "content"))
+    return isinstance(m.get("content"), str) or (m.get("content") is None and others)
+
+
+def _chat(value: Any) -> list[dict[str, Any]] | None:
+    # each message goes to the chat template whole: `tool_calls`, `name`, `tool_call_id` are what it renders
+    ok = isinstance(value, list) and value and all(_is_message(m) for m in value)
+    return [dict(m) for m in value] if ok else None
 
 
 def record_of(row: Row, where: str, option: str, source: str, text_field: str, messages_field: str) -> Record:
@@ -132,7 +139,8 @@ def record_of(row: Row, where: str, option: str, source: str, text_field: str, m
         chat = _chat(row[messages_field])
         if chat is None:
             raise ConfigError(
-                option, source, f"{where}: `{messages_field}` must be a non-empty list of {{role: str, content: str}}"
+                option, source, f"{where}: `{messages_field}` must be a non-empty list of messages {{role: str, "
+                "content: str}, `content` null or absent only beside other fields (tool_calls)"
             )
         return chat
     fields = ", ".join(sorted(row)) or "none"

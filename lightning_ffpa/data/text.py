@@ -101,7 +101,8 @@ class TextDataModule(SeededDataModule):
             train_split: The split of `dataset` (or of a `datasets`-read file) to train on; slices like `train[:1000]` work.
             val_split: The split of `dataset` to validate on; unset holds out `val_fraction` of the training documents.
             text_field: Field of a row holding plain text.
-            messages_field: Field of a row holding a chat (a list of {role, content}), rendered by the tokenizer's chat template.
+            messages_field: Field of a row holding a chat (a list of {role, content} messages), rendered by the tokenizer's
+                chat template; each message reaches it whole (`tool_calls`, `name`, ...).
             val_fraction: Share of training documents held out whole for validation when there is no val file or split (0: none; refused beside either).
             tokenizer: "byte" for the byte-level tokenizer, or a local folder or hub id for `AutoTokenizer`.
             max_seq_length: Longest row in tokens; longer documents are cut into windows of this length.

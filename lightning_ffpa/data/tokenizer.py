@@ -19,15 +19,23 @@ from lightning_ffpa.errors import ConfigError, InputError, one_line
 BYTE_TOKENIZER = "byte"
 
 
-def format_plain_chat(messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
-    """Render messages as ``"<role>: <content>\\n"`` lines (the format for tokenizers without a template)."""
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+def format_plain_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    """Render messages as ``"<role>: <content>\\n"`` lines (the format for tokenizers without a template); a
+    message's other fields (`tool_calls`, ...) follow its content as JSON."""
+    text = "".join(f"{m['role']}: {_plain_content(m)}\n" for m in messages)
     if add_generation_prompt:
         text += "assistant: "
     return text
 
 
-def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False,
+def _plain_content(message: dict[str, Any]) -> str:
+    # null fields are left out: a parquet or arrow chat has every message's fields in every message
+    others = {k: v for k, v in message.items() if k not in ("role", "content") and v is not None}
+    parts = [message.get("content") or "", json.dumps(others, ensure_ascii=False) if others else ""]
+    return " ".join(p for p in parts if p)
+
+
+def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False,
                 option: str = "data.init_args.tokenizer") -> str:
     """A chat as text: by the tokenizer's chat template; the byte tokenizer's plain `role: content` lines. A
     Hugging Face tokenizer without a template is refused (transformers refuses it too): a format of our own
@@ -112,7 +120,7 @@ class ByteTokenizer:
 
     def apply_chat_template(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[dict[str, Any]],
         tokenize: bool = True,
         add_generation_prompt: bool = False,
     ) -> list[int] | str:

@@ -179,6 +179,12 @@ def test_bad_options_fail_at_construction(kwargs, error, pattern):
         ("bad.jsonl", '{"text": "ok"}\n{"txt": 1}\n', r"`data\.init_args\.train_file=.*bad\.jsonl'`: line 2 needs"),
         ("broken.jsonl", "{not json\n", r"line 1 is not valid JSON"),
         ("msgs.jsonl", '{"messages": [{"role": "user"}]}\n', r"line 1: `messages` must be"),
+        ("null.jsonl", '{"messages": [{"role": "user", "content": null}]}\n', r"line 1: `messages` must be"),
+        ("nulls.jsonl", '{"messages": [{"role": "assistant", "content": null, "name": null}]}\n',
+         r"line 1: `messages` must be a non-empty list of messages \{role: str, content: str\}, `content` null or "
+         r"absent only beside other fields \(tool_calls\)"),
+        ("parts.jsonl", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}\n',
+         r"line 1: `messages` must be"),
         ("data.csv", "a,b\n", r"must end in one of \.txt, \.jsonl, \.json, \.parquet, \.arrow, not '\.csv'"),
         ("users.jsonl", '{"messages": [{"role": "user", "content": "hi"}]}\n', r"no document with a token"),
         ("empties.jsonl", '{"text": ""}\n{"text": "  "}\n', r"no document with a token to learn from \(2 empty"),

@@ -149,6 +149,15 @@ def record_of(row: Row, where: str, option: str, source: str, text_field: str, m
     )
 
 
+def _check_not_both(row: Row, where: str, option: str, source: str, text_field: str, messages_field: str) -> None:
+    """A row with a text and a chat is the user's choice to make: the text is learned whole, the chat on its
+    assistant turns only. A null (a parquet column the row lacks) is no value."""
+    if text_field != messages_field and row.get(text_field) is not None and row.get(messages_field) is not None:
+        raise ConfigError(option, source, f"{where} has both `{text_field}` and `{messages_field}`: remove one (a text "
+                          "is learned whole, a chat on its assistant turns only), or point `text_field` or "
+                          "`messages_field` at another field")
+
+
 def read_records(
     source: str,
     option: str,
@@ -180,6 +189,8 @@ def read_located_records(
             if ext == ".jsonl"
             else [(f"row {n}", r) for n, r in enumerate(load_rows(source, option, config, split), 1)]
         )
+        for where, row in located:
+            _check_not_both(row, where, option, source, text_field, messages_field)
         records = [(w, record_of(r, w, option, source, text_field, messages_field)) for w, r in located]
     if not records:
         raise ConfigError(option, source, "holds no documents (the file or split is empty)")

@@ -265,6 +265,9 @@ ROWS = [
      "Conversation roles must alternate"),
     (f"{F} --data.init_args.train_file sys.jsonl --data.init_args.tokenizer jinjatok --data.init_args.val_fraction 0",
      "`data.init_args.tokenizer='jinjatok'`: its chat template is not valid Jinja (template line 1)"),
+    # a row with both a text and a chat trained on the text, unmasked, without a word
+    (f"{F} --data.init_args.train_file both.jsonl", "`data.init_args.train_file='both.jsonl'`: line 1 has both `text` "
+     "and `messages`"),
 ]
 
 
@@ -299,6 +302,7 @@ def template(tmp_path_factory) -> Path:
     save_tokenizer(root / "jinjatok", "{% for m in messages %}{{ m['content'] }")
     chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
     (root / "sys.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    (root / "both.jsonl").write_text(json.dumps({"text": "a text", "messages": chat[1:]}) + "\n")
     (root / "garbage.ckpt").write_bytes(b"not a checkpoint\n" * 64)
     (root / "afile").write_text("a file where a folder is expected\n")
     (root / "emptydir").mkdir()

@@ -130,6 +130,13 @@ def test_row_without_the_fields_names_them(tmp_path):
         TextDataModule(train_file=path, val_fraction=0.0, batch_size=1).setup()
 
 
+def test_a_row_with_both_a_text_and_a_chat_is_refused(tmp_path):
+    """It trained on the text alone, unmasked, without a word; a null in either column (parquet) is not a value."""
+    path = _save(tmp_path / "both.parquet", [{"text": "ok"}, {"messages": CHAT}, {"text": "the cat", "messages": CHAT}])
+    with pytest.raises(ConfigError, match=r"both\.parquet'`: row 3 has both `text` and `messages`: remove one"):
+        TextDataModule(train_file=path, val_fraction=0.0, batch_size=1).setup()
+
+
 @pytest.mark.parametrize("pack", [False, True])
 def test_generation_marks_label_exactly_the_assistant_tokens(tmp_path, hf_generation_tokenizer_dir, caplog, pack):
     path = _save(tmp_path / "chat.parquet", [{"messages": CHAT}, {"text": "hello world"}])

@@ -179,6 +179,8 @@ def test_bad_options_fail_at_construction(kwargs, error, pattern):
         ("bad.jsonl", '{"text": "ok"}\n{"txt": 1}\n', r"`data\.init_args\.train_file=.*bad\.jsonl'`: line 2 needs"),
         ("broken.jsonl", "{not json\n", r"line 1 is not valid JSON"),
         ("msgs.jsonl", '{"messages": [{"role": "user"}]}\n', r"line 1: `messages` must be"),
+        ("both.jsonl", '{"text": "ok"}\n{"text": "hi", "messages": [{"role": "user", "content": "hi"}]}\n',
+         r"both\.jsonl'`: line 2 has both `text` and `messages`: remove one"),  # it trained on the text, unmasked
         ("null.jsonl", '{"messages": [{"role": "user", "content": null}]}\n', r"line 1: `messages` must be"),
         ("nulls.jsonl", '{"messages": [{"role": "assistant", "content": null, "name": null}]}\n',
          r"line 1: `messages` must be a non-empty list of messages \{role: str, content: str\}, `content` null or "

@@ -197,23 +197,24 @@ class TextDataModule(SeededDataModule):
                 f"{stats.num_dropped_unlabelled} too short or without an assistant turn)"
             )
         if stats.num_dropped_empty:
-            rank_zero_info(f"`{opt}`: {stats.num_dropped_empty} of {stats.num_records} texts are empty and not trained on")
+            rank_zero_info(f"`{opt}`: {stats.num_dropped_empty} of {stats.num_records} texts "
+                           f"{_verb(stats.num_dropped_empty, 'is', 'are')} empty and not trained on")
         return docs
 
     def _report_chat_labels(self, opt: str, stats: TokenizeStats) -> None:
         """Say once per source which tokens of its chats are learned."""
         if stats.num_chat_generation_masked:
             rank_zero_info(
-                f"`{opt}`: {stats.num_chat_generation_masked} chats learn the assistant tokens only, as marked "
-                "by the chat template's {% generation %} blocks"
+                f"`{opt}`: {_count(stats.num_chat_generation_masked, 'chat learns', 'chats learn')} the assistant "
+                "tokens only, as marked by the chat template's {% generation %} blocks"
             )
         if stats.num_chat_prefix_masked:
             how = ("the template has no {% generation %} marks; its turns render the same in every prefix"
                    if getattr(self.tokenizer, "chat_template", None) else
                    "as the byte tokenizer's plain `role: content` lines: it has no chat template")
             rank_zero_info(
-                f"`{opt}`: {stats.num_chat_prefix_masked} chats learn the assistant tokens only, found by rendering "
-                f"the chat prefix by prefix ({how})"
+                f"`{opt}`: {_count(stats.num_chat_prefix_masked, 'chat learns', 'chats learn')} the assistant tokens "
+                f"only, found by rendering the chat prefix by prefix ({how})"
             )
         if stats.num_chat_header_learned:
             rank_zero_info(
@@ -223,15 +224,16 @@ class TextDataModule(SeededDataModule):
             )
         if stats.num_chat_split:
             rank_zero_warn(
-                f"`{opt}`: {stats.num_chat_split} chats are longer than `{option('max_seq_length')}="
-                f"{self.max_seq_length}` and were cut into windows; each window after the first is learned without "
-                "the turns before it (windows with no assistant token are dropped); raise max_seq_length to keep "
-                "chats whole"
+                f"`{opt}`: {_count(stats.num_chat_split, 'chat is', 'chats are')} longer than "
+                f"`{option('max_seq_length')}={self.max_seq_length}` and {_verb(stats.num_chat_split, 'was', 'were')} "
+                "cut into windows; each window after the first is learned without the turns before it (windows "
+                "with no assistant token are dropped); raise max_seq_length to keep chats whole"
             )
         if stats.num_chat_unmasked:
             rank_zero_warn(
-                f"`{opt}`: {stats.num_chat_unmasked} chats render differently turn by turn under this chat "
-                "template, which has no {% generation %} marks; all their tokens are learned (user turns too)"
+                f"`{opt}`: {_count(stats.num_chat_unmasked, 'chat renders', 'chats render')} differently turn by "
+                "turn under this chat template, which has no {% generation %} marks; all "
+                f"{_verb(stats.num_chat_unmasked, 'its', 'their')} tokens are learned (user turns too)"
             )
 
     def num_train_rows(self) -> int | None:
@@ -282,6 +284,16 @@ class TextDataModule(SeededDataModule):
         if not len(self._val):
             return self.no_rows()
         return self._loader(self._val, self._collate(), train=False)
+
+
+def _verb(num: int, one: str, many: str) -> str:
+    """The word that agrees with `num`: `one` for 1, else `many`."""
+    return one if num == 1 else many
+
+
+def _count(num: int, one: str, many: str) -> str:
+    """`num` and its noun (and verb) in agreement: "1 chat is", "2 chats are"."""
+    return f"{num} {_verb(num, one, many)}"
 
 
 def _check_read_options(train_file: str | None, val_file: str | None, dataset: str | None, text_field: str,

@@ -147,7 +147,7 @@ def test_generation_marks_label_exactly_the_assistant_tokens(tmp_path, hf_genera
     stats = dm.stats["data.init_args.train_file"]
     assert (stats["num_chat_generation_masked"], stats["num_chat_prefix_masked"], stats["num_chat_unmasked"]) == (
         1, 0, 0)
-    assert "1 chats learn the assistant tokens only" in caplog.text
+    assert "1 chat learns the assistant tokens only" in caplog.text
     tok = dm.tokenizer
     rows = [dm._train[i] for i in range(len(dm._train))]
     learned = " | ".join(tok.decode(r["labels"][r["labels"] != IGNORE_INDEX], skip_special_tokens=True) for r in rows)
@@ -164,7 +164,7 @@ def test_without_generation_marks_the_prefix_rule_is_reported(tmp_path, hf_token
                         batch_size=1)
     with caplog.at_level(logging.INFO):
         dm.setup()
-    assert "1 chats learn the assistant tokens only, found by rendering the chat prefix by prefix" in caplog.text
+    assert "1 chat learns the assistant tokens only, found by rendering the chat prefix by prefix" in caplog.text
     assert "role header is learned" not in caplog.text
     row = dm._train[0]
     learned = dm.tokenizer.decode(row["labels"][row["labels"] != IGNORE_INDEX], skip_special_tokens=True)

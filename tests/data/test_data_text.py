@@ -1,6 +1,7 @@
 """TextDataModule: .txt and .jsonl (text and chat) loading, splits, labels, and bad-input errors."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -203,11 +204,18 @@ def test_split_leaving_no_train_document(write):
         dm.setup()
 
 
-def test_empty_texts_are_not_trained_on(write):
+def test_empty_texts_are_not_trained_on(write, caplog):
     """An empty text would be a row of bos -> eos alone: dropped and counted."""
     dm = TextDataModule(train_file=write("some.jsonl", [{"text": ""}, {"text": "kept text"}, {"text": " "}]),
                         val_fraction=0.0, batch_size=1)
-    dm.setup()
+    with caplog.at_level(logging.INFO):
+        dm.setup()
+    assert "`data.init_args.train_file`: 2 of 3 texts are empty and not trained on" in caplog.text
+    one = TextDataModule(train_file=write("one.jsonl", [{"text": ""}, {"text": "kept text"}]), val_fraction=0.0,
+                         batch_size=1)
+    with caplog.at_level(logging.INFO):
+        one.setup()
+    assert "`data.init_args.train_file`: 1 of 2 texts is empty and not trained on" in caplog.text
     assert len(dm._train) == 1 and dm.stats["data.init_args.train_file"]["num_dropped_empty"] == 2
 
 
@@ -219,16 +227,18 @@ def test_a_file_that_is_not_utf8_names_the_option_and_the_file(tmp_path, name):
         TextDataModule(train_file=str(path), val_fraction=0.0).setup()
 
 
-def test_chats_cut_into_windows_are_warned_about(write):
+@pytest.mark.parametrize("num, said", [(2, "2 chats are longer than {} and were cut"),
+                                       (1, "1 chat is longer than {} and was cut")])  # was "1 chats are"
+def test_chats_cut_into_windows_are_warned_about(write, num, said):
     """A chat longer than max_seq_length was cut with only a count in the stats: the windows after the first are
     learned without the user turns before them."""
     chat = [{"role": "user", "content": "a question " * 4}, {"role": "assistant", "content": "an answer " * 6}]
-    dm = TextDataModule(train_file=write("c.jsonl", [{"messages": chat}] * 2), val_fraction=0.0, max_seq_length=32,
+    dm = TextDataModule(train_file=write("c.jsonl", [{"messages": chat}] * num), val_fraction=0.0, max_seq_length=32,
                         batch_size=1)
-    with pytest.warns(UserWarning, match=r"`data.init_args.train_file`: 2 chats are longer than "
-                                         r"`data.init_args.max_seq_length=32` and were cut into windows"):
+    with pytest.warns(UserWarning, match=rf"`data.init_args.train_file`: "
+                                         rf"{said.format('`data.init_args.max_seq_length=32`')} into windows"):
         dm.setup()
-    assert dm.stats["data.init_args.train_file"]["num_chat_split"] == 2
+    assert dm.stats["data.init_args.train_file"]["num_chat_split"] == num
 
 
 def test_chats_with_a_tokenizer_without_a_template_are_refused(write, tmp_path):

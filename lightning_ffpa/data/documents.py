@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_ffpa.data.sources import Record, read_records
-from lightning_ffpa.data.tokenizer import render_chat
+from lightning_ffpa.data.tokenizer import ChatTemplateError, apply_template, render_chat
 from lightning_ffpa.loss import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "Document", "Record", "TokenizeStats", "read_records", "tokenize_records"]
@@ -64,7 +64,8 @@ def has_generation_marks(tokenizer: Any) -> bool:
 def tokenize_records(
     records: Sequence[Record], tokenizer: Any, max_seq_length: int
 ) -> tuple[list[Document], TokenizeStats]:
-    """Tokenize, split to windows of at most `max_seq_length`, drop windows with nothing to learn."""
+    """Tokenize, split to windows of at most `max_seq_length`, drop windows with nothing to learn. A chat the
+    template refuses raises `ChatTemplateError` carrying its index in `records`."""
     stats = TokenizeStats(num_records=len(records))
     docs: list[Document] = []
     masked = has_generation_marks(tokenizer)
@@ -72,13 +73,10 @@ def tokenize_records(
         if isinstance(rec, str) and not rec.strip():
             stats.num_dropped_empty += 1
             continue
-        if isinstance(rec, str):
-            doc = _tokenize_text(rec, tokenizer)
-        elif masked:
-            doc = _tokenize_chat_marked(rec, tokenizer)
-            stats.num_chat_generation_masked += 1
-        else:
-            doc = _tokenize_chat(rec, tokenizer, stats)
+        try:
+            doc = _tokenize(rec, tokenizer, masked, stats)
+        except ChatTemplateError as err:  # the caller knows where record `index` came from
+            raise ChatTemplateError(str(err), record=index) from err
         windows = _split(doc, max_seq_length, index)
         stats.num_split += len(windows) > 1
         stats.num_chat_split += len(windows) > 1 and not isinstance(rec, str)
@@ -89,6 +87,16 @@ def tokenize_records(
             else:
                 stats.num_dropped_unlabelled += 1
     return docs, stats
+
+
+def _tokenize(rec: Record, tokenizer: Any, masked: bool, stats: TokenizeStats) -> Document:
+    if isinstance(rec, str):
+        return _tokenize_text(rec, tokenizer)
+    if masked:
+        doc = _tokenize_chat_marked(rec, tokenizer)
+        stats.num_chat_generation_masked += 1
+        return doc
+    return _tokenize_chat(rec, tokenizer, stats)
 
 
 def _wrap(tokenizer: Any, ids: list[int]) -> list[int]:
@@ -105,7 +113,7 @@ def _tokenize_text(text: str, tokenizer: Any) -> Document:
     return Document(ids, list(ids))
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> list[int]:
     return list(tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt), add_special_tokens=False))
 
 
@@ -119,17 +127,15 @@ def _finish_chat(tokenizer: Any, ids: list[int], labels: list[int], last_role: s
     return Document(wrapped, labels)
 
 
-def _tokenize_chat_marked(messages: list[dict[str, str]], tokenizer: Any) -> Document:
+def _tokenize_chat_marked(messages: list[dict[str, Any]], tokenizer: Any) -> Document:
     """Label exactly the tokens the template renders inside `{% generation %}` blocks."""
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
+    out = apply_template(tokenizer, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     ids = [int(i) for i in out["input_ids"]]
     labels = [i if m else IGNORE_INDEX for i, m in zip(ids, out["assistant_masks"])]
     return _finish_chat(tokenizer, ids, labels, messages[-1]["role"])
 
 
-def _tokenize_chat(messages: list[dict[str, str]], tokenizer: Any, stats: TokenizeStats) -> Document:
+def _tokenize_chat(messages: list[dict[str, Any]], tokenizer: Any, stats: TokenizeStats) -> Document:
     """Render growing prefixes of the chat; an assistant message's span is what it adds after the generation
     prompt (the role header is the prompt's); every other token is unlabelled."""
     ids: list[int] = []

@@ -24,7 +24,13 @@ from lightning_ffpa.data.sources import (
     record_of,
     require_datasets,
 )
-from lightning_ffpa.data.tokenizer import format_plain_chat, load_tokenizer, render_chat, tokenizer_digest
+from lightning_ffpa.data.tokenizer import (
+    ChatTemplateError,
+    format_plain_chat,
+    load_tokenizer,
+    render_chat,
+    tokenizer_digest,
+)
 from lightning_ffpa.errors import ConfigError
 
 
@@ -50,7 +56,7 @@ def collate_prompts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {k: [r.get(k) for r in rows] for k in keys}
 
 
-def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], chat_template: bool) -> tuple[str, list[int]]:
+def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], chat_template: bool) -> tuple[str, list[int]]:
     """The text the policy is prompted with and its ids.
 
     With `chat_template` and a tokenizer that has one, a chat (or a text prompt, as one user turn) is
@@ -161,7 +167,10 @@ class PromptDataModule(SeededDataModule):
             if not any(isinstance(c, str) and c.strip() for c in contents):  # it would be the start token alone
                 raise ConfigError(opt, source, f"row {n} has an empty prompt: the policy would be prompted with the "
                                                "start token alone; fill it or remove the row")
-            text, ids = render_prompt(self.tokenizer, prompt, self.chat_template)
+            try:
+                text, ids = render_prompt(self.tokenizer, prompt, self.chat_template)
+            except ChatTemplateError as err:
+                raise ConfigError(opt, source, f"row {n}: {err}") from err
             # every other field (the chat, an answer, ...) rides along to the reward functions; `prompt` is the
             # prompt as the data gives it (text, or a chat), as TRL passes it, and `prompt_text` what was rendered
             extra = {k: v for k, v in row.items() if k not in PROMPT_KEYS}

@@ -18,7 +18,7 @@ from typing import Any
 
 from lightning_ffpa.errors import ConfigError, one_line
 
-Record = str | list[dict[str, str]]  # plain text, or a chat as a list of {role, content}
+Record = str | list[dict[str, Any]]  # plain text, or a chat: messages {role, content, tool_calls, ...} whole
 Row = dict[str, Any]
 
 BUILTIN_EXTENSIONS = (".txt", ".jsonl")
@@ -116,12 +116,19 @@ def load_rows(source: str, option: str, config: str | None = None, split: str = 
     return data.to_list()
 
 
-def _chat(value: Any) -> list[dict[str, str]] | None:
-    ok = isinstance(value, list) and value and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value
-    )
-    return [{"role": m["role"], "content": m["content"]} for m in value] if ok else None
+def _is_message(m: Any) -> bool:
+    """A dict with a string `role` and a string `content`; `content` may be null or absent beside another field
+    (an assistant's `tool_calls`), as in Hugging Face's and OpenAI's chats."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        return False
+    others = any(v is not None for k, v in m.items() if k not in ("role", "content"))
+    return isinstance(m.get("content"), str) or (m.get("content") is None and others)
+
+
+def _chat(value: Any) -> list[dict[str, Any]] | None:
+    # each message goes to the chat template whole: `tool_calls`, `name`, `tool_call_id` are what it renders
+    ok = isinstance(value, list) and value and all(_is_message(m) for m in value)
+    return [dict(m) for m in value] if ok else None
 
 
 def record_of(row: Row, where: str, option: str, source: str, text_field: str, messages_field: str) -> Record:
@@ -132,13 +139,23 @@ def record_of(row: Row, where: str, option: str, source: str, text_field: str, m
         chat = _chat(row[messages_field])
         if chat is None:
             raise ConfigError(
-                option, source, f"{where}: `{messages_field}` must be a non-empty list of {{role: str, content: str}}"
+                option, source, f"{where}: `{messages_field}` must be a non-empty list of messages {{role: str, "
+                "content: str}, `content` null or absent only beside other fields (tool_calls)"
             )
         return chat
     fields = ", ".join(sorted(row)) or "none"
     raise ConfigError(
         option, source, f"{where} needs a string `{text_field}` or a list `{messages_field}` (its fields: {fields})"
     )
+
+
+def _check_not_both(row: Row, where: str, option: str, source: str, text_field: str, messages_field: str) -> None:
+    """A row with a text and a chat is the user's choice to make: the text is learned whole, the chat on its
+    assistant turns only. A null (a parquet column the row lacks) is no value."""
+    if text_field != messages_field and row.get(text_field) is not None and row.get(messages_field) is not None:
+        raise ConfigError(option, source, f"{where} has both `{text_field}` and `{messages_field}`: remove one (a text "
+                          "is learned whole, a chat on its assistant turns only), or point `text_field` or "
+                          "`messages_field` at another field")
 
 
 def read_records(
@@ -150,16 +167,31 @@ def read_records(
     messages_field: str = "messages",
 ) -> list[Record]:
     """Text or chat records of a local file or a `datasets` source; an empty source is an error."""
+    return [r for _, r in read_located_records(source, option, config, split, text_field, messages_field)]
+
+
+def read_located_records(
+    source: str,
+    option: str,
+    config: str | None = None,
+    split: str = "train",
+    text_field: str = "text",
+    messages_field: str = "messages",
+) -> list[tuple[str, Record]]:
+    """`read_records`, each record with where it is (`line 3`, `row 3`, `paragraph 3`), for errors found later."""
     ext = os.path.splitext(source)[1].lower() if os.path.isfile(source) else None
     if ext == ".txt":
-        records: list[Record] = list(read_text_documents(source, option))
+        records: list[tuple[str, Record]] = [
+            (f"paragraph {n}", d) for n, d in enumerate(read_text_documents(source, option), 1)]
     else:
         located = (
             [(f"line {n}", r) for n, r in _read_jsonl(source, option)]
             if ext == ".jsonl"
             else [(f"row {n}", r) for n, r in enumerate(load_rows(source, option, config, split), 1)]
         )
-        records = [record_of(r, w, option, source, text_field, messages_field) for w, r in located]
+        for where, row in located:
+            _check_not_both(row, where, option, source, text_field, messages_field)
+        records = [(w, record_of(r, w, option, source, text_field, messages_field)) for w, r in located]
     if not records:
         raise ConfigError(option, source, "holds no documents (the file or split is empty)")
     return records

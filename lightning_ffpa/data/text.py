@@ -24,10 +24,10 @@ from lightning_ffpa.data.sources import (
     check_dataset_config,
     check_file,
     check_split,
-    read_records,
+    read_located_records,
     require_datasets,
 )
-from lightning_ffpa.data.tokenizer import load_tokenizer, pad_id_of, tokenizer_digest
+from lightning_ffpa.data.tokenizer import ChatTemplateError, load_tokenizer, pad_id_of, tokenizer_digest
 from lightning_ffpa.errors import ConfigError
 
 VAL_FRACTION = 0.05  # the default hold-out; another value beside a validation source would be ignored
@@ -101,7 +101,8 @@ class TextDataModule(SeededDataModule):
             train_split: The split of `dataset` (or of a `datasets`-read file) to train on; slices like `train[:1000]` work.
             val_split: The split of `dataset` to validate on; unset holds out `val_fraction` of the training documents.
             text_field: Field of a row holding plain text.
-            messages_field: Field of a row holding a chat (a list of {role, content}), rendered by the tokenizer's chat template.
+            messages_field: Field of a row holding a chat (a list of {role, content} messages), rendered by the tokenizer's
+                chat template; each message reaches it whole (`tool_calls`, `name`, ...).
             val_fraction: Share of training documents held out whole for validation when there is no val file or split (0: none; refused beside either).
             tokenizer: "byte" for the byte-level tokenizer, or a local folder or hub id for `AutoTokenizer`.
             max_seq_length: Longest row in tokens; longer documents are cut into windows of this length.
@@ -181,10 +182,13 @@ class TextDataModule(SeededDataModule):
 
     def _documents(self, source: str, name: str, split: str) -> list[Document]:
         opt = option(name)
-        records = read_records(
+        located = read_located_records(
             source, opt, self.dataset_config, split, text_field=self.text_field, messages_field=self.messages_field
         )
-        docs, stats = tokenize_records(records, self.tokenizer, self.max_seq_length)
+        try:
+            docs, stats = tokenize_records([r for _, r in located], self.tokenizer, self.max_seq_length)
+        except ChatTemplateError as err:  # the record's place in its source, as other bad rows are named
+            raise ConfigError(opt, source, f"{located[err.record][0]}: {err}") from err
         self.stats[opt] = asdict(stats)
         self._report_chat_labels(opt, stats)
         if not docs:
@@ -193,23 +197,24 @@ class TextDataModule(SeededDataModule):
                 f"{stats.num_dropped_unlabelled} too short or without an assistant turn)"
             )
         if stats.num_dropped_empty:
-            rank_zero_info(f"`{opt}`: {stats.num_dropped_empty} of {stats.num_records} texts are empty and not trained on")
+            rank_zero_info(f"`{opt}`: {stats.num_dropped_empty} of {stats.num_records} texts "
+                           f"{_verb(stats.num_dropped_empty, 'is', 'are')} empty and not trained on")
         return docs
 
     def _report_chat_labels(self, opt: str, stats: TokenizeStats) -> None:
         """Say once per source which tokens of its chats are learned."""
         if stats.num_chat_generation_masked:
             rank_zero_info(
-                f"`{opt}`: {stats.num_chat_generation_masked} chats learn the assistant tokens only, as marked "
-                "by the chat template's {% generation %} blocks"
+                f"`{opt}`: {_count(stats.num_chat_generation_masked, 'chat learns', 'chats learn')} the assistant "
+                "tokens only, as marked by the chat template's {% generation %} blocks"
             )
         if stats.num_chat_prefix_masked:
             how = ("the template has no {% generation %} marks; its turns render the same in every prefix"
                    if getattr(self.tokenizer, "chat_template", None) else
                    "as the byte tokenizer's plain `role: content` lines: it has no chat template")
             rank_zero_info(
-                f"`{opt}`: {stats.num_chat_prefix_masked} chats learn the assistant tokens only, found by rendering "
-                f"the chat prefix by prefix ({how})"
+                f"`{opt}`: {_count(stats.num_chat_prefix_masked, 'chat learns', 'chats learn')} the assistant tokens "
+                f"only, found by rendering the chat prefix by prefix ({how})"
             )
         if stats.num_chat_header_learned:
             rank_zero_info(
@@ -219,15 +224,16 @@ class TextDataModule(SeededDataModule):
             )
         if stats.num_chat_split:
             rank_zero_warn(
-                f"`{opt}`: {stats.num_chat_split} chats are longer than `{option('max_seq_length')}="
-                f"{self.max_seq_length}` and were cut into windows; each window after the first is learned without "
-                "the turns before it (windows with no assistant token are dropped); raise max_seq_length to keep "
-                "chats whole"
+                f"`{opt}`: {_count(stats.num_chat_split, 'chat is', 'chats are')} longer than "
+                f"`{option('max_seq_length')}={self.max_seq_length}` and {_verb(stats.num_chat_split, 'was', 'were')} "
+                "cut into windows; each window after the first is learned without the turns before it (windows "
+                "with no assistant token are dropped); raise max_seq_length to keep chats whole"
             )
         if stats.num_chat_unmasked:
             rank_zero_warn(
-                f"`{opt}`: {stats.num_chat_unmasked} chats render differently turn by turn under this chat "
-                "template, which has no {% generation %} marks; all their tokens are learned (user turns too)"
+                f"`{opt}`: {_count(stats.num_chat_unmasked, 'chat renders', 'chats render')} differently turn by "
+                "turn under this chat template, which has no {% generation %} marks; all "
+                f"{_verb(stats.num_chat_unmasked, 'its', 'their')} tokens are learned (user turns too)"
             )
 
     def num_train_rows(self) -> int | None:
@@ -278,6 +284,16 @@ class TextDataModule(SeededDataModule):
         if not len(self._val):
             return self.no_rows()
         return self._loader(self._val, self._collate(), train=False)
+
+
+def _verb(num: int, one: str, many: str) -> str:
+    """The word that agrees with `num`: `one` for 1, else `many`."""
+    return one if num == 1 else many
+
+
+def _count(num: int, one: str, many: str) -> str:
+    """`num` and its noun (and verb) in agreement: "1 chat is", "2 chats are"."""
+    return f"{num} {_verb(num, one, many)}"
 
 
 def _check_read_options(train_file: str | None, val_file: str | None, dataset: str | None, text_field: str,

@@ -1,8 +1,9 @@
 """Tokenizers for the data modules: a byte-level fallback and loading a Hugging Face tokenizer.
 
 Owns: `ByteTokenizer`, `load_tokenizer(spec)` (a local folder or a hub id, through `AutoTokenizer`),
-`tokenizer_digest` (what a checkpoint records of its tokenizer) and the plain chat format used when a tokenizer has no chat template. Does not own turning documents into training
-rows (see `documents.py`) or batching.
+`tokenizer_digest` (what a checkpoint records of its tokenizer), the plain chat format used when a tokenizer has
+no chat template, and `apply_template`, which turns a chat template's failures into the user's errors. Does not
+own turning documents into training rows (see `documents.py`) or batching.
 """
 
 from __future__ import annotations
@@ -13,31 +14,65 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_ffpa.errors import ConfigError, one_line
+from lightning_ffpa.errors import ConfigError, InputError, one_line
 
 BYTE_TOKENIZER = "byte"
 
 
-def format_plain_chat(messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
-    """Render messages as ``"<role>: <content>\\n"`` lines (the format for tokenizers without a template)."""
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+def format_plain_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    """Render messages as ``"<role>: <content>\\n"`` lines (the format for tokenizers without a template); a
+    message's other fields (`tool_calls`, ...) follow its content as JSON."""
+    text = "".join(f"{m['role']}: {_plain_content(m)}\n" for m in messages)
     if add_generation_prompt:
         text += "assistant: "
     return text
 
 
-def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False,
+def _plain_content(message: dict[str, Any]) -> str:
+    # null fields are left out: a parquet or arrow chat has every message's fields in every message
+    others = {k: v for k, v in message.items() if k not in ("role", "content") and v is not None}
+    parts = [message.get("content") or "", json.dumps(others, ensure_ascii=False) if others else ""]
+    return " ".join(p for p in parts if p)
+
+
+def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False,
                 option: str = "data.init_args.tokenizer") -> str:
     """A chat as text: by the tokenizer's chat template; the byte tokenizer's plain `role: content` lines. A
     Hugging Face tokenizer without a template is refused (transformers refuses it too): a format of our own
     would be one the model meets nowhere else, nor at inference from the exported tokenizer."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return apply_template(tokenizer, messages, option, tokenize=False, add_generation_prompt=add_generation_prompt)
     if isinstance(tokenizer, ByteTokenizer):
         return format_plain_chat(messages, add_generation_prompt)
     raise ConfigError(option, getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
                       "has no chat template, and the data holds chats: give the tokenizer one (`chat_template.jinja` "
                       "in its folder, or `chat_template` in tokenizer_config.json), or give the data as text")
+
+
+class ChatTemplateError(InputError):
+    """A chat the tokenizer's chat template refused (its `raise_exception`) or failed on; the caller says which
+    record of which source it was (`record`, set by `tokenize_records`)."""
+
+    def __init__(self, message: str, record: int | None = None) -> None:
+        super().__init__(message)
+        self.record = record
+
+
+def apply_template(tokenizer: Any, messages: Sequence[dict[str, Any]], option: str = "data.init_args.tokenizer",
+                   **kwargs: Any) -> Any:
+    """`tokenizer.apply_chat_template(messages, **kwargs)`, its template's failures as the user's errors: a template
+    that is not Jinja is the tokenizer's (`ConfigError` naming `option`); a chat it refuses, the data's
+    (`ChatTemplateError`). Both were a jinja2 traceback."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(option, getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
+                          f"its chat template is not valid Jinja (template line {e.lineno}): {e.message}") from e
+    except jinja2.TemplateError as e:  # `raise_exception(...)` raises the base class; others are render failures
+        how = "refused it" if type(e) is jinja2.TemplateError else f"failed on it ({type(e).__name__})"
+        raise ChatTemplateError(f"the chat template of `{option}` {how}: {one_line(e)}") from e
 
 
 class ByteTokenizer:
@@ -85,7 +120,7 @@ class ByteTokenizer:
 
     def apply_chat_template(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[dict[str, Any]],
         tokenize: bool = True,
         add_generation_prompt: bool = False,
     ) -> list[int] | str:

@@ -21,6 +21,8 @@ import torch
 import yaml
 from _console import ROOT, Preloaded, run, snapshot
 
+from tests.data.conftest import PLAIN_TEMPLATE, save_tokenizer
+
 F = "lightning-ffpa fit --config fit.yaml"
 G = "lightning-ffpa fit --config grpo.yaml"
 E = "lightning-ffpa-export"
@@ -257,6 +259,15 @@ ROWS = [
      "--trainer.callbacks.init_args.attn_implementation bogus", "`FFPAAttention.attn_implementation='bogus'`: is "
      "unknown"),  # HF's ValueError after the model was built, exit 1
     ("lightning-ffpa recipe", "`recipe`: not a subcommand; one of fit, validate, test, predict, recipes, cp"),  # same
+    # a chat template's `raise_exception` and a template that is not Jinja: jinja2 tracebacks, exit 1
+    (f"{F} --data.init_args.train_file sys.jsonl --data.init_args.tokenizer rolestok --data.init_args.val_fraction 0",
+     "`data.init_args.train_file='sys.jsonl'`: line 1: the chat template of `data.init_args.tokenizer` refused it: "
+     "Conversation roles must alternate"),
+    (f"{F} --data.init_args.train_file sys.jsonl --data.init_args.tokenizer jinjatok --data.init_args.val_fraction 0",
+     "`data.init_args.tokenizer='jinjatok'`: its chat template is not valid Jinja (template line 1)"),
+    # a row with both a text and a chat trained on the text, unmasked, without a word
+    (f"{F} --data.init_args.train_file both.jsonl", "`data.init_args.train_file='both.jsonl'`: line 1 has both `text` "
+     "and `messages`"),
 ]
 
 
@@ -285,6 +296,13 @@ def template(tmp_path_factory) -> Path:
     (root / "stubtok" / "tokenizer_config.json").write_text(json.dumps({**specials, "tokenizer_class": "GemmaTokenizer"}))
     (root / "stubtok" / "special_tokens_map.json").write_text(json.dumps(specials))
     _save_wordlevel_tokenizer(root / "bigtok", 600)  # more ids than the tiny model's 512
+    refuses_system = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('Conversation roles must "
+                      "alternate') }}{% endif %}")
+    save_tokenizer(root / "rolestok", refuses_system + PLAIN_TEMPLATE)
+    save_tokenizer(root / "jinjatok", "{% for m in messages %}{{ m['content'] }")
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    (root / "sys.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    (root / "both.jsonl").write_text(json.dumps({"text": "a text", "messages": chat[1:]}) + "\n")
     (root / "garbage.ckpt").write_bytes(b"not a checkpoint\n" * 64)
     (root / "afile").write_text("a file where a folder is expected\n")
     (root / "emptydir").mkdir()

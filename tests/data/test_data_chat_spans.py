@@ -14,7 +14,8 @@ from lightning_ffpa.data.documents import tokenize_records
 from lightning_ffpa.data.tokenizer import load_tokenizer
 from lightning_ffpa.errors import ConfigError
 
-WORDS = "the cat how are you i am fine thanks what is two plus three five four hello world model system user".split()
+WORDS = ("the cat how are you i am fine thanks what is two plus three five four hello world model system user "
+         "tool call").split()
 _OPEN = (
     "{{ bos_token }}{% set turns = messages %}"
     "{% if messages[0]['role'] == 'system' %}<|turn> system {{ messages[0]['content'] | trim }} <turn|> "
@@ -118,3 +119,39 @@ def test_the_data_module_reports_the_prefix_rule(tmp_path, write, caplog):
         dm.setup()
     assert "3 chats learn the assistant tokens only, found by rendering the chat prefix by prefix" in caplog.text
     assert dm.stats["data.init_args.train_file"]["num_chat_header_learned"] == 0
+
+
+# the Gemma4 layout with tool calls: an assistant turn renders its content (if any), then each call
+_TOOL_BODY = ("{% if m['content'] %}{{ m['content'] | trim }} {% endif %}{% for t in m['tool_calls'] or [] %}"
+              "call {{ t['function']['name'] }} {{ t['function']['arguments']['x'] }} {% endfor %}<turn|> ")
+TOOLS = _OPEN + _TOOL_BODY + _CLOSE
+TOOLS_MARKED = (_OPEN + "{% if role == 'model' %}{% generation %}" + _TOOL_BODY + "{% endgeneration %}"
+                "{% else %}" + _TOOL_BODY + "{% endif %}" + _CLOSE)
+_CALL = {"type": "function", "function": {"name": "plus", "arguments": {"x": "two three"}}}
+
+
+def _tool_chat(content):
+    """A tool-use chat whose tool-calling turn has `content` ("": OpenAI's exports; None; "absent": no key)."""
+    calling = {"role": "assistant", "tool_calls": [_CALL]} | ({} if content == "absent" else {"content": content})
+    return [{"role": "user", "content": "what is two plus three"}, calling,
+            {"role": "tool", "name": "plus", "tool_call_id": "call", "content": "five"},
+            {"role": "assistant", "content": "five"}]
+
+
+@pytest.mark.parametrize("content", ["", None, "absent"])
+@pytest.mark.parametrize("template", ["plain", "marked"])
+def test_tool_calls_reach_the_template_and_are_learned(tmp_path, write, template, content):
+    """`tool_calls`, `name` and `tool_call_id` were dropped (a message kept `role` and `content` alone), so a
+    tool-calling turn trained as an empty one; a null or absent `content` beside them was refused."""
+    chat = _tool_chat(content)
+    tok = _tokenizer(tmp_path / template, TOOLS if template == "plain" else TOOLS_MARKED)
+    dm = TextDataModule(train_file=write("tools.jsonl", [{"messages": chat}]), tokenizer=str(tmp_path / template),
+                        val_fraction=0.0, batch_size=1, max_seq_length=128)
+    dm.setup()
+    row = dm._train[0]
+    want = tok.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+    assert row["input_ids"].tolist() == [*want, tok.eos_token_id]  # the data module adds the eos the template lacks
+    learned = tok.decode([t for t in row["labels"].tolist() if t != IGNORE_INDEX])
+    assert learned == "call plus two three <turn|> five <turn|> <eos>"  # not the tool's result, not the headers
+    stats = dm.stats["data.init_args.train_file"]
+    assert stats["num_chat_generation_masked" if template == "marked" else "num_chat_prefix_masked"] == 1

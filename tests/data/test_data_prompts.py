@@ -163,3 +163,15 @@ def test_chat_prompts_with_a_tokenizer_without_a_template_are_refused(write, tmp
     with pytest.raises(ConfigError, match=r"^`data.init_args.tokenizer='.*bare'`: has no chat template, and the data "
                                           r"holds chats"):
         _batch(dm)
+
+
+def test_a_prompt_the_chat_template_refuses_names_the_row(write, tmp_path):
+    from tests.data.conftest import PLAIN_TEMPLATE, save_tokenizer
+
+    refuses = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turn') }}{% endif %}"
+    tok = save_tokenizer(tmp_path / "tok", refuses + PLAIN_TEMPLATE)
+    rows = [{"prompt": "hello"}, {"messages": [{"role": "system", "content": "the cat"}, {"role": "user", "content": "hi"}]}]
+    dm = PromptDataModule(path=write("p.jsonl", rows), tokenizer=tok, batch_size=1)
+    with pytest.raises(ConfigError, match=r"^`data\.init_args\.path='.*p\.jsonl'`: row 2: the chat template of "
+                                          r"`data\.init_args\.tokenizer` refused it: no system turn$"):
+        dm.setup()

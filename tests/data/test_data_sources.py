@@ -130,6 +130,13 @@ def test_row_without_the_fields_names_them(tmp_path):
         TextDataModule(train_file=path, val_fraction=0.0, batch_size=1).setup()
 
 
+def test_a_row_with_both_a_text_and_a_chat_is_refused(tmp_path):
+    """It trained on the text alone, unmasked, without a word; a null in either column (parquet) is not a value."""
+    path = _save(tmp_path / "both.parquet", [{"text": "ok"}, {"messages": CHAT}, {"text": "the cat", "messages": CHAT}])
+    with pytest.raises(ConfigError, match=r"both\.parquet'`: row 3 has both `text` and `messages`: remove one"):
+        TextDataModule(train_file=path, val_fraction=0.0, batch_size=1).setup()
+
+
 @pytest.mark.parametrize("pack", [False, True])
 def test_generation_marks_label_exactly_the_assistant_tokens(tmp_path, hf_generation_tokenizer_dir, caplog, pack):
     path = _save(tmp_path / "chat.parquet", [{"messages": CHAT}, {"text": "hello world"}])
@@ -140,7 +147,7 @@ def test_generation_marks_label_exactly_the_assistant_tokens(tmp_path, hf_genera
     stats = dm.stats["data.init_args.train_file"]
     assert (stats["num_chat_generation_masked"], stats["num_chat_prefix_masked"], stats["num_chat_unmasked"]) == (
         1, 0, 0)
-    assert "1 chats learn the assistant tokens only" in caplog.text
+    assert "1 chat learns the assistant tokens only" in caplog.text
     tok = dm.tokenizer
     rows = [dm._train[i] for i in range(len(dm._train))]
     learned = " | ".join(tok.decode(r["labels"][r["labels"] != IGNORE_INDEX], skip_special_tokens=True) for r in rows)
@@ -157,7 +164,7 @@ def test_without_generation_marks_the_prefix_rule_is_reported(tmp_path, hf_token
                         batch_size=1)
     with caplog.at_level(logging.INFO):
         dm.setup()
-    assert "1 chats learn the assistant tokens only, found by rendering the chat prefix by prefix" in caplog.text
+    assert "1 chat learns the assistant tokens only, found by rendering the chat prefix by prefix" in caplog.text
     assert "role header is learned" not in caplog.text
     row = dm._train[0]
     learned = dm.tokenizer.decode(row["labels"][row["labels"] != IGNORE_INDEX], skip_special_tokens=True)

@@ -1,5 +1,8 @@
 """TextDataModule: .txt and .jsonl (text and chat) loading, splits, labels, and bad-input errors."""
 
+import json
+import logging
+
 import pytest
 import torch
 
@@ -177,6 +180,14 @@ def test_bad_options_fail_at_construction(kwargs, error, pattern):
         ("bad.jsonl", '{"text": "ok"}\n{"txt": 1}\n', r"`data\.init_args\.train_file=.*bad\.jsonl'`: line 2 needs"),
         ("broken.jsonl", "{not json\n", r"line 1 is not valid JSON"),
         ("msgs.jsonl", '{"messages": [{"role": "user"}]}\n', r"line 1: `messages` must be"),
+        ("both.jsonl", '{"text": "ok"}\n{"text": "hi", "messages": [{"role": "user", "content": "hi"}]}\n',
+         r"both\.jsonl'`: line 2 has both `text` and `messages`: remove one"),  # it trained on the text, unmasked
+        ("null.jsonl", '{"messages": [{"role": "user", "content": null}]}\n', r"line 1: `messages` must be"),
+        ("nulls.jsonl", '{"messages": [{"role": "assistant", "content": null, "name": null}]}\n',
+         r"line 1: `messages` must be a non-empty list of messages \{role: str, content: str\}, `content` null or "
+         r"absent only beside other fields \(tool_calls\)"),
+        ("parts.jsonl", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}\n',
+         r"line 1: `messages` must be"),
         ("data.csv", "a,b\n", r"must end in one of \.txt, \.jsonl, \.json, \.parquet, \.arrow, not '\.csv'"),
         ("users.jsonl", '{"messages": [{"role": "user", "content": "hi"}]}\n', r"no document with a token"),
         ("empties.jsonl", '{"text": ""}\n{"text": "  "}\n', r"no document with a token to learn from \(2 empty"),
@@ -193,11 +204,18 @@ def test_split_leaving_no_train_document(write):
         dm.setup()
 
 
-def test_empty_texts_are_not_trained_on(write):
+def test_empty_texts_are_not_trained_on(write, caplog):
     """An empty text would be a row of bos -> eos alone: dropped and counted."""
     dm = TextDataModule(train_file=write("some.jsonl", [{"text": ""}, {"text": "kept text"}, {"text": " "}]),
                         val_fraction=0.0, batch_size=1)
-    dm.setup()
+    with caplog.at_level(logging.INFO):
+        dm.setup()
+    assert "`data.init_args.train_file`: 2 of 3 texts are empty and not trained on" in caplog.text
+    one = TextDataModule(train_file=write("one.jsonl", [{"text": ""}, {"text": "kept text"}]), val_fraction=0.0,
+                         batch_size=1)
+    with caplog.at_level(logging.INFO):
+        one.setup()
+    assert "`data.init_args.train_file`: 1 of 2 texts is empty and not trained on" in caplog.text
     assert len(dm._train) == 1 and dm.stats["data.init_args.train_file"]["num_dropped_empty"] == 2
 
 
@@ -209,16 +227,18 @@ def test_a_file_that_is_not_utf8_names_the_option_and_the_file(tmp_path, name):
         TextDataModule(train_file=str(path), val_fraction=0.0).setup()
 
 
-def test_chats_cut_into_windows_are_warned_about(write):
+@pytest.mark.parametrize("num, said", [(2, "2 chats are longer than {} and were cut"),
+                                       (1, "1 chat is longer than {} and was cut")])  # was "1 chats are"
+def test_chats_cut_into_windows_are_warned_about(write, num, said):
     """A chat longer than max_seq_length was cut with only a count in the stats: the windows after the first are
     learned without the user turns before them."""
     chat = [{"role": "user", "content": "a question " * 4}, {"role": "assistant", "content": "an answer " * 6}]
-    dm = TextDataModule(train_file=write("c.jsonl", [{"messages": chat}] * 2), val_fraction=0.0, max_seq_length=32,
+    dm = TextDataModule(train_file=write("c.jsonl", [{"messages": chat}] * num), val_fraction=0.0, max_seq_length=32,
                         batch_size=1)
-    with pytest.warns(UserWarning, match=r"`data.init_args.train_file`: 2 chats are longer than "
-                                         r"`data.init_args.max_seq_length=32` and were cut into windows"):
+    with pytest.warns(UserWarning, match=rf"`data.init_args.train_file`: "
+                                         rf"{said.format('`data.init_args.max_seq_length=32`')} into windows"):
         dm.setup()
-    assert dm.stats["data.init_args.train_file"]["num_chat_split"] == 2
+    assert dm.stats["data.init_args.train_file"]["num_chat_split"] == num
 
 
 def test_chats_with_a_tokenizer_without_a_template_are_refused(write, tmp_path):
@@ -231,4 +251,37 @@ def test_chats_with_a_tokenizer_without_a_template_are_refused(write, tmp_path):
                         val_fraction=0.0, max_seq_length=64, batch_size=1)
     with pytest.raises(ConfigError, match=r"^`data.init_args.tokenizer='.*bare'`: has no chat template, and the data "
                                           r"holds chats"):
+        dm.setup()
+
+
+# a template that refuses a system turn, as templates of models without one do (Gemma 2, Mistral)
+REFUSES_SYSTEM = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('Conversation roles must alternate') }}"
+                  "{% endif %}")
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["prefix", "generation_marks"])
+def test_a_chat_the_template_refuses_names_the_file_and_line(write, tmp_path, marked):
+    """The template's `raise_exception` was a jinja2 traceback (exit 1), with no word of which row it refused."""
+    from tests.data.conftest import GENERATION_TEMPLATE, PLAIN_TEMPLATE, save_tokenizer
+
+    tok = save_tokenizer(tmp_path / "tok", REFUSES_SYSTEM + (GENERATION_TEMPLATE if marked else PLAIN_TEMPLATE))
+    ok = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello world"}]
+    path = write("sys.jsonl", json.dumps({"messages": ok}) + "\n\n" + json.dumps(
+        {"messages": [{"role": "system", "content": "the cat"}, *ok]}) + "\n")  # line 3: a blank line counts
+    dm = TextDataModule(train_file=path, tokenizer=tok, val_fraction=0.0, batch_size=1)
+    with pytest.raises(ConfigError, match=r"^`data\.init_args\.train_file='.*sys\.jsonl'`: line 3: the chat template of "
+                                          r"`data\.init_args\.tokenizer` refused it: Conversation roles must alternate$"):
+        dm.setup()
+
+
+def test_a_chat_template_that_is_not_jinja_names_the_tokenizer(write, tmp_path):
+    """A syntax error is the tokenizer's, whichever chat meets it first: the option named is the tokenizer's."""
+    from tests.data.conftest import save_tokenizer
+
+    tok = save_tokenizer(tmp_path / "tok", "{% for m in messages %}{{ m['content'] }")
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello world"}]
+    dm = TextDataModule(train_file=write("c.jsonl", [{"messages": chat}]), tokenizer=tok, val_fraction=0.0,
+                        batch_size=1)
+    with pytest.raises(ConfigError, match=r"^`data\.init_args\.tokenizer='.*tok'`: its chat template is not valid "
+                                          r"Jinja \(template line 1\): "):
         dm.setup()

@@ -110,3 +110,14 @@ def test_a_pretrained_folders_own_tokenizer_left_unused_is_warned_about(tmp_path
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_pretrained_tokenizer_unused(model, TextDataModule(train_file=data.train_file, tokenizer=folder))
+
+
+def test_byte_chat_format_keeps_a_messages_other_fields():
+    """Without a template, the fields beside `content` (a tool call) follow it as JSON; null ones (a parquet
+    column the message lacks) are left out."""
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}
+    msgs = [{"role": "assistant", "tool_calls": [call]}, {"role": "tool", "content": "4", "tool_call_id": "c1",
+                                                           "name": None}]
+    assert ByteTokenizer().apply_chat_template(msgs, tokenize=False) == (
+        'assistant: {"tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]}\n'
+        'tool: 4 {"tool_call_id": "c1"}\n')

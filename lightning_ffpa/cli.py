@@ -78,8 +78,12 @@ def _run_lightning(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The `lightning-ffpa` console script: exit code 0 on success, 2 with one `error:` line on a bad input."""
+    from lightning_ffpa.errors import CheckpointError
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    return console_entry(_answer_without_lightning if _help_only(argv) else _run_lightning, argv=argv)
+    # a checkpoint that cannot be loaded is the user's: one line, wherever it is found (a load hook included)
+    return console_entry(_answer_without_lightning if _help_only(argv) else _run_lightning,
+                         user_errors=(CheckpointError,), argv=argv)
 
 
 def export_main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ and its check are `lightning_ffpa.checkpoint.frozen`'s). Does not own training (
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import re
 from pathlib import Path
@@ -51,7 +52,14 @@ from lightning_ffpa.checkpoint.pretrained_files import check_weight_files
 from lightning_ffpa.dtypes import parse_dtype
 from lightning_ffpa.errors import NOT_GIVEN, CheckpointError, ConfigError, data_option, one_line
 from lightning_ffpa.fp8_base import check_device as fp8_base_check_device
-from lightning_ffpa.lora import PEFT_LEVEL, apply_lora, check_targets_given, lora_hparam, unwrap_peft
+from lightning_ffpa.lora import (
+    PEFT_LEVEL,
+    LoraSpec,
+    apply_lora,
+    check_targets_given,
+    lora_hparam,
+    unwrap_peft,
+)
 from lightning_ffpa.presets import (
     build_text_config,
     check_experts,
@@ -65,6 +73,9 @@ from lightning_ffpa.presets import (
 ARCHITECTURE_HPARAMS = ("pretrained", "preset", "config_overrides", "model_class", "lora")
 LORA_RUN_MODES = ("expert_adapters",)  # how the adapters compute, not what they are: free to change on resume
 LORA_SHAPES = ("lora.r", "lora.target_modules", "lora.target_parameters", "lora")  # the adapters' tensors
+# What a resume cannot change besides the architecture: the weights and AdamW's state are stored in `dtype`, and
+# another one would convert them. An evaluation builds no optimizer and converts for its own forward only.
+RESUME_HPARAMS = (*ARCHITECTURE_HPARAMS, "dtype")
 # Text-config fields that size a checkpoint's weights: a `pretrained` run cannot override them.
 SHAPE_FIELDS = frozenset({"hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
                           "num_key_value_heads", "head_dim", "global_head_dim", "num_global_key_value_heads",
@@ -102,6 +113,11 @@ def canonical_option(key: str, value: Any) -> Any:
         return lora
     if key == "pretrained" and isinstance(value, str) and os.path.isdir(os.path.expanduser(value)):
         return os.path.realpath(os.path.expanduser(value))  # one folder, however spelled
+    if key == "dtype" and isinstance(value, str):
+        try:
+            return resolve_dtype(value)  # `bf16` and `bfloat16` are one dtype
+        except ConfigError:
+            return value
     if isinstance(value, dict):
         return {k: canonical_option("", v) for k, v in value.items()} or None  # {} and None both mean "none"
     if isinstance(value, (list, tuple)):
@@ -444,7 +460,9 @@ class HFModule(L.LightningModule):
         Under FSDP2Strategy the weights are loaded (and the base checked) by the strategy before this hook,
         and the checkpoint it passes holds no `state_dict`.
         """
-        check_hparams_match(checkpoint.get("hyper_parameters"), self, "ckpt_path")
+        fitting = self._trainer is not None and self.trainer.state.fn == "fit"  # else no optimizer is resumed
+        check_hparams_match(checkpoint.get("hyper_parameters"), self, "ckpt_path", resume=fitting,
+                            saved_class=checkpoint.get(MODULE_CLASS_KEY))
         saved = checkpoint.get(FROZEN_BASE_KEY)
         state = checkpoint.get("state_dict")
         if saved is None or state is None:
@@ -473,22 +491,27 @@ def check_fp8_base_placement(lora: dict[str, Any] | None, strategy: Any) -> None
                           f"(not sharded by FSDP2), and the strategy has {what}: drop it, or set base_dtype model")
 
 
-def check_options_match_checkpoint(given: Any, saved: dict[str, Any] | None, ckpt_path: str, switch: str) -> None:
+def check_options_match_checkpoint(given: Any, saved: dict[str, Any] | None, ckpt_path: str, switch: str,
+                                   resume: bool = True) -> None:
     """Refuse `model.*` options that differ from those saved in the checkpoint `ckpt_path` (ConfigError).
 
     Why: with an explicit checkpoint file, LightningCLI re-parses the checkpoint's hyper-parameters over the
     user's `model` options, so a changed option would be replaced silently. `given` is the parsed `model`
     config (`{class_path, init_args}` in subclass mode, or the init args); `switch` names the option that
-    takes the checkpoint's values instead.
+    takes the checkpoint's values instead. Without `resume` (validate/test/predict: no optimizer is built),
+    the class's optimizer and schedule options are not compared.
     """
     if not saved or given is None:
         return
     given = given.as_dict() if hasattr(given, "as_dict") else dict(given)
-    init_args = given.get("init_args") if "class_path" in given else given
+    init_args = dict(given.get("init_args") or {}) if "class_path" in given else given
+    if not resume:
+        for key in optimizer_options(given.get("class_path") or saved.get("_class_path")):
+            init_args.pop(key, None)
     fix = (f"set it to the checkpoint's value (a `--config` file may be where it comes from), or pass `--{switch} "
            "true` to take the checkpoint's model options")
     saved_class, given_class = saved.get("_class_path"), given.get("class_path")
-    if saved_class and given_class and saved_class != given_class:
+    if saved_class and given_class and not _same_class(saved_class, given_class):
         raise ConfigError("model.class_path", given_class, f"differs from `ckpt_path={ckpt_path}`, which was "
                                                            f"trained with {saved_class!r}; {fix}")
     diffs = differing_options(saved, init_args or {})
@@ -499,39 +522,97 @@ def check_options_match_checkpoint(given: Any, saved: dict[str, Any] | None, ckp
                                                f"replace it silently; {fix}{also}")
 
 
+def optimizer_options(class_path: str | None) -> tuple[str, ...]:
+    """The options of module class `class_path` that only its optimizer and schedule read (none if not found)."""
+    try:
+        cls = getattr(importlib.import_module(class_path.rsplit(".", 1)[0]), class_path.rsplit(".", 1)[1])
+    except (AttributeError, ImportError, ValueError, IndexError):
+        return ()
+    return (*getattr(cls, "RESUMED_FROM_OPTIMIZER", ()), *getattr(cls, "RESUMED_SCHEDULE", ()))
+
+
+def _same_class(saved: str, given: str | type) -> bool:
+    """Whether import path `saved` names the class `given` (a class or its import path), however it is spelled
+    (`lightning_ffpa.Gemma4LM` is `lightning_ffpa.module.Gemma4LM`)."""
+    name = given if isinstance(given, str) else f"{given.__module__}.{given.__qualname__}"
+    if saved == name:
+        return True
+    try:
+        found = [getattr(importlib.import_module(p.rsplit(".", 1)[0]), p.rsplit(".", 1)[1]) for p in (saved, name)]
+    except (ImportError, AttributeError, ValueError, IndexError):
+        return False
+    return found[0] is found[1]
+
+
 def _first_lora_difference(was: dict[str, Any], now: dict[str, Any]) -> tuple[str, Any, Any]:
-    """The first LoRA sub-option that differs, as (`lora.<name>`, saved, current)."""
-    a, b = canonical_option("lora", was), canonical_option("lora", now)
-    for name in sorted(set(a or {}) | set(b or {})):
-        if (a or {}).get(name) != (b or {}).get(name):
-            return f"lora.{name}", was.get(name), now.get(name)
+    """The first LoRA sub-option that differs, as (`lora.<name>`, saved, current): canonical values, so one left
+    at its default (not stored) shows the default, not None."""
+    a, b = canonical_option("lora", was) or {}, canonical_option("lora", now) or {}
+    default = LoraSpec()
+    for name in sorted(set(a) | set(b)):
+        if a.get(name) != b.get(name):
+            return f"lora.{name}", a.get(name, getattr(default, name, None)), b.get(name, getattr(default, name, None))
     return "lora", was, now
 
 
-def check_hparams_match(saved: dict[str, Any] | None, model: Any, option: str = "ckpt_path") -> None:
-    """Refuse to resume a checkpoint whose architecture hyper-parameters differ from this run's `model.*`
-    (CheckpointError), or whose optimizer options do (`model.RESUMED_FROM_OPTIMIZER`; ConfigError): the loaded
-    param groups would replace them."""
+def check_hparams_match(saved: dict[str, Any] | None, model: Any, option: str = "ckpt_path", *, resume: bool = True,
+                        saved_class: str | None = None) -> None:
+    """Refuse a checkpoint of another module class (ConfigError), or whose architecture hyper-parameters differ
+    from this run's `model.*` (CheckpointError). A resume (`resume`) also refuses another `dtype` (the weights and
+    AdamW's state would be converted), and optimizer or schedule options (`model.RESUMED_FROM_OPTIMIZER`,
+    `model.RESUMED_SCHEDULE`; ConfigError) that the loaded optimizer and scheduler would not honour; an evaluation
+    builds no optimizer, so those are not compared. `saved_class`: the checkpoint's module class, when it names one.
+    """
     current = getattr(model, "hparams", None)
     if not saved or current is None:
         return
-    for key, was, now in differing_options(saved, dict(current), ARCHITECTURE_HPARAMS)[:1]:
-        if key == "lora" and isinstance(was, dict) and isinstance(now, dict):
-            key, was, now = _first_lora_difference(was, now)
-        why = ("its weights were trained from another base" if key == "pretrained" else
-               "its adapters were trained with that value" if key.startswith("lora.") and key not in LORA_SHAPES else
-               "the weights would not fit")
-        raise CheckpointError(
-            f"`{option}` was trained with `model.{key}={was!r}` but this run has "
-            f"`model.{key}={now!r}`: {why}; a resume continues the saved run as it was (start a new run from the "
-            "exported weights to change it)"
-        )
-    # a resume loads the optimizer's param groups from the checkpoint: these options would be ignored silently
-    for key, was, now in differing_options(saved, dict(current), getattr(model, "RESUMED_FROM_OPTIMIZER", ()))[:1]:
+    check_same_class(saved_class or saved.get("_class_path"), model, option)
+    keys = RESUME_HPARAMS if resume else ARCHITECTURE_HPARAMS
+    for key, was, now in differing_options(saved, dict(current), keys)[:1]:
+        _refuse_other_weights(key, was, now, option, resume)
+    if resume:
+        _check_optimizer_options(saved, model, option)
+
+
+def check_same_class(saved_class: str | None, model: Any, option: str = "ckpt_path") -> None:
+    """A checkpoint is loaded into the module class it was trained with: first, since another class's options
+    differ anyway (a GRPO policy resumed as SFT was refused for its learning rate, and trained once that was set)."""
+    if not saved_class or _same_class(saved_class, type(model)):
+        return
+    given = f"{type(model).__module__}.{type(model).__qualname__}"
+    raise ConfigError("model.class_path", given, f"differs from `{option}`, which was trained with {saved_class!r}: "
+                                                 "set `model.class_path` to it (a `--config` file may be where this "
+                                                 "one comes from)")
+
+
+def _refuse_other_weights(key: str, was: Any, now: Any, option: str, resume: bool) -> None:
+    """The CheckpointError for an architecture option (or, on a resume, `dtype`) that differs from the checkpoint's."""
+    if key == "lora" and isinstance(was, dict) and isinstance(now, dict):
+        key, was, now = _first_lora_difference(was, now)
+    why = ("its weights were trained from another base" if key == "pretrained" else
+           "its adapters were trained with that value" if key.startswith("lora.") and key not in LORA_SHAPES else
+           "its weights and optimizer state would be converted to it" if key == "dtype" else
+           "the weights would not fit")
+    then = ("a resume continues the saved run as it was (start a new run from the exported weights to change it)"
+            if resume else "to be evaluated, the checkpoint's model must be built as it was trained (set it back; a "
+                           "`--config` file may be where it comes from)")
+    raise CheckpointError(f"`{option}` was trained with `model.{key}={was!r}` but this run has "
+                          f"`model.{key}={now!r}`: {why}; {then}")
+
+
+def _check_optimizer_options(saved: dict[str, Any], model: Any, option: str) -> None:
+    """A resume loads the optimizer's param groups and the scheduler's step from the checkpoint: another learning
+    rate would be ignored silently, another warmup or floor would rebuild the schedule mid-run (the rate jumps)."""
+    fix = ("set it back (a `--config` file may be where it comes from), or start a new run from the exported "
+           "weights to train with another")
+    current = dict(model.hparams)
+    for key, was, now in differing_options(saved, current, getattr(model, "RESUMED_FROM_OPTIMIZER", ()))[:1]:
         raise ConfigError(f"model.{key}", now, f"differs from `{option}`, which has {was!r}: the resumed optimizer "
-                                               "keeps the checkpoint's value, so this one would be ignored; set it "
-                                               "back (a `--config` file may be where it comes from), or start a new "
-                                               "run from the exported weights to train with another")
+                                               f"keeps the checkpoint's value, so this one would be ignored; {fix}")
+    for key, was, now in differing_options(saved, current, getattr(model, "RESUMED_SCHEDULE", ()))[:1]:
+        raise ConfigError(f"model.{key}", now, f"differs from `{option}`, which has {was!r}: the resumed "
+                                               "learning-rate schedule continues the checkpoint's, and another value "
+                                               f"would rebuild it mid-run (the learning rate jumps); {fix}")
 
 
 def check_data_fits_model(model: Any, datamodule: Any) -> None:

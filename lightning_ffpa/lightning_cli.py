@@ -54,10 +54,12 @@ from lightning_ffpa.errors import (
 )
 from lightning_ffpa.parallel import close_process_group
 from lightning_ffpa.validation import (
+    MODULE_CLASS_KEY,
     PreflightCLIMixin,
     check_checkpoint,
     check_data_fits_model,
     check_evaluated_checkpoint,
+    check_hparams_match,
     check_strategy_loads,
     check_tokenizer_matches,
 )
@@ -458,21 +460,24 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
                   flush=True)
 
     def _check_ckpt_loads(self) -> None:
-        """The checkpoint `validate`/`test`/`predict` evaluates loads here, and fits the data: the data is read now
-        (a bad input is one line before the Trainer starts), its ids fit the model's vocabulary, and its tokenizer
-        is the one the checkpoint was trained with."""
+        """The checkpoint `validate`/`test`/`predict` evaluates loads here, into a model built as it was trained
+        (the module's load hook would refuse it only once the Trainer started), and fits the data: the data is read
+        now (a bad input is one line before the Trainer starts), its ids fit the model's vocabulary, and its
+        tokenizer is the one the checkpoint was trained with."""
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         with _as_user_errors():
             check_strategy_loads(self.trainer, ckpt_path)
             check_evaluated_checkpoint(self.trainer, ckpt_path, self.subcommand)
+            resolved = lightning_compat.resolve_ckpt_path(self.trainer, ckpt_path) if ckpt_path != "best" else None
+            state = check_checkpoint(resolved, "ckpt_path", resume=False, verify_checksums=False) if resolved else {}
+            check_hparams_match(state.get("hyper_parameters"), self.model, "ckpt_path", resume=False,
+                                saved_class=state.get(MODULE_CLASS_KEY))
             if callable(getattr(self.model, "check_data", None)):
                 self.model.check_data(self.datamodule)
             if callable(getattr(self.datamodule, "check_before_fit", None)):  # ours: reading twice costs nothing
                 self.datamodule.setup(self.subcommand)
             check_data_fits_model(self.model, self.datamodule)
-            resolved = lightning_compat.resolve_ckpt_path(self.trainer, ckpt_path) if ckpt_path != "best" else None
             if resolved is not None:
-                state = check_checkpoint(resolved, "ckpt_path", resume=False, verify_checksums=False)
                 check_tokenizer_matches(self.datamodule, state, resolved)
 
     def _say_what_is_evaluated(self) -> None:

@@ -74,6 +74,7 @@ class Gemma4LM(HFModule):
 
     # options a resume takes from the checkpoint's optimizer state, not from this run (`check_hparams_match`)
     RESUMED_FROM_OPTIMIZER = ("learning_rate", "weight_decay", "betas")
+    RESUMED_SCHEDULE = ("warmup_steps", "min_lr_ratio")  # the resumed scheduler's shape: a change jumps the rate
 
     def __init__(
         self,

@@ -35,8 +35,9 @@ from lightning_ffpa.checkpoint.paths import (
 )
 from lightning_ffpa.errors import NOT_GIVEN, CheckpointError, ConfigError, data_option
 from lightning_ffpa.fp8_base import check_device as fp8_base_check_device
-from lightning_ffpa.hf_module import (  # noqa: F401 - ARCHITECTURE_HPARAMS, check_hparams_match re-exported
+from lightning_ffpa.hf_module import (  # noqa: F401 - re-exported
     ARCHITECTURE_HPARAMS,
+    MODULE_CLASS_KEY,
     check_data_fits_model,
     check_fp8_base_placement,
     check_hparams_match,
@@ -361,7 +362,7 @@ def preflight(trainer: Any, model: Any, datamodule: Any = None, ckpt_path: str |
         return None
     check_strategy_loads(trainer, resolved)
     state = check_checkpoint(resolved, "ckpt_path")
-    check_hparams_match(state.get("hyper_parameters"), model, "ckpt_path")
+    check_hparams_match(state.get("hyper_parameters"), model, "ckpt_path", saved_class=state.get(MODULE_CLASS_KEY))
     check_frozen_seed(state.get(FROZEN_BASE_KEY), dict(getattr(model, "hparams", {})), resolved)
     check_data_resumes(trainer, datamodule, state)
     check_tokenizer_matches(datamodule, state, resolved)
@@ -470,7 +471,7 @@ class PreflightCLIMixin:
                 from lightning_ffpa.hf_module import check_options_match_checkpoint
 
                 check_options_match_checkpoint(self.config[subcommand].get("model"), state.get("hyper_parameters"),
-                                               ckpt_path, RESUME_SWITCH)
+                                               ckpt_path, RESUME_SWITCH, resume=subcommand == "fit")
 
     def _parse_ckpt_path(self) -> None:
         """LightningCLI takes the model options from a checkpoint file; do the same for a distributed checkpoint

@@ -129,6 +129,12 @@ CASES = [
     ("checkpoint of another architecture", {"model": {"preset": "tiny-moe"}}, ["--ckpt_path", "last"], None,
      R("model.preset")),
     ("ckpt_path=hpc without an HPC checkpoint", {}, ["--ckpt_path", "hpc"], None, R("ckpt_path")),
+    # `last` runs the comparisons an explicit file does: a new dtype converted the weights and AdamW's state, a new
+    # warmup rebuilt the schedule mid-run (both exit 0)
+    ("another dtype on a `last` resume", {"model": {"dtype": "bf16"}}, ["--ckpt_path", "last"], None,
+     R("`model.dtype='float32'` but this run has `model.dtype='bf16'`")),
+    ("another warmup on a `last` resume", {"model": {"warmup_steps": 50}}, ["--ckpt_path", "last"], None,
+     R("`model.warmup_steps=50`: differs from `ckpt_path`, which has 2")),
     ("LoRA targets that match nothing", _lora(["nope_proj"]), [], None, R("model.lora.target_modules")),
     ("one LoRA target of two matches nothing", _lora(["q_proj", "vv_proj"]), [], None, R("vv_proj")),
     ("LoRA regex that matches nothing", _lora(r".*\.attn_zz"), [], None, R("model.lora.target_modules")),
@@ -174,6 +180,10 @@ CASES = [
      None, R("`ckpt_path='best'`: `validate` has no best checkpoint")),
     ("validate --ckpt_path hpc without an HPC checkpoint", {"subcommand": "validate", "data": {"num_val_samples": 2}},
      ["--ckpt_path", "hpc"], None, R("`ckpt_path='hpc'`: no such checkpoint in")),
+    # the module's load hook refused it mid-validate: exit 1, a traceback, after the start-up lines
+    ("validate --ckpt_path last with another architecture", {"subcommand": "validate", "data": {"num_val_samples": 2},
+     "model": {"config_overrides": {"num_hidden_layers": 1}}}, ["--ckpt_path", "last"], None,
+     R("to be evaluated")),
 ]
 
 

@@ -203,3 +203,131 @@ def test_how_the_expert_adapters_run_may_change_on_resume():
     experts = {"r": 2, "target_parameters": ["experts.gate_up_proj"]}
     assert differing_options({"lora": experts}, {"lora": {**experts, "expert_adapters": "folded"}}) == []
     assert differing_options({"lora": experts}, {"lora": {**experts, "r": 4}})
+
+
+def test_a_defaulted_lora_option_is_named_with_its_default():
+    """A run trained with the default `lora_alpha` (8, left out of the saved dict) resumed with 16: the error said
+    "was trained with `model.lora.lora_alpha=None`"."""
+    from lightning_ffpa.hf_module import check_hparams_match
+
+    module = Gemma4LM(preset="tiny", lora={"r": 4, "lora_alpha": 16, "target_modules": ["q_proj"]})
+    saved = dict(module.hparams, lora={"r": 4, "target_modules": ["q_proj"]})
+    with pytest.raises(CheckpointError, match=r"`model\.lora\.lora_alpha=8` but this run has `model\.lora\.lora_alpha"
+                                              r"=16`"):
+        check_hparams_match(saved, module)
+
+
+@pytest.mark.parametrize("option, value, saved", [("warmup_steps", 50, 2), ("min_lr_ratio", 0.5, 0.1)])
+def test_a_changed_schedule_option_is_refused_on_resume(option, value, saved):
+    """`warmup_steps` 2 -> 50 on resume: the schedule was rebuilt with the new warmup (the learning rate jumped) and
+    the warning blamed `trainer.max_steps`; refused by name, as a new learning rate is."""
+    from lightning_ffpa.hf_module import check_hparams_match
+
+    module = Gemma4LM(preset="tiny", **{option: value})
+    with pytest.raises(ConfigError, match=rf"^`model\.{option}={value}`: differs from `ckpt_path`, which has {saved}: "
+                                          r"the resumed learning-rate schedule"):
+        check_hparams_match(dict(module.hparams, **{option: saved}), module)
+
+
+def test_a_changed_dtype_is_refused_on_resume_and_a_spelling_is_not_a_change():
+    """`--ckpt_path last --model.init_args.dtype bf16` over a float32 run converted the weights and AdamW's state
+    to bf16 silently (exit 0); the explicit file was refused. `bfloat16` and `bf16` are one dtype."""
+    from lightning_ffpa.hf_module import check_hparams_match
+
+    module = Gemma4LM(preset="tiny", dtype="bf16")
+    with pytest.raises(CheckpointError, match=r"`model\.dtype='float32'` but this run has `model\.dtype='bf16'`"):
+        check_hparams_match(dict(module.hparams, dtype="float32"), module)
+    check_hparams_match(dict(module.hparams, dtype="bfloat16"), module)
+
+
+def test_another_module_class_is_refused_first():
+    """A GRPO checkpoint resumed by `--ckpt_path last` into the SFT module: the first difference found was the
+    learning rate (set it, and GRPO's weights trained as SFT, exit 0). The class is compared first, for every form
+    of `ckpt_path`."""
+    from lightning_ffpa.hf_module import check_hparams_match
+
+    module = Gemma4LM(preset="tiny", learning_rate=0.5)
+    saved = dict(module.hparams, learning_rate=0.02, _class_path="lightning_ffpa.rl.module.GRPOModule")
+    for resume in (True, False):
+        with pytest.raises(ConfigError, match=r"^`model\.class_path='lightning_ffpa\.module\.Gemma4LM'`: differs from "
+                                              r"`ckpt_path`, which was trained with 'lightning_ffpa\.rl\.module\."
+                                              r"GRPOModule'"):
+            check_hparams_match(saved, module, resume=resume)
+
+
+def test_an_evaluation_compares_no_optimizer_option_and_says_why_the_model_must_match():
+    """`validate`/`test`/`predict` build no optimizer: a new learning rate was refused as "would be ignored". A LoRA
+    that differs is still refused, in words for an evaluation (not "a resume continues the saved run")."""
+    from lightning_ffpa.hf_module import check_hparams_match
+
+    module = Gemma4LM(preset="tiny", lora=LORA, learning_rate=0.5, warmup_steps=7, dtype="bf16")
+    check_hparams_match(dict(module.hparams, learning_rate=0.02, warmup_steps=2, dtype="float32"), module, resume=False)
+    with pytest.raises(CheckpointError) as err:
+        check_hparams_match(dict(module.hparams, lora=None), module, resume=False)
+    assert "resume" not in str(err.value) and "to be evaluated" in str(err.value), str(err.value)
+
+
+def _run_main(args: list[str], capsys) -> tuple[int, list[str]]:
+    rc = main(args)
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+def test_grpo_checkpoint_found_by_last_is_refused_by_its_class(fitted, tmp_path, capsys):
+    """`fit --ckpt_path last` over a folder whose last checkpoint is a GRPO policy's: exit 2, one line naming
+    `model.class_path`, before the learning rate (here the same) or anything else is compared."""
+    import torch
+
+    config, ckpt = fitted
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    state["hyper_parameters"]["_class_path"] = "lightning_ffpa.rl.module.GRPOModule"
+    state["module_class"] = "lightning_ffpa.rl.module.GRPOModule"
+    (tmp_path / "ckpt").mkdir()
+    torch.save(state, tmp_path / "ckpt" / "last.ckpt")
+    cfg = yaml.safe_load(config.read_text())
+    cfg["trainer"]["default_root_dir"] = str(tmp_path)
+    cfg["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(tmp_path / "ckpt")
+    (tmp_path / "fit.yaml").write_text(yaml.safe_dump(cfg))
+    rc, err = _run_main(["fit", "--config", str(tmp_path / "fit.yaml"), "--ckpt_path", "last",
+                         "--trainer.max_steps", "3"], capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("error: `model.class_path='lightning_ffpa.module.Gemma4LM'`: differs from `ckpt_path"), err
+
+
+def _validate_args(config: Path, *extra: str) -> list[str]:
+    return ["validate", "--config", str(config), "--ckpt_path", "last", "--trainer.limit_val_batches", "1",
+            "--data.init_args.num_val_samples", "2", *extra]
+
+
+def test_validate_last_with_another_lora_is_one_error_line(fitted, capsys):
+    """`validate --ckpt_path last` with another LoRA: exit 1 and a traceback (the CheckpointError of the module's
+    load hook, after the start-up lines); now exit 2 and one `error:` line in an evaluation's words."""
+    config, _ = fitted
+    rc, err = _run_main(_validate_args(config, "--model.init_args.lora.r", "8"), capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("error: `ckpt_path` was trained with `model.lora.r=4` but this run has `model.lora.r=8`")
+    assert "to be evaluated" in err[0] and "resume" not in err[0], err
+
+
+def test_validate_last_ignores_optimizer_options(fitted, capsys):
+    """validate builds no optimizer: a learning rate or warmup that differs from the checkpoint's is not compared
+    (it was refused as "the resumed optimizer keeps the checkpoint's value")."""
+    config, _ = fitted
+    rc, err = _run_main(_validate_args(config, "--model.init_args.learning_rate", "1e-3",
+                                       "--model.init_args.warmup_steps", "5"), capsys)
+    assert rc == 0, err
+
+
+def test_validate_of_a_checkpoint_file_ignores_optimizer_options(fitted):
+    """The explicit-file form compares every `model.*` option (LightningCLI would replace them): for `validate`,
+    which builds no optimizer, a learning rate or warmup that differs is not an error (the model is the same)."""
+    config, ckpt = fitted
+    with pytest.raises(_Parsed):
+        _ParseOnly(model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
+                   auto_configure_optimizers=False,
+                   args=["validate", "--config", str(config), "--ckpt_path", str(ckpt),
+                         "--model.init_args.learning_rate", "1e-3", "--model.init_args.warmup_steps", "5"])
+    with pytest.raises(ConfigError, match=r"^`model\.config_overrides="):  # the model itself is still compared
+        _ParseOnly(model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
+                   auto_configure_optimizers=False,
+                   args=["validate", "--config", str(config), "--ckpt_path", str(ckpt),
+                         "--model.init_args.config_overrides", "{num_hidden_layers: 3}"])

@@ -4,8 +4,9 @@ Owns: building train/val DataLoaders and the datamodule `state_dict` used on res
 The train sampler (`ResumableSampler`, a `DistributedSampler`) is built from the trainer's own
 `distributed_sampler_kwargs` (data-parallel size and rank; 1 and 0 without a parallel strategy), so
 Lightning leaves it in place and calls `set_epoch` each epoch: the order is a pure function of
-(seed, epoch). The state records seed, epoch and the batches this epoch already trained on, so a run
-resumed mid-epoch continues with the next unseen batch instead of replaying the epoch from its start.
+(seed, epoch). The state records seed, epoch, the batches this epoch already trained on and whether that
+was all of it, so a run resumed mid-epoch continues with the next unseen batch instead of replaying the epoch
+from its start, and one resumed at an epoch's end starts the next epoch whole, at any batch size.
 A checkpoint written after the fit loop ended resumes at the batch after its last one (`resume.py`).
 Validation loaders are plain sequential ones that Lightning shards itself. Does not own the datasets.
 """

@@ -8,7 +8,9 @@ bookkeeping (`epoch_progress.processed`, `on_train_epoch_end`, then `on_train_en
 the epoch's last batch, skips the whole next epoch. The data position (`SeededDataModule.state_dict`) is
 right in both cases; the loop counters are not. The rewrite turns them into the counters a checkpoint
 written at `on_train_batch_end` of the same step holds, a state Lightning resumes correctly (mid-epoch,
-or into the next epoch after a last batch). Does not own the data position (`base.py`, `sampler.py`).
+or into the next epoch after a last batch). A checkpoint whose epoch had trained its last batch is rewritten
+so the next epoch starts at its first batch under any batch count an epoch (`start_next_epoch`). Does not own
+the data position (`base.py`, `sampler.py`).
 """
 
 from __future__ import annotations

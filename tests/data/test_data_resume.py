@@ -191,7 +191,7 @@ def _fit_bs(batch_size, max_steps, root, ckpt_path=None, every=1000, **kwargs):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("every", [1000, 6, "epoch"])
-@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4)])
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4), (4, 4)])
 def test_epoch_end_resume_at_another_batch_size_trains_the_next_epoch_whole(tmp_path, every, before, after):
     """A `last` saved at epoch 0's end (after `max_steps`, by a save at its last batch: every=6 with 6 batches of
     4, or at `on_train_epoch_end`) resumed at batch size 2 started epoch 1 at batch 6 of 12: Lightning kept the saved batch count against the

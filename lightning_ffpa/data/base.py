@@ -4,8 +4,9 @@ Owns: building train/val DataLoaders and the datamodule `state_dict` used on res
 The train sampler (`ResumableSampler`, a `DistributedSampler`) is built from the trainer's own
 `distributed_sampler_kwargs` (data-parallel size and rank; 1 and 0 without a parallel strategy), so
 Lightning leaves it in place and calls `set_epoch` each epoch: the order is a pure function of
-(seed, epoch). The state records seed, epoch and the batches this epoch already trained on, so a run
-resumed mid-epoch continues with the next unseen batch instead of replaying the epoch from its start.
+(seed, epoch). The state records seed, epoch, the batches this epoch already trained on and whether that
+was all of it, so a run resumed mid-epoch continues with the next unseen batch instead of replaying the epoch
+from its start, and one resumed at an epoch's end starts the next epoch whole, at any batch size.
 A checkpoint written after the fit loop ended resumes at the batch after its last one (`resume.py`).
 Validation loaders are plain sequential ones that Lightning shards itself. Does not own the datasets.
 """
@@ -21,7 +22,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_ffpa.data.resume import continue_after_fit_end, loaded_loops_state
+from lightning_ffpa.data.resume import continue_after_fit_end, loaded_loops_state, start_next_epoch
 from lightning_ffpa.data.sampler import ResumableSampler
 from lightning_ffpa.errors import NOT_GIVEN, ConfigError
 
@@ -110,6 +111,15 @@ class SeededDataModule(pl.LightningDataModule):
             return 0
         return int(self.trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
+    def _epoch_done(self) -> bool:
+        """Whether the current epoch has trained its last batch, by Lightning's own count: an epoch that
+        `limit_train_batches` ends early is done although its sampler has samples left."""
+        if self.trainer is None:
+            return False
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress
+        done = progress.current.processed
+        return done > 0 and (progress.is_last_batch or done >= self.trainer.num_training_batches)
+
     def _apply_skip(self) -> None:
         if self._pending_skip is not None and self._train_sampler is not None:
             self._train_sampler.skip_once(*self._pending_skip)
@@ -125,7 +135,23 @@ class SeededDataModule(pl.LightningDataModule):
             "num_replicas": self._replicas()["num_replicas"],
             "batch_size": self.batch_size,
             "epoch_samples": len(self._train_sampler) if self._train_sampler is not None else None,
+            "epoch_done": self._epoch_done(),
         }
+
+    @staticmethod
+    def saved_epoch_done(state_dict: dict[str, Any]) -> bool:
+        """Whether the checkpoint's epoch had trained its last batch; older checkpoints say it by their samples."""
+        if "epoch_done" in state_dict:
+            return bool(state_dict["epoch_done"])
+        samples_done, epoch_samples = int(state_dict.get("samples_done", 0)), state_dict.get("epoch_samples")
+        return bool(samples_done) and epoch_samples is not None and samples_done >= epoch_samples
+
+    def _epoch_batches(self, state_dict: dict[str, Any]) -> int:
+        """This run's train batches an epoch on one rank (the loader's length; `limit_train_batches` only lowers it)."""
+        rows = self.num_train_rows()
+        replicas = self._replicas()["num_replicas"]
+        per_rank = -(-rows // replicas) if rows is not None else state_dict.get("epoch_samples") or 1
+        return -(-per_rank // self.batch_size)
 
     def resume_conflict(self, state_dict: dict[str, Any], num_replicas: int) -> tuple[str, Any, str] | None:
         """Why this data cannot continue the checkpoint's epoch on `num_replicas` data-parallel ranks, as
@@ -136,7 +162,7 @@ class SeededDataModule(pl.LightningDataModule):
         samples_done = int(state_dict.get("samples_done", 0))
         saved_replicas, saved_batch = state_dict.get("num_replicas", 1), state_dict.get("batch_size")
         epoch_samples = state_dict.get("epoch_samples")
-        if not samples_done or (epoch_samples is not None and samples_done >= epoch_samples):
+        if not samples_done or self.saved_epoch_done(state_dict):
             return None  # an epoch-end checkpoint: the next epoch is dealt afresh
         if saved_replicas != num_replicas:
             ranks = f"{saved_replicas} data-parallel rank{'s' if saved_replicas != 1 else ''}"
@@ -171,11 +197,16 @@ class SeededDataModule(pl.LightningDataModule):
         conflict = self.resume_conflict(state_dict, self._replicas()["num_replicas"])
         if conflict is not None:
             raise ConfigError(*conflict)
-        samples_done = int(state_dict.get("samples_done", 0))
+        samples_done, epoch = int(state_dict.get("samples_done", 0)), int(state_dict.get("epoch", 0))
+        epoch_done = self.saved_epoch_done(state_dict)
         loops = loaded_loops_state(self.trainer) if self.trainer is not None else None
-        if loops is not None:
-            continue_after_fit_end(loops)  # Lightning restores its loops from this dict right after
-        self._pending_skip = (int(state_dict.get("epoch", 0)), samples_done)
+        if loops is not None:  # Lightning restores its loops from this dict right after
+            if epoch_done:
+                start_next_epoch(loops, self._epoch_batches(state_dict))
+            else:
+                continue_after_fit_end(loops)
+        # a done epoch: the next one whole (its batch count may differ from the checkpoint's)
+        self._pending_skip = (epoch + 1, 0) if epoch_done else (epoch, samples_done)
         self._apply_skip()
         if samples_done:
             # Lightning looks for a stateful DataLoader only; the skip above is what resumes this epoch

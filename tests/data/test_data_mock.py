@@ -57,7 +57,7 @@ def test_mock_state_dict_refuses_other_seed():
     dm.train_dataloader().sampler.set_epoch(2)
     state = dm.state_dict()
     assert state == {"seed": 1, "epoch": 2, "samples_done": 0, "num_replicas": 1, "batch_size": 8,
-                     "epoch_samples": len(dm.train_dataloader().sampler)}
+                     "epoch_samples": len(dm.train_dataloader().sampler), "epoch_done": False}
     MockDataModule(seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match=r"`data\.init_args\.seed=2`: the checkpoint was written with seed 1"):
         MockDataModule(seed=2).load_state_dict(state)
@@ -70,6 +70,18 @@ def test_mock_state_dict_refuses_other_seed():
                                          r"rank\) but the checkpoint's epoch had 1024 per rank"):
         MockDataModule(seed=1, num_samples=1000).load_state_dict({**state, "samples_done": 8})
     MockDataModule(seed=1, num_samples=1000).load_state_dict(state)  # at an epoch boundary it can
+
+
+def test_an_epoch_end_checkpoint_resumes_at_another_batch_size():
+    """The checkpoint says whether its epoch was done: one that `limit_train_batches` ended after 3 batches of 16
+    (48 of 1024 samples) was refused as "stopped mid-epoch"; a checkpoint from before the flag says it by samples."""
+    saved = {**MockDataModule(seed=1, batch_size=16).state_dict(), "samples_done": 48, "epoch_samples": 1024}
+    other = MockDataModule(seed=1, batch_size=8)
+    assert other.resume_conflict({**saved, "epoch_done": True}, 1) is None
+    assert other.resume_conflict({**saved, "epoch_done": False}, 1)[0] == "data.init_args.batch_size"
+    older = {k: v for k, v in saved.items() if k != "epoch_done"}
+    assert other.resume_conflict(older, 1)[0] == "data.init_args.batch_size"
+    assert other.resume_conflict({**older, "samples_done": 1024}, 1) is None
 
 
 def test_only_fit_resumes_the_training_data():

@@ -63,7 +63,7 @@ def test_resume_sees_the_same_order(tmp_path):
     trainer.save_checkpoint(ckpt)
     state = torch.load(ckpt, weights_only=False)["MockDataModule"]
     assert state == {"seed": 0, "epoch": 0, "samples_done": 24, "num_replicas": 1, "batch_size": 4,
-                     "epoch_samples": 24}
+                     "epoch_samples": 24, "epoch_done": True}
     resumed, _ = _fit(_mock(), 2, tmp_path / "c", ckpt_path=ckpt)
     assert [s for e, s in resumed] == epoch1
 
@@ -153,7 +153,8 @@ def test_extending_a_finished_run_continues_its_epoch(tmp_path, save_at):
     extended.save_checkpoint(tmp_path / "b.ckpt")
     a, b = (torch.load(tmp_path / f"{n}.ckpt", weights_only=False) for n in "ab")
     assert a["MockDataModule"] == b["MockDataModule"] == {
-        "seed": 0, "epoch": 1, "samples_done": 16, "num_replicas": 1, "batch_size": 4, "epoch_samples": 40}
+        "seed": 0, "epoch": 1, "samples_done": 16, "num_replicas": 1, "batch_size": 4, "epoch_samples": 40,
+        "epoch_done": False}
     assert a["loops"]["fit_loop"]["epoch_progress"] == b["loops"]["fit_loop"]["epoch_progress"]
 
 
@@ -176,3 +177,48 @@ def test_epoch_end_resume_with_workers_trains_the_next_epoch_whole(tmp_path):
     trainer.save_checkpoint(tmp_path / "epoch0.ckpt")
     resumed, _ = _fit(mock(), 2, tmp_path / "c", ckpt_path=str(tmp_path / "epoch0.ckpt"))
     assert resumed == full[6:]
+
+
+def _fit_bs(batch_size, max_steps, root, ckpt_path=None, every=1000, **kwargs):
+    """Fit 24 mock rows at `batch_size` to `max_steps`, saving `last` (and every `every` steps, or at each
+    `on_train_epoch_end` for every="epoch")."""
+    dm = MockDataModule(vocab_size=1000, seq_length=8, num_samples=24, batch_size=batch_size, seed=0)
+    save_at = SAVE_AT["train_epoch_end"] if every == "epoch" else {"every_n_train_steps": every}
+    ckpts = ModelCheckpoint(dirpath=root / "ckpts", save_last=True, **save_at)
+    seen, _ = _fit(dm, -1, root, ckpt_path=ckpt_path, max_steps=max_steps, callbacks=[ckpts], **kwargs)
+    return seen, str(root / "ckpts" / "last.ckpt")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("every", [1000, 6, "epoch"])
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4), (4, 4)])
+def test_epoch_end_resume_at_another_batch_size_trains_the_next_epoch_whole(tmp_path, every, before, after):
+    """A `last` saved at epoch 0's end (after `max_steps`, by a save at its last batch: every=6 with 6 batches of
+    4, or at `on_train_epoch_end`) resumed at batch size 2 started epoch 1 at batch 6 of 12: Lightning kept the saved batch count against the
+    new loader's length, and half of epoch 1 was never trained."""
+    per_epoch = 24 // after
+    ref, _ = _fit_bs(after, 2 * per_epoch, tmp_path / "ref")
+    _, last = _fit_bs(before, 24 // before, tmp_path / "a", every=every)
+    resumed, _ = _fit_bs(after, 24 // before + per_epoch, tmp_path / "a", ckpt_path=last, every=every)
+    assert resumed == ref[per_epoch:]  # all of epoch 1, in its order, at the new batch size
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_limited_epoch_end_resume_at_another_batch_size_starts_the_next_epoch(tmp_path, num_workers):
+    """With `limit_train_batches` an epoch ends before the sampler's: a `last` at the end of epoch 1 was called
+    "mid-epoch" (refused at another batch size), and with workers it replayed epoch 1's unseen rows."""
+    def fit(batch_size, max_steps, root, ckpt_path=None):
+        dm = MockDataModule(vocab_size=1000, seq_length=8, num_samples=24, batch_size=batch_size, seed=0,
+                            num_workers=num_workers)
+        ckpts = ModelCheckpoint(dirpath=root / "ckpts", save_last=True)
+        seen, _ = _fit(dm, -1, root, ckpt_path=ckpt_path, max_steps=max_steps, callbacks=[ckpts],
+                       limit_train_batches=3)
+        return seen, str(root / "ckpts" / "last.ckpt")
+
+    ref, _ = fit(2, 8, tmp_path / "ref")  # epochs 0 and 1 of 3 batches, then 2 of epoch 2
+    ref4, last = fit(4, 6, tmp_path / "a")
+    same, _ = fit(4, 8, tmp_path / "same", ckpt_path=last)
+    assert same == fit(4, 8, tmp_path / "ref4")[0][6:]
+    resumed, _ = fit(2, 8, tmp_path / "a", ckpt_path=last)
+    assert resumed == ref[6:]  # epoch 2's first two batches of 2

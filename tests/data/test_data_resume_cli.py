@@ -74,3 +74,18 @@ def test_extended_run_repeats_the_straight_runs_batches_and_losses(tmp_path, eve
     straight, extended = read(tmp_path / "a" / "steps.log"), read(tmp_path / "b" / "steps.log")
     assert [s for s, *_ in straight] == [s for s, *_ in extended] == [1, 2, 3, 4, 5, 6]
     assert extended == straight  # same epoch, same batch digests, bitwise equal losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not SCRIPT.exists(), reason="the lightning-ffpa console script is not installed")
+def test_epoch_end_resume_at_a_smaller_batch_size_trains_the_next_epoch_whole(tmp_path):
+    """A run stopped by `max_steps` at epoch 0's end (10 batches of 4), resumed at batch size 2, started epoch 1 at
+    batch 10 of 20 and trained only its second half: Lightning kept the saved batch count against the new length."""
+    _fit(tmp_path / "ref", 40, "--data.init_args.batch_size", "2")
+    _fit(tmp_path / "b", 10, "--data.init_args.batch_size", "4")
+    resumed = _fit(tmp_path / "b", 30, "--data.init_args.batch_size", "2", "--ckpt_path", "last")
+    straight, extended = read(tmp_path / "ref" / "steps.log"), read(tmp_path / "b" / "steps.log")
+    # epoch 1 whole, in its order: the weights differ (another batch size before), the batches do not
+    assert [(e, d) for _, e, _, d in extended[10:]] == [(e, d) for _, e, _, d in straight[20:]]
+    assert "Resuming at the start of epoch 1: the checkpointed run had trained all of epoch 0" in resumed

@@ -158,16 +158,10 @@ def _check_not_both(row: Row, where: str, option: str, source: str, text_field: 
                           "`messages_field` at another field")
 
 
-def read_records(
-    source: str,
-    option: str,
-    config: str | None = None,
-    split: str = "train",
-    text_field: str = "text",
-    messages_field: str = "messages",
-) -> list[Record]:
-    """Text or chat records of a local file or a `datasets` source; an empty source is an error."""
-    return [r for _, r in read_located_records(source, option, config, split, text_field, messages_field)]
+def read_records(source: str, option: str, *args: Any, **kwargs: Any) -> list[Record]:
+    """Text or chat records of a local file or a `datasets` source (`read_located_records`' arguments); an empty
+    source is an error."""
+    return [r for _, r in read_located_records(source, option, *args, **kwargs)]
 
 
 def read_located_records(

@@ -251,7 +251,7 @@ ROWS = [
     (f"{F} --model.init_args.attn_implementation lightning_ffpa_paged", "`model.attn_implementation='lightning_ffpa_"
      "paged'`: is unknown"),  # the rollout engine's, for its KV cache
     # a later trial: Lightning refused this only after the model summary and the run's config.yaml
-    (f"{F} --trainer.logger false", "`trainer.logger=False`: `trainer.callbacks` has LearningRateMonitor"),
+    (f"{F} --trainer.logger false", "`trainer.logger=False`: `trainer.callbacks` has StepLearningRateMonitor"),
     ("lightning-ffpa", "give a subcommand: one of fit, validate, test, predict, recipes, cp"),  # listed Lightning's
     (f"{F} --model.init_args.lora '{{r:4,target_modules:[q_proj]}}'", "`--model.init_args.lora='{r:4,target_modules:"
      "[q_proj]}'`: a YAML flow mapping needs a space after each colon"),  # jsonargparse: "Expected a path"

@@ -66,10 +66,11 @@ def peak_bf16_flops(device: torch.device) -> float | None:
 
 
 def count_real_tokens(batch: Any, ignore_index: int = IGNORE_INDEX) -> int:
-    """Tokens that carry a loss: labels != ignore_index, else attention_mask sum, else input_ids numel."""
+    """Tokens that carry a loss: the shifted labels (`labels[:, 1:]`, the targets the loss averages over; a row's
+    first label is never one) != ignore_index, else attention_mask sum, else input_ids numel."""
     if isinstance(batch, dict):
         if batch.get("labels") is not None:
-            return int((batch["labels"] != ignore_index).sum())
+            return int((batch["labels"][..., 1:] != ignore_index).sum())
         if batch.get("attention_mask") is not None:
             return int(batch["attention_mask"].sum())
         if batch.get("input_ids") is not None:
@@ -219,7 +220,7 @@ class TokenThroughput(ThroughputMonitor):
         Args:
             window_size: Batches in the moving window for the rates (at least 2).
             peak_flops: Per-device peak FLOP/s for MFU (> 0); default: bf16 peak from the device name.
-            count: "real" counts tokens with labels (or attention_mask); "padded" counts B x S.
+            count: "real" counts the loss's targets (labels after the shift, else attention_mask); "padded" B x S.
             ignore_index: Label value that marks a token without loss.
             log_attention_dispatch: Also log the attention backend's dispatch counters (skipped when an
                 FFPAAttention callback already logs them).

@@ -16,11 +16,37 @@ from lightning_ffpa.presets import build_text_config
 
 def test_count_real_tokens():
     labels = torch.tensor([[1, 2, -100], [-100, -100, 5]])
-    assert count_real_tokens({"labels": labels, "input_ids": labels}) == 3
+    assert count_real_tokens({"labels": labels, "input_ids": labels}) == 2  # the shifted targets: 2 and 5
     assert count_real_tokens({"attention_mask": torch.tensor([[1, 1, 0]])}) == 2
     assert count_real_tokens({"input_ids": torch.zeros(2, 5)}) == 10
     with pytest.raises(TypeError, match="count_real_tokens"):
         count_real_tokens("text")
+
+
+def test_real_tokens_are_the_targets_the_loss_averages_over():
+    """The loss scores position t against label t + 1, so a row's first label is never a target: counting
+    `labels != -100` before the shift counted one token per row too many (1217 where the loss saw 1201)."""
+    from types import SimpleNamespace
+
+    from lightning_ffpa.data.collate import PadCollate
+    from lightning_ffpa.data.packing import pack_documents
+    from lightning_ffpa.module import Gemma4LM
+
+    docs = [_doc(5), _doc(3), _doc(4)]
+    padded = PadCollate(pad_id=0)([{"input_ids": torch.tensor(d.input_ids), "labels": torch.tensor(d.labels)}
+                                   for d in docs])
+    packed = pack_documents(docs, max_seq_length=8, pad_id=0)  # each document's first label is ignored already
+    packed = {k: torch.stack([r[k] for r in packed]) for k in ("input_ids", "labels")}
+    module = SimpleNamespace(context_parallel=lambda: None, _model_inputs=lambda b: {},
+                             _nll_sum=lambda inputs, labels, n: torch.zeros(()))
+    for batch in (padded, packed):
+        assert count_real_tokens(batch) == int(Gemma4LM._loss_terms(module, batch)[1]) == 4 + 2 + 3
+
+
+def _doc(n: int):
+    from lightning_ffpa.data.documents import Document
+
+    return Document(input_ids=list(range(1, n + 1)), labels=list(range(1, n + 1)))
 
 
 def test_keys_per_query():
@@ -67,7 +93,7 @@ def test_a_context_parallel_rank_counts_its_share_of_the_batch():
     batch = {"input_ids": torch.zeros(4, 16, dtype=torch.long), "labels": torch.zeros(4, 16, dtype=torch.long)}
     whole = (monitor.batch_size_fn(batch), monitor.length_fn(batch))
     monitor._cp = 2
-    assert (monitor.batch_size_fn(batch), monitor.length_fn(batch)) == (whole[0] / 2, whole[1] / 2) == (2, 32)
+    assert (monitor.batch_size_fn(batch), monitor.length_fn(batch)) == (whole[0] / 2, whole[1] / 2) == (2, 30)  # 4 x 15 targets
 
 
 def test_a_context_parallel_batch_rate_counts_each_batch_once():

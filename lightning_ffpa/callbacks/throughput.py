@@ -209,6 +209,13 @@ def matmul_path_metrics() -> dict[str, float]:
             for path, n in counts.items() if n}
 
 
+def _backend_counts() -> dict[str, int]:
+    """The FFPA backend's path counters (every forward so far), read where they live at call time."""
+    from lightning_ffpa import attention
+
+    return attention.dispatch_counts()
+
+
 class TokenThroughput(ThroughputMonitor):
     """ThroughputMonitor counting real tokens per rank, model FLOPs, peak memory and attention dispatch."""
 
@@ -243,6 +250,7 @@ class TokenThroughput(ThroughputMonitor):
         self.log_attention_dispatch = log_attention_dispatch
         self._said_uncounted = False
         self._auto_flops = False
+        self._training: Any = None  # the backend's training calls (`TrainingCalls`), where no FFPAAttention counts
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -259,6 +267,10 @@ class TokenThroughput(ThroughputMonitor):
                                                                        **self.kwargs)
             tp.available_flops = peak
         self._auto_flops = not hasattr(pl_module, "flops_per_batch")
+        from lightning_ffpa.attention.counters import TrainingCalls
+
+        self._training = TrainingCalls(_backend_counts)
+        self._training.start()  # the process-wide counters: earlier fits' calls are not this one's
 
         if any(isinstance(cb, FFPAAttention) and cb.log_every_n_steps for cb in trainer.callbacks):
             self.log_attention_dispatch = False  # one writer per metric key
@@ -304,15 +316,15 @@ class TokenThroughput(ThroughputMonitor):
 
     def _dispatch_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """The attention counters, once any call was counted: an `FFPAAttention`'s training counts where one is
-        installed (the CP ring's included, which the backend's counters never see), else the backend's. A model on
+        installed (the CP ring's included, which the backend's counters never see), else the backend's with the same
+        bookkeeping (`TrainingCalls`: training forwards only, paths that ran). A model on
         HF's own attention (`sdpa` without the FFPA backend) counts nothing, and zeros would read as "no attention
         ran"; said once instead."""
-        from lightning_ffpa.attention import dispatch_counts
         from lightning_ffpa.callbacks.attention import FFPAAttention
 
         installed = next((cb for cb in trainer.callbacks if isinstance(cb, FFPAAttention)), None)
-        counts = installed.training_counts() if installed is not None else dispatch_counts()
-        if any(counts.values()):
+        counts = installed.training_counts() if installed is not None else self._training.counts()
+        if counts:
             return {f"attention/{k}": float(v) for k, v in counts.items()}
         if not self._said_uncounted:
             self._said_uncounted = True
@@ -323,6 +335,14 @@ class TokenThroughput(ThroughputMonitor):
             rank_zero_info(f"TokenThroughput: no attention call went through the FFPA backend (the model's attention "
                            f"is {attn!r}, not the backend's), so no `attention/*` counter is logged")
         return {}
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._training.eval_start()  # the sanity check's too: its calls are no training's
+        super().on_validation_start(trainer, pl_module)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._training.eval_end()
+        super().on_validation_end(trainer, pl_module)
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:

@@ -438,3 +438,29 @@ def test_the_end_of_fit_line_says_whose_counts_it_holds_on_several_ranks(caplog,
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("FFPAAttention")]
     assert lines == ["FFPAAttention (attn_implementation=ffpa): sdpa=16 [rank 0's calls, of 2 ranks]",
                      "FFPAAttention (attn_implementation=ffpa): sdpa=16"]
+
+
+class _OnTheBackend(_WithValidation):
+    """The model on the "ffpa" backend with no FFPAAttention installing it (the model's own option)."""
+
+    def configure_model(self):
+        super().configure_model()
+        attention.register_ffpa()
+        self.net["lm"].set_attn_implementation("ffpa")
+
+
+def test_token_throughput_alone_logs_the_training_counts_only(fake_backend, monkeypatch):
+    """Without FFPAAttention, TokenThroughput's `attention/*` counted the sanity check's and validation's calls
+    (step 0 read 3 forwards' calls where training had run one) and logged paths that never ran as 0; the counts
+    mean what FFPAAttention logs now: training forwards only, paths that ran."""
+    monkeypatch.setattr(attention, "dispatch_counts", lambda: {"flex": 0, **fake_backend})
+    data = TensorDataset(torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(0)))
+    recorder = _Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=recorder, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                        val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=1,
+                        callbacks=[TokenThroughput(window_size=2)])
+    trainer.fit(_OnTheBackend(), DataLoader(data, batch_size=2), DataLoader(data, batch_size=2))
+    assert _attention_rows(recorder) == [(0, 2.0), (1, 4.0), (2, 6.0), (3, 8.0)]  # 2 full layers a forward
+    assert not [k for _, m in recorder.rows for k in m if k == "attention/flex"]
+    assert fake_backend["ffpa-dense"] == 14  # the sanity check and two validation runs counted 6 more

@@ -16,12 +16,16 @@ convention instead: 6 x active parameters x tokens plus attention, as if every a
 Padding tokens cost compute, so FLOPs use the padded batch shape; tokens/s counts real tokens only.
 Under context parallelism a rank counts its 1/cp share of each batch's samples, tokens and FLOPs, and the global
 `batches_per_sec` counts a batch once per CP group (over the data-parallel size, world / cp).
+The global metrics (`train/samples`, `lengths`, `samples_per_sec`, `items_per_sec`, `flops_per_sec`) are the job's:
+every rank keeps its own counts, summed over the ranks by one small all-reduce on the steps that log (Lightning's
+are rank 0's, times the world size for the rates). `train/device/*` stays rank 0's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+from collections import deque
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -29,6 +33,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
@@ -183,20 +188,59 @@ def train_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> fl
     return 3.0 * fwd - frozen  # a frozen weight's matmul: forward + input gradient, no weight gradient
 
 
-class _SharedBatchThroughput(Throughput):
-    """Lightning's Throughput for context-parallel ranks, which share each batch: its global `batches_per_sec`
-    (the device rate x world size) counted every batch cp times; it is over the data-parallel size (world / cp).
-    Samples, tokens and FLOPs need no change: each rank counts its 1/cp share of them."""
+class _RankTally:
+    """This rank's running totals of a stage (samples, tokens, FLOPs) after each batch, the last `window` of them
+    kept: Lightning counts on rank 0 only, and the job's counts are the sum of every rank's."""
+
+    def __init__(self, window: int) -> None:
+        self.rows: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self.total = (0.0, 0.0, 0.0)
+
+    def add(self, samples: float, tokens: float, flops: float) -> None:
+        self.total = (self.total[0] + samples, self.total[1] + tokens, self.total[2] + flops)
+        self.rows.append(self.total)
+
+
+def _job_sum(trainer: pl.Trainer, rows: list[tuple[float, float, float]]) -> torch.Tensor:
+    """`rows` summed over every rank (one all-reduce, every rank calls it). A CP rank counts its 1/cp share of the
+    batch its group shares, so the sum counts each batch once."""
+    local = torch.tensor(rows, dtype=torch.float64, device=trainer.strategy.root_device)
+    if trainer.world_size > 1:
+        local = trainer.strategy.reduce(local, reduce_op="sum")
+    return local.cpu()
+
+
+class _JobThroughput(Throughput):
+    """Lightning's Throughput with the job's counts: its global `samples`, `lengths` and rates were rank 0's counts
+    (times the world size for the rates), wrong where ranks hold different batches; `job` (every rank's running
+    totals over the window, from `_job_sum`) replaces them. Context-parallel ranks share each batch: the global
+    `batches_per_sec` (the device rate x world size) is over the data-parallel size (world / cp)."""
 
     def __init__(self, cp: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.cp = cp
+        self.job: torch.Tensor | None = None  # (window, 3): samples, tokens, FLOPs; set before each compute
 
     def compute(self) -> dict[str, float]:
         metrics = super().compute()
         if "batches_per_sec" in metrics:
             metrics["batches_per_sec"] /= self.cp
+        if self.job is not None and len(self.job) == len(self._time):  # the same batches as the window's times
+            metrics.update(_job_metrics(metrics, self.job, self._time[-1] - self._time[0]))
         return metrics
+
+
+def _job_metrics(metrics: dict[str, float], job: torch.Tensor, elapsed: float) -> dict[str, float]:
+    """The job's totals and, where Lightning computed its global rates (a full window), the job's rates over the
+    window's time."""
+    out = {"samples": float(job[-1, 0])}
+    if "lengths" in metrics:
+        out["lengths"] = float(job[-1, 1])
+    moved = job[-1] - job[0]
+    for key, column in (("samples_per_sec", 0), ("items_per_sec", 1), ("flops_per_sec", 2)):
+        if key in metrics:
+            out[key] = float(moved[column]) / elapsed
+    return out
 
 
 def matmul_path_metrics() -> dict[str, float]:
@@ -251,6 +295,7 @@ class TokenThroughput(ThroughputMonitor):
         self._said_uncounted = False
         self._auto_flops = False
         self._training: Any = None  # the backend's training calls (`TrainingCalls`), where no FFPAAttention counts
+        self._tallies: dict[RunningStage, _RankTally] = {}  # this rank's counts, every rank's (Lightning: rank 0's)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -261,10 +306,8 @@ class TokenThroughput(ThroughputMonitor):
         from lightning_ffpa.callbacks.attention import FFPAAttention, context_parallel_size
 
         self._cp = context_parallel_size(trainer, pl_module)
-        for stage, tp in self._throughputs.items():
-            if self._cp > 1:  # CP peers share each batch: one batch per CP group, not per rank
-                tp = self._throughputs[stage] = _SharedBatchThroughput(self._cp, world_size=tp.world_size,
-                                                                       **self.kwargs)
+        for stage, tp in self._throughputs.items():  # the job's counts, and one batch per CP group
+            tp = self._throughputs[stage] = _JobThroughput(self._cp, world_size=tp.world_size, **self.kwargs)
             tp.available_flops = peak
         self._auto_flops = not hasattr(pl_module, "flops_per_batch")
         from lightning_ffpa.attention.counters import TrainingCalls
@@ -278,31 +321,52 @@ class TokenThroughput(ThroughputMonitor):
 
         register_flop_formulas()  # FLOP formulas for the FFPA ops, for anyone using measure_flops on this model
 
-    @contextlib.contextmanager
-    def _flops_of(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                  backward: bool) -> Iterator[None]:
-        """`pl_module.flops_per_batch` for this batch while Lightning's hook reads it, then removed: a later fit
-        (another length) or stage (forward only) computes its own, and a user's own attribute is left alone."""
-        if not self._auto_flops or not trainer.is_global_zero:  # Lightning's hooks run on rank 0 only
-            yield
-            return
+    def _batch_flops(self, pl_module: pl.LightningModule, batch: Any, backward: bool) -> float | None:
+        """This rank's model FLOPs of `batch`: the module's own `flops_per_batch`, else the analytic count of the
+        rank's 1/cp share (every rank counts: the job's FLOPs are the sum of theirs)."""
+        if not self._auto_flops:
+            return getattr(pl_module, "flops_per_batch", None)
         from lightning_ffpa._compat.transformers import find_hf_model
 
         model = find_hf_model(pl_module, strict=False) or pl_module
         count = train_flops_per_batch if backward else forward_flops_per_batch
-        pl_module.flops_per_batch = count(model, *_batch_shape(batch)) / self._cp
+        return count(model, *_batch_shape(batch)) / self._cp
+
+    @contextlib.contextmanager
+    def _flops_of(self, pl_module: pl.LightningModule, flops: float | None) -> Iterator[None]:
+        """`flops` as `pl_module.flops_per_batch` while Lightning's hook reads it, then removed: a later fit
+        (another length) or stage (forward only) computes its own, and a user's own attribute is left alone."""
+        if not self._auto_flops:
+            yield
+            return
+        pl_module.flops_per_batch = flops
         try:
             yield
         finally:
             del pl_module.flops_per_batch
 
+    def _tally(self, stage: RunningStage, batch: Any, flops: float | None) -> _RankTally:
+        """Count `batch` in this rank's tally of `stage` (Lightning's counts are rank 0's only)."""
+        tally = self._tallies[stage]
+        tally.add(self.batch_size_fn(batch), self.length_fn(batch), flops or 0.0)
+        return tally
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._tallies[RunningStage.TRAINING] = _RankTally(self.kwargs["window_size"])  # as Lightning's window
+        super().on_train_start(trainer, pl_module)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         # FLOPs from the batch as trained: a RolloutCallback listed after this one fills `input_ids` in its
         # own batch-start hook (it stays last in the list, where command-line `init_args` overrides land).
-        with self._flops_of(trainer, pl_module, batch, backward=True):
+        flops = self._batch_flops(pl_module, batch, backward=True)
+        tally = self._tally(RunningStage.TRAINING, batch, flops)
+        logs = not lightning_compat.accumulating(trainer) and lightning_compat.should_update_logs(trainer)
+        if logs:  # where Lightning's hook computes the metrics: the job's counts, summed over the ranks first
+            self._throughputs[RunningStage.TRAINING].job = _job_sum(trainer, list(tally.rows))
+        with self._flops_of(pl_module, flops):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if lightning_compat.accumulating(trainer) or not lightning_compat.should_update_logs(trainer):
+        if not logs:
             return
         metrics: dict[str, float] = {}
         if trainer.strategy.root_device.type == "cuda":
@@ -346,15 +410,15 @@ class TokenThroughput(ThroughputMonitor):
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        with self._flops_of(trainer, pl_module, batch, backward=False):
+        with self._flops_of(pl_module, self._batch_flops(pl_module, batch, backward=False)):
             super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
 
     def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:
-        with self._flops_of(trainer, pl_module, batch, backward=False):
+        with self._flops_of(pl_module, self._batch_flops(pl_module, batch, backward=False)):
             super().on_test_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
 
     def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:
-        with self._flops_of(trainer, pl_module, batch, backward=False):
+        with self._flops_of(pl_module, self._batch_flops(pl_module, batch, backward=False)):
             super().on_predict_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)

@@ -149,7 +149,6 @@ def test_a_lora_step_counts_no_weight_gradient_for_the_frozen_base():
 def test_token_throughput_logs_the_lora_count():
     """TokenThroughput hands Lightning the count the benchmarks use: a LoRA module's step is not counted as a
     full fine-tune's (which logged 52% MFU where the benchmark computed 36%)."""
-    from types import SimpleNamespace
 
     import lightning as L
 
@@ -161,7 +160,7 @@ def test_token_throughput_logs_the_lora_count():
     monitor = TokenThroughput()
     monitor._auto_flops = True
     batch = {"input_ids": torch.zeros(2, 32, dtype=torch.long)}
-    with monitor._flops_of(SimpleNamespace(is_global_zero=True), module, batch, backward=True):
+    with monitor._flops_of(module, monitor._batch_flops(module, batch, backward=True)):
         assert module.flops_per_batch == train_flops_per_batch(peft.get_base_model(), 2, 32) < full
 
 
@@ -229,3 +228,21 @@ def test_the_experts_and_float8_base_paths_are_logged_once_they_ran():
     counters.count("fp8_base", "dequantize", anchor)
     assert matmul_path_metrics() == {"experts/loop": 1.0, "fp8_base/dequantize": 2.0}
     counters.reset()
+
+
+def test_the_job_totals_are_the_sum_over_the_ranks(tmp_path):
+    """On 2 ranks `train/samples` and `train/lengths` were rank 0's counts and the job's rates rank 0's times the
+    world size; with ranks holding different batches they are the sum of every rank's (one all-reduce a logging
+    step). Rank 0: 2 rows x 3 targets, 100 FLOPs a batch; rank 1: 3 rows x 7 targets, 300 FLOPs."""
+    from pathlib import Path
+
+    from parallel._launch import torchrun_json  # tests/ is on sys.path under pytest
+
+    rows = torchrun_json(Path(__file__).with_name("_fit_throughput_ranks.py"), tmp_path / "out.json", 2, 29617)
+    logged = [m for _, m in rows if "train/samples" in m]
+    assert [(m["train/samples"], m["train/lengths"]) for m in logged] == [(5, 27), (10, 54), (15, 81)]
+    rated = [m for m in logged if "train/items_per_sec" in m]
+    assert len(rated) == 2  # a window of 2 batches: from the second step
+    for m in rated:  # the same window's time: the job's rate over rank 0's is the ratio of their counts
+        assert m["train/items_per_sec"] / m["train/device/items_per_sec"] == pytest.approx(27 / 6)
+        assert m["train/flops_per_sec"] / m["train/device/flops_per_sec"] == pytest.approx(400 / 100)

@@ -19,12 +19,15 @@ Under context parallelism a rank counts its 1/cp share of each batch's samples, 
 The global metrics (`train/samples`, `lengths`, `samples_per_sec`, `items_per_sec`, `flops_per_sec`) are the job's:
 every rank keeps its own counts, summed over the ranks by one small all-reduce on the steps that log (Lightning's
 are rank 0's, times the world size for the rates). `train/device/*` stays rank 0's.
+Validation logs one row per run (`validate/*`: its totals and its rates over the run's time), not Lightning's
+per-batch rows, which land only on batches where `log_every_n_steps` hits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -195,10 +198,12 @@ class _RankTally:
     def __init__(self, window: int) -> None:
         self.rows: deque[tuple[float, float, float]] = deque(maxlen=window)
         self.total = (0.0, 0.0, 0.0)
+        self.batches = 0
 
     def add(self, samples: float, tokens: float, flops: float) -> None:
         self.total = (self.total[0] + samples, self.total[1] + tokens, self.total[2] + flops)
         self.rows.append(self.total)
+        self.batches += 1
 
 
 def _job_sum(trainer: pl.Trainer, rows: list[tuple[float, float, float]]) -> torch.Tensor:
@@ -241,6 +246,19 @@ def _job_metrics(metrics: dict[str, float], job: torch.Tensor, elapsed: float) -
         if key in metrics:
             out[key] = float(moved[column]) / elapsed
     return out
+
+
+def _run_metrics(job: torch.Tensor, mine: _RankTally, elapsed: float, peak: float | None) -> dict[str, float]:
+    """A whole evaluation run's throughput: the job's totals (`job`, every rank's summed) and this rank's (`mine`)
+    over the run's time."""
+    metrics = {"time": elapsed, "batches": float(mine.batches), "samples": float(job[0]), "lengths": float(job[1]),
+               "flops": float(job[2]), "samples_per_sec": float(job[0]) / elapsed,
+               "items_per_sec": float(job[1]) / elapsed, "flops_per_sec": float(job[2]) / elapsed,
+               "device/samples_per_sec": mine.total[0] / elapsed, "device/items_per_sec": mine.total[1] / elapsed,
+               "device/flops_per_sec": mine.total[2] / elapsed}
+    if peak:
+        metrics["device/mfu"] = mine.total[2] / elapsed / peak
+    return metrics
 
 
 def matmul_path_metrics() -> dict[str, float]:
@@ -296,6 +314,7 @@ class TokenThroughput(ThroughputMonitor):
         self._auto_flops = False
         self._training: Any = None  # the backend's training calls (`TrainingCalls`), where no FFPAAttention counts
         self._tallies: dict[RunningStage, _RankTally] = {}  # this rank's counts, every rank's (Lightning: rank 0's)
+        self._run_start = 0.0  # perf_counter at the start of the validation run
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -400,18 +419,47 @@ class TokenThroughput(ThroughputMonitor):
                            f"is {attn!r}, not the backend's), so no `attention/*` counter is logged")
         return {}
 
+    def _compute(self, trainer: pl.Trainer, iter_num: int | None = None) -> None:
+        # Lightning logs `validate/*` on the validation batches where `log_every_n_steps` hits (never, for 8 batches
+        # logging every 10 steps): one row per validation run instead (`_log_run`)
+        if trainer.state.stage != RunningStage.VALIDATING:
+            super()._compute(trainer, iter_num)
+
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._training.eval_start()  # the sanity check's too: its calls are no training's
+        if not trainer.sanity_checking:
+            self._tallies[RunningStage.VALIDATING] = _RankTally(1)
+            self._run_start = time.perf_counter()
         super().on_validation_start(trainer, pl_module)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._training.eval_end()
+        if not trainer.sanity_checking:
+            self._log_run(trainer, RunningStage.VALIDATING)
         super().on_validation_end(trainer, pl_module)
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        with self._flops_of(pl_module, self._batch_flops(pl_module, batch, backward=False)):
+        flops = self._batch_flops(pl_module, batch, backward=False)
+        if not trainer.sanity_checking:
+            self._tally(RunningStage.VALIDATING, batch, flops)
+        with self._flops_of(pl_module, flops):  # Lightning's window still times validation for the training rate
             super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+
+    def _log_run(self, trainer: pl.Trainer, stage: RunningStage) -> None:
+        """One row of `stage` metrics for the run that just ended, at the step its `val/loss` lands on (every rank
+        takes part in the sum of the counts)."""
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+        elapsed = time.perf_counter() - self._run_start
+        mine = self._tallies.pop(stage)
+        job = _job_sum(trainer, [mine.total])[0]
+        if not trainer.is_global_zero or not mine.batches:
+            return
+        metrics = {f"{stage.value}/{k}": v for k, v in _run_metrics(job, mine, elapsed, self.available_flops).items()}
+        step = lightning_compat.logging_step(trainer)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
 
     def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:

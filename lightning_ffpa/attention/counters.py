@@ -33,7 +33,7 @@ from torch import Tensor
 
 from lightning_ffpa._compat.torch import in_backward
 
-__all__ = ["count", "counts", "on_first", "reset"]
+__all__ = ["TrainingCalls", "count", "counts", "on_first", "reset"]
 
 GROUPS = ("path", "reason", "kernel", "fp8_base", "expert_lora")
 
@@ -89,3 +89,33 @@ def reset(*groups: str) -> None:
     """Zero the given groups' counters, all groups if none given (re-arms their first-count hooks)."""
     for group in groups or GROUPS:
         _counts[group].clear()
+
+
+class TrainingCalls:
+    """A fit's training-forward calls out of counters that count every forward: the calls before the fit and those
+    of its evaluation loops (the sanity check and validation, between `eval_start` and `eval_end`) are put aside.
+    One bookkeeping for every writer of `attention/<path>`, so the key means the same whoever logs it."""
+
+    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
+        self._read = read  # every call counted so far, by key
+        self._aside: Counter = Counter()
+        self._eval_start: Counter | None = None
+
+    def start(self, counted_before: bool = True) -> None:
+        """A fit begins: what was counted before it is not its training. `counted_before=False` where the caller has
+        just zeroed the counters (and a source it reads, such as a previous ring's, is about to be replaced)."""
+        self._aside, self._eval_start = Counter(self._read() if counted_before else {}), None
+
+    def eval_start(self) -> None:
+        self._eval_start = Counter(self._read())
+
+    def eval_end(self) -> None:
+        if self._eval_start is not None:
+            self._aside.update(Counter(self._read()) - self._eval_start)
+            self._eval_start = None
+
+    def counts(self) -> dict[str, int]:
+        """Training calls per key so far; keys with none left out (a 0 would read as a path that ran nothing)."""
+        counts = Counter(self._read())
+        counts.subtract(self._aside)
+        return {k: v for k, v in counts.items() if v > 0}

@@ -31,6 +31,7 @@ from lightning_ffpa._compat.transformers import (
     set_attn_implementation,
 )
 from lightning_ffpa.attention import kernels, registry
+from lightning_ffpa.attention.counters import TrainingCalls
 from lightning_ffpa.attention.plan import (
     DEFAULT_SLIDING,
     PLAN_OWNER,
@@ -76,8 +77,7 @@ class FFPAAttention(Callback):
         self._installed_on: weakref.ref | None = None  # the model configured in this stage
         self.ring = None  # the ring handle at CP > 1 (its `stats` count the blocks that ran)
         self._sliding_before: str | None = None  # the backend's sliding kernel before this run set its own
-        self._eval_calls: Counter = Counter()  # calls of validation loops inside fit: not logged as training's
-        self._eval_start: Counter | None = None
+        self._training = TrainingCalls(self._counts)  # validation loops inside fit are not logged as training's
 
     # -- install ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -99,7 +99,7 @@ class FFPAAttention(Callback):
             if self.plan.ring_sliding_backend is not None:  # FA4 serves the ring's sliding layers
                 saved_ops.register(registry.get("fa4").forward_ops())
         attention.reset_dispatch_counts()
-        self._eval_calls.clear()
+        self._training.start(counted_before=False)  # a previous fit's ring is replaced when this one installs
         self._install(trainer, pl_module, required=False)
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, required: bool) -> None:
@@ -150,12 +150,10 @@ class FFPAAttention(Callback):
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._install(trainer, pl_module, required=True)
-        self._eval_start = self._counts()
+        self._training.eval_start()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._eval_start is not None:
-            self._eval_calls.update(self._counts() - self._eval_start)
-            self._eval_start = None
+        self._training.eval_end()
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._install(trainer, pl_module, required=True)
@@ -183,9 +181,7 @@ class FFPAAttention(Callback):
         """Calls per path in this fit's training forwards so far, and at CP > 1 the ring's forward counts as
         `ring-<key>` (the sanity check and validation loops left out, and the exchanges a checkpoint recompute
         repeats; `summary` counts every forward and those)."""
-        counts = self._counts()
-        counts.subtract(self._eval_calls)
-        return {k: v for k, v in counts.items() if v > 0 and not k.startswith(f"ring-{RECOMPUTE}")}
+        return {k: v for k, v in self._training.counts().items() if not k.startswith(f"ring-{RECOMPUTE}")}
 
     def _counts(self) -> Counter:
         """Every call counted so far: the backend's paths, and the ring's stats as `ring-<key>` (the ring counts its

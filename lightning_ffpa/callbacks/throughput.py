@@ -16,12 +16,19 @@ convention instead: 6 x active parameters x tokens plus attention, as if every a
 Padding tokens cost compute, so FLOPs use the padded batch shape; tokens/s counts real tokens only.
 Under context parallelism a rank counts its 1/cp share of each batch's samples, tokens and FLOPs, and the global
 `batches_per_sec` counts a batch once per CP group (over the data-parallel size, world / cp).
+The global metrics (`train/samples`, `lengths`, `samples_per_sec`, `items_per_sec`, `flops_per_sec`) are the job's:
+every rank keeps its own counts, summed over the ranks by one small all-reduce on the steps that log (Lightning's
+are rank 0's, times the world size for the rates). `train/device/*` stays rank 0's.
+Validation logs one row per run (`validate/*`: its totals and its rates over the run's time), not Lightning's
+per-batch rows, which land only on batches where `log_every_n_steps` hits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -29,6 +36,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
@@ -66,10 +74,11 @@ def peak_bf16_flops(device: torch.device) -> float | None:
 
 
 def count_real_tokens(batch: Any, ignore_index: int = IGNORE_INDEX) -> int:
-    """Tokens that carry a loss: labels != ignore_index, else attention_mask sum, else input_ids numel."""
+    """Tokens that carry a loss: the shifted labels (`labels[:, 1:]`, the targets the loss averages over; a row's
+    first label is never one) != ignore_index, else attention_mask sum, else input_ids numel."""
     if isinstance(batch, dict):
         if batch.get("labels") is not None:
-            return int((batch["labels"] != ignore_index).sum())
+            return int((batch["labels"][..., 1:] != ignore_index).sum())
         if batch.get("attention_mask") is not None:
             return int(batch["attention_mask"].sum())
         if batch.get("input_ids") is not None:
@@ -182,20 +191,74 @@ def train_flops_per_batch(model: nn.Module, batch_size: int, seq_len: int) -> fl
     return 3.0 * fwd - frozen  # a frozen weight's matmul: forward + input gradient, no weight gradient
 
 
-class _SharedBatchThroughput(Throughput):
-    """Lightning's Throughput for context-parallel ranks, which share each batch: its global `batches_per_sec`
-    (the device rate x world size) counted every batch cp times; it is over the data-parallel size (world / cp).
-    Samples, tokens and FLOPs need no change: each rank counts its 1/cp share of them."""
+class _RankTally:
+    """This rank's running totals of a stage (samples, tokens, FLOPs) after each batch, the last `window` of them
+    kept: Lightning counts on rank 0 only, and the job's counts are the sum of every rank's."""
+
+    def __init__(self, window: int) -> None:
+        self.rows: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self.total = (0.0, 0.0, 0.0)
+        self.batches = 0
+
+    def add(self, samples: float, tokens: float, flops: float) -> None:
+        self.total = (self.total[0] + samples, self.total[1] + tokens, self.total[2] + flops)
+        self.rows.append(self.total)
+        self.batches += 1
+
+
+def _job_sum(trainer: pl.Trainer, rows: list[tuple[float, float, float]]) -> torch.Tensor:
+    """`rows` summed over every rank (one all-reduce, every rank calls it). A CP rank counts its 1/cp share of the
+    batch its group shares, so the sum counts each batch once."""
+    local = torch.tensor(rows, dtype=torch.float64, device=trainer.strategy.root_device)
+    if trainer.world_size > 1:
+        local = trainer.strategy.reduce(local, reduce_op="sum")
+    return local.cpu()
+
+
+class _JobThroughput(Throughput):
+    """Lightning's Throughput with the job's counts: its global `samples`, `lengths` and rates were rank 0's counts
+    (times the world size for the rates), wrong where ranks hold different batches; `job` (every rank's running
+    totals over the window, from `_job_sum`) replaces them. Context-parallel ranks share each batch: the global
+    `batches_per_sec` (the device rate x world size) is over the data-parallel size (world / cp)."""
 
     def __init__(self, cp: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.cp = cp
+        self.job: torch.Tensor | None = None  # (window, 3): samples, tokens, FLOPs; set before each compute
 
     def compute(self) -> dict[str, float]:
         metrics = super().compute()
         if "batches_per_sec" in metrics:
             metrics["batches_per_sec"] /= self.cp
+        if self.job is not None and len(self.job) == len(self._time):  # the same batches as the window's times
+            metrics.update(_job_metrics(metrics, self.job, self._time[-1] - self._time[0]))
         return metrics
+
+
+def _job_metrics(metrics: dict[str, float], job: torch.Tensor, elapsed: float) -> dict[str, float]:
+    """The job's totals and, where Lightning computed its global rates (a full window), the job's rates over the
+    window's time."""
+    out = {"samples": float(job[-1, 0])}
+    if "lengths" in metrics:
+        out["lengths"] = float(job[-1, 1])
+    moved = job[-1] - job[0]
+    for key, column in (("samples_per_sec", 0), ("items_per_sec", 1), ("flops_per_sec", 2)):
+        if key in metrics:
+            out[key] = float(moved[column]) / elapsed
+    return out
+
+
+def _run_metrics(job: torch.Tensor, mine: _RankTally, elapsed: float, peak: float | None) -> dict[str, float]:
+    """A whole evaluation run's throughput: the job's totals (`job`, every rank's summed) and this rank's (`mine`)
+    over the run's time."""
+    metrics = {"time": elapsed, "batches": float(mine.batches), "samples": float(job[0]), "lengths": float(job[1]),
+               "flops": float(job[2]), "samples_per_sec": float(job[0]) / elapsed,
+               "items_per_sec": float(job[1]) / elapsed, "flops_per_sec": float(job[2]) / elapsed,
+               "device/samples_per_sec": mine.total[0] / elapsed, "device/items_per_sec": mine.total[1] / elapsed,
+               "device/flops_per_sec": mine.total[2] / elapsed}
+    if peak:
+        metrics["device/mfu"] = mine.total[2] / elapsed / peak
+    return metrics
 
 
 def matmul_path_metrics() -> dict[str, float]:
@@ -206,6 +269,13 @@ def matmul_path_metrics() -> dict[str, float]:
     return {f"{name}/{path}": float(n) for name, counts in (("experts", experts.path_counts()),
                                                              ("fp8_base", fp8_base.path_counts()))
             for path, n in counts.items() if n}
+
+
+def _backend_counts() -> dict[str, int]:
+    """The FFPA backend's path counters (every forward so far), read where they live at call time."""
+    from lightning_ffpa import attention
+
+    return attention.dispatch_counts()
 
 
 class TokenThroughput(ThroughputMonitor):
@@ -219,7 +289,7 @@ class TokenThroughput(ThroughputMonitor):
         Args:
             window_size: Batches in the moving window for the rates (at least 2).
             peak_flops: Per-device peak FLOP/s for MFU (> 0); default: bf16 peak from the device name.
-            count: "real" counts tokens with labels (or attention_mask); "padded" counts B x S.
+            count: "real" counts the loss's targets (labels after the shift, else attention_mask); "padded" B x S.
             ignore_index: Label value that marks a token without loss.
             log_attention_dispatch: Also log the attention backend's dispatch counters (skipped when an
                 FFPAAttention callback already logs them).
@@ -242,6 +312,9 @@ class TokenThroughput(ThroughputMonitor):
         self.log_attention_dispatch = log_attention_dispatch
         self._said_uncounted = False
         self._auto_flops = False
+        self._training: Any = None  # the backend's training calls (`TrainingCalls`), where no FFPAAttention counts
+        self._tallies: dict[RunningStage, _RankTally] = {}  # this rank's counts, every rank's (Lightning: rank 0's)
+        self._run_start = 0.0  # perf_counter at the start of the validation run
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -252,12 +325,14 @@ class TokenThroughput(ThroughputMonitor):
         from lightning_ffpa.callbacks.attention import FFPAAttention, context_parallel_size
 
         self._cp = context_parallel_size(trainer, pl_module)
-        for stage, tp in self._throughputs.items():
-            if self._cp > 1:  # CP peers share each batch: one batch per CP group, not per rank
-                tp = self._throughputs[stage] = _SharedBatchThroughput(self._cp, world_size=tp.world_size,
-                                                                       **self.kwargs)
+        for stage, tp in self._throughputs.items():  # the job's counts, and one batch per CP group
+            tp = self._throughputs[stage] = _JobThroughput(self._cp, world_size=tp.world_size, **self.kwargs)
             tp.available_flops = peak
         self._auto_flops = not hasattr(pl_module, "flops_per_batch")
+        from lightning_ffpa.attention.counters import TrainingCalls
+
+        self._training = TrainingCalls(_backend_counts)
+        self._training.start()  # the process-wide counters: earlier fits' calls are not this one's
 
         if any(isinstance(cb, FFPAAttention) and cb.log_every_n_steps for cb in trainer.callbacks):
             self.log_attention_dispatch = False  # one writer per metric key
@@ -265,31 +340,52 @@ class TokenThroughput(ThroughputMonitor):
 
         register_flop_formulas()  # FLOP formulas for the FFPA ops, for anyone using measure_flops on this model
 
-    @contextlib.contextmanager
-    def _flops_of(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                  backward: bool) -> Iterator[None]:
-        """`pl_module.flops_per_batch` for this batch while Lightning's hook reads it, then removed: a later fit
-        (another length) or stage (forward only) computes its own, and a user's own attribute is left alone."""
-        if not self._auto_flops or not trainer.is_global_zero:  # Lightning's hooks run on rank 0 only
-            yield
-            return
+    def _batch_flops(self, pl_module: pl.LightningModule, batch: Any, backward: bool) -> float | None:
+        """This rank's model FLOPs of `batch`: the module's own `flops_per_batch`, else the analytic count of the
+        rank's 1/cp share (every rank counts: the job's FLOPs are the sum of theirs)."""
+        if not self._auto_flops:
+            return getattr(pl_module, "flops_per_batch", None)
         from lightning_ffpa._compat.transformers import find_hf_model
 
         model = find_hf_model(pl_module, strict=False) or pl_module
         count = train_flops_per_batch if backward else forward_flops_per_batch
-        pl_module.flops_per_batch = count(model, *_batch_shape(batch)) / self._cp
+        return count(model, *_batch_shape(batch)) / self._cp
+
+    @contextlib.contextmanager
+    def _flops_of(self, pl_module: pl.LightningModule, flops: float | None) -> Iterator[None]:
+        """`flops` as `pl_module.flops_per_batch` while Lightning's hook reads it, then removed: a later fit
+        (another length) or stage (forward only) computes its own, and a user's own attribute is left alone."""
+        if not self._auto_flops:
+            yield
+            return
+        pl_module.flops_per_batch = flops
         try:
             yield
         finally:
             del pl_module.flops_per_batch
 
+    def _tally(self, stage: RunningStage, batch: Any, flops: float | None) -> _RankTally:
+        """Count `batch` in this rank's tally of `stage` (Lightning's counts are rank 0's only)."""
+        tally = self._tallies[stage]
+        tally.add(self.batch_size_fn(batch), self.length_fn(batch), flops or 0.0)
+        return tally
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._tallies[RunningStage.TRAINING] = _RankTally(self.kwargs["window_size"])  # as Lightning's window
+        super().on_train_start(trainer, pl_module)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         # FLOPs from the batch as trained: a RolloutCallback listed after this one fills `input_ids` in its
         # own batch-start hook (it stays last in the list, where command-line `init_args` overrides land).
-        with self._flops_of(trainer, pl_module, batch, backward=True):
+        flops = self._batch_flops(pl_module, batch, backward=True)
+        tally = self._tally(RunningStage.TRAINING, batch, flops)
+        logs = not lightning_compat.accumulating(trainer) and lightning_compat.should_update_logs(trainer)
+        if logs:  # where Lightning's hook computes the metrics: the job's counts, summed over the ranks first
+            self._throughputs[RunningStage.TRAINING].job = _job_sum(trainer, list(tally.rows))
+        with self._flops_of(pl_module, flops):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if lightning_compat.accumulating(trainer) or not lightning_compat.should_update_logs(trainer):
+        if not logs:
             return
         metrics: dict[str, float] = {}
         if trainer.strategy.root_device.type == "cuda":
@@ -303,15 +399,15 @@ class TokenThroughput(ThroughputMonitor):
 
     def _dispatch_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """The attention counters, once any call was counted: an `FFPAAttention`'s training counts where one is
-        installed (the CP ring's included, which the backend's counters never see), else the backend's. A model on
+        installed (the CP ring's included, which the backend's counters never see), else the backend's with the same
+        bookkeeping (`TrainingCalls`: training forwards only, paths that ran). A model on
         HF's own attention (`sdpa` without the FFPA backend) counts nothing, and zeros would read as "no attention
         ran"; said once instead."""
-        from lightning_ffpa.attention import dispatch_counts
         from lightning_ffpa.callbacks.attention import FFPAAttention
 
         installed = next((cb for cb in trainer.callbacks if isinstance(cb, FFPAAttention)), None)
-        counts = installed.training_counts() if installed is not None else dispatch_counts()
-        if any(counts.values()):
+        counts = installed.training_counts() if installed is not None else self._training.counts()
+        if counts:
             return {f"attention/{k}": float(v) for k, v in counts.items()}
         if not self._said_uncounted:
             self._said_uncounted = True
@@ -323,17 +419,54 @@ class TokenThroughput(ThroughputMonitor):
                            f"is {attn!r}, not the backend's), so no `attention/*` counter is logged")
         return {}
 
+    def _compute(self, trainer: pl.Trainer, iter_num: int | None = None) -> None:
+        # Lightning logs `validate/*` on the validation batches where `log_every_n_steps` hits (never, for 8 batches
+        # logging every 10 steps): one row per validation run instead (`_log_run`)
+        if trainer.state.stage != RunningStage.VALIDATING:
+            super()._compute(trainer, iter_num)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._training.eval_start()  # the sanity check's too: its calls are no training's
+        if not trainer.sanity_checking:
+            self._tallies[RunningStage.VALIDATING] = _RankTally(1)
+            self._run_start = time.perf_counter()
+        super().on_validation_start(trainer, pl_module)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._training.eval_end()
+        if not trainer.sanity_checking:
+            self._log_run(trainer, RunningStage.VALIDATING)
+        super().on_validation_end(trainer, pl_module)
+
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        with self._flops_of(trainer, pl_module, batch, backward=False):
+        flops = self._batch_flops(pl_module, batch, backward=False)
+        if not trainer.sanity_checking:
+            self._tally(RunningStage.VALIDATING, batch, flops)
+        with self._flops_of(pl_module, flops):  # Lightning's window still times validation for the training rate
             super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+
+    def _log_run(self, trainer: pl.Trainer, stage: RunningStage) -> None:
+        """One row of `stage` metrics for the run that just ended, at the step its `val/loss` lands on (every rank
+        takes part in the sum of the counts)."""
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+        elapsed = time.perf_counter() - self._run_start
+        mine = self._tallies.pop(stage)
+        job = _job_sum(trainer, [mine.total])[0]
+        if not trainer.is_global_zero or not mine.batches:
+            return
+        metrics = {f"{stage.value}/{k}": v for k, v in _run_metrics(job, mine, elapsed, self.available_flops).items()}
+        step = lightning_compat.logging_step(trainer)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
 
     def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:
-        with self._flops_of(trainer, pl_module, batch, backward=False):
+        with self._flops_of(pl_module, self._batch_flops(pl_module, batch, backward=False)):
             super().on_test_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
 
     def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:
-        with self._flops_of(trainer, pl_module, batch, backward=False):
+        with self._flops_of(pl_module, self._batch_flops(pl_module, batch, backward=False)):
             super().on_predict_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)

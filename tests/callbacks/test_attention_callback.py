@@ -438,3 +438,61 @@ def test_the_end_of_fit_line_says_whose_counts_it_holds_on_several_ranks(caplog,
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("FFPAAttention")]
     assert lines == ["FFPAAttention (attn_implementation=ffpa): sdpa=16 [rank 0's calls, of 2 ranks]",
                      "FFPAAttention (attn_implementation=ffpa): sdpa=16"]
+
+
+class _OnTheBackend(_WithValidation):
+    """The model on the "ffpa" backend with no FFPAAttention installing it (the model's own option)."""
+
+    def configure_model(self):
+        super().configure_model()
+        attention.register_ffpa()
+        self.net["lm"].set_attn_implementation("ffpa")
+
+
+def test_token_throughput_alone_logs_the_training_counts_only(fake_backend, monkeypatch):
+    """Without FFPAAttention, TokenThroughput's `attention/*` counted the sanity check's and validation's calls
+    (step 0 read 3 forwards' calls where training had run one) and logged paths that never ran as 0; the counts
+    mean what FFPAAttention logs now: training forwards only, paths that ran."""
+    monkeypatch.setattr(attention, "dispatch_counts", lambda: {"flex": 0, **fake_backend})
+    data = TensorDataset(torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(0)))
+    recorder = _Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=recorder, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                        val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=1,
+                        callbacks=[TokenThroughput(window_size=2)])
+    trainer.fit(_OnTheBackend(), DataLoader(data, batch_size=2), DataLoader(data, batch_size=2))
+    assert _attention_rows(recorder) == [(0, 2.0), (1, 4.0), (2, 6.0), (3, 8.0)]  # 2 full layers a forward
+    assert not [k for _, m in recorder.rows for k in m if k == "attention/flex"]
+    assert fake_backend["ffpa-dense"] == 14  # the sanity check and two validation runs counted 6 more
+
+
+class _LogsValLoss(_WithValidation):
+    def validation_step(self, batch, batch_idx):
+        loss = super().validation_step(batch, batch_idx)
+        self.log("val/loss", loss)
+        return loss
+
+
+def test_validation_throughput_is_logged_once_per_run_whatever_log_every_n_steps(fake_backend):
+    """Lightning logs `validate/*` on the validation batches where `batch_idx % log_every_n_steps` hits: the tiny
+    recipe (8 validation batches, logging every 10 steps) never logged it. It is one row per validation run now,
+    the run's totals over its time, at the step `val/loss` lands on."""
+    module = _LogsValLoss()
+    data = DataLoader(TensorDataset(torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(0))),
+                      batch_size=2)
+    recorder = _Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=recorder, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=10,
+                        val_check_interval=2, limit_val_batches=3, num_sanity_val_steps=1,
+                        callbacks=[TokenThroughput(window_size=2)])
+    trainer.fit(module, data, data)
+    trainer.validate(module, data, verbose=False)
+    runs = [(step, m) for step, m in recorder.rows if any(k.startswith("validate/") for k in m)]
+    # two runs in fit (not the sanity check), then `validate`: each on its `val/loss` row's step
+    assert [step for step, _ in runs] == [step for step, m in recorder.rows if "val/loss" in m] == [1, 3, 4]
+    forward = forward_flops_per_batch(module.net["lm"], 2, 16)
+    for _, m in runs:
+        assert (m["validate/batches"], m["validate/samples"], m["validate/lengths"]) == (3, 6, 3 * 32)
+        assert m["validate/flops"] == pytest.approx(3 * forward)
+        assert m["validate/items_per_sec"] == pytest.approx(m["validate/lengths"] / m["validate/time"])
+        assert m["validate/device/flops_per_sec"] == pytest.approx(3 * forward / m["validate/time"])

@@ -16,11 +16,37 @@ from lightning_ffpa.presets import build_text_config
 
 def test_count_real_tokens():
     labels = torch.tensor([[1, 2, -100], [-100, -100, 5]])
-    assert count_real_tokens({"labels": labels, "input_ids": labels}) == 3
+    assert count_real_tokens({"labels": labels, "input_ids": labels}) == 2  # the shifted targets: 2 and 5
     assert count_real_tokens({"attention_mask": torch.tensor([[1, 1, 0]])}) == 2
     assert count_real_tokens({"input_ids": torch.zeros(2, 5)}) == 10
     with pytest.raises(TypeError, match="count_real_tokens"):
         count_real_tokens("text")
+
+
+def test_real_tokens_are_the_targets_the_loss_averages_over():
+    """The loss scores position t against label t + 1, so a row's first label is never a target: counting
+    `labels != -100` before the shift counted one token per row too many (1217 where the loss saw 1201)."""
+    from types import SimpleNamespace
+
+    from lightning_ffpa.data.collate import PadCollate
+    from lightning_ffpa.data.packing import pack_documents
+    from lightning_ffpa.module import Gemma4LM
+
+    docs = [_doc(5), _doc(3), _doc(4)]
+    padded = PadCollate(pad_id=0)([{"input_ids": torch.tensor(d.input_ids), "labels": torch.tensor(d.labels)}
+                                   for d in docs])
+    packed = pack_documents(docs, max_seq_length=8, pad_id=0)  # each document's first label is ignored already
+    packed = {k: torch.stack([r[k] for r in packed]) for k in ("input_ids", "labels")}
+    module = SimpleNamespace(context_parallel=lambda: None, _model_inputs=lambda b: {},
+                             _nll_sum=lambda inputs, labels, n: torch.zeros(()))
+    for batch in (padded, packed):
+        assert count_real_tokens(batch) == int(Gemma4LM._loss_terms(module, batch)[1]) == 4 + 2 + 3
+
+
+def _doc(n: int):
+    from lightning_ffpa.data.documents import Document
+
+    return Document(input_ids=list(range(1, n + 1)), labels=list(range(1, n + 1)))
 
 
 def test_keys_per_query():
@@ -67,7 +93,7 @@ def test_a_context_parallel_rank_counts_its_share_of_the_batch():
     batch = {"input_ids": torch.zeros(4, 16, dtype=torch.long), "labels": torch.zeros(4, 16, dtype=torch.long)}
     whole = (monitor.batch_size_fn(batch), monitor.length_fn(batch))
     monitor._cp = 2
-    assert (monitor.batch_size_fn(batch), monitor.length_fn(batch)) == (whole[0] / 2, whole[1] / 2) == (2, 32)
+    assert (monitor.batch_size_fn(batch), monitor.length_fn(batch)) == (whole[0] / 2, whole[1] / 2) == (2, 30)  # 4 x 15 targets
 
 
 def test_a_context_parallel_batch_rate_counts_each_batch_once():
@@ -123,7 +149,6 @@ def test_a_lora_step_counts_no_weight_gradient_for_the_frozen_base():
 def test_token_throughput_logs_the_lora_count():
     """TokenThroughput hands Lightning the count the benchmarks use: a LoRA module's step is not counted as a
     full fine-tune's (which logged 52% MFU where the benchmark computed 36%)."""
-    from types import SimpleNamespace
 
     import lightning as L
 
@@ -135,7 +160,7 @@ def test_token_throughput_logs_the_lora_count():
     monitor = TokenThroughput()
     monitor._auto_flops = True
     batch = {"input_ids": torch.zeros(2, 32, dtype=torch.long)}
-    with monitor._flops_of(SimpleNamespace(is_global_zero=True), module, batch, backward=True):
+    with monitor._flops_of(module, monitor._batch_flops(module, batch, backward=True)):
         assert module.flops_per_batch == train_flops_per_batch(peft.get_base_model(), 2, 32) < full
 
 
@@ -203,3 +228,21 @@ def test_the_experts_and_float8_base_paths_are_logged_once_they_ran():
     counters.count("fp8_base", "dequantize", anchor)
     assert matmul_path_metrics() == {"experts/loop": 1.0, "fp8_base/dequantize": 2.0}
     counters.reset()
+
+
+def test_the_job_totals_are_the_sum_over_the_ranks(tmp_path):
+    """On 2 ranks `train/samples` and `train/lengths` were rank 0's counts and the job's rates rank 0's times the
+    world size; with ranks holding different batches they are the sum of every rank's (one all-reduce a logging
+    step). Rank 0: 2 rows x 3 targets, 100 FLOPs a batch; rank 1: 3 rows x 7 targets, 300 FLOPs."""
+    from pathlib import Path
+
+    from parallel._launch import torchrun_json  # tests/ is on sys.path under pytest
+
+    rows = torchrun_json(Path(__file__).with_name("_fit_throughput_ranks.py"), tmp_path / "out.json", 2, 29617)
+    logged = [m for _, m in rows if "train/samples" in m]
+    assert [(m["train/samples"], m["train/lengths"]) for m in logged] == [(5, 27), (10, 54), (15, 81)]
+    rated = [m for m in logged if "train/items_per_sec" in m]
+    assert len(rated) == 2  # a window of 2 batches: from the second step
+    for m in rated:  # the same window's time: the job's rate over rank 0's is the ratio of their counts
+        assert m["train/items_per_sec"] / m["train/device/items_per_sec"] == pytest.approx(27 / 6)
+        assert m["train/flops_per_sec"] / m["train/device/flops_per_sec"] == pytest.approx(400 / 100)

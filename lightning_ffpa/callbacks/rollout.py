@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
-from torchmetrics import MaxMetric, MeanMetric, MinMetric
+from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
 from lightning_ffpa._compat.transformers import text_config
@@ -39,13 +39,14 @@ from lightning_ffpa.hf_module import HFModule, resolve_dtype
 from lightning_ffpa.lora import unwrap_peft
 from lightning_ffpa.rl.algorithm import GRPOAlgorithm
 from lightning_ffpa.rl.batch import repeat_groups
-from lightning_ffpa.rl.grpo import zero_std_groups
+from lightning_ffpa.rl.reward_metrics import make_metric, reward_stats
 from lightning_ffpa.rl.rewards import (
     RewardState,
     check_reward_funcs,
     reward_names,
     rewards_by_function,
     trl_completions,
+    weighted_total,
 )
 from lightning_ffpa.rollout.engine import GIB, EngineConfig, RolloutEngine, free_device_bytes
 from lightning_ffpa.rollout.lora_sync import LoraSync
@@ -391,7 +392,7 @@ class RolloutCallback(L.Callback):
                                        ids, **{k: [v[i] for i in rows] for k, v in extra.items()}, **hooks)
 
         by_function = score(list(range(len(seqs))))
-        total = by_function @ self.reward_weights
+        total = weighted_total(by_function, self.reward_weights)
         refilled = 0
         # DAPO's dynamic sampling: groups whose rewards all equal are redrawn (fresh noise, same prompts) up to
         # `refill_rounds` times; what still ties is dropped by `rollout_batch`.
@@ -404,7 +405,7 @@ class RolloutCallback(L.Callback):
                 for i, s in zip(rows, self.engine.generate([expanded[i] for i in rows], sampling=self.sampling)):
                     seqs[i] = s
             by_function[rows] = score(rows)
-            total[rows] = by_function[rows] @ self.reward_weights
+            total[rows] = weighted_total(by_function[rows], self.reward_weights)
             refilled += len(redo)
         t2 = time.perf_counter()
         completion_ids = [s.output for s in seqs]
@@ -415,23 +416,17 @@ class RolloutCallback(L.Callback):
         for name, count in (("dropped_groups", dropped), ("refilled_groups", refilled)):
             pl_module.log(f"rollout/{name}", float(count), on_step=True, on_epoch=False, batch_size=len(seqs))
         lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32)
-        # With several reward functions, each one's mean too (`reward` is their weighted sum); with DAPO's overlong
-        # shaping, the shaped reward the advantages are computed from
-        per_function = ([(f"reward/{name}", by_function[:, j]) for j, name in enumerate(reward_names(self.reward_funcs))]
-                        if len(self.reward_funcs) > 1 else [])
-        shaped = ([("shaped_reward", self.algorithm.shape_rewards(total, lengths))]
-                  if self.algorithm.overlong_buffer is not None else [])
-        groups = total.view(-1, G)
-        spread = [("reward_std", groups.std(1) if G > 1 else torch.zeros(len(groups))),  # TRL's: the groups' mean
-                  ("frac_reward_zero_std", zero_std_groups(total, G).float()),
-                  ("clipped_ratio", torch.tensor([float(s.finish_reason == "length") for s in seqs])),
-                  ("completion_length_min", lengths), ("completion_length_max", lengths)]
-        for name, value in [("reward", total), *per_function, *shaped, ("completion_length", lengths), *spread,
-                            ("refresh_s", torch.tensor(t1 - t0)), ("generate_s", torch.tensor(t2 - t1))]:
-            kind = MinMetric if name.endswith("_min") else MaxMetric if name.endswith("_max") else MeanMetric
-            metric = self.metrics.setdefault(name, kind().to(device))
+        stats = [*reward_stats(self.algorithm, by_function, self.reward_weights, reward_names(self.reward_funcs),
+                               lengths, G),
+                 ("completion_length", "mean", lengths), ("completion_length_min", "min", lengths),
+                 ("completion_length_max", "max", lengths),
+                 ("clipped_ratio", "mean", torch.tensor([float(s.finish_reason == "length") for s in seqs])),
+                 ("refresh_s", "mean", torch.tensor(t1 - t0)), ("generate_s", "mean", torch.tensor(t2 - t1))]
+        for name, kind, value in stats:
+            # a Metric reduces over ranks too; Lightning only accepts Metric objects that are module attributes,
+            # so this step's value is logged
+            metric = self.metrics.setdefault(name, make_metric(kind).to(device))
             metric.update(value.to(device))
-            # Lightning only accepts Metric objects that are module attributes; log this step's value
             pl_module.log(f"rollout/{name}", metric.compute(), on_step=True, on_epoch=False,
                           batch_size=len(seqs), prog_bar=name == "reward")
             metric.reset()

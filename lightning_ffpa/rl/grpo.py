@@ -109,8 +109,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
     `weights` come from `loss_weights`; `sequence_ratio` is GSPO's length-normalised sequence ratio. The ratio is
     clipped to [1 - clip_eps, 1 + clip_eps_high] (DAPO's clip-higher; None = clip_eps). `token_weights` (N, T),
-    e.g. `sampler_weights`, scale each token's surrogate, as TRL's (the KL term is not scaled). Stats are sums
-    over masked tokens (`clipped`, `kl`), so micro-batches add up.
+    e.g. `sampler_weights`, scale each token's surrogate, as TRL's (the KL term is not scaled). Stats are sums,
+    so micro-batches add up: `kl` over masked tokens, `clipped` out of `clip_total` (tokens; sequences with a
+    sequence ratio).
     """
     if beta > 0 and ref_logprobs is None:
         raise ValueError(f"`beta={beta}` needs reference logprobs")
@@ -133,8 +134,18 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         stats["kl"] = (kl * mask).sum().detach()
     loss = (per_token * weights * mask).sum()
     is_clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
-    stats["clipped"] = (is_clipped.to(mask.dtype).expand_as(mask) * mask).sum().detach()
+    stats["clipped"], stats["clip_total"] = _clip_counts(is_clipped, mask, sequence_ratio)
     return loss, stats
+
+
+def _clip_counts(is_clipped: torch.Tensor, mask: torch.Tensor, sequence_ratio: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(clipped, out of): loss tokens, or with a sequence ratio ((N, 1) flags) the sequences with a loss token:
+    GSPO clips whole sequences, and TRL's clip ratio at the sequence level is a fraction of sequences. Counts,
+    not a fraction, so micro-batches and passes add up exactly."""
+    if sequence_ratio:
+        mask = (mask.sum(1, keepdim=True) > 0).to(mask.dtype)
+    return (is_clipped.to(mask.dtype) * mask).sum().detach(), mask.sum().detach()
 
 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -142,12 +153,13 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
               clip_eps_high: float | None = None, token_weights: torch.Tensor | None = None,
               loss_type: str = "grpo", max_completion_length: int | None = None
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One batch's loss of `loss_type` (all its tokens in one call); stats as token means (`clip_fraction`, `kl`)."""
+    """One batch's loss of `loss_type` (all its tokens in one call); stats as means: `clip_fraction` of tokens (of
+    sequences for `gspo`), `kl` of tokens."""
     n_tokens = float(mask.sum())
     weights = loss_weights(mask, loss_type, mask.shape[0], n_tokens, max_completion_length)
     loss, sums = policy_loss(logprobs, old_logprobs, advantages, mask, weights, loss_type == "gspo", clip_eps,
                              clip_eps_high, beta, ref_logprobs, token_weights)
-    stats = {"clip_fraction": sums["clipped"] / max(n_tokens, 1)}
+    stats = {"clip_fraction": sums["clipped"] / sums["clip_total"].clamp(min=1)}
     if "kl" in sums:
         stats["kl"] = sums["kl"] / max(n_tokens, 1)
     return loss, stats

@@ -250,7 +250,7 @@ class GRPOModule(HFModule):
                 continue
             total += float(loss.detach())
             step.sums["clipped"] += float(stats["clipped"])
-            step.sums["clip_tokens"] += float(m.sum())
+            step.sums["clip_total"] += float(stats["clip_total"])
             if iteration == 0:
                 fm = m.to(logp.dtype)
                 step.sums["gap"] += float(((first - engine).abs() * fm).sum())
@@ -277,7 +277,7 @@ class GRPOModule(HFModule):
         for metric, name, value in ((self.sampler_gap, "train/sampler_logprob_gap", sums["gap"] / n),
                                     (self.entropy, "train/entropy", sums["entropy"] / n),
                                     (self.clip_fraction, "train/clip_fraction",
-                                     sums["clipped"] / max(sums["clip_tokens"], 1.0))):
+                                     sums["clipped"] / max(sums["clip_total"], 1.0))):
             metric(torch.tensor(value, device=dev))  # forward: the step value is what on_step logs
             self.log(name, metric, on_step=True, on_epoch=False)
         if self.hparams.sampler_is_cap is not None:
@@ -306,7 +306,7 @@ class _Step:
     first: list[torch.Tensor] = field(default_factory=list)  # pass 0's log-probs per micro-batch
     refs: list[torch.Tensor | None] = field(default_factory=list)  # the reference's, when beta > 0
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("loss", "clipped", "clip_tokens", "kl", "gap", "is_weight", "entropy"), 0.0))
+        ("loss", "clipped", "clip_total", "kl", "gap", "is_weight", "entropy"), 0.0))
 
 
 def _rows(batch: dict, rows: list[int]) -> dict:

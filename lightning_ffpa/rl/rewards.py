@@ -2,7 +2,8 @@
 toy rewards for tests and demos.
 
 A reward function is `f(prompts, completions, completion_ids, **kwargs) -> list[float | None]`
-(TRL's signature); None means "not applicable to this sample" and counts as 0 after summing. As in TRL, a
+(TRL's signature); None means "not applicable to this sample": NaN in the table of each function's rewards
+(left out of that function's logged mean and std, TRL's nanmean), 0 in the weighted sum (TRL's nansum). As in TRL, a
 prompt given as a chat (a list of {role, content}) makes its completions chats too: `[{"role": "assistant",
 "content": text}]` (`trl_completions`); a text prompt's completions are text. Functions
 arrive as callables: from YAML, jsonargparse imports a dotted path (`my_project.rewards.my_reward`).
@@ -57,8 +58,8 @@ def check_reward_funcs(funcs: Sequence[Any], option: str = "reward_funcs") -> li
 
 
 def reward_names(funcs: Sequence[Callable]) -> list[str]:
-    """The reward functions' short names, as their metrics are logged (`rollout/reward/<name>`); a name two share
-    gets its position (`partial_0`, `partial_1`)."""
+    """The reward functions' short names, as their metrics are logged (`rollout/reward/<name>` and its `_std`); a
+    name two share gets its position (`partial_0`, `partial_1`)."""
     names = [getattr(fn, "__name__", None) or type(fn).__name__ for fn in funcs]
     return [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
@@ -72,7 +73,14 @@ def trl_completions(prompts: Sequence[Any], texts: Iterable[str]) -> list[Any]:
 def total_reward(funcs: Sequence[RewardFn], prompts: list[Any], completions: list[str],
                  completion_ids: list[list[int]], **kwargs: Any) -> torch.Tensor:
     """Sum of every function's rewards, one float per completion (None counts as 0)."""
-    return rewards_by_function(funcs, prompts, completions, completion_ids, **kwargs).sum(-1)
+    table = rewards_by_function(funcs, prompts, completions, completion_ids, **kwargs)
+    return weighted_total(table, torch.ones(table.shape[1]))
+
+
+def weighted_total(by_function: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(completions,) weighted sum of `rewards_by_function`'s table, None (NaN there) counting as 0 (TRL's
+    nansum)."""
+    return by_function.nan_to_num(0.0) @ weights.to(by_function.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +95,9 @@ class RewardState:
 
 def rewards_by_function(funcs: Sequence[RewardFn], prompts: list[Any], completions: list[str],
                         completion_ids: list[list[int]], **kwargs: Any) -> torch.Tensor:
-    """(completions, functions): each function's reward of each completion (None counts as 0). Async functions
-    (TRL takes them too) run concurrently, after the plain ones."""
+    """(completions, functions): each function's reward of each completion, NaN where it returned None (not
+    applicable: `weighted_total` counts it as 0). Async functions (TRL takes them too) run concurrently, after the
+    plain ones."""
     outs = []
     for j, fn in enumerate(funcs):
         try:  # the user's code: its exception is one line (the traceback stays chained for --debug)
@@ -104,14 +113,15 @@ def rewards_by_function(funcs: Sequence[RewardFn], prompts: list[Any], completio
     for j, (fn, out) in enumerate(zip(funcs, outs)):
         where = f"`{OPTION}[{j}]`: reward function {_name(fn)}"
         r = _values(out, where, len(completion_ids))
-        values = torch.tensor([0.0 if x is None else float(x) for x in r])  # None: not applicable (TRL)
+        values = torch.tensor([0.0 if x is None else float(x) for x in r])  # None checked apart, below
         if len(r) != len(completion_ids):
             raise InputError(f"{where} returned {len(r)} values for {len(completion_ids)} completions")
-        if not torch.isfinite(values).all():  # a NaN would be trained on as 0 (or poison the advantages)
+        if not torch.isfinite(values).all():  # a NaN returned would read as None (or poison the advantages)
             i = int((~torch.isfinite(values)).nonzero()[0])
             raise InputError(f"{where} returned {r[i]} for completion {i}; return a finite number, or None for "
                              "'not applicable' (counted as 0)")
-        table[:, j] = values
+        # None: not applicable (TRL's NaN), kept apart from a 0 the function gave
+        table[:, j] = values.masked_fill(torch.tensor([x is None for x in r], dtype=torch.bool), float("nan"))
     return table
 
 

@@ -94,7 +94,7 @@ COMMAND_LINE = [
     "  and, once per validation run whatever `log_every_n_steps` (not the sanity check), `validate/*` on the step",
     "  of that run's `val/loss`: its totals (`validate/time`, `batches`, and the job's `samples`, `lengths`,",
     "  `flops`), the job's rates over the run (`validate/items_per_sec`, `samples_per_sec`, `flops_per_sec`) and",
-    "  rank 0's (`validate/device/*`, with `validate/device/mfu`), and",
+    "  rank 0's (`validate/device/*`, with `validate/device/mfu`); `test` likewise (`test/*`, once per run), and",
     "  once they ran, the counted matmul paths: `experts/grouped_mm` or `experts/loop` (MoE experts with unmerged",
     "  adapters) and `fp8_base/<path>` (the float8 frozen base); no per-expert load is logged yet;",
     "  `FFPAAttention` adds `attention/<path>` ([attention.md](attention.md#how-to-see-what-ran)).",

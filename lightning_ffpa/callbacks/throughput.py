@@ -420,16 +420,19 @@ class TokenThroughput(ThroughputMonitor):
         return {}
 
     def _compute(self, trainer: pl.Trainer, iter_num: int | None = None) -> None:
-        # Lightning logs `validate/*` on the validation batches where `log_every_n_steps` hits (never, for 8 batches
-        # logging every 10 steps): one row per validation run instead (`_log_run`)
-        if trainer.state.stage != RunningStage.VALIDATING:
+        # Lightning logs `validate/*` (`test/*`) on the evaluation batches where `log_every_n_steps` hits (never, for
+        # 8 batches logging every 10 steps): one row per evaluation run instead (`_log_run`)
+        if trainer.state.stage not in (RunningStage.VALIDATING, RunningStage.TESTING):
             super()._compute(trainer, iter_num)
+
+    def _run_begins(self, stage: RunningStage) -> None:
+        self._tallies[stage] = _RankTally(1)
+        self._run_start = time.perf_counter()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._training.eval_start()  # the sanity check's too: its calls are no training's
         if not trainer.sanity_checking:
-            self._tallies[RunningStage.VALIDATING] = _RankTally(1)
-            self._run_start = time.perf_counter()
+            self._run_begins(RunningStage.VALIDATING)
         super().on_validation_start(trainer, pl_module)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -461,9 +464,19 @@ class TokenThroughput(ThroughputMonitor):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._run_begins(RunningStage.TESTING)
+        super().on_test_start(trainer, pl_module)
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_run(trainer, RunningStage.TESTING)
+        super().on_test_end(trainer, pl_module)
+
     def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:
-        with self._flops_of(pl_module, self._batch_flops(pl_module, batch, backward=False)):
+        flops = self._batch_flops(pl_module, batch, backward=False)
+        self._tally(RunningStage.TESTING, batch, flops)
+        with self._flops_of(pl_module, flops):
             super().on_test_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
 
     def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

@@ -496,3 +496,24 @@ def test_validation_throughput_is_logged_once_per_run_whatever_log_every_n_steps
         assert m["validate/flops"] == pytest.approx(3 * forward)
         assert m["validate/items_per_sec"] == pytest.approx(m["validate/lengths"] / m["validate/time"])
         assert m["validate/device/flops_per_sec"] == pytest.approx(3 * forward / m["validate/time"])
+
+
+class _Tests(_LogsValLoss):
+    def test_step(self, batch, batch_idx):
+        return self.validation_step(batch, batch_idx)
+
+
+def test_test_throughput_is_logged_once_per_run_too(fake_backend):
+    """`test/*` had the gap `validate/*` had: logged only on the batches where `log_every_n_steps` hits."""
+    module = _Tests()
+    data = DataLoader(TensorDataset(torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(0))),
+                      batch_size=2)
+    recorder = _Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=recorder, enable_progress_bar=False,
+                        enable_model_summary=False, log_every_n_steps=10, limit_test_batches=3,
+                        callbacks=[TokenThroughput(window_size=2)])
+    trainer.test(module, data, verbose=False)
+    runs = [m for _, m in recorder.rows if any(k.startswith("test/") for k in m)]
+    assert len(runs) == 1
+    assert (runs[0]["test/batches"], runs[0]["test/samples"], runs[0]["test/lengths"]) == (3, 6, 3 * 32)
+    assert runs[0]["test/flops"] == pytest.approx(3 * forward_flops_per_batch(module.net["lm"], 2, 16))

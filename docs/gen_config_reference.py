@@ -112,7 +112,9 @@ COMMAND_LINE = [
     "  legitimate (a base model's `pretrained` weights, or a random-init baseline, ln(vocab) for the loss) but",
     "  easy to do by mistake after a fit, so the command says so among its start-up lines:",
     "  `validate: no --ckpt_path, so the model is evaluated as built: random init of preset 'tiny' (...)` or",
-    "  `...: the pretrained weights of <path>`.",
+    "  `...: the pretrained weights of <path>`. A `validate` that `trainer.limit_val_batches` cut short (the `tiny`",
+    "  recipe caps it at 8 batches for the fit's periodic validation) ends with `validate: scored 8 of the 12",
+    "  validation batches (...)`.",
     "",
 ]
 

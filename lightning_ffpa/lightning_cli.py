@@ -435,6 +435,10 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
             text_data = hasattr(self.datamodule, "val_fraction")
             hint = " (set `val_file`, `val_split` or `val_fraction` > 0)" if text_data else ""
             raise InputError(f"`validate` ran no batch: `data` ({data}) gave no validation rows{hint}")
+        line = capped_evaluation(sum(self.trainer.num_val_batches), _loader_batches(self.trainer.val_dataloaders),
+                                 self.trainer.limit_val_batches)
+        if line and self.trainer.is_global_zero:
+            print(line, flush=True)
 
     def before_test(self) -> None:  # noqa: D102
         self._require_loader("test_dataloader")
@@ -509,6 +513,23 @@ def evaluated_as_built(model: Any, subcommand: str) -> str:
     else:
         weights = f"{type(model).__name__}'s own weights"
     return f"{subcommand}: no --ckpt_path, so the model is evaluated as built: {weights}"
+
+
+def capped_evaluation(ran: int, batches: int | None, limit: int | float) -> str | None:
+    """The line after a `validate` that `trainer.limit_val_batches` cut short (a recipe's cap, set for a fit's
+    periodic validation, scored part of the set without a word); None where it scored every batch."""
+    if batches is None or ran >= batches:
+        return None
+    return (f"validate: scored {ran} of the {batches} validation batches (`trainer.limit_val_batches={limit}`; "
+            "`--trainer.limit_val_batches 1.0` scores them all)")
+
+
+def _loader_batches(loaders: Any) -> int | None:
+    """This rank's batches in the evaluation loaders, where they have a length."""
+    try:
+        return sum(len(loader) for loader in (loaders if isinstance(loaders, (list, tuple)) else [loaders]))
+    except TypeError:  # an iterable-style dataset
+        return None
 
 
 def _holds_out_nothing(datamodule: Any) -> bool:

@@ -203,3 +203,14 @@ def test_evaluating_without_a_checkpoint_names_the_weights():
         "validate: no --ckpt_path, so the model is evaluated as built: random init of preset 'tiny'")
     base = SimpleNamespace(hparams={"pretrained": "/models/gemma4", "preset": "tiny"})
     assert evaluated_as_built(base, "test").endswith("as built: the pretrained weights of /models/gemma4")
+
+
+def test_a_validate_cut_short_by_limit_val_batches_says_so():
+    """The tiny recipe's `limit_val_batches: 8` (for the fit's periodic validation) made a standalone `validate` score
+    8 of a larger set's batches without a word."""
+    from lightning_ffpa.lightning_cli import capped_evaluation
+
+    assert capped_evaluation(8, 9, 8) == ("validate: scored 8 of the 9 validation batches "
+                                          "(`trainer.limit_val_batches=8`; `--trainer.limit_val_batches 1.0` scores "
+                                          "them all)")
+    assert capped_evaluation(9, 9, 8) is None and capped_evaluation(4, None, 0.5) is None

@@ -582,7 +582,9 @@ def check_same_class(saved_class: str | None, model: Any, option: str = "ckpt_pa
     given = f"{type(model).__module__}.{type(model).__qualname__}"
     raise ConfigError("model.class_path", given, f"differs from `{option}`, which was trained with {saved_class!r}: "
                                                  "set `model.class_path` to it (a `--config` file may be where this "
-                                                 "one comes from)")
+                                                 "one comes from), or, to run its weights in this class, export them "
+                                                 "(`lightning-ffpa-export`, `--merge_lora` for LoRA) and give the "
+                                                 "folder as `model.init_args.pretrained`")
 
 
 def _refuse_other_weights(key: str, was: Any, now: Any, option: str, resume: bool) -> None:

@@ -416,7 +416,9 @@ class FFPACLI(PreflightCLIMixin, LightningCLI):
     def before_validate(self) -> None:  # noqa: D102
         if not self._model_has("validation_step"):
             raise InputError(f"`model` ({type(self.model).__name__}) has no validation step, so `validate` has "
-                             "nothing to run (a GRPO run logs its rewards at each fit step, as rollout/reward)")
+                             "nothing to run (a GRPO run logs its rewards at each fit step, as rollout/reward; for a held-out "
+                             "loss of its weights, export them with `lightning-ffpa-export --merge_lora` and validate "
+                             "an SFT config with `--model.init_args.pretrained` at the folder)")
         if self.trainer.limit_val_batches == 0:
             raise InputError("`trainer.limit_val_batches` is 0, so `validate` has nothing to run")
         if getattr(self.datamodule, "num_val_samples", None) == 0:  # MockDataModule: no validation rows

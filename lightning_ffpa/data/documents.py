@@ -136,6 +136,18 @@ def _tokenize_chat_marked(messages: list[dict[str, Any]], tokenizer: Any) -> Doc
 
 
 def _tokenize_chat(messages: list[dict[str, Any]], tokenizer: Any, stats: TokenizeStats) -> Document:
+    """`_tokenize_prefixes`, where the template renders the chat's prefixes: one that renders only whole chats
+    (say, ending on an assistant turn) is the tokenizer's limit, not the chat's fault."""
+    try:
+        return _tokenize_prefixes(messages, tokenizer, stats)
+    except ChatTemplateError as err:
+        _render(tokenizer, messages)  # the chat itself refused: that error, naming the data's line
+        raise ChatTemplateError(f"{err} (on a prefix of the chat: the whole chat renders, but finding the "
+                                "assistant's tokens without `{% generation %}` marks in the template renders each "
+                                "prefix; mark the assistant's content with them)") from err
+
+
+def _tokenize_prefixes(messages: list[dict[str, Any]], tokenizer: Any, stats: TokenizeStats) -> Document:
     """Render growing prefixes of the chat; an assistant message's span is what it adds after the generation
     prompt (the role header is the prompt's); every other token is unlabelled."""
     ids: list[int] = []

@@ -197,8 +197,8 @@ class TextDataModule(SeededDataModule):
                 f"{stats.num_dropped_unlabelled} too short or without an assistant turn)"
             )
         if stats.num_dropped_empty:
-            rank_zero_info(f"`{opt}`: {stats.num_dropped_empty} of {stats.num_records} texts "
-                           f"{_verb(stats.num_dropped_empty, 'is', 'are')} empty and not trained on")
+            rank_zero_info(f"`{opt}`: {stats.num_dropped_empty} of {stats.num_records} records "
+                           f"{_verb(stats.num_dropped_empty, 'is an empty text', 'are empty texts')}, not trained on")
         return docs
 
     def _report_chat_labels(self, opt: str, stats: TokenizeStats) -> None:

@@ -82,7 +82,8 @@ ROWS = [
     ("lightning-ffpa validate --config fit.yaml --trainer.limit_val_batches 1 --data.init_args.val_fraction 0",
      "`data.init_args.val_fraction` is 0"),
     (f"{G} --trainer.callbacks.init_args.reward_weights [1,2]", "RolloutCallback.reward_weights"),
-    ("lightning-ffpa validate --config grpo.yaml", "(GRPOModule) has no validation step"),
+    ("lightning-ffpa validate --config grpo.yaml", "(GRPOModule) has no validation step"),  # and names the route:
+    ("lightning-ffpa validate --config grpo.yaml --ckpt_path last", "`--model.init_args.pretrained` at the folder"),
     # options the rest of the data options leave unread were ignored without a word
     (f"{F} --data.init_args.text_field body", "`data.init_args.text_field='body'`: names a field of records"),
     (f"{F} --data.init_args.pack true --data.init_args.pad_to_multiple_of 64",

@@ -210,12 +210,12 @@ def test_empty_texts_are_not_trained_on(write, caplog):
                         val_fraction=0.0, batch_size=1)
     with caplog.at_level(logging.INFO):
         dm.setup()
-    assert "`data.init_args.train_file`: 2 of 3 texts are empty and not trained on" in caplog.text
+    assert "`data.init_args.train_file`: 2 of 3 records are empty texts, not trained on" in caplog.text
     one = TextDataModule(train_file=write("one.jsonl", [{"text": ""}, {"text": "kept text"}]), val_fraction=0.0,
                          batch_size=1)
     with caplog.at_level(logging.INFO):
         one.setup()
-    assert "`data.init_args.train_file`: 1 of 2 texts is empty and not trained on" in caplog.text
+    assert "`data.init_args.train_file`: 1 of 2 records is an empty text, not trained on" in caplog.text
     assert len(dm._train) == 1 and dm.stats["data.init_args.train_file"]["num_dropped_empty"] == 2
 
 
@@ -271,6 +271,23 @@ def test_a_chat_the_template_refuses_names_the_file_and_line(write, tmp_path, ma
     dm = TextDataModule(train_file=path, tokenizer=tok, val_fraction=0.0, batch_size=1)
     with pytest.raises(ConfigError, match=r"^`data\.init_args\.train_file='.*sys\.jsonl'`: line 3: the chat template of "
                                           r"`data\.init_args\.tokenizer` refused it: Conversation roles must alternate$"):
+        dm.setup()
+
+
+def test_a_template_that_renders_whole_chats_only_is_said_to_need_generation_marks(write, tmp_path):
+    """A fresh trial: a template requiring the last turn to be the assistant's renders every chat of the file, yet the
+    prefix rendering (no `{% generation %}` marks) met its `raise_exception` and the error blamed line 1."""
+    from tests.data.conftest import PLAIN_TEMPLATE, save_tokenizer
+
+    tok = save_tokenizer(tmp_path / "tok", "{% if messages[-1]['role'] != 'assistant' %}"
+                                           "{{ raise_exception('chat must end with assistant') }}{% endif %}"
+                                           + PLAIN_TEMPLATE)
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello world"}]
+    dm = TextDataModule(train_file=write("c.jsonl", [{"messages": chat}]), tokenizer=tok, val_fraction=0.0,
+                        batch_size=1)
+    with pytest.raises(ConfigError, match=r"line 1: the chat template of `data\.init_args\.tokenizer` refused it: chat "
+                                          r"must end with assistant \(on a prefix of the chat: the whole chat renders, "
+                                          r"but .*mark the assistant's content with them\)$"):
         dm.setup()
 
 

@@ -291,6 +291,7 @@ def test_grpo_checkpoint_found_by_last_is_refused_by_its_class(fitted, tmp_path,
                          "--trainer.max_steps", "3"], capsys)
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith("error: `model.class_path='lightning_ffpa.module.Gemma4LM'`: differs from `ckpt_path"), err
+    assert "export them (`lightning-ffpa-export`" in err[0] and "`model.init_args.pretrained`" in err[0]  # the route
 
 
 def _validate_args(config: Path, *extra: str) -> list[str]:
